@@ -1,0 +1,98 @@
+// fusedloss: cross-entropy over (a vocabulary shard of) logits, split into local passes.
+//
+//   local stats   one read of the logits: per row max m, sum-exp s, target logit t, sum x
+//   hook          all-gather of the 16-byte RowStats (or all-reduce max, then sum)
+//   merge         lse = M + log S, loss = (1-a)(lse - T) + a(lse - SX/K) + z lse^2
+//   backward      one read + one write: g = dL (p (1 + 2 z lse) - (1-a)[j==target] - a/K)
+//
+// Nothing of size [rows, V] is allocated; lse (4 B/row) is what backward needs.
+// CPU views run on the CPU backend, CUDA views on the current build's kernels, enqueued on
+// `stream` with no host synchronisation (see check_device_errors for target errors).
+#pragma once
+#include <cstdint>
+#include "fusedloss/communicator.h"
+#include "fusedloss/types.h"
+
+namespace fusedloss {
+
+enum class Reduction { None, Sum, Mean };  // Mean: over rows whose target != ignore_index
+enum class SmoothingFormula { PyTorch, Megatron };  // alpha = ls, or ls * K / (K - 1)
+enum class SmoothingScope { Global, Partition };    // K = V_global, or this rank's V_local
+enum class CollectiveForm { AllGather, AllReduce };  // 1 collective, or 2 (max, then sum)
+
+struct CrossEntropyOptions {
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.0f;  // in [0, 1)
+  SmoothingFormula smoothing_formula = SmoothingFormula::PyTorch;
+  // Partition reproduces Megatron's vocab_parallel_cross_entropy: the smoothing term averages
+  // over the local shard only, so ranks report different losses at TP > 1.
+  SmoothingScope smoothing_scope = SmoothingScope::Global;
+  float z_loss = 0.0f;  // scale of the lse^2 regulariser, >= 0
+  Reduction reduction = Reduction::Mean;
+  int64_t vocab_start = 0;    // global index of this rank's first column
+  int64_t vocab_global = -1;  // V_global; -1 means the logits' column count (no sharding)
+  CollectiveForm collective = CollectiveForm::AllGather;
+};
+
+// Per-row partial statistics of one shard. target_logit is -inf when the target lives on
+// another shard or the row is ignored.
+struct RowStats {
+  float max;
+  float sum_exp;  // sum_j exp(x_j - max)
+  float target_logit;
+  float sum_logits;  // sum_j x_j, used by label smoothing
+};
+
+// Forward outputs, in the logits' memory space (host or device).
+struct CrossEntropyOutputs {
+  float* loss = nullptr;         // [rows] for Reduction::None, else [1]
+  float* lse = nullptr;          // [rows]: log-sum-exp over the global vocabulary (for backward)
+  float* valid_count = nullptr;  // [1]: rows whose target != ignore_index (Mean's divisor)
+};
+
+// Whole forward: local stats -> hook over `comm` (may be null) -> merge.
+// With a communicator of size > 1 every rank gets the same loss, bit for bit (except
+// SmoothingScope::Partition, which is per-rank by definition).
+void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
+                           const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
+                           Communicator* comm = nullptr, Stream stream = nullptr);
+
+// Backward. grad_loss is [rows] for Reduction::None and [1] otherwise; valid_count is the
+// forward's (read on the device, only for Mean). grad_logits may be the logits themselves
+// (same data and row stride): the gradient is then written in place.
+void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
+                            const float* grad_loss, const float* valid_count,
+                            const CrossEntropyOptions& options, const MatrixView& grad_logits,
+                            Stream stream = nullptr);
+
+// ---- The split passes, for trainers that run their own collective between them. ----
+
+// Pass 1: stats[rows] of this rank's shard. Validates targets against [0, V_global).
+void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target,
+                               const CrossEntropyOptions& options, RowStats* stats,
+                               Stream stream = nullptr);
+
+// All-reduce form, between the MAX all-reduce of the maxima and the SUM all-reduce:
+// given global_max[rows], writes summable[rows] (max = global max on rank 0 and 0 elsewhere,
+// sum_exp rescaled to the global max, target_logit 0 off its owner) so that an element-wise
+// SUM over ranks gives the merged statistics. global_max may alias nothing in `local`.
+void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
+                               const IndexView& target, const CrossEntropyOptions& options,
+                               int64_t vocab_local, int rank, RowStats* summable,
+                               Device device, Stream stream = nullptr);
+
+// Pass 2: combined is [parts][rows] (parts = world size after an all-gather, 1 after the
+// all-reduce form). `local` is this rank's own stats (read only for SmoothingScope::Partition).
+void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* local,
+                         const IndexView& target, const CrossEntropyOptions& options,
+                         int64_t vocab_local, const CrossEntropyOutputs& out,
+                         Stream stream = nullptr);
+
+// CUDA only: kernels flag a target outside [0, V_global) that is not ignore_index (its row's
+// loss becomes NaN, nothing is read or written out of bounds). This synchronises `stream`,
+// throws Error naming the first bad row and value if any was flagged since the last call, and
+// clears the flag. Call it when convenient (e.g. where the step syncs anyway, or after a CUDA
+// graph replay). A no-op in a build without CUDA.
+void check_device_errors(Stream stream = nullptr);
+
+}  // namespace fusedloss

@@ -1,0 +1,6 @@
+// fusedloss: everything a trainer needs, in one include.
+#pragma once
+#include "fusedloss/config.h"
+#include "fusedloss/communicator.h"
+#include "fusedloss/cross_entropy.h"
+#include "fusedloss/types.h"

@@ -1,0 +1,29 @@
+// Argument checks shared by the public entry points. Each throws fusedloss::Error with a
+// message that names the argument, the value and what was expected.
+#pragma once
+#include <sstream>
+#include <string>
+#include "fusedloss/types.h"
+
+namespace fusedloss::detail {
+
+template <class... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  throw Error(os.str());
+}
+
+template <class... Parts>
+void require(bool ok, const Parts&... parts) {
+  if (!ok) fail(parts...);
+}
+
+// A matrix view that is well formed: sizes, stride, pointer, known dtype and device.
+void check_matrix(const MatrixView& m, const char* name);
+void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
+// true when the two views cover overlapping memory
+bool overlaps(const MatrixView& a, const MatrixView& b);
+int64_t element_size(DType dtype);
+
+}  // namespace fusedloss::detail

@@ -1,0 +1,351 @@
+// Public cross-entropy entry points: validate, resolve, dispatch to a backend, run the hook.
+#include "fusedloss/cross_entropy.h"
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <vector>
+#include "api/check.h"
+#include "cpu/cross_entropy_cpu.h"
+#ifdef FUSEDLOSS_WITH_CUDA
+#include "cuda/cross_entropy_cuda.h"
+#endif
+
+namespace fusedloss {
+namespace core {
+
+CeParams resolve_params(const CrossEntropyOptions& o, int64_t rows, int64_t vocab_local) {
+  using detail::require;
+  CeParams p;
+  p.rows = rows;
+  p.vocab_local = vocab_local;
+  p.vocab_global = o.vocab_global < 0 ? vocab_local : o.vocab_global;
+  p.vocab_start = o.vocab_start;
+  p.ignore_index = o.ignore_index;
+  require(o.vocab_global == -1 || o.vocab_global >= vocab_local, "options.vocab_global: got ",
+          o.vocab_global, ", expected -1 or >= the shard's columns (", vocab_local, ")");
+  require(o.vocab_start >= 0 && o.vocab_start + vocab_local <= p.vocab_global,
+          "options.vocab_start: got ", o.vocab_start, ", expected in [0, ",
+          p.vocab_global - vocab_local, "] so the shard of ", vocab_local,
+          " columns fits in vocab_global ", p.vocab_global);
+  require(std::isfinite(o.label_smoothing) && o.label_smoothing >= 0.0f &&
+              o.label_smoothing < 1.0f,
+          "options.label_smoothing: got ", o.label_smoothing, ", expected in [0, 1)");
+  require(std::isfinite(o.z_loss) && o.z_loss >= 0.0f, "options.z_loss: got ", o.z_loss,
+          ", expected a finite value >= 0");
+  require(o.reduction == Reduction::None || o.reduction == Reduction::Sum ||
+              o.reduction == Reduction::Mean,
+          "options.reduction: got ", int(o.reduction), ", expected None, Sum or Mean");
+  require(o.smoothing_formula == SmoothingFormula::PyTorch ||
+              o.smoothing_formula == SmoothingFormula::Megatron,
+          "options.smoothing_formula: got ", int(o.smoothing_formula),
+          ", expected PyTorch or Megatron");
+  require(o.smoothing_scope == SmoothingScope::Global ||
+              o.smoothing_scope == SmoothingScope::Partition,
+          "options.smoothing_scope: got ", int(o.smoothing_scope), ", expected Global or Partition");
+  require(o.collective == CollectiveForm::AllGather || o.collective == CollectiveForm::AllReduce,
+          "options.collective: got ", int(o.collective), ", expected AllGather or AllReduce");
+  p.partition_scope = o.smoothing_scope == SmoothingScope::Partition;
+  int64_t count = p.partition_scope ? vocab_local : p.vocab_global;
+  bool megatron = o.smoothing_formula == SmoothingFormula::Megatron;
+  require(!(megatron && o.label_smoothing > 0.0f && count < 2),
+          "options.label_smoothing: the Megatron formula ls*K/(K-1) needs K >= 2 columns, got K = ",
+          count);
+  p.smoothing = make_smoothing(o.label_smoothing, megatron, count);
+  p.need_sum_logits = o.label_smoothing > 0.0f;
+  p.z_loss = o.z_loss;
+  p.reduction = o.reduction;
+  return p;
+}
+
+}  // namespace core
+
+namespace {
+
+using detail::fail;
+using detail::require;
+
+#ifndef FUSEDLOSS_WITH_CUDA
+[[noreturn]] void no_cuda(const char* what) {
+  fail(what, ": got a CUDA view, but this fusedloss build has no CUDA backend "
+             "(rebuild with -DFUSEDLOSS_CUDA=ON)");
+}
+#endif
+
+// Runs `cpu_fn` or `cuda_fn` by device; the CUDA branch compiles only in CUDA builds.
+#ifdef FUSEDLOSS_WITH_CUDA
+#define FL_DISPATCH(device, what, cpu_call, cuda_call) \
+  do {                                                 \
+    if ((device) == Device::CPU) {                     \
+      cpu_call;                                        \
+    } else {                                           \
+      cuda_call;                                       \
+    }                                                  \
+  } while (0)
+#else
+#define FL_DISPATCH(device, what, cpu_call, cuda_call) \
+  do {                                                 \
+    if ((device) == Device::CPU) {                     \
+      cpu_call;                                        \
+    } else {                                           \
+      no_cuda(what);                                   \
+    }                                                  \
+  } while (0)
+#endif
+
+// Scratch memory on the logits' device, released at scope exit (stream-ordered on CUDA).
+class Scratch {
+ public:
+  Scratch(Device device, size_t bytes, Stream stream) : device_(device), stream_(stream) {
+    if (bytes == 0) return;
+    if (device == Device::CPU) {
+      host_.resize((bytes + 15) / 16);
+      ptr_ = host_.data();
+    } else {
+#ifdef FUSEDLOSS_WITH_CUDA
+      ptr_ = cuda::alloc_async(bytes, stream);
+#endif
+    }
+  }
+  ~Scratch() {
+#ifdef FUSEDLOSS_WITH_CUDA
+    if (device_ == Device::CUDA && ptr_) cuda::free_async(ptr_, stream_);
+#endif
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <class T>
+  T* as(size_t offset_elems = 0) const {
+    return static_cast<T*>(ptr_) + offset_elems;
+  }
+
+ private:
+  Device device_;
+  Stream stream_;
+  std::vector<RowStats> host_;
+  void* ptr_ = nullptr;
+};
+
+void check_forward_args(const MatrixView& logits, const IndexView& target,
+                        const CrossEntropyOutputs& out, const core::CeParams& p) {
+  detail::check_matrix(logits, "logits");
+  detail::check_index(target, "target", logits.rows, logits.device);
+  require(out.loss != nullptr, "out.loss: got null, expected a float buffer of ",
+          p.reduction == Reduction::None ? logits.rows : 1, " elements");
+  require(out.lse != nullptr || logits.rows == 0,
+          "out.lse: got null, expected a float buffer of ", logits.rows, " elements");
+}
+
+// CPU targets are checked before anything is written; CUDA kernels check them in flight.
+void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
+  if (target.device != Device::CPU) return;
+  int64_t value = 0;
+  int64_t row = cpu::first_bad_target(target, p, &value);
+  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
+          ") or ignore_index (", p.ignore_index, ")");
+}
+
+// ---- vocab-parallel shard agreement ----
+// Every rank contributes a fixed-size header, so a disagreement (even in the row count) is
+// detected before any size-dependent collective: each rank throws the same message.
+struct ShardHeader {
+  int64_t rows, vocab_local, vocab_start, vocab_global, bad_row, bad_value;
+};
+
+void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine, Device device,
+                                Stream stream) {
+  const int world = comm.size();
+  std::vector<ShardHeader> all(world);
+  if (device == Device::CPU) {
+    comm.all_gather(&mine, all.data(), sizeof(ShardHeader), stream);
+  } else {
+#ifdef FUSEDLOSS_WITH_CUDA
+    Scratch buf(device, sizeof(ShardHeader) * (world + 1), stream);
+    auto* dev = buf.as<ShardHeader>();
+    cuda::copy_async(dev + world, &mine, sizeof(ShardHeader), true, stream);
+    comm.all_gather(dev + world, dev, sizeof(ShardHeader), stream);
+    cuda::copy_async(all.data(), dev, sizeof(ShardHeader) * world, false, stream);
+    cuda::synchronize(stream);
+#endif
+  }
+  const ShardHeader& h0 = all[0];
+  for (int r = 0; r < world; ++r) {
+    const ShardHeader& h = all[r];
+    require(h.rows == h0.rows, "vocab-parallel rows: rank ", r, " has ", h.rows,
+            " rows, rank 0 has ", h0.rows, "; expected the same rows on every rank");
+    require(h.vocab_local == h0.vocab_local, "vocab-parallel shard size: rank ", r, " has V_local ",
+            h.vocab_local, ", rank 0 has ", h0.vocab_local,
+            "; expected equal shards on every rank");
+    require(h.vocab_global == int64_t(world) * h.vocab_local, "options.vocab_global: rank ", r,
+            " has ", h.vocab_global, ", expected communicator size (", world, ") x V_local (",
+            h.vocab_local, ") = ", int64_t(world) * h.vocab_local);
+    require(h.vocab_start == int64_t(r) * h.vocab_local, "options.vocab_start: rank ", r, " has ",
+            h.vocab_start, ", expected rank x V_local = ", int64_t(r) * h.vocab_local);
+    require(h.bad_row < 0, "target[", h.bad_row, "] on rank ", r, ": got ", h.bad_value,
+            ", expected in [0, ", h.vocab_global, ") or ignore_index");
+  }
+}
+
+// Device communicators validate once per shape (a host sync); host ones every call.
+bool needs_header_exchange(const Communicator* comm, Device device, const ShardHeader& h) {
+  if (device == Device::CPU) return true;
+  static std::mutex mu;
+  static std::map<const Communicator*, std::vector<int64_t>> validated;
+  std::vector<int64_t> key{h.rows, h.vocab_local, h.vocab_start, h.vocab_global};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = validated.find(comm);
+  if (it != validated.end() && it->second == key) return false;
+  validated[comm] = key;
+  return true;
+}
+
+}  // namespace
+
+void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target,
+                               const CrossEntropyOptions& options, RowStats* stats,
+                               Stream stream) {
+  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
+  detail::check_matrix(logits, "logits");
+  detail::check_index(target, "target", logits.rows, logits.device);
+  require(stats != nullptr || logits.rows == 0, "stats: got null, expected ", logits.rows,
+          " RowStats");
+  check_targets_on_host(target, p);
+  FL_DISPATCH(logits.device, "cross_entropy_local_stats",
+              cpu::ce_local_stats(logits, target, p, stats),
+              cuda::ce_local_stats(logits, target, p, stats, stream));
+}
+
+void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
+                               const IndexView& target, const CrossEntropyOptions& options,
+                               int64_t vocab_local, int rank, RowStats* summable, Device device,
+                               Stream stream) {
+  core::CeParams p = core::resolve_params(options, target.size, vocab_local);
+  detail::check_index(target, "target", target.size, device);
+  require(rank >= 0, "rank: got ", rank, ", expected >= 0");
+  require((local && global_max && summable) || target.size == 0,
+          "local/global_max/summable: got a null pointer, expected buffers of ", target.size,
+          " rows");
+  FL_DISPATCH(device, "cross_entropy_prepare_sum",
+              cpu::ce_prepare_sum(local, global_max, target, p, rank, summable),
+              cuda::ce_prepare_sum(local, global_max, target, p, rank, summable, stream));
+}
+
+void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* local,
+                         const IndexView& target, const CrossEntropyOptions& options,
+                         int64_t vocab_local, const CrossEntropyOutputs& out, Stream stream) {
+  core::CeParams p = core::resolve_params(options, target.size, vocab_local);
+  require(parts >= 1, "parts: got ", parts, ", expected >= 1");
+  require(combined != nullptr || target.size == 0, "combined: got null, expected ", parts,
+          " x ", target.size, " RowStats");
+  require(!p.partition_scope || local != nullptr || target.size == 0,
+          "local: got null, expected this rank's RowStats (SmoothingScope::Partition)");
+  require(out.loss != nullptr, "out.loss: got null, expected a float buffer");
+  require(out.lse != nullptr || target.size == 0, "out.lse: got null, expected ", target.size,
+          " floats");
+  FL_DISPATCH(target.device, "cross_entropy_merge",
+              cpu::ce_merge(combined, parts, local, target, p, out),
+              cuda::ce_merge(combined, parts, local, target, p, out, stream));
+}
+
+void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
+                           const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
+                           Communicator* comm, Stream stream) {
+  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
+  check_forward_args(logits, target, out, p);
+  const int world = comm ? comm->size() : 1;
+  const Device dev = logits.device;
+  const int64_t rows = logits.rows;
+
+  if (world == 1) {
+    require(p.vocab_start == 0 && p.vocab_global == logits.cols, "options.vocab_global/start: got ",
+            p.vocab_global, "/", p.vocab_start, " without a communicator of size > 1, expected ",
+            logits.cols, "/0 (the whole vocabulary on one rank)");
+    check_targets_on_host(target, p);
+    Scratch stats(dev, sizeof(RowStats) * rows, stream);
+    FL_DISPATCH(dev, "cross_entropy_forward",
+                cpu::ce_local_stats(logits, target, p, stats.as<RowStats>()),
+                cuda::ce_local_stats(logits, target, p, stats.as<RowStats>(), stream));
+    FL_DISPATCH(dev, "cross_entropy_forward",
+                cpu::ce_merge(stats.as<RowStats>(), 1, stats.as<RowStats>(), target, p, out),
+                cuda::ce_merge(stats.as<RowStats>(), 1, stats.as<RowStats>(), target, p, out,
+                               stream));
+    return;
+  }
+
+  require(comm->device() == dev, "comm: a ", to_string(comm->device()),
+          " communicator was given for ", to_string(dev), " logits; expected the same device");
+  ShardHeader header{rows, logits.cols, p.vocab_start, p.vocab_global, -1, 0};
+  if (dev == Device::CPU) header.bad_row = cpu::first_bad_target(target, p, &header.bad_value);
+  if (needs_header_exchange(comm, dev, header))
+    exchange_and_check_headers(*comm, header, dev, stream);
+
+  const int rank = comm->rank();
+  const bool gather = options.collective == CollectiveForm::AllGather;
+  // gather: [local][rank 0 .. world-1]; reduce: [local][summable] + rows floats of maxima
+  const size_t stat_rows = gather ? size_t(world + 1) * rows : size_t(2) * rows;
+  Scratch buf(dev, sizeof(RowStats) * stat_rows + sizeof(float) * rows, stream);
+  RowStats* local = buf.as<RowStats>();
+  RowStats* combined = local + rows;
+  float* maxima = reinterpret_cast<float*>(local + stat_rows);
+
+  FL_DISPATCH(dev, "cross_entropy_forward", cpu::ce_local_stats(logits, target, p, local),
+              cuda::ce_local_stats(logits, target, p, local, stream));
+  if (gather) {
+    comm->all_gather(local, combined, sizeof(RowStats) * rows, stream);
+    FL_DISPATCH(dev, "cross_entropy_forward",
+                cpu::ce_merge(combined, world, local, target, p, out),
+                cuda::ce_merge(combined, world, local, target, p, out, stream));
+    return;
+  }
+  FL_DISPATCH(dev, "cross_entropy_forward",
+              for (int64_t r = 0; r < rows; ++r) maxima[r] = local[r].max,
+              cuda::ce_extract_max(local, rows, maxima, stream));
+  comm->all_reduce(maxima, rows, ReduceOp::Max, stream);
+  FL_DISPATCH(dev, "cross_entropy_forward",
+              cpu::ce_prepare_sum(local, maxima, target, p, rank, combined),
+              cuda::ce_prepare_sum(local, maxima, target, p, rank, combined, stream));
+  comm->all_reduce(reinterpret_cast<float*>(combined), 4 * size_t(rows), ReduceOp::Sum, stream);
+  FL_DISPATCH(dev, "cross_entropy_forward", cpu::ce_merge(combined, 1, local, target, p, out),
+              cuda::ce_merge(combined, 1, local, target, p, out, stream));
+}
+
+void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
+                            const float* grad_loss, const float* valid_count,
+                            const CrossEntropyOptions& options, const MatrixView& grad_logits,
+                            Stream stream) {
+  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
+  detail::check_matrix(logits, "logits");
+  detail::check_matrix(grad_logits, "grad_logits");
+  detail::check_index(target, "target", logits.rows, logits.device);
+  require(grad_logits.rows == logits.rows && grad_logits.cols == logits.cols,
+          "grad_logits: got shape [", grad_logits.rows, ", ", grad_logits.cols, "], expected [",
+          logits.rows, ", ", logits.cols, "] (the logits' shape)");
+  require(grad_logits.dtype == logits.dtype, "grad_logits.dtype: got ",
+          to_string(grad_logits.dtype), ", expected ", to_string(logits.dtype));
+  require(grad_logits.device == logits.device, "grad_logits.device: got ",
+          to_string(grad_logits.device), ", expected ", to_string(logits.device));
+  bool in_place = grad_logits.data == logits.data && grad_logits.row_stride == logits.row_stride;
+  require(in_place || !detail::overlaps(grad_logits, logits),
+          "grad_logits: overlaps the logits without being the same view; expected the logits "
+          "themselves (in place) or a disjoint buffer");
+  require(lse != nullptr || logits.rows == 0, "lse: got null, expected the forward's lse");
+  require(grad_loss != nullptr || logits.rows == 0, "grad_loss: got null, expected ",
+          p.reduction == Reduction::None ? logits.rows : 1, " floats");
+  require(valid_count != nullptr || p.reduction != Reduction::Mean || logits.rows == 0,
+          "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
+  check_targets_on_host(target, p);
+  FL_DISPATCH(logits.device, "cross_entropy_backward",
+              cpu::ce_backward(logits, target, lse, grad_loss, valid_count, p, grad_logits),
+              cuda::ce_backward(logits, target, lse, grad_loss, valid_count, p, grad_logits,
+                                stream));
+}
+
+void check_device_errors(Stream stream) {
+#ifdef FUSEDLOSS_WITH_CUDA
+  cuda::check_device_errors(stream);
+#else
+  (void)stream;
+#endif
+}
+
+}  // namespace fusedloss

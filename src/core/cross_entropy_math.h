@@ -1,0 +1,137 @@
+// The cross-entropy math, once, for every backend. Scalar fp32 functions on host and device.
+//
+// Notation per row: x_j the logits of the whole vocabulary (V_global columns), m = max_j x_j,
+// s = sum_j exp(x_j - m), lse = m + log s, T = x_target, SX = sum_j x_j.
+//   loss = (1 - a)(lse - T) + a (lse - SX / K) + z lse^2
+//   dloss/dx_j = p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K,   p_j = exp(x_j - lse)
+// with a the effective smoothing and K the number of columns it averages over.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include "core/platform.h"
+
+namespace fusedloss::core {
+
+// exp(x). On the GPU the hardware ex2 approximation (rel. error ~2^-22), which keeps the
+// passes memory-bound; on the host the libm expf.
+FL_HD float fast_exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);
+#else
+  return expf(x);
+#endif
+}
+
+// exp(m_old - m_new) as the factor that moves a sum-exp from reference m_old to m_new.
+// Equal references (including -inf == -inf, an all-masked prefix) need no rescaling; the
+// explicit test avoids exp(-inf - -inf) = NaN.
+FL_HD float rescale(float m_old, float m_new) {
+  return m_old == m_new ? 1.0f : expf(m_old - m_new);
+}
+
+// exp(x - m) for an element, 0 for a masked (-inf) element even when m is -inf too.
+FL_HD float exp_shifted(float x, float m) { return x == -INFINITY ? 0.0f : fast_exp(x - m); }
+
+// Online softmax: fold one element into (m, s). A NaN element makes s NaN (propagates).
+FL_HD void online_add(float& m, float& s, float x) {
+  if (x > m) {
+    s = s * rescale(m, x) + 1.0f;
+    m = x;
+  } else {
+    s += exp_shifted(x, m);
+  }
+}
+
+// Fold a chunk of N elements: one max, one rescale of the running sum, N exps.
+template <int N>
+FL_HD void online_add_chunk(float& m, float& s, const float* x) {
+  float chunk_max = x[0];
+FL_UNROLL
+  for (int i = 1; i < N; ++i) chunk_max = fmaxf(chunk_max, x[i]);
+  float m_new = fmaxf(m, chunk_max);
+  // If m_new is -inf every element is -inf (adds 0) or NaN (adds NaN): shift by 0 instead.
+  float ref = m_new == -INFINITY ? 0.0f : m_new;
+  float acc = 0.0f;
+FL_UNROLL
+  for (int i = 0; i < N; ++i) acc += fast_exp(x[i] - ref);
+  s = s * rescale(m, m_new) + acc;
+  m = m_new;
+}
+
+// Merge two partial (max, sum-exp) pairs.
+FL_HD void online_merge(float& m, float& s, float m2, float s2) {
+  float mn = fmaxf(m, m2);
+  s = s * rescale(m, mn) + s2 * rescale(m2, mn);
+  m = mn;
+}
+
+FL_HD float log_sum_exp(float m, float s) { return m + logf(s); }
+
+// Smoothing coefficients of one row.
+struct Smoothing {
+  float alpha;      // effective smoothing weight a
+  float inv_count;  // 1 / K
+};
+
+// PyTorch: a = ls over K = V. Megatron: a = ls * K / (K - 1) (K > 1 is validated upstream).
+FL_HD Smoothing make_smoothing(float label_smoothing, bool megatron_formula, int64_t count) {
+  Smoothing sm;
+  sm.alpha = megatron_formula && label_smoothing > 0.0f
+                 ? label_smoothing * float(count) / float(count - 1)
+                 : label_smoothing;
+  sm.inv_count = 1.0f / float(count);
+  return sm;
+}
+
+// Per-row loss from merged statistics.
+FL_HD float row_loss(float lse, float target_logit, float sum_logits, Smoothing sm, float z_loss) {
+  float loss = (1.0f - sm.alpha) * (lse - target_logit);
+  if (sm.alpha != 0.0f) loss += sm.alpha * (lse - sum_logits * sm.inv_count);
+  if (z_loss != 0.0f) loss += z_loss * lse * lse;
+  return loss;
+}
+
+// Row constants of the gradient, so the per-element work is one exp and one fma:
+//   g_j = p_scale * exp(x_j - lse) - smooth - (j == target ? target_weight : 0)
+struct GradRow {
+  float lse;
+  float p_scale;        // dL * (1 + 2 z lse)
+  float smooth;         // dL * a / K
+  float target_weight;  // dL * (1 - a)
+};
+
+FL_HD GradRow make_grad_row(float lse, float grad_loss, Smoothing sm, float z_loss) {
+  GradRow g;
+  g.lse = lse;
+  g.p_scale = grad_loss * (1.0f + 2.0f * z_loss * lse);
+  g.smooth = grad_loss * sm.alpha * sm.inv_count;
+  g.target_weight = grad_loss * (1.0f - sm.alpha);
+  return g;
+}
+
+// Gradient of a row whose loss is 0 by definition (ignored row).
+FL_HD GradRow zero_grad_row() { return GradRow{0.0f, 0.0f, 0.0f, 0.0f}; }
+
+FL_HD float grad_element(const GradRow& g, float x, bool is_target) {
+  float v = g.p_scale * fast_exp(x - g.lse) - g.smooth;
+  return is_target ? v - g.target_weight : v;
+}
+
+// Target classification shared by every pass.
+enum class TargetKind { Ignored, Local, Remote, OutOfRange };
+
+FL_HD TargetKind classify_target(int64_t target, int64_t ignore_index, int64_t vocab_start,
+                                 int64_t vocab_local, int64_t vocab_global) {
+  if (target == ignore_index) return TargetKind::Ignored;
+  if (target < 0 || target >= vocab_global) return TargetKind::OutOfRange;
+  if (target >= vocab_start && target < vocab_start + vocab_local) return TargetKind::Local;
+  return TargetKind::Remote;
+}
+
+// Merge: the owner's target logit is the one that is not the -inf placeholder
+// (a NaN target logit propagates; a real -inf target logit stays -inf).
+FL_HD float merge_target_logit(float t_acc, float t_part) {
+  return t_part == -INFINITY ? t_acc : t_part;
+}
+
+}  // namespace fusedloss::core

@@ -1,0 +1,93 @@
+// Scalar conversions between the storage dtypes and fp32, bit-exact with CUDA's
+// round-to-nearest-even conversions, usable on host and device.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include "core/platform.h"
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+namespace fusedloss::core {
+
+FL_HD float bits_to_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+FL_HD uint32_t float_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+// bfloat16 = the top 16 bits of a float.
+FL_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+FL_HD uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#endif
+  uint32_t u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return uint16_t(u >> 16);
+}
+
+// IEEE binary16.
+FL_HD float half_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#endif
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  if (exp == 0) {
+    // zero or subnormal: man * 2^-24, exact in fp32
+    float v = float(man) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+FL_HD uint16_t float_to_half(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#endif
+  uint32_t u = float_to_bits(f);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {
+    // result is subnormal or zero: value / 2^-24 rounded to nearest even
+    float v = bits_to_float(a) * 16777216.0f;  // exact scaling by 2^24
+    float r = rintf(v);                         // ties to even in the default mode
+    return uint16_t(sign | uint16_t(r));
+  }
+  // normal: rebias the exponent and round the 13 dropped mantissa bits
+  uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);
+  return uint16_t(sign | uint16_t((rounded - (112u << 23)) >> 13));
+}
+
+enum class StorageKind { F32, F16, BF16 };
+
+template <StorageKind K> struct Storage;
+template <> struct Storage<StorageKind::F32> {
+  using type = float;
+  static FL_HD float load(float v) { return v; }
+  static FL_HD float store(float v) { return v; }
+};
+template <> struct Storage<StorageKind::F16> {
+  using type = uint16_t;
+  static FL_HD float load(uint16_t v) { return half_to_float(v); }
+  static FL_HD uint16_t store(float v) { return float_to_half(v); }
+};
+template <> struct Storage<StorageKind::BF16> {
+  using type = uint16_t;
+  static FL_HD float load(uint16_t v) { return bf16_to_float(v); }
+  static FL_HD uint16_t store(float v) { return float_to_bf16(v); }
+};
+
+}  // namespace fusedloss::core

@@ -1,0 +1,157 @@
+#include "cpu/cross_entropy_cpu.h"
+
+#include <cmath>
+#include <vector>
+#include "core/dispatch.h"
+
+namespace fusedloss::cpu {
+namespace {
+
+using core::StorageKind;
+using core::TargetKind;
+
+template <class Index>
+int64_t target_at(const IndexView& t, int64_t r) {
+  return int64_t(static_cast<const Index*>(t.data)[r]);
+}
+
+int64_t load_target(const IndexView& t, int64_t r) {
+  return t.type == IndexType::I32 ? target_at<int32_t>(t, r) : target_at<int64_t>(t, r);
+}
+
+TargetKind classify(const IndexView& t, int64_t r, const core::CeParams& p) {
+  return core::classify_target(load_target(t, r), p.ignore_index, p.vocab_start, p.vocab_local,
+                               p.vocab_global);
+}
+
+template <StorageKind K>
+void local_stats_impl(const MatrixView& x, const IndexView& target, const core::CeParams& p,
+                      RowStats* stats) {
+  using S = core::Storage<K>;
+  const auto* base = static_cast<const typename S::type*>(x.data);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < x.rows; ++r) {
+    const auto* row = base + r * x.row_stride;
+    float m = -INFINITY, s = 0.0f, sx = 0.0f;
+    constexpr int kChunk = 8;  // as the kernels: one rescale per 8 elements
+    int64_t j = 0;
+    for (; j + kChunk <= x.cols; j += kChunk) {
+      float v[kChunk];
+      for (int i = 0; i < kChunk; ++i) sx += (v[i] = S::load(row[j + i]));
+      core::online_add_chunk<kChunk>(m, s, v);
+    }
+    for (; j < x.cols; ++j) {
+      float v = S::load(row[j]);
+      core::online_add(m, s, v);
+      sx += v;
+    }
+    int64_t t = load_target(target, r);
+    bool local = classify(target, r, p) == TargetKind::Local;
+    stats[r] = RowStats{m, s, local ? S::load(row[t - p.vocab_start]) : -INFINITY,
+                        p.need_sum_logits ? sx : 0.0f};
+  }
+}
+
+template <StorageKind K>
+void backward_impl(const MatrixView& x, const IndexView& target, const float* lse,
+                   const float* grad_loss, const float* valid_count, const core::CeParams& p,
+                   const MatrixView& grad) {
+  using S = core::Storage<K>;
+  const auto* in = static_cast<const typename S::type*>(x.data);
+  auto* out = static_cast<typename S::type*>(grad.data);
+  float scalar_grad = 0.0f;
+  if (p.reduction == Reduction::Sum) scalar_grad = grad_loss[0];
+  if (p.reduction == Reduction::Mean) scalar_grad = grad_loss[0] / fmaxf(valid_count[0], 1.0f);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < x.rows; ++r) {
+    const auto* xr = in + r * x.row_stride;
+    auto* gr = out + r * grad.row_stride;
+    TargetKind kind = classify(target, r, p);
+    if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {
+      for (int64_t j = 0; j < x.cols; ++j) gr[j] = S::store(0.0f);
+      continue;
+    }
+    float dl = p.reduction == Reduction::None ? grad_loss[r] : scalar_grad;
+    core::GradRow g = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
+    int64_t local_target = kind == TargetKind::Local ? load_target(target, r) - p.vocab_start : -1;
+    for (int64_t j = 0; j < x.cols; ++j)
+      gr[j] = S::store(core::grad_element(g, S::load(xr[j]), j == local_target));
+  }
+}
+
+}  // namespace
+
+int64_t first_bad_target(const IndexView& target, const core::CeParams& p, int64_t* value) {
+  for (int64_t r = 0; r < target.size; ++r) {
+    if (classify(target, r, p) == TargetKind::OutOfRange) {
+      *value = load_target(target, r);
+      return r;
+    }
+  }
+  return -1;
+}
+
+void ce_local_stats(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
+                    RowStats* stats) {
+  core::dispatch_dtype(logits.dtype, [&](auto k) {
+    local_stats_impl<decltype(k)::value>(logits, target, p, stats);
+  });
+}
+
+void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
+                    const core::CeParams& p, int rank, RowStats* summable) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const RowStats& l = local[r];
+    float gm = global_max[r];
+    bool owner = classify(target, r, p) == TargetKind::Local;
+    summable[r] = RowStats{rank == 0 ? gm : 0.0f, l.sum_exp * core::rescale(l.max, gm),
+                           owner ? l.target_logit : 0.0f, l.sum_logits};
+  }
+}
+
+void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
+              const core::CeParams& p, const CrossEntropyOutputs& out) {
+  const int64_t rows = p.rows;
+  // Per-row losses go to out.loss directly for Reduction::None, else to a scratch vector.
+  std::vector<float> scratch(p.reduction == Reduction::None ? 0 : rows);
+  float* row_losses = p.reduction == Reduction::None ? out.loss : scratch.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = combined[r].max, s = combined[r].sum_exp;
+    float t = combined[r].target_logit, sx = combined[r].sum_logits;
+    for (int k = 1; k < parts; ++k) {
+      const RowStats& part = combined[int64_t(k) * rows + r];
+      core::online_merge(m, s, part.max, part.sum_exp);
+      t = core::merge_target_logit(t, part.target_logit);
+      sx += part.sum_logits;
+    }
+    if (p.partition_scope) sx = local[r].sum_logits;
+    float lse = core::log_sum_exp(m, s);
+    out.lse[r] = lse;
+    TargetKind kind = classify(target, r, p);
+    row_losses[r] = kind == TargetKind::Ignored ? 0.0f
+                    : kind == TargetKind::OutOfRange
+                        ? NAN
+                        : core::row_loss(lse, t, sx, p.smoothing, p.z_loss);
+  }
+  // Deterministic reductions: a fixed-order sum in double.
+  double total = 0.0;
+  int64_t valid = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (classify(target, r, p) == TargetKind::Ignored) continue;
+    ++valid;
+    total += row_losses[r];
+  }
+  if (out.valid_count) out.valid_count[0] = float(valid);
+  if (p.reduction == Reduction::Sum) out.loss[0] = float(total);
+  if (p.reduction == Reduction::Mean) out.loss[0] = valid ? float(total / double(valid)) : 0.0f;
+}
+
+void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
+                 const float* grad_loss, const float* valid_count, const core::CeParams& p,
+                 const MatrixView& grad) {
+  core::dispatch_dtype(logits.dtype, [&](auto k) {
+    backward_impl<decltype(k)::value>(logits, target, lse, grad_loss, valid_count, p, grad);
+  });
+}
+
+}  // namespace fusedloss::cpu

@@ -1,0 +1,326 @@
+// CUDA cross-entropy: the passes of src/core/cross_entropy_math.h, one block per row.
+//
+// Bytes: the stats pass reads the logits once, the backward reads once and writes once:
+// 3 passes over [rows, V_local], the floor. Everything else is O(rows).
+#include "cuda/cross_entropy_cuda.h"
+
+#include "core/dispatch.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_error.cuh"
+#include "cuda/row_visit.cuh"
+
+namespace fusedloss::cuda {
+namespace {
+
+using core::CeParams;
+using core::StorageKind;
+using core::TargetKind;
+
+constexpr int kThreads = 512;  // one row per block; 8 x 16 B loads in flight per thread
+constexpr int kUnroll = 4;
+constexpr int kWarps = kThreads / 32;
+
+template <class Index>
+__device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, const CeParams& p,
+                                               int64_t* t) {
+  *t = int64_t(target[r]);
+  return core::classify_target(*t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
+}
+
+// Block-wide merge of (m, s, sx) in a fixed order: deterministic.
+__device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
+  __shared__ float sm_m[kWarps], sm_s[kWarps], sm_x[kWarps];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+    float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+    sx += __shfl_xor_sync(0xffffffffu, sx, off);
+    core::online_merge(m, s, m2, s2);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) sm_m[warp] = m, sm_s[warp] = s, sm_x[warp] = sx;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < kWarps ? sm_m[lane] : -INFINITY;
+    s = lane < kWarps ? sm_s[lane] : 0.0f;
+    sx = lane < kWarps ? sm_x[lane] : 0.0f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+      float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+      sx += __shfl_xor_sync(0xffffffffu, sx, off);
+      core::online_merge(m, s, m2, s2);
+    }
+  }
+}
+
+// Pass 1: per-row max, sum-exp, target logit and (with smoothing) sum of logits.
+template <StorageKind K, class Index, bool kSumLogits>
+__global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::Storage<K>::type* x,
+                                                         int64_t row_stride, const Index* target,
+                                                         CeParams p, RowStats* stats) {
+  using S = core::Storage<K>;
+  using T = typename S::type;
+  constexpr int VEC = 16 / sizeof(T);
+  const int64_t r = blockIdx.x;
+  const T* row = x + r * row_stride;
+  float m = -INFINITY, s = 0.0f, sx = 0.0f;
+  visit_row<T, kThreads, kUnroll>(
+      row, p.vocab_local, true,
+      [&](int64_t j) {
+        float v = S::load(row[j]);
+        core::online_add(m, s, v);
+        if (kSumLogits) sx += v;
+      },
+      [&](int64_t, const uint4& raw) {
+        float v[VEC];
+        unpack<S>(raw, v);
+        core::online_add_chunk<VEC>(m, s, v);
+        if (kSumLogits) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) sx += v[k];
+        }
+      });
+  block_merge(m, s, sx);
+  if (threadIdx.x == 0) {
+    int64_t t;
+    TargetKind kind = classify(target, r, p, &t);
+    if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
+    float tl = kind == TargetKind::Local ? S::load(row[t - p.vocab_start]) : -INFINITY;
+    stats[r] = RowStats{m, s, tl, sx};
+  }
+}
+
+// All-reduce form: rescale to the global max so that a SUM over ranks merges.
+template <class Index>
+__global__ void prepare_sum_kernel(const RowStats* local, const float* global_max,
+                                   const Index* target, CeParams p, int rank,
+                                   RowStats* summable) {
+  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= p.rows) return;
+  int64_t t;
+  bool owner = classify(target, r, p, &t) == TargetKind::Local;
+  RowStats l = local[r];
+  float gm = global_max[r];
+  summable[r] = RowStats{rank == 0 ? gm : 0.0f, l.sum_exp * core::rescale(l.max, gm),
+                         owner ? l.target_logit : 0.0f, l.sum_logits};
+}
+
+__global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* maxima) {
+  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r < rows) maxima[r] = stats[r].max;
+}
+
+// Pass 2: merge the parts of each row; per-row loss and lse.
+template <class Index>
+__global__ void merge_kernel(const RowStats* combined, int parts, const RowStats* local,
+                             const Index* target, CeParams p, float* lse_out,
+                             float* row_loss_out) {
+  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (r >= p.rows) return;
+  RowStats c = combined[r];
+  float m = c.max, s = c.sum_exp, t = c.target_logit, sx = c.sum_logits;
+  for (int k = 1; k < parts; ++k) {
+    RowStats part = combined[int64_t(k) * p.rows + r];
+    core::online_merge(m, s, part.max, part.sum_exp);
+    t = core::merge_target_logit(t, part.target_logit);
+    sx += part.sum_logits;
+  }
+  if (p.partition_scope) sx = local[r].sum_logits;
+  float lse = core::log_sum_exp(m, s);
+  lse_out[r] = lse;
+  int64_t ti;
+  TargetKind kind = classify(target, r, p, &ti);
+  row_loss_out[r] = kind == TargetKind::Ignored      ? 0.0f
+                    : kind == TargetKind::OutOfRange ? NAN
+                                                     : core::row_loss(lse, t, sx, p.smoothing,
+                                                                      p.z_loss);
+}
+
+// Deterministic sum / mean over rows and the non-ignored count: one block, fixed order,
+// double accumulation.
+constexpr int kReduceThreads = 1024;
+template <class Index>
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_kernel(const float* row_loss, const Index* target, CeParams p, float* loss_out,
+                  float* count_out) {
+  __shared__ double sm_sum[kReduceThreads];
+  __shared__ long long sm_cnt[kReduceThreads];
+  double sum = 0.0;
+  long long cnt = 0;
+  for (int64_t r = threadIdx.x; r < p.rows; r += kReduceThreads) {
+    if (int64_t(target[r]) == p.ignore_index) continue;
+    sum += row_loss[r];
+    ++cnt;
+  }
+  sm_sum[threadIdx.x] = sum;
+  sm_cnt[threadIdx.x] = cnt;
+  __syncthreads();
+  for (int w = kReduceThreads / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) {
+      sm_sum[threadIdx.x] += sm_sum[threadIdx.x + w];
+      sm_cnt[threadIdx.x] += sm_cnt[threadIdx.x + w];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    if (count_out) *count_out = float(sm_cnt[0]);
+    if (p.reduction == Reduction::Sum) *loss_out = float(sm_sum[0]);
+    if (p.reduction == Reduction::Mean)
+      *loss_out = sm_cnt[0] ? float(sm_sum[0] / double(sm_cnt[0])) : 0.0f;
+  }
+}
+
+// Backward: g_j = dL (p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K), one read, one write.
+template <StorageKind K, class Index>
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
+                    typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
+                    const float* lse, const float* grad_loss, const float* valid_count,
+                    CeParams p) {
+  using S = core::Storage<K>;
+  using T = typename S::type;
+  constexpr int VEC = 16 / sizeof(T);
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * x_stride;
+  T* gr = g + r * g_stride;
+  int64_t t;
+  TargetKind kind = classify(target, r, p, &t);
+  float dl = p.reduction == Reduction::None ? grad_loss[r]
+             : p.reduction == Reduction::Sum ? grad_loss[0]
+                                             : grad_loss[0] / fmaxf(valid_count[0], 1.0f);
+  // Ignored rows get 0 and out-of-range rows NaN, whatever the logits hold.
+  const bool constant = kind == TargetKind::Ignored || kind == TargetKind::OutOfRange;
+  const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
+  core::GradRow gr_c = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
+  const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
+  const bool same_alignment =
+      reinterpret_cast<uintptr_t>(xr) % 16 == reinterpret_cast<uintptr_t>(gr) % 16;
+  visit_row<T, kThreads, kUnroll>(
+      xr, p.vocab_local, same_alignment,
+      [&](int64_t j) {
+        gr[j] = S::store(constant ? fill : core::grad_element(gr_c, S::load(xr[j]), j == local_t));
+      },
+      [&](int64_t j, const uint4& raw) {
+        float v[VEC];
+        unpack<S>(raw, v);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          v[k] = constant ? fill : core::grad_element(gr_c, v[k], j + k == local_t);
+        *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
+      });
+}
+
+unsigned grid_1d(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
+
+template <class F>
+void dispatch_all(DType dtype, IndexType itype, F&& f) {
+  core::dispatch_dtype(dtype, [&](auto k) {
+    core::dispatch_index(itype, [&](auto idx) { f(k, idx); });
+  });
+}
+
+void check_rows_fit_grid(int64_t rows) {
+  detail::require(rows <= int64_t(INT32_MAX), "logits.rows: got ", rows, ", expected <= ",
+                  INT32_MAX, " (one CUDA block per row)");
+}
+
+}  // namespace
+
+void ce_local_stats(const MatrixView& logits, const IndexView& target, const CeParams& p,
+                    RowStats* stats, Stream stream) {
+  if (logits.rows == 0) return;
+  check_rows_fit_grid(logits.rows);
+  dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
+    constexpr StorageKind K = decltype(k)::value;
+    using Index = decltype(idx);
+    using T = typename core::Storage<K>::type;
+    auto* x = static_cast<const T*>(logits.data);
+    auto* t = static_cast<const Index*>(target.data);
+    if (p.need_sum_logits)
+      stats_kernel<K, Index, true><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
+          x, logits.row_stride, t, p, stats);
+    else
+      stats_kernel<K, Index, false><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
+          x, logits.row_stride, t, p, stats);
+    FL_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream) {
+  if (rows == 0) return;
+  extract_max_kernel<<<grid_1d(rows, 256), 256, 0, as_cuda(stream)>>>(stats, rows, maxima);
+  FL_CUDA_CHECK_LAUNCH();
+}
+
+void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
+                    const CeParams& p, int rank, RowStats* summable, Stream stream) {
+  if (p.rows == 0) return;
+  core::dispatch_index(target.type, [&](auto idx) {
+    using Index = decltype(idx);
+    prepare_sum_kernel<<<grid_1d(p.rows, 256), 256, 0, as_cuda(stream)>>>(
+        local, global_max, static_cast<const Index*>(target.data), p, rank, summable);
+    FL_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
+              const CeParams& p, const CrossEntropyOutputs& out, Stream stream) {
+  const bool reduce = p.reduction != Reduction::None;
+  // Per-row losses land in out.loss for None, else in scratch that the reduction reads.
+  float* row_losses = reduce ? static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream))
+                             : out.loss;
+  core::dispatch_index(target.type, [&](auto idx) {
+    using Index = decltype(idx);
+    auto* t = static_cast<const Index*>(target.data);
+    if (p.rows > 0) {
+      merge_kernel<<<grid_1d(p.rows, 256), 256, 0, as_cuda(stream)>>>(combined, parts, local, t,
+                                                                      p, out.lse, row_losses);
+      FL_CUDA_CHECK_LAUNCH();
+    }
+    if (reduce || out.valid_count) {
+      reduce_kernel<<<1, kReduceThreads, 0, as_cuda(stream)>>>(row_losses, t, p, out.loss,
+                                                               out.valid_count);
+      FL_CUDA_CHECK_LAUNCH();
+    }
+  });
+  if (reduce) free_async(row_losses, stream);
+}
+
+void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
+                 const float* grad_loss, const float* valid_count, const CeParams& p,
+                 const MatrixView& grad, Stream stream) {
+  if (logits.rows == 0) return;
+  check_rows_fit_grid(logits.rows);
+  dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
+    constexpr StorageKind K = decltype(k)::value;
+    using Index = decltype(idx);
+    using T = typename core::Storage<K>::type;
+    backward_kernel<K, Index><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
+        static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
+        grad.row_stride, static_cast<const Index*>(target.data), lse, grad_loss, valid_count, p);
+    FL_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void check_device_errors(Stream stream) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();
+    return;  // no GPU, so no kernel could have reported anything
+  }
+  DeviceError host{};
+  FL_CUDA_CHECK(cudaMemcpyFromSymbolAsync(&host, g_device_error, sizeof(host), 0,
+                                          cudaMemcpyDeviceToHost, as_cuda(stream)));
+  FL_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream)));
+  if (!host.flag) return;
+  DeviceError clear{};
+  FL_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_device_error, &clear, sizeof(clear), 0,
+                                        cudaMemcpyHostToDevice, as_cuda(stream)));
+  FL_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream)));
+  detail::fail("target[", host.row, "]: got ", host.value,
+               ", expected in [0, vocab_global) or ignore_index (reported by the CUDA kernels; "
+               "that row's loss is NaN)");
+}
+
+}  // namespace fusedloss::cuda

@@ -1,0 +1,30 @@
+// CUDA backend of the cross-entropy: the same entry points as src/cpu, enqueued on a stream.
+#pragma once
+#include <cstddef>
+#include "core/ce_params.h"
+
+namespace fusedloss::cuda {
+
+void ce_local_stats(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
+                    RowStats* stats, Stream stream);
+void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
+                    const core::CeParams& p, int rank, RowStats* summable, Stream stream);
+void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
+              const core::CeParams& p, const CrossEntropyOutputs& out, Stream stream);
+void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
+                 const float* grad_loss, const float* valid_count, const core::CeParams& p,
+                 const MatrixView& grad, Stream stream);
+// stats[r].max -> maxima[r]
+void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream);
+
+// Stream-ordered scratch memory (cudaMallocAsync), safe inside CUDA graph capture.
+void* alloc_async(size_t bytes, Stream stream);
+void free_async(void* ptr, Stream stream);
+void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream);
+void synchronize(Stream stream);
+bool is_device_pointer(const void* ptr);
+
+// The device error word (first out-of-range target); see check_device_errors().
+void check_device_errors(Stream stream);
+
+}  // namespace fusedloss::cuda

@@ -1,0 +1,176 @@
+// BAD_INPUTS.md rows that apply to the C++ API: every bad argument gets a fusedloss::Error that
+// names the argument and the value, and nothing is written before the check.
+#include "common/ce_harness.h"
+
+namespace fusedloss::test {
+namespace {
+
+// Expects fusedloss::Error whose message contains every fragment.
+template <class F>
+void expect_error(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "expected fusedloss::Error";
+  } catch (const Error& e) {
+    for (const char* frag : fragments)
+      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << frag << "'";
+  }
+}
+
+struct Fixture {
+  static constexpr int64_t rows = 4, V = 10;
+  Device dev;
+  Buffer x, t, loss, lse;
+  explicit Fixture(Device d)
+      : dev(d), x(d, rows * V * 4), t(d, rows * 8), loss(d, rows * 4), lse(d, rows * 4) {
+    for (int64_t i = 0; i < rows * V; ++i) x.host_as<float>()[i] = float(i % 7);
+    for (int64_t r = 0; r < rows; ++r) t.host_as<int64_t>()[r] = r;
+    x.upload(); t.upload(); loss.poison(); lse.poison();
+  }
+  MatrixView xv() { return {x.data(), rows, V, V, DType::F32, dev}; }
+  IndexView tv() { return {t.data(), rows, IndexType::I64, dev}; }
+  CrossEntropyOutputs out() { return {loss.data_as<float>(), lse.data_as<float>(), nullptr}; }
+  void forward(const CrossEntropyOptions& o = {}) { cross_entropy_forward(xv(), tv(), o, out()); }
+};
+
+class BadInputs : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+};
+
+TEST_P(BadInputs, OutOfRangeTargetIsReportedAndNeverIndexed) {
+  for (int64_t bad : {int64_t(10), int64_t(1) << 40, int64_t(-1), int64_t(-101)}) {
+    Fixture f(GetParam());
+    f.t.host_as<int64_t>()[2] = bad;
+    f.t.upload();
+    std::string v = std::to_string(bad);
+    if (GetParam() == Device::CPU) {
+      expect_error([&] { f.forward(); }, {"target[2]", v.c_str(), "[0, 10)"});
+      // checked before any write: the poisoned outputs are untouched
+      EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
+    } else {
+      CrossEntropyOptions o;
+      o.reduction = Reduction::None;
+      f.forward(o);  // asynchronous: reported through the device error word
+      expect_error([&] { check_device_errors(); }, {"target[2]", v.c_str()});
+      f.loss.download();
+      EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[2]));
+      EXPECT_TRUE(std::isfinite(f.loss.host_as<float>()[1]));
+      EXPECT_NO_THROW(check_device_errors());  // the report was cleared
+    }
+  }
+}
+
+TEST_P(BadInputs, ShapesAndSizes) {
+  Fixture f(GetParam());
+  MatrixView x = f.xv();
+  IndexView t = f.tv();
+  t.size = 3;
+  expect_error([&] { cross_entropy_forward(x, t, {}, f.out()); }, {"target.size", "3", "4"});
+  MatrixView neg = x;
+  neg.rows = -1;
+  expect_error([&] { cross_entropy_forward(neg, f.tv(), {}, f.out()); }, {"logits.rows", "-1"});
+  MatrixView nocols = x;
+  nocols.cols = 0;
+  expect_error([&] { cross_entropy_forward(nocols, f.tv(), {}, f.out()); }, {"logits.cols", "0"});
+  MatrixView stride = x;
+  stride.row_stride = 5;
+  expect_error([&] { cross_entropy_forward(stride, f.tv(), {}, f.out()); }, {"row_stride", "5"});
+  MatrixView null = x;
+  null.data = nullptr;
+  expect_error([&] { cross_entropy_forward(null, f.tv(), {}, f.out()); }, {"logits.data", "null"});
+  CrossEntropyOutputs no_loss = f.out();
+  no_loss.loss = nullptr;
+  expect_error([&] { cross_entropy_forward(x, f.tv(), {}, no_loss); }, {"out.loss", "null"});
+}
+
+TEST_P(BadInputs, DtypesAndDevices) {
+  Fixture f(GetParam());
+  MatrixView x = f.xv();
+  x.dtype = static_cast<DType>(7);
+  expect_error([&] { cross_entropy_forward(x, f.tv(), {}, f.out()); }, {"dtype", "7"});
+  IndexView t = f.tv();
+  t.type = static_cast<IndexType>(5);
+  expect_error([&] { cross_entropy_forward(f.xv(), t, {}, f.out()); }, {"target.type", "5"});
+  IndexView other = f.tv();
+  other.device = GetParam() == Device::CPU ? Device::CUDA : Device::CPU;
+  expect_error([&] { cross_entropy_forward(f.xv(), other, {}, f.out()); },
+               {"target.device", to_string(other.device), to_string(GetParam())});
+}
+
+TEST_P(BadInputs, Options) {
+  Fixture f(GetParam());
+  auto with = [&](auto edit) {
+    CrossEntropyOptions o;
+    edit(o);
+    return [&f, o] { f.forward(o); };
+  };
+  expect_error(with([](auto& o) { o.label_smoothing = 1.0f; }), {"label_smoothing", "1", "[0, 1)"});
+  expect_error(with([](auto& o) { o.label_smoothing = -0.1f; }), {"label_smoothing", "-0.1"});
+  expect_error(with([](auto& o) { o.label_smoothing = NAN; }), {"label_smoothing", "nan"});
+  expect_error(with([](auto& o) { o.z_loss = -1.0f; }), {"z_loss", "-1"});
+  expect_error(with([](auto& o) { o.reduction = static_cast<Reduction>(9); }), {"reduction", "9"});
+  expect_error(with([](auto& o) { o.smoothing_formula = static_cast<SmoothingFormula>(4); }),
+               {"smoothing_formula", "4"});
+  expect_error(with([](auto& o) { o.vocab_global = 5; }), {"vocab_global", "5"});
+  expect_error(with([](auto& o) { o.vocab_start = 3; }), {"vocab_start", "3"});
+  // sharded options without a communicator
+  expect_error(with([](auto& o) { o.vocab_global = 20; }), {"vocab_global", "20", "communicator"});
+  EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written before the error";
+}
+
+TEST_P(BadInputs, MegatronSmoothingNeedsTwoColumns) {
+  const Device dev = GetParam();
+  Buffer x(dev, 8), t(dev, 16), loss(dev, 4), lse(dev, 8);
+  CrossEntropyOptions o;
+  o.label_smoothing = 0.1f;
+  o.smoothing_formula = SmoothingFormula::Megatron;
+  expect_error([&] {
+    cross_entropy_forward({x.data(), 2, 1, 1, DType::F32, dev}, {t.data(), 2, IndexType::I64, dev}, o,
+                          {loss.data_as<float>(), lse.data_as<float>(), nullptr});
+  }, {"label_smoothing", "K = 1"});
+}
+
+TEST_P(BadInputs, BackwardBuffers) {
+  Fixture f(GetParam());
+  Buffer grad(f.dev, f.rows * f.V * 4), gl(f.dev, 4), cnt(f.dev, 4);
+  f.forward();
+  MatrixView g{grad.data(), f.rows, f.V, f.V, DType::F32, f.dev};
+  auto backward = [&](MatrixView gv, const float* count) {
+    cross_entropy_backward(f.xv(), f.tv(), f.lse.data_as<float>(), gl.data_as<float>(), count, {}, gv);
+  };
+  MatrixView wrong_shape = g;
+  wrong_shape.cols = 9;
+  expect_error([&] { backward(wrong_shape, cnt.data_as<float>()); }, {"grad_logits", "9"});
+  MatrixView wrong_dtype = g;
+  wrong_dtype.dtype = DType::BF16;
+  expect_error([&] { backward(wrong_dtype, cnt.data_as<float>()); }, {"grad_logits.dtype", "bf16"});
+  MatrixView shifted = f.xv();  // overlaps the logits one element off: never allowed
+  shifted.data = static_cast<float*>(shifted.data) + 1;
+  shifted.rows = f.rows - 1;
+  MatrixView xs = f.xv();
+  xs.rows = f.rows - 1;
+  expect_error([&] {
+    cross_entropy_backward(xs, {f.t.data(), f.rows - 1, IndexType::I64, f.dev}, f.lse.data_as<float>(),
+                           gl.data_as<float>(), cnt.data_as<float>(), {}, shifted);
+  }, {"grad_logits", "overlaps"});
+  expect_error([&] { backward(g, nullptr); }, {"valid_count", "Mean"});
+}
+
+#if !FUSEDLOSS_HAS_CUDA
+TEST(BadInputsCpuOnlyBuild, CudaViewIsRejected) {
+  float x[4] = {0, 1, 2, 3}, loss[2], lse[2];
+  int64_t t[2] = {0, 1};
+  expect_error([&] {
+    cross_entropy_forward({x, 2, 2, 2, DType::F32, Device::CUDA}, {t, 2, IndexType::I64, Device::CUDA},
+                          {}, {loss, lse, nullptr});
+  }, {"no CUDA backend"});
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Backends, BadInputs, ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace
+}  // namespace fusedloss::test

@@ -1,0 +1,189 @@
+// Cross-entropy on one process, every backend (CPU always; CUDA when a GPU is present),
+// against the float64 reference with fresh random inputs.
+#include "common/ce_harness.h"
+
+namespace fusedloss::test {
+namespace {
+
+class CrossEntropy : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+  void check(const CeCase& c) { expect_matches_reference(GetParam(), c); }
+};
+
+TEST_P(CrossEntropy, EveryDtypeAndIndexType) {
+  for (DType d : {DType::F32, DType::F16, DType::BF16})
+    for (IndexType it : {IndexType::I32, IndexType::I64}) {
+      CeCase c;
+      c.dtype = d;
+      c.itype = it;
+      c.rows = 13;
+      c.V = 2051;
+      check(c);
+    }
+}
+
+TEST_P(CrossEntropy, IgnoreIndexRows) {
+  for (int64_t ignore : {int64_t(-100), int64_t(7), int64_t(-1)}) {
+    CeCase c;
+    c.opt.ignore_index = ignore;
+    c.ignore_fraction = 0.4;
+    c.rows = 40;
+    check(c);
+  }
+}
+
+TEST_P(CrossEntropy, LabelSmoothingBothFormulas) {
+  for (auto formula : {SmoothingFormula::PyTorch, SmoothingFormula::Megatron})
+    for (float ls : {0.1f, 0.5f})
+      for (DType d : {DType::F32, DType::BF16}) {
+        CeCase c;
+        c.opt.label_smoothing = ls;
+        c.opt.smoothing_formula = formula;
+        c.dtype = d;
+        c.ignore_fraction = 0.2;
+        check(c);
+      }
+}
+
+TEST_P(CrossEntropy, PartitionScopeAtTp1EqualsGlobal) {
+  CeCase c;
+  c.opt.label_smoothing = 0.2f;
+  c.opt.smoothing_formula = SmoothingFormula::Megatron;
+  c.opt.smoothing_scope = SmoothingScope::Partition;  // V_local == V_global at TP=1
+  check(c);
+}
+
+TEST_P(CrossEntropy, ZLoss) {
+  for (float z : {1e-4f, 0.1f}) {
+    CeCase c;
+    c.opt.z_loss = z;
+    c.opt.label_smoothing = 0.1f;
+    c.ignore_fraction = 0.25;
+    check(c);
+  }
+}
+
+TEST_P(CrossEntropy, EveryReduction) {
+  for (auto red : {Reduction::None, Reduction::Sum, Reduction::Mean})
+    for (bool in_place : {false, true}) {
+      CeCase c;
+      c.opt.reduction = red;
+      c.in_place = in_place;
+      c.ignore_fraction = 0.3;
+      c.dtype = DType::BF16;
+      check(c);
+    }
+}
+
+TEST_P(CrossEntropy, StridedRowsAndUnalignedBases) {
+  for (int64_t pad : {1, 3, 8, 13})
+    for (int64_t offset : {0, 1, 5})
+      for (DType d : {DType::F32, DType::BF16}) {
+        CeCase c;
+        c.pad = pad;
+        c.base_offset = offset;
+        c.dtype = d;
+        c.V = 517;
+        c.rows = 9;
+        c.in_place = (pad + offset) % 2 == 0;
+        check(c);
+      }
+}
+
+TEST_P(CrossEntropy, EdgeShapes) {
+  for (int64_t V : {1, 2, 3, 7, 8, 9, 15, 17, 4097}) {
+    CeCase c;
+    c.V = V;
+    c.rows = 5;
+    c.dtype = V % 2 ? DType::F16 : DType::F32;
+    check(c);
+  }
+  for (auto red : {Reduction::None, Reduction::Sum, Reduction::Mean}) {
+    CeCase zero_rows;
+    zero_rows.rows = 0;
+    zero_rows.opt.reduction = red;
+    check(zero_rows);
+  }
+}
+
+TEST_P(CrossEntropy, AllRowsIgnoredGivesZeroNotNaN) {
+  for (auto red : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
+    CeCase c;
+    c.ignore_fraction = 1.0;
+    c.opt.reduction = red;
+    c.in_place = true;
+    CeRun run = run_case(GetParam(), c);
+    for (float l : run.loss) EXPECT_EQ(l, 0.0f);
+    for (float g : run.grad) ASSERT_EQ(g, 0.0f);
+    EXPECT_EQ(run.valid_count, 0.0f);
+  }
+}
+
+TEST_P(CrossEntropy, LargeLogitsStayFinite) {
+  CeCase f32;
+  f32.scale = 1e4f;
+  f32.rows = 8;
+  check(f32);
+  CeCase f16;
+  f16.scale = 2e4f;  // values up to ~6e4, the top of fp16's range
+  f16.dtype = DType::F16;
+  f16.rows = 8;
+  CeRun run = run_case(GetParam(), f16);
+  RefResult ref = reference_for(f16, run);
+  for (int64_t r = 0; r < f16.rows; ++r) {
+    ASSERT_TRUE(std::isfinite(run.lse[r]));
+    EXPECT_NEAR(run.lse[r], ref.lse[r], 1e-5 * std::fabs(ref.lse[r]));
+  }
+}
+
+TEST_P(CrossEntropy, NonFiniteLogitsStayInTheirRow) {
+  const Device dev = GetParam();
+  const int64_t rows = 4, V = 300;
+  Buffer x(dev, rows * V * 4), t(dev, rows * 8), loss(dev, rows * 4), lse(dev, rows * 4);
+  std::normal_distribution<float> normal(0, 1);
+  for (int64_t i = 0; i < rows * V; ++i) x.host_as<float>()[i] = normal(rng());
+  x.host_as<float>()[0 * V + 10] = NAN;
+  x.host_as<float>()[1 * V + 20] = INFINITY;
+  x.host_as<float>()[2 * V + 30] = -INFINITY;  // a masked column: still a finite loss
+  for (int64_t r = 0; r < rows; ++r) t.host_as<int64_t>()[r] = 5;
+  x.upload(); t.upload(); loss.poison(); lse.poison();
+  CrossEntropyOptions o;
+  o.reduction = Reduction::None;
+  cross_entropy_forward({x.data(), rows, V, V, DType::F32, dev}, {t.data(), rows, IndexType::I64, dev},
+                        o, {loss.data_as<float>(), lse.data_as<float>(), nullptr});
+  loss.download();
+  EXPECT_FALSE(std::isfinite(loss.host_as<float>()[0]));
+  EXPECT_FALSE(std::isfinite(loss.host_as<float>()[1]));
+  EXPECT_TRUE(std::isfinite(loss.host_as<float>()[2]));
+  EXPECT_TRUE(std::isfinite(loss.host_as<float>()[3]));
+  // Rows 2 and 3 against the reference.
+  std::vector<double> xd(x.host_as<float>(), x.host_as<float>() + rows * V);
+  std::vector<int64_t> td(rows, 5);
+  RefResult ref = reference_cross_entropy(xd, rows, V, td, {}, std::vector<double>(rows, 1.0));
+  for (int r : {2, 3}) EXPECT_NEAR(loss.host_as<float>()[r], ref.loss[r], 1e-5 * ref.loss[r]);
+}
+
+TEST_P(CrossEntropy, Deterministic) {
+  // Same inputs twice: bitwise the same loss and gradient.
+  const Device dev = GetParam();
+  CeCase c;
+  c.rows = 64;
+  c.V = 3001;
+  c.dtype = DType::BF16;
+  c.opt.label_smoothing = 0.1f;
+  uint64_t state = rng()();
+  rng().seed(state);
+  CeRun a = run_case(dev, c);
+  rng().seed(state);
+  CeRun b = run_case(dev, c);
+  ASSERT_EQ(a.loss.size(), b.loss.size());
+  EXPECT_EQ(0, std::memcmp(a.loss.data(), b.loss.data(), a.loss.size() * 4));
+  EXPECT_EQ(0, std::memcmp(a.grad.data(), b.grad.data(), a.grad.size() * 4));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CrossEntropy, ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace
+}  // namespace fusedloss::test
