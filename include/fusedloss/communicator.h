@@ -5,6 +5,7 @@
 // A null Communicator, or one of size 1, means TP=1: nothing is communicated.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include "fusedloss/types.h"
 
 namespace fusedloss {
@@ -22,6 +23,18 @@ class Communicator {
   virtual void all_gather(const void* send, void* recv, size_t bytes_per_rank, Stream stream) = 0;
   // In-place element-wise reduction of `count` floats over all ranks.
   virtual void all_reduce(float* data, size_t count, ReduceOp op, Stream stream) = 0;
+
+  // Bookkeeping of the library: the shard shape last agreed on by all ranks. Device
+  // communicators re-check agreement (one small all-gather and a host sync) only when it
+  // changes; host communicators check every call.
+  struct AgreedShape {
+    int64_t rows = -1, vocab_local = -1, vocab_start = -1, vocab_global = -1;
+    bool operator==(const AgreedShape& o) const {
+      return rows == o.rows && vocab_local == o.vocab_local && vocab_start == o.vocab_start &&
+             vocab_global == o.vocab_global;
+    }
+  };
+  AgreedShape agreed_shape;
 };
 
 }  // namespace fusedloss

@@ -2,8 +2,7 @@
 #include "fusedloss/cross_entropy.h"
 
 #include <cmath>
-#include <map>
-#include <mutex>
+#include <string>
 #include <vector>
 #include "api/check.h"
 #include "cpu/cross_entropy_cpu.h"
@@ -146,14 +145,15 @@ void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
 }
 
 // ---- vocab-parallel shard agreement ----
-// Every rank contributes a fixed-size header, so a disagreement (even in the row count) is
-// detected before any size-dependent collective: each rank throws the same message.
+// Every rank contributes a fixed-size header before any size-dependent collective, so a
+// disagreement (even in the row count) or a rank whose own arguments were rejected is seen by
+// all ranks, and each throws instead of leaving the others waiting in a collective.
 struct ShardHeader {
-  int64_t rows, vocab_local, vocab_start, vocab_global, bad_row, bad_value;
+  int64_t rows, vocab_local, vocab_start, vocab_global, bad_row, bad_value, local_error;
 };
 
-void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine, Device device,
-                                Stream stream) {
+void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine,
+                                const std::string& my_error, Device device, Stream stream) {
   const int world = comm.size();
   std::vector<ShardHeader> all(world);
   if (device == Device::CPU) {
@@ -173,30 +173,23 @@ void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine, Dev
     const ShardHeader& h = all[r];
     require(h.rows == h0.rows, "vocab-parallel rows: rank ", r, " has ", h.rows,
             " rows, rank 0 has ", h0.rows, "; expected the same rows on every rank");
-    require(h.vocab_local == h0.vocab_local, "vocab-parallel shard size: rank ", r, " has V_local ",
-            h.vocab_local, ", rank 0 has ", h0.vocab_local,
+    require(h.vocab_local == h0.vocab_local, "vocab-parallel shard size: rank ", r,
+            " has V_local ", h.vocab_local, ", rank 0 has ", h0.vocab_local,
             "; expected equal shards on every rank");
+  }
+  if (!my_error.empty()) throw Error(my_error);
+  for (int r = 0; r < world; ++r) {
+    const ShardHeader& h = all[r];
+    require(!h.local_error, "vocab-parallel: rank ", r,
+            " rejected its arguments (its own error says why)");
     require(h.vocab_global == int64_t(world) * h.vocab_local, "options.vocab_global: rank ", r,
             " has ", h.vocab_global, ", expected communicator size (", world, ") x V_local (",
             h.vocab_local, ") = ", int64_t(world) * h.vocab_local);
-    require(h.vocab_start == int64_t(r) * h.vocab_local, "options.vocab_start: rank ", r, " has ",
-            h.vocab_start, ", expected rank x V_local = ", int64_t(r) * h.vocab_local);
+    require(h.vocab_start == int64_t(r) * h.vocab_local, "options.vocab_start: rank ", r,
+            " has ", h.vocab_start, ", expected rank x V_local = ", int64_t(r) * h.vocab_local);
     require(h.bad_row < 0, "target[", h.bad_row, "] on rank ", r, ": got ", h.bad_value,
             ", expected in [0, ", h.vocab_global, ") or ignore_index");
   }
-}
-
-// Device communicators validate once per shape (a host sync); host ones every call.
-bool needs_header_exchange(const Communicator* comm, Device device, const ShardHeader& h) {
-  if (device == Device::CPU) return true;
-  static std::mutex mu;
-  static std::map<const Communicator*, std::vector<int64_t>> validated;
-  std::vector<int64_t> key{h.rows, h.vocab_local, h.vocab_start, h.vocab_global};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = validated.find(comm);
-  if (it != validated.end() && it->second == key) return false;
-  validated[comm] = key;
-  return true;
 }
 
 }  // namespace
@@ -250,13 +243,13 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
 void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
                            const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
                            Communicator* comm, Stream stream) {
-  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
-  check_forward_args(logits, target, out, p);
   const int world = comm ? comm->size() : 1;
   const Device dev = logits.device;
   const int64_t rows = logits.rows;
 
   if (world == 1) {
+    core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
+    check_forward_args(logits, target, out, p);
     require(p.vocab_start == 0 && p.vocab_global == logits.cols, "options.vocab_global/start: got ",
             p.vocab_global, "/", p.vocab_start, " without a communicator of size > 1, expected ",
             logits.cols, "/0 (the whole vocabulary on one rank)");
@@ -272,12 +265,27 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
     return;
   }
 
-  require(comm->device() == dev, "comm: a ", to_string(comm->device()),
-          " communicator was given for ", to_string(dev), " logits; expected the same device");
-  ShardHeader header{rows, logits.cols, p.vocab_start, p.vocab_global, -1, 0};
-  if (dev == Device::CPU) header.bad_row = cpu::first_bad_target(target, p, &header.bad_value);
-  if (needs_header_exchange(comm, dev, header))
-    exchange_and_check_headers(*comm, header, dev, stream);
+  // Vocab-parallel: local argument errors travel in the header instead of being thrown here.
+  ShardHeader header{rows, logits.cols, options.vocab_start, options.vocab_global, -1, 0, 0};
+  std::string local_error;
+  core::CeParams p;
+  try {
+    p = core::resolve_params(options, logits.rows, logits.cols);
+    check_forward_args(logits, target, out, p);
+    require(comm->device() == dev, "comm: a ", to_string(comm->device()),
+            " communicator was given for ", to_string(dev), " logits; expected the same device");
+    if (dev == Device::CPU) header.bad_row = cpu::first_bad_target(target, p, &header.bad_value);
+  } catch (const Error& e) {
+    local_error = e.what();
+    header.local_error = 1;
+  }
+  const Communicator::AgreedShape shape{rows, logits.cols, options.vocab_start,
+                                        options.vocab_global};
+  if (dev == Device::CPU || header.local_error || !(comm->agreed_shape == shape)) {
+    comm->agreed_shape = {};
+    exchange_and_check_headers(*comm, header, local_error, dev, stream);
+    comm->agreed_shape = shape;
+  }
 
   const int rank = comm->rank();
   const bool gather = options.collective == CollectiveForm::AllGather;

@@ -1,0 +1,92 @@
+"""Peer providers of the benchmarks, timed the way bench/ce_bench.cu times fusedloss.
+
+Each provider is a function (logits, target) -> per-token loss that autograd can backprop.
+Timing: CUDA events around forward and backward, median of many runs, fresh leaf tensors
+prepared outside the timed region. Peak extra memory: torch's allocator high-water mark above
+what the inputs already hold.
+"""
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def torch_ce(x, t):
+    return F.cross_entropy(x, t, reduction="none")
+
+
+def liger_ce():
+    from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+    def run(x, t):
+        # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction)
+        out = LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "none")
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
+_GROUP = None
+
+
+def single_rank_group():
+    """A one-rank NCCL process group, which Megatron's fused cross-entropy requires."""
+    global _GROUP
+    if _GROUP is None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29531")
+            dist.init_process_group("nccl", rank=0, world_size=1)
+        _GROUP = dist.new_group([0])
+    return _GROUP
+
+
+def megatron_fused_ce():
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    group = single_rank_group()
+
+    def run(x, t):
+        # Megatron's layout: logits [s, b, V], target [s, b]
+        return fused_vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), group).squeeze(1)
+
+    return run
+
+
+def available():
+    providers = {"torch": torch_ce}
+    for name, make in (("liger", liger_ce), ("megatron", megatron_fused_ce)):
+        try:
+            providers[name] = make()
+        except Exception as e:  # a missing wheel is reported, not fatal
+            print(f"[bench] provider {name} unavailable: {type(e).__name__}: {e}")
+    return providers
+
+
+def time_provider(fn, pristine, target, iters=30, warmup=3):
+    """Median ms of forward, backward, forward+backward; peak extra MiB."""
+    fwd, bwd, both = [], [], []
+    peak = 0
+    for i in range(iters + warmup):
+        x = pristine.detach().clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        loss = fn(x, target)
+        e[1].record()
+        loss.backward(torch.ones_like(loss))
+        e[2].record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            fwd.append(e[0].elapsed_time(e[1]))
+            bwd.append(e[1].elapsed_time(e[2]))
+            both.append(e[0].elapsed_time(e[2]))
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        del x, loss
+    med = statistics.median
+    return med(fwd), med(bwd), med(both), peak / 2**20

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs the system packages the build needs (Debian/Ubuntu): a C++ toolchain, CMake,
+# Ninja, Open MPI and GoogleTest. The CUDA toolkit and NCCL are used when present.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build libopenmpi-dev openmpi-bin libgtest-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
