@@ -16,8 +16,16 @@ using core::CeParams;
 using core::StorageKind;
 using core::TargetKind;
 
-constexpr int kThreads = 512;  // one row per block; 8 x 16 B loads in flight per thread
-constexpr int kUnroll = 4;
+// One row per block. Tunable at build time to compare variants (bench/); defaults are the
+// measured best on H200 (bench/results/).
+#ifndef FUSEDLOSS_CE_THREADS
+#define FUSEDLOSS_CE_THREADS 512
+#endif
+#ifndef FUSEDLOSS_CE_UNROLL
+#define FUSEDLOSS_CE_UNROLL 4
+#endif
+constexpr int kThreads = FUSEDLOSS_CE_THREADS;
+constexpr int kUnroll = FUSEDLOSS_CE_UNROLL;  // 16-byte loads in flight per thread
 constexpr int kWarps = kThreads / 32;
 
 template <class Index>
@@ -55,10 +63,13 @@ __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
 }
 
 // Pass 1: per-row max, sum-exp, target logit and (with smoothing) sum of logits.
-template <StorageKind K, class Index, bool kSumLogits>
+// kFinish (TP=1): the stats are already global, so the row's lse and loss are written here
+// and no merge pass follows.
+template <StorageKind K, class Index, bool kSumLogits, bool kFinish>
 __global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::Storage<K>::type* x,
                                                          int64_t row_stride, const Index* target,
-                                                         CeParams p, RowStats* stats) {
+                                                         CeParams p, RowStats* stats,
+                                                         float* lse_out, float* row_loss_out) {
   using S = core::Storage<K>;
   using T = typename S::type;
   constexpr int VEC = 16 / sizeof(T);
@@ -87,7 +98,16 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::St
     TargetKind kind = classify(target, r, p, &t);
     if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
     float tl = kind == TargetKind::Local ? S::load(row[t - p.vocab_start]) : -INFINITY;
-    stats[r] = RowStats{m, s, tl, sx};
+    if constexpr (kFinish) {
+      float lse = core::log_sum_exp(m, s);
+      lse_out[r] = lse;
+      row_loss_out[r] = kind == TargetKind::Ignored      ? 0.0f
+                        : kind == TargetKind::OutOfRange ? NAN
+                                                         : core::row_loss(lse, tl, sx, p.smoothing,
+                                                                          p.z_loss);
+    } else {
+      stats[r] = RowStats{m, s, tl, sx};
+    }
   }
 }
 
@@ -207,7 +227,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
           v[k] = constant ? fill : core::grad_element(gr_c, v[k], j + k == local_t);
-        *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
+        store_vec(reinterpret_cast<uint4*>(gr + j), pack<S>(v));
       });
 }
 
@@ -225,11 +245,9 @@ void check_rows_fit_grid(int64_t rows) {
                   INT32_MAX, " (one CUDA block per row)");
 }
 
-}  // namespace
-
-void ce_local_stats(const MatrixView& logits, const IndexView& target, const CeParams& p,
-                    RowStats* stats, Stream stream) {
-  if (logits.rows == 0) return;
+template <bool kFinish>
+void launch_stats(const MatrixView& logits, const IndexView& target, const CeParams& p,
+                  RowStats* stats, float* lse, float* row_loss, Stream stream) {
   check_rows_fit_grid(logits.rows);
   dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
     constexpr StorageKind K = decltype(k)::value;
@@ -237,15 +255,49 @@ void ce_local_stats(const MatrixView& logits, const IndexView& target, const CeP
     using T = typename core::Storage<K>::type;
     auto* x = static_cast<const T*>(logits.data);
     auto* t = static_cast<const Index*>(target.data);
+    auto grid = unsigned(logits.rows);
     if (p.need_sum_logits)
-      stats_kernel<K, Index, true><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
-          x, logits.row_stride, t, p, stats);
+      stats_kernel<K, Index, true, kFinish><<<grid, kThreads, 0, as_cuda(stream)>>>(
+          x, logits.row_stride, t, p, stats, lse, row_loss);
     else
-      stats_kernel<K, Index, false><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
-          x, logits.row_stride, t, p, stats);
+      stats_kernel<K, Index, false, kFinish><<<grid, kThreads, 0, as_cuda(stream)>>>(
+          x, logits.row_stride, t, p, stats, lse, row_loss);
     FL_CUDA_CHECK_LAUNCH();
   });
 }
+
+template <class Index>
+void launch_reduce(const float* row_losses, const Index* t, const CeParams& p,
+                   const CrossEntropyOutputs& out, Stream stream) {
+  reduce_kernel<<<1, kReduceThreads, 0, as_cuda(stream)>>>(row_losses, t, p, out.loss,
+                                                           out.valid_count);
+  FL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void ce_local_stats(const MatrixView& logits, const IndexView& target, const CeParams& p,
+                    RowStats* stats, Stream stream) {
+  if (logits.rows == 0) return;
+  launch_stats<false>(logits, target, p, stats, nullptr, nullptr, stream);
+}
+
+void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeParams& p,
+                    const CrossEntropyOutputs& out, Stream stream) {
+  const bool reduce = p.reduction != Reduction::None;
+  float* row_losses = reduce ? static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream))
+                             : out.loss;
+  if (p.rows > 0) launch_stats<true>(logits, target, p, nullptr, out.lse, row_losses, stream);
+  if (reduce || out.valid_count) {
+    core::dispatch_index(target.type, [&](auto idx) {
+      using Index = decltype(idx);
+      launch_reduce(row_losses, static_cast<const Index*>(target.data), p, out, stream);
+    });
+  }
+  if (reduce) free_async(row_losses, stream);
+}
+
+
 
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream) {
   if (rows == 0) return;
@@ -278,11 +330,7 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
                                                                       p, out.lse, row_losses);
       FL_CUDA_CHECK_LAUNCH();
     }
-    if (reduce || out.valid_count) {
-      reduce_kernel<<<1, kReduceThreads, 0, as_cuda(stream)>>>(row_losses, t, p, out.loss,
-                                                               out.valid_count);
-      FL_CUDA_CHECK_LAUNCH();
-    }
+    if (reduce || out.valid_count) launch_reduce(row_losses, t, p, out, stream);
   });
   if (reduce) free_async(row_losses, stream);
 }

@@ -7,6 +7,9 @@ namespace fusedloss::cuda {
 
 void ce_local_stats(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
                     RowStats* stats, Stream stream);
+// TP=1: stats, lse and per-row loss in one pass (no merge pass), then the reduction.
+void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
+                    const CrossEntropyOutputs& out, Stream stream);
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
                     const core::CeParams& p, int rank, RowStats* summable, Stream stream);
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
