@@ -16,17 +16,25 @@ using core::CeParams;
 using core::StorageKind;
 using core::TargetKind;
 
-// One row per block. Tunable at build time to compare variants (bench/); defaults are the
-// measured best on H200 (bench/results/).
-#ifndef FUSEDLOSS_CE_THREADS
-#define FUSEDLOSS_CE_THREADS 512
+// One row per block. Tunable at build time to compare variants (bench/ce_variants.sh); the
+// defaults are the best measured on an H200 (bench/NOTES.md): the read-only stats pass likes
+// more, smaller blocks; the read+write backward likes 8 loads in flight per thread.
+#ifndef FUSEDLOSS_CE_FWD_THREADS
+#define FUSEDLOSS_CE_FWD_THREADS 256
 #endif
-#ifndef FUSEDLOSS_CE_UNROLL
-#define FUSEDLOSS_CE_UNROLL 4
+#ifndef FUSEDLOSS_CE_FWD_UNROLL
+#define FUSEDLOSS_CE_FWD_UNROLL 8
 #endif
-constexpr int kThreads = FUSEDLOSS_CE_THREADS;
-constexpr int kUnroll = FUSEDLOSS_CE_UNROLL;  // 16-byte loads in flight per thread
-constexpr int kWarps = kThreads / 32;
+#ifndef FUSEDLOSS_CE_BWD_THREADS
+#define FUSEDLOSS_CE_BWD_THREADS 512
+#endif
+#ifndef FUSEDLOSS_CE_BWD_UNROLL
+#define FUSEDLOSS_CE_BWD_UNROLL 8
+#endif
+constexpr int kFwdThreads = FUSEDLOSS_CE_FWD_THREADS;
+constexpr int kFwdUnroll = FUSEDLOSS_CE_FWD_UNROLL;  // 16-byte loads in flight per thread
+constexpr int kBwdThreads = FUSEDLOSS_CE_BWD_THREADS;
+constexpr int kBwdUnroll = FUSEDLOSS_CE_BWD_UNROLL;
 
 template <class Index>
 __device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, const CeParams& p,
@@ -36,7 +44,9 @@ __device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, c
 }
 
 // Block-wide merge of (m, s, sx) in a fixed order: deterministic.
+template <int kThreads>
 __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
+  constexpr int kWarps = kThreads / 32;
   __shared__ float sm_m[kWarps], sm_s[kWarps], sm_x[kWarps];
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -66,7 +76,7 @@ __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
 // kFinish (TP=1): the stats are already global, so the row's lse and loss are written here
 // and no merge pass follows.
 template <StorageKind K, class Index, bool kSumLogits, bool kFinish>
-__global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::Storage<K>::type* x,
+__global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core::Storage<K>::type* x,
                                                          int64_t row_stride, const Index* target,
                                                          CeParams p, RowStats* stats,
                                                          float* lse_out, float* row_loss_out) {
@@ -76,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::St
   const int64_t r = blockIdx.x;
   const T* row = x + r * row_stride;
   float m = -INFINITY, s = 0.0f, sx = 0.0f;
-  visit_row<T, kThreads, kUnroll>(
+  visit_row<T, kFwdThreads, kFwdUnroll>(
       row, p.vocab_local, true,
       [&](int64_t j) {
         float v = S::load(row[j]);
@@ -92,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) stats_kernel(const typename core::St
           for (int k = 0; k < VEC; ++k) sx += v[k];
         }
       });
-  block_merge(m, s, sx);
+  block_merge<kFwdThreads>(m, s, sx);
   if (threadIdx.x == 0) {
     int64_t t;
     TargetKind kind = classify(target, r, p, &t);
@@ -193,7 +203,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 // Backward: g_j = dL (p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K), one read, one write.
 template <StorageKind K, class Index>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kBwdThreads)
     backward_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
                     typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
                     const float* lse, const float* grad_loss, const float* valid_count,
@@ -216,7 +226,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
   const bool same_alignment =
       reinterpret_cast<uintptr_t>(xr) % 16 == reinterpret_cast<uintptr_t>(gr) % 16;
-  visit_row<T, kThreads, kUnroll>(
+  visit_row<T, kBwdThreads, kBwdUnroll>(
       xr, p.vocab_local, same_alignment,
       [&](int64_t j) {
         gr[j] = S::store(constant ? fill : core::grad_element(gr_c, S::load(xr[j]), j == local_t));
@@ -227,7 +237,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
           v[k] = constant ? fill : core::grad_element(gr_c, v[k], j + k == local_t);
-        store_vec(reinterpret_cast<uint4*>(gr + j), pack<S>(v));
+        *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
       });
 }
 
@@ -257,10 +267,10 @@ void launch_stats(const MatrixView& logits, const IndexView& target, const CePar
     auto* t = static_cast<const Index*>(target.data);
     auto grid = unsigned(logits.rows);
     if (p.need_sum_logits)
-      stats_kernel<K, Index, true, kFinish><<<grid, kThreads, 0, as_cuda(stream)>>>(
+      stats_kernel<K, Index, true, kFinish><<<grid, kFwdThreads, 0, as_cuda(stream)>>>(
           x, logits.row_stride, t, p, stats, lse, row_loss);
     else
-      stats_kernel<K, Index, false, kFinish><<<grid, kThreads, 0, as_cuda(stream)>>>(
+      stats_kernel<K, Index, false, kFinish><<<grid, kFwdThreads, 0, as_cuda(stream)>>>(
           x, logits.row_stride, t, p, stats, lse, row_loss);
     FL_CUDA_CHECK_LAUNCH();
   });
@@ -344,7 +354,7 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
     constexpr StorageKind K = decltype(k)::value;
     using Index = decltype(idx);
     using T = typename core::Storage<K>::type;
-    backward_kernel<K, Index><<<unsigned(logits.rows), kThreads, 0, as_cuda(stream)>>>(
+    backward_kernel<K, Index><<<unsigned(logits.rows), kBwdThreads, 0, as_cuda(stream)>>>(
         static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
         grad.row_stride, static_cast<const Index*>(target.data), lse, grad_loss, valid_count, p);
     FL_CUDA_CHECK_LAUNCH();

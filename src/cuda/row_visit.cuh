@@ -6,27 +6,6 @@
 
 namespace fusedloss::cuda {
 
-// Streaming cache hints (evict-first loads and stores): every logit is touched once per pass.
-#ifndef FUSEDLOSS_CE_STREAMING
-#define FUSEDLOSS_CE_STREAMING 0
-#endif
-
-__device__ __forceinline__ uint4 load_vec(const uint4* p) {
-#if FUSEDLOSS_CE_STREAMING
-  return __ldcs(p);
-#else
-  return *p;
-#endif
-}
-
-__device__ __forceinline__ void store_vec(uint4* p, uint4 v) {
-#if FUSEDLOSS_CE_STREAMING
-  __stcs(p, v);
-#else
-  *p = v;
-#endif
-}
-
 template <class T>
 __device__ __forceinline__ int64_t head_to_alignment(const T* row, int64_t n) {
   auto addr = reinterpret_cast<uintptr_t>(row);
@@ -51,11 +30,11 @@ __device__ __forceinline__ void visit_row(const T* row, int64_t n, bool vectoris
   for (; i + (UNROLL - 1) * THREADS < nvec; i += UNROLL * THREADS) {
     uint4 raw[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) raw[u] = load_vec(vec + i + u * THREADS);
+    for (int u = 0; u < UNROLL; ++u) raw[u] = vec[i + u * THREADS];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) on_vector(head + (i + u * THREADS) * VEC, raw[u]);
   }
-  for (; i < nvec; i += THREADS) on_vector(head + i * VEC, load_vec(vec + i));
+  for (; i < nvec; i += THREADS) on_vector(head + i * VEC, vec[i]);
   for (int64_t j = head + nvec * VEC + tid; j < n; j += THREADS) on_scalar(j);
 }
 
