@@ -3,4 +3,5 @@
 #include "fusedloss/config.h"
 #include "fusedloss/communicator.h"
 #include "fusedloss/cross_entropy.h"
+#include "fusedloss/swiglu.h"
 #include "fusedloss/types.h"

@@ -6,7 +6,9 @@
 
 namespace fusedloss {
 
-enum class DType { F32, F16, BF16 };
+// FP8_E4M3 (float8_e4m3fn: no inf, NaN = 0x7f) is only a storage format for SwiGLU's saved
+// input; every other entry point takes fp32, fp16 or bf16.
+enum class DType { F32, F16, BF16, FP8_E4M3 };
 enum class IndexType { I32, I64 };
 enum class Device { CPU, CUDA };
 
@@ -28,6 +30,14 @@ struct MatrixView {
   int64_t rows = 0;
   int64_t cols = 0;
   int64_t row_stride = 0;
+  DType dtype = DType::F32;
+  Device device = Device::CPU;
+};
+
+// A contiguous vector (a bias, per-token weights). data == nullptr means "absent".
+struct VectorView {
+  const void* data = nullptr;
+  int64_t size = 0;
   DType dtype = DType::F32;
   Device device = Device::CPU;
 };

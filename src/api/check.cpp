@@ -7,6 +7,7 @@ const char* to_string(DType d) {
     case DType::F32: return "fp32";
     case DType::F16: return "fp16";
     case DType::BF16: return "bf16";
+    case DType::FP8_E4M3: return "fp8_e4m3";
   }
   return "unknown dtype";
 }
@@ -32,12 +33,14 @@ int64_t element_size(DType dtype) {
     case DType::F32: return 4;
     case DType::F16:
     case DType::BF16: return 2;
+    case DType::FP8_E4M3: return 1;
   }
-  fail("dtype: got ", int(dtype), ", expected fp32, fp16 or bf16");
+  fail("dtype: got ", int(dtype), ", expected fp32, fp16, bf16 or fp8_e4m3");
 }
 
-void check_matrix(const MatrixView& m, const char* name) {
+void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
   element_size(m.dtype);
+  require(allow_fp8 || m.dtype != DType::FP8_E4M3, name, ".dtype: got fp8_e4m3, expected fp32, fp16 or bf16");
   require(m.device == Device::CPU || m.device == Device::CUDA, name, ".device: got ",
           int(m.device), ", expected cpu or cuda");
   require(m.rows >= 0, name, ".rows: got ", m.rows, ", expected >= 0");

@@ -20,7 +20,7 @@ void require(bool ok, const Parts&... parts) {
 }
 
 // A matrix view that is well formed: sizes, stride, pointer, known dtype and device.
-void check_matrix(const MatrixView& m, const char* name);
+void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false);
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
 // true when the two views cover overlapping memory
 bool overlaps(const MatrixView& a, const MatrixView& b);

@@ -1,6 +1,8 @@
 // Runtime dtype / index type -> compile-time types, shared by the backends.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include "core/numeric.h"
 #include "fusedloss/types.h"
 
@@ -12,8 +14,9 @@ void dispatch_dtype(DType dtype, F&& f) {
     case DType::F32: f(std::integral_constant<StorageKind, StorageKind::F32>{}); return;
     case DType::F16: f(std::integral_constant<StorageKind, StorageKind::F16>{}); return;
     case DType::BF16: f(std::integral_constant<StorageKind, StorageKind::BF16>{}); return;
+    default: break;
   }
-  throw Error("dtype: unknown value " + std::to_string(int(dtype)));
+  throw Error(std::string("dtype: got ") + to_string(dtype) + ", expected fp32, fp16 or bf16");
 }
 
 template <class F>

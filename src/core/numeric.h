@@ -71,7 +71,32 @@ FL_HD uint16_t float_to_half(float f) {
   return uint16_t(sign | uint16_t((rounded - (112u << 23)) >> 13));
 }
 
-enum class StorageKind { F32, F16, BF16 };
+// float8_e4m3fn: bias 7, 3 mantissa bits, max 448, no infinities, NaN = S.1111.111.
+// Round to nearest even; like PyTorch's conversion, |x| >= 480 (and inf) become NaN.
+FL_HD float e4m3_to_float(uint8_t b) {
+  uint32_t sign = uint32_t(b & 0x80u) << 24;
+  uint32_t exp = (b >> 3) & 0xfu, man = b & 0x7u;
+  if (exp == 0xf && man == 0x7) return bits_to_float(0x7fc00000u | sign);
+  if (exp == 0) {
+    float v = float(man) * 0.001953125f;  // man * 2^-9
+    return sign ? -v : v;
+  }
+  return bits_to_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+FL_HD uint8_t float_to_e4m3(float f) {
+  uint32_t u = float_to_bits(f);
+  uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x43f00000u) return uint8_t(sign | 0x7fu);  // >= 480, inf or NaN
+  if (a < (121u << 23)) {                              // below 2^-6: subnormal or zero
+    float r = rintf(bits_to_float(a) * 512.0f);        // units of 2^-9, ties to even
+    return uint8_t(sign | uint8_t(r));
+  }
+  a += ((7u - 127u) << 23) + 0x7ffffu + ((a >> 20) & 1u);
+  return uint8_t(sign | uint8_t(a >> 20));
+}
+
+enum class StorageKind { F32, F16, BF16, E4M3 };
 
 template <StorageKind K> struct Storage;
 template <> struct Storage<StorageKind::F32> {
@@ -88,6 +113,12 @@ template <> struct Storage<StorageKind::BF16> {
   using type = uint16_t;
   static FL_HD float load(uint16_t v) { return bf16_to_float(v); }
   static FL_HD uint16_t store(float v) { return float_to_bf16(v); }
+};
+
+template <> struct Storage<StorageKind::E4M3> {
+  using type = uint8_t;
+  static FL_HD float load(uint8_t v) { return e4m3_to_float(v); }
+  static FL_HD uint8_t store(float v) { return float_to_e4m3(v); }
 };
 
 }  // namespace fusedloss::core

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 #include "core/ce_params.h"
+#include "cuda/runtime.h"
 
 namespace fusedloss::cuda {
 
@@ -19,13 +20,6 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
                  const MatrixView& grad, Stream stream);
 // stats[r].max -> maxima[r]
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream);
-
-// Stream-ordered scratch memory (cudaMallocAsync), safe inside CUDA graph capture.
-void* alloc_async(size_t bytes, Stream stream);
-void free_async(void* ptr, Stream stream);
-void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream);
-void synchronize(Stream stream);
-bool is_device_pointer(const void* ptr);
 
 // The device error word (first out-of-range target); see check_device_errors().
 void check_device_errors(Stream stream);

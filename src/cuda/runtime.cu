@@ -1,6 +1,6 @@
 // Stream-ordered memory and copies.
 #include <cstdint>
-#include "cuda/cross_entropy_cuda.h"
+#include "cuda/runtime.h"
 #include "cuda/cuda_check.h"
 
 namespace fusedloss::cuda {

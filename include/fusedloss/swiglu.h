@@ -1,0 +1,35 @@
+// fusedloss: SwiGLU over Megatron's fused gate-up layout.
+//
+//   y = [a | b] per row: gate a = y[:, 0:n), up b = y[:, n:2n)     (y: [T, 2n], any row stride)
+//   forward   out = silu(a') * b' * w                 a' = a (+ bias), b' likewise; w optional
+//   backward  da = g w sigmoid(a')(1 + a'(1 - sigmoid(a'))) b',  db = g w silu(a')
+//             dw = sum_j silu(a'_j) b'_j g_j,  dbias = column sums of dy
+// Clamped variant (clamp_value c): a' = min(a, c), b' = clamp(b, -c, c), and the gradient is
+// zero where a clamp was active. All math in fp32; outputs rounded once.
+#pragma once
+#include "fusedloss/types.h"
+
+namespace fusedloss {
+
+struct SwigluOptions {
+  bool clamp = false;
+  float clamp_value = 0.0f;  // > 0 when clamp is set
+};
+
+// y: [T, 2n] fp32/fp16/bf16. bias: absent or [2n] of y's dtype. weights: absent or [T] fp32.
+// out: [T, n] of y's dtype. y_fp8: absent (data == nullptr) or [T, 2n] FP8_E4M3, receiving the
+// input (before bias) rounded to e4m3 for the backward (Megatron's fp8 input store).
+void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorView& weights,
+                    const SwigluOptions& options, const MatrixView& out,
+                    const MatrixView& y_fp8 = {}, Stream stream = nullptr);
+
+// grad_out: [T, n]. y: the saved input, in its own dtype or FP8_E4M3. grad_y: [T, 2n] in
+// grad_out's dtype; may be y itself (in place, when the dtypes match). grad_weights: [T] fp32,
+// required iff weights are given. grad_bias: [2n] fp32, required iff bias is given (computed in
+// a fixed order: deterministic).
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const VectorView& bias,
+                     const VectorView& weights, const SwigluOptions& options,
+                     const MatrixView& grad_y, float* grad_weights = nullptr,
+                     float* grad_bias = nullptr, Stream stream = nullptr);
+
+}  // namespace fusedloss

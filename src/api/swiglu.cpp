@@ -1,0 +1,118 @@
+// Public SwiGLU entry points: validate, resolve, dispatch to a backend.
+#include "fusedloss/swiglu.h"
+
+#include <cmath>
+#include "api/check.h"
+#include "cpu/swiglu_cpu.h"
+#ifdef FUSEDLOSS_WITH_CUDA
+#include "cuda/swiglu_cuda.h"
+#endif
+
+namespace fusedloss {
+namespace {
+
+using detail::require;
+
+void check_same_place(const MatrixView& m, const char* name, const MatrixView& y, int64_t cols,
+                      DType dtype) {
+  detail::check_matrix(m, name, dtype == DType::FP8_E4M3);
+  require(m.rows == y.rows && m.cols == cols, name, ": got shape [", m.rows, ", ", m.cols,
+          "], expected [", y.rows, ", ", cols, "]");
+  require(m.dtype == dtype, name, ".dtype: got ", to_string(m.dtype), ", expected ",
+          to_string(dtype));
+  require(m.device == y.device, name, ".device: got ", to_string(m.device), ", expected ",
+          to_string(y.device));
+}
+
+core::SwigluArgs resolve(const MatrixView& y, const VectorView& bias, const VectorView& weights,
+                         const SwigluOptions& o, DType value_dtype) {
+  require(y.cols % 2 == 0, "y.cols: got ", y.cols,
+          ", expected an even number (gate columns [0, n) and up columns [n, 2n))");
+  core::SwigluArgs a;
+  a.rows = y.rows;
+  a.n = y.cols / 2;
+  require(!o.clamp || (std::isfinite(o.clamp_value) && o.clamp_value > 0.0f),
+          "options.clamp_value: got ", o.clamp_value, ", expected a finite value > 0");
+  a.params = core::SwigluParams{o.clamp, o.clamp_value};
+  if (bias.data) {
+    require(bias.size == y.cols, "bias.size: got ", bias.size, ", expected 2n = ", y.cols);
+    require(bias.dtype == value_dtype, "bias.dtype: got ", to_string(bias.dtype), ", expected ",
+            to_string(value_dtype));
+    require(bias.device == y.device, "bias.device: got ", to_string(bias.device), ", expected ",
+            to_string(y.device));
+    a.bias = bias.data;
+  }
+  if (weights.data) {
+    require(weights.size == y.rows, "weights.size: got ", weights.size, ", expected T = ", y.rows,
+            " (one per-token scale per row, [T, 1])");
+    require(weights.dtype == DType::F32, "weights.dtype: got ", to_string(weights.dtype),
+            ", expected fp32");
+    require(weights.device == y.device, "weights.device: got ", to_string(weights.device),
+            ", expected ", to_string(y.device));
+    a.weights = static_cast<const float*>(weights.data);
+  }
+  return a;
+}
+
+#ifndef FUSEDLOSS_WITH_CUDA
+[[noreturn]] void no_cuda(const char* what) {
+  detail::fail(what, ": got a CUDA view, but this fusedloss build has no CUDA backend");
+}
+#endif
+
+}  // namespace
+
+void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorView& weights,
+                    const SwigluOptions& options, const MatrixView& out, const MatrixView& y_fp8,
+                    Stream stream) {
+  detail::check_matrix(y, "y");
+  core::SwigluArgs a = resolve(y, bias, weights, options, y.dtype);
+  check_same_place(out, "out", y, a.n, y.dtype);
+  require(!detail::overlaps(out, y), "out: overlaps y, expected a separate buffer");
+  if (y_fp8.data) {
+    check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
+    require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
+  }
+  if (y.device == Device::CPU) return cpu::swiglu_forward(y, a, out, y_fp8);
+#ifdef FUSEDLOSS_WITH_CUDA
+  cuda::swiglu_forward(y, a, out, y_fp8, stream);
+#else
+  (void)stream;
+  no_cuda("swiglu_forward");
+#endif
+}
+
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const VectorView& bias,
+                     const VectorView& weights, const SwigluOptions& options,
+                     const MatrixView& grad_y, float* grad_weights, float* grad_bias,
+                     Stream stream) {
+  detail::check_matrix(grad_out, "grad_out");
+  detail::check_matrix(y, "y", true);
+  const DType vt = grad_out.dtype;
+  require(y.dtype == vt || y.dtype == DType::FP8_E4M3, "y.dtype: got ", to_string(y.dtype),
+          ", expected ", to_string(vt), " (grad_out's) or fp8_e4m3 (fp8 input store)");
+  core::SwigluArgs a = resolve(y, bias, weights, options, vt);
+  check_same_place(grad_out, "grad_out", y, a.n, vt);
+  check_same_place(grad_y, "grad_y", y, y.cols, vt);
+  const bool in_place = grad_y.data == y.data && grad_y.row_stride == y.row_stride &&
+                        grad_y.dtype == y.dtype;
+  require(in_place || !detail::overlaps(grad_y, y),
+          "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
+  require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
+  require((grad_weights != nullptr) == (a.weights != nullptr), "grad_weights: got ",
+          grad_weights ? "a buffer" : "null", ", expected ",
+          a.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
+  require((grad_bias != nullptr) == (a.bias != nullptr), "grad_bias: got ",
+          grad_bias ? "a buffer" : "null", ", expected ",
+          a.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
+  if (y.device == Device::CPU)
+    return cpu::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias);
+#ifdef FUSEDLOSS_WITH_CUDA
+  cuda::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias, stream);
+#else
+  (void)stream;
+  no_cuda("swiglu_backward");
+#endif
+}
+
+}  // namespace fusedloss

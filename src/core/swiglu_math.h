@@ -1,0 +1,37 @@
+// The SwiGLU math, once, for every backend (see include/fusedloss/swiglu.h).
+#pragma once
+#include <cmath>
+#include "core/platform.h"
+
+namespace fusedloss::core {
+
+FL_HD float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+struct SwigluParams {
+  bool clamp;
+  float clamp_value;
+};
+
+// Gate/up after the optional clamp, and whether each clamp let the gradient through.
+struct GateUp {
+  float a, b;
+  bool a_live, b_live;
+};
+
+FL_HD GateUp gate_up(float a, float b, const SwigluParams& p) {
+  if (!p.clamp) return GateUp{a, b, true, true};
+  const float c = p.clamp_value;
+  // torch.clamp passes the gradient where min <= x <= max (inclusive)
+  return GateUp{fminf(a, c), fminf(fmaxf(b, -c), c), a <= c, b >= -c && b <= c};
+}
+
+FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }
+
+// d(out)/d(a), d(out)/d(b) scaled by g (the upstream gradient, already times w).
+FL_HD void swiglu_grad(const GateUp& v, float g, float& da, float& db) {
+  float s = sigmoid(v.a);
+  da = v.a_live ? g * s * (1.0f + v.a * (1.0f - s)) * v.b : 0.0f;
+  db = v.b_live ? g * v.a * s : 0.0f;
+}
+
+}  // namespace fusedloss::core

@@ -1,0 +1,12 @@
+// CPU reference backend of SwiGLU. Arguments arrive validated (src/api/swiglu.cpp).
+#pragma once
+#include "core/swiglu_params.h"
+
+namespace fusedloss::cpu {
+
+void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
+                    const MatrixView& y_fp8);
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluArgs& a,
+                     const MatrixView& grad_y, float* grad_weights, float* grad_bias);
+
+}  // namespace fusedloss::cpu

@@ -1,0 +1,233 @@
+// CUDA SwiGLU over the fused gate-up layout, one block per row, VEC elements per access
+// (16-byte accesses when every row and half is aligned, single elements otherwise).
+//
+// Bytes per row: forward reads 2n and writes n (+2n bytes of e4m3 with the fp8 store);
+// backward reads n + 2n and writes 2n. The bias gradient reads the written gradient once more.
+#include "cuda/swiglu_cuda.h"
+
+#include "core/dispatch.h"
+#include "core/swiglu_math.h"
+#include "cuda/cuda_check.h"
+
+namespace fusedloss::cuda {
+namespace {
+
+using core::StorageKind;
+template <StorageKind K>
+using Elem = typename core::Storage<K>::type;
+template <StorageKind K>
+using St = core::Storage<K>;
+
+constexpr int kThreads = 256;
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <class T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, N>*>(p);
+}
+template <class T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
+  *reinterpret_cast<Pack<T, N>*>(p) = v;
+}
+
+// VEC gate/up values of row `yr` at columns [j, j + VEC), bias added.
+template <StorageKind Y, StorageKind V, int VEC>
+__device__ __forceinline__ void load_gate_up(const Elem<Y>* yr, int64_t j, const core::SwigluArgs& a,
+                                             core::GateUp (&v)[VEC]) {
+  Pack<Elem<Y>, VEC> g = load_pack<Elem<Y>, VEC>(yr + j), u = load_pack<Elem<Y>, VEC>(yr + a.n + j);
+  float bg[VEC] = {}, bu[VEC] = {};
+  if (a.bias) {
+    auto* b = static_cast<const Elem<V>*>(a.bias);
+    Pack<Elem<V>, VEC> pg = load_pack<Elem<V>, VEC>(b + j), pu = load_pack<Elem<V>, VEC>(b + a.n + j);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) bg[k] = St<V>::load(pg.v[k]), bu[k] = St<V>::load(pu.v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < VEC; ++k)
+    v[k] = core::gate_up(St<Y>::load(g.v[k]) + bg[k], St<Y>::load(u.v[k]) + bu[k], a.params);
+}
+
+template <StorageKind V, int VEC, bool kFp8Store>
+__global__ void __launch_bounds__(kThreads)
+    forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
+                   uint8_t* y8, int64_t y8s) {
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const Elem<V>* yr = y + r * ys;
+    const float w = a.weights ? a.weights[r] : 1.0f;
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
+      core::GateUp v[VEC];
+      load_gate_up<V, V, VEC>(yr, j, a, v);
+      Pack<Elem<V>, VEC> o;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o.v[k] = St<V>::store(core::swiglu_value(v[k]) * w);
+      store_pack(out + r * os + j, o);
+      if constexpr (kFp8Store) {
+        // the raw input (before bias), as Megatron saves it
+        Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(yr + j), u = load_pack<Elem<V>, VEC>(yr + a.n + j);
+        Pack<uint8_t, VEC> fg, fu;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          fg.v[k] = core::float_to_e4m3(St<V>::load(g.v[k])),
+          fu.v[k] = core::float_to_e4m3(St<V>::load(u.v[k]));
+        store_pack(y8 + r * y8s + j, fg);
+        store_pack(y8 + r * y8s + a.n + j, fu);
+      }
+    }
+  }
+}
+
+template <StorageKind Y, StorageKind V, int VEC, bool kWeights>
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
+                    core::SwigluArgs a, Elem<V>* gy, int64_t gys, float* grad_weights) {
+  __shared__ float warp_sums[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+    const Elem<Y>* yr = y + r * ys;
+    Elem<V>* gr = gy + r * gys;
+    const float w = kWeights ? a.weights[r] : 1.0f;
+    float dw = 0.0f;
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
+      core::GateUp v[VEC];
+      load_gate_up<Y, V, VEC>(yr, j, a, v);
+      Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(go + r * gos + j), da, db;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        float gk = St<V>::load(g.v[k]), dak, dbk;
+        core::swiglu_grad(v[k], gk * w, dak, dbk);
+        if (kWeights) dw += core::swiglu_value(v[k]) * gk;
+        da.v[k] = St<V>::store(dak);
+        db.v[k] = St<V>::store(dbk);
+      }
+      store_pack(gr + j, da);  // in place: this thread read these columns above
+      store_pack(gr + a.n + j, db);
+    }
+    if constexpr (kWeights) {
+      // fixed-order block sum: deterministic
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, off);
+      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dw;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int k = 0; k < kThreads / 32; ++k) s += warp_sums[k];
+        grad_weights[r] = s;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Bias gradient: column sums of the stored gradient in two fixed-order stages.
+constexpr int64_t kRowsPerChunk = 256;
+template <StorageKind V>
+__global__ void column_partial_kernel(const Elem<V>* g, int64_t gs, int64_t rows, int64_t cols,
+                                      float* partial) {
+  int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  int64_t r0 = blockIdx.y * kRowsPerChunk, r1 = min(rows, r0 + kRowsPerChunk);
+  float s = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) s += St<V>::load(g[r * gs + c]);
+  partial[blockIdx.y * cols + c] = s;
+}
+
+__global__ void column_final_kernel(const float* partial, int64_t chunks, int64_t cols, float* out) {
+  int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) s += partial[k * cols + c];
+  out[c] = s;
+}
+
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// 16-byte accesses need every row start, both halves and the bias on a VEC boundary.
+bool can_vectorise(const core::SwigluArgs& a, int vec, std::initializer_list<const MatrixView*> views) {
+  if (a.n % vec) return false;
+  for (const MatrixView* m : views) {
+    if (!m->data) continue;
+    int64_t es = detail::element_size(m->dtype);
+    if (!aligned(m->data, vec * es) || (m->row_stride * es) % (vec * es)) return false;
+  }
+  if (a.bias && !aligned(a.bias, 16)) return false;
+  return true;
+}
+
+unsigned row_grid(int64_t rows) { return unsigned(std::min<int64_t>(rows, 1 << 30)); }
+
+}  // namespace
+
+void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
+                    const MatrixView& y_fp8, Stream stream) {
+  if (a.rows == 0) return;
+  core::dispatch_dtype(y.dtype, [&](auto k) {
+    constexpr StorageKind V = decltype(k)::value;
+    constexpr int VEC = 16 / sizeof(Elem<V>);
+    auto launch = [&](auto vec_c, auto fp8_c) {
+      forward_kernel<V, decltype(vec_c)::value, decltype(fp8_c)::value>
+          <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
+              static_cast<const Elem<V>*>(y.data), y.row_stride, a,
+              static_cast<Elem<V>*>(out.data), out.row_stride, static_cast<uint8_t*>(y_fp8.data),
+              y_fp8.row_stride);
+    };
+    const bool vec = can_vectorise(a, VEC, {&y, &out, &y_fp8});
+    const bool f8 = y_fp8.data != nullptr;
+    using One = std::integral_constant<int, 1>;
+    using Wide = std::integral_constant<int, VEC>;
+    if (vec && f8) launch(Wide{}, std::true_type{});
+    else if (vec) launch(Wide{}, std::false_type{});
+    else if (f8) launch(One{}, std::true_type{});
+    else launch(One{}, std::false_type{});
+    FL_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluArgs& a,
+                     const MatrixView& grad_y, float* grad_weights, float* grad_bias,
+                     Stream stream) {
+  if (a.rows == 0) {
+    if (grad_bias) FL_CUDA_CHECK(cudaMemsetAsync(grad_bias, 0, sizeof(float) * 2 * a.n, as_cuda(stream)));
+    return;
+  }
+  core::dispatch_dtype(grad_y.dtype, [&](auto k) {
+    constexpr StorageKind V = decltype(k)::value;
+    constexpr int VEC = 16 / sizeof(Elem<V>);
+    auto run = [&](auto y_kind) {
+      constexpr StorageKind Y = decltype(y_kind)::value;
+      auto launch = [&](auto vec_c, auto w_c) {
+        backward_kernel<Y, V, decltype(vec_c)::value, decltype(w_c)::value>
+            <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
+                static_cast<const Elem<V>*>(grad_out.data), grad_out.row_stride,
+                static_cast<const Elem<Y>*>(y.data), y.row_stride, a,
+                static_cast<Elem<V>*>(grad_y.data), grad_y.row_stride, grad_weights);
+      };
+      const bool vec = can_vectorise(a, VEC, {&grad_out, &y, &grad_y});
+      using One = std::integral_constant<int, 1>;
+      using Wide = std::integral_constant<int, VEC>;
+      if (vec && grad_weights) launch(Wide{}, std::true_type{});
+      else if (vec) launch(Wide{}, std::false_type{});
+      else if (grad_weights) launch(One{}, std::true_type{});
+      else launch(One{}, std::false_type{});
+      FL_CUDA_CHECK_LAUNCH();
+    };
+    if (y.dtype == DType::FP8_E4M3) run(std::integral_constant<StorageKind, StorageKind::E4M3>{});
+    else run(std::integral_constant<StorageKind, V>{});
+    if (grad_bias) {
+      const int64_t cols = 2 * a.n, chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
+      float* partial = static_cast<float*>(alloc_async(sizeof(float) * cols * chunks, stream));
+      dim3 grid(unsigned((cols + 255) / 256), unsigned(chunks));
+      column_partial_kernel<V><<<grid, 256, 0, as_cuda(stream)>>>(
+          static_cast<const Elem<V>*>(grad_y.data), grad_y.row_stride, a.rows, cols, partial);
+      FL_CUDA_CHECK_LAUNCH();
+      column_final_kernel<<<unsigned((cols + 255) / 256), 256, 0, as_cuda(stream)>>>(partial, chunks,
+                                                                                cols, grad_bias);
+      FL_CUDA_CHECK_LAUNCH();
+      free_async(partial, stream);
+    }
+  });
+}
+
+}  // namespace fusedloss::cuda

@@ -1,0 +1,291 @@
+// SwiGLU on every backend against a float64 reference written from the definitions, with
+// fresh random inputs and poisoned outputs; every Megatron variant, layouts and bad inputs.
+#include <optional>
+
+#include "common/test_util.h"
+#include "fusedloss/swiglu.h"
+
+namespace fusedloss::test {
+namespace {
+
+struct SwCase {
+  int64_t rows = 33, n = 96, pad = 0, offset = 0;
+  DType dtype = DType::F32;
+  bool bias = false, weights = false, fp8 = false, in_place = false;
+  std::optional<float> clamp;
+  std::string describe() const {
+    std::ostringstream os;
+    os << "rows=" << rows << " n=" << n << " pad=" << pad << " offset=" << offset << " dtype="
+       << to_string(dtype) << (bias ? " bias" : "") << (weights ? " weights" : "")
+       << (fp8 ? " fp8-store" : "") << (in_place ? " in-place" : "")
+       << (clamp ? " clamp=" + std::to_string(*clamp) : "");
+    return os.str();
+  }
+};
+
+double sig(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// Megatron's math in float64: returns out [T, n], dy [T, 2n], dw [T], dbias [2n].
+struct SwRef { std::vector<double> out, dy, dw, dbias; };
+SwRef reference(const std::vector<double>& y, const std::vector<double>& y_bwd,
+                const std::vector<double>& bias, const std::vector<double>& w,
+                const std::vector<double>& g, int64_t T, int64_t n, std::optional<float> clamp) {
+  SwRef r{std::vector<double>(T * n), std::vector<double>(T * 2 * n), std::vector<double>(T),
+          std::vector<double>(2 * n, 0.0)};
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < n; ++j) {
+      auto value = [&](const std::vector<double>& src, double& a, double& b, bool& la, bool& lb) {
+        a = src[t * 2 * n + j] + (bias.empty() ? 0 : bias[j]);
+        b = src[t * 2 * n + n + j] + (bias.empty() ? 0 : bias[n + j]);
+        la = lb = true;
+        if (clamp) {
+          la = a <= *clamp;
+          lb = b >= -*clamp && b <= *clamp;
+          a = std::min<double>(a, *clamp);
+          b = std::clamp<double>(b, -*clamp, *clamp);
+        }
+      };
+      double a, b;
+      bool la, lb;
+      double wt = w.empty() ? 1.0 : w[t];
+      value(y, a, b, la, lb);
+      r.out[t * n + j] = a * sig(a) * b * wt;
+      value(y_bwd, a, b, la, lb);  // backward sees the saved (maybe e4m3) input
+      double gg = g[t * n + j];
+      r.dy[t * 2 * n + j] = la ? gg * wt * sig(a) * (1 + a * (1 - sig(a))) * b : 0.0;
+      r.dy[t * 2 * n + n + j] = lb ? gg * wt * a * sig(a) : 0.0;
+      r.dw[t] += a * sig(a) * b * gg;
+    }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t c = 0; c < 2 * n; ++c) r.dbias[c] += r.dy[t * 2 * n + c];
+  return r;
+}
+
+class Swiglu : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+  void check(const SwCase& c);
+};
+
+void Swiglu::check(const SwCase& c) {
+  SCOPED_TRACE(c.describe());
+  const Device dev = GetParam();
+  const int64_t T = c.rows, n = c.n, cols = 2 * n, stride = cols + c.pad, es = dtype_size(c.dtype);
+  const int64_t elems = c.offset + std::max<int64_t>(T * stride, 1);
+  auto nz = [](int64_t v) { return std::max<int64_t>(v, 1); };
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  Buffer y(dev, elems * es), out(dev, nz(T * n) * es), y8(dev, nz(T * cols)), bias(dev, cols * es),
+      w(dev, nz(T) * 4), g(dev, nz(T * n) * es), gy(dev, elems * es), gw(dev, nz(T) * 4),
+      gb(dev, cols * 4);
+  for (int64_t i = 0; i < elems; ++i) store_as(c.dtype, y.host(), i, normal(rng()));
+  for (int64_t i = 0; i < cols; ++i) store_as(c.dtype, bias.host(), i, normal(rng()) * 0.3f);
+  std::uniform_real_distribution<float> u(0.1f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) w.host_as<float>()[t] = u(rng());
+  for (int64_t i = 0; i < T * n; ++i) store_as(c.dtype, g.host(), i, normal(rng()));
+  // The reference sees the inputs exactly as stored.
+  std::vector<double> yd(T * cols), bd, wd, gd(T * n);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < cols; ++j) yd[t * cols + j] = load_as(c.dtype, y.host(), c.offset + t * stride + j);
+  if (c.bias) for (int64_t i = 0; i < cols; ++i) bd.push_back(load_as(c.dtype, bias.host(), i));
+  if (c.weights) for (int64_t t = 0; t < T; ++t) wd.push_back(w.host_as<float>()[t]);
+  for (int64_t i = 0; i < T * n; ++i) gd[i] = load_as(c.dtype, g.host(), i);
+  std::vector<unsigned char> y_before(static_cast<unsigned char*>(y.host()),
+                                      static_cast<unsigned char*>(y.host()) + y.bytes());
+  y.upload(); bias.upload(); w.upload(); g.upload();
+  out.poison(); y8.poison(); gy.poison(); gw.poison(); gb.poison();
+
+  auto at = [&](Buffer& b) { return static_cast<char*>(b.data()) + c.offset * es; };
+  MatrixView yv{at(y), T, cols, stride, c.dtype, dev};
+  MatrixView y8v{c.fp8 ? y8.data() : nullptr, T, cols, cols, DType::FP8_E4M3, dev};
+  VectorView bv{c.bias ? bias.data() : nullptr, cols, c.dtype, dev};
+  VectorView wv{c.weights ? w.data() : nullptr, T, DType::F32, dev};
+  SwigluOptions opt;
+  if (c.clamp) opt.clamp = true, opt.clamp_value = *c.clamp;
+  swiglu_forward(yv, bv, wv, opt, {out.data(), T, n, n, c.dtype, dev}, y8v);
+  out.download(); y8.download();
+  std::vector<double> ybwd = yd;
+  if (c.fp8)
+    for (int64_t i = 0; i < T * cols; ++i) {
+      // the saved copy is the input rounded to e4m3 (checked against known encodings below)
+      ybwd[i] = core::e4m3_to_float(y8.host_as<uint8_t>()[i]);
+      ASSERT_EQ(y8.host_as<uint8_t>()[i], core::float_to_e4m3(float(yd[i]))) << "y_fp8[" << i << "]";
+    }
+
+  MatrixView gyv = c.in_place ? yv : MatrixView{at(gy), T, cols, stride, c.dtype, dev};
+  swiglu_backward({g.data(), T, n, n, c.dtype, dev}, c.fp8 ? y8v : yv, bv, wv, opt, gyv,
+                  c.weights ? gw.data_as<float>() : nullptr, c.bias ? gb.data_as<float>() : nullptr);
+  Buffer& gbuf = c.in_place ? y : gy;
+  gbuf.download(); gw.download(); gb.download();
+
+  SwRef ref = reference(yd, ybwd, bd, wd, gd, T, n, c.clamp);
+  const double tol = grad_tolerance(c.dtype);
+  std::vector<double> o(T * n), dy(T * cols);
+  for (int64_t i = 0; i < T * n; ++i) o[i] = load_as(c.dtype, out.host(), i);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < cols; ++j) dy[t * cols + j] = load_as(c.dtype, gbuf.host(), c.offset + t * stride + j);
+  EXPECT_LE(rel_l2(o, ref.out), tol) << "forward";
+  EXPECT_LE(rel_l2(dy, ref.dy), tol) << "grad_y";
+  if (c.weights) {
+    std::vector<double> dw(gw.host_as<float>(), gw.host_as<float>() + T);
+    EXPECT_LE(rel_l2(dw, ref.dw), tol) << "grad_weights";
+  }
+  if (c.bias) {
+    std::vector<double> db(gb.host_as<float>(), gb.host_as<float>() + cols);
+    EXPECT_LE(rel_l2(db, ref.dbias), tol) << "grad_bias";
+  }
+  // Padding columns of a strided y keep their bytes (in place writes only [T, 2n]).
+  if (c.in_place && c.pad) {
+    const auto* now = static_cast<const unsigned char*>(y.host());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = cols; j < stride; ++j)
+        for (int64_t b = 0; b < es; ++b) {
+          int64_t idx = (c.offset + t * stride + j) * es + b;
+          ASSERT_EQ(now[idx], y_before[idx]) << "padding of row " << t;
+        }
+  }
+}
+
+TEST_P(Swiglu, PlainEveryDtype) {
+  for (DType d : {DType::F32, DType::F16, DType::BF16}) {
+    SwCase c;
+    c.dtype = d;
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, Bias) {
+  for (DType d : {DType::F32, DType::BF16}) {
+    SwCase c;
+    c.dtype = d;
+    c.bias = true;
+    c.rows = 300;  // more than one row chunk of the bias reduction
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, WeightedPerTokenScale) {
+  for (DType d : {DType::F32, DType::BF16}) {
+    SwCase c;
+    c.dtype = d;
+    c.weights = true;
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, Clamp) {
+  for (float cv : {0.5f, 2.0f}) {
+    SwCase c;
+    c.clamp = cv;
+    c.weights = cv > 1;
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, Fp8InputStore) {
+  for (DType d : {DType::F32, DType::F16, DType::BF16}) {
+    SwCase c;
+    c.dtype = d;
+    c.fp8 = true;
+    c.weights = d == DType::BF16;
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, InPlace) {
+  for (DType d : {DType::F32, DType::BF16}) {
+    SwCase c;
+    c.dtype = d;
+    c.in_place = true;
+    c.pad = 8;
+    c.bias = d == DType::F32;
+    check(c);
+  }
+}
+
+TEST_P(Swiglu, LayoutsAndEdgeShapes) {
+  for (int64_t n : {1, 3, 7, 8, 9, 64})
+    for (int64_t pad : {0, 1, 8})
+      for (int64_t offset : {0, 1}) {
+        SwCase c;
+        c.n = n;
+        c.pad = pad;
+        c.offset = offset;
+        c.rows = 5;
+        c.dtype = (n + pad) % 2 ? DType::F16 : DType::F32;
+        c.in_place = offset == 1;
+        check(c);
+      }
+  SwCase empty;
+  empty.rows = 0;
+  empty.bias = true;
+  empty.weights = true;
+  check(empty);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Swiglu, ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+TEST(Fp8E4M3, KnownEncodings) {
+  struct { float v; uint8_t bits; } known[] = {
+      {0.0f, 0x00}, {1.0f, 0x38}, {-1.5f, 0xbc}, {448.0f, 0x7e}, {-448.0f, 0xfe},
+      {0.001953125f, 0x01} /* 2^-9, smallest subnormal */, {0.015625f, 0x08} /* 2^-6 */,
+      {1.0625f, 0x38} /* tie: rounds to even */, {1.1875f, 0x3a} /* tie: up to even */,
+      {464.0f, 0x7e} /* below the overflow threshold */, {480.0f, 0x7f} /* NaN */,
+      {INFINITY, 0x7f}};
+  for (auto k : known) {
+    EXPECT_EQ(int(core::float_to_e4m3(k.v)), int(k.bits)) << k.v;
+    if ((k.bits & 0x7f) != 0x7f) EXPECT_EQ(core::e4m3_to_float(k.bits), k.v == 1.0625f ? 1.0f : k.v == 1.1875f ? 1.25f : k.v == 464.0f ? 448.0f : k.v);
+  }
+  EXPECT_TRUE(std::isnan(core::e4m3_to_float(0x7f)));
+  for (int b = 0; b < 256; ++b)  // every non-NaN code round-trips
+    if ((b & 0x7f) != 0x7f) EXPECT_EQ(int(core::float_to_e4m3(core::e4m3_to_float(uint8_t(b)))), b);
+}
+
+// Bad inputs: odd last dim, bias / scale shapes, dtype and device mismatches, missing grads.
+template <class F>
+void expect_error(F&& f, const char* a, const char* b) {
+  try {
+    f();
+    ADD_FAILURE() << "expected fusedloss::Error";
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find(a), std::string::npos) << m;
+    EXPECT_NE(m.find(b), std::string::npos) << m;
+  }
+}
+
+TEST(SwigluBadInputs, ClearErrors) {
+  std::vector<float> y(4 * 8), out(4 * 4), bias(8), w(4), g(4 * 4), gy(4 * 8);
+  MatrixView yv{y.data(), 4, 8, 8, DType::F32, Device::CPU}, ov{out.data(), 4, 4, 4, DType::F32, Device::CPU};
+  VectorView none{};
+  expect_error([&] { swiglu_forward({y.data(), 4, 7, 8, DType::F32, Device::CPU}, none, none, {}, ov); },
+               "y.cols", "7");
+  expect_error([&] { swiglu_forward(yv, {bias.data(), 6, DType::F32, Device::CPU}, none, {}, ov); },
+               "bias.size", "6");
+  expect_error([&] { swiglu_forward(yv, {bias.data(), 8, DType::BF16, Device::CPU}, none, {}, ov); },
+               "bias.dtype", "bf16");
+  expect_error([&] { swiglu_forward(yv, none, {w.data(), 3, DType::F32, Device::CPU}, {}, ov); },
+               "weights.size", "3");
+  expect_error([&] { swiglu_forward(yv, none, {w.data(), 4, DType::F32, Device::CUDA}, {}, ov); },
+               "weights.device", "cuda");
+  expect_error([&] { swiglu_forward(yv, none, none, {}, {out.data(), 4, 4, 4, DType::F16, Device::CPU}); },
+               "out.dtype", "fp16");
+  expect_error([&] { swiglu_forward(yv, none, none, {}, {out.data(), 4, 3, 4, DType::F32, Device::CPU}); },
+               "out", "[4, 3]");
+  SwigluOptions bad;
+  bad.clamp = true;
+  bad.clamp_value = -1.0f;
+  expect_error([&] { swiglu_forward(yv, none, none, bad, ov); }, "clamp_value", "-1");
+  MatrixView gv{g.data(), 4, 4, 4, DType::F32, Device::CPU}, gyv{gy.data(), 4, 8, 8, DType::F32, Device::CPU};
+  expect_error([&] { swiglu_backward(gv, yv, none, {w.data(), 4, DType::F32, Device::CPU}, {}, gyv); },
+               "grad_weights", "null");
+  expect_error([&] { swiglu_backward(gv, yv, {bias.data(), 8, DType::F32, Device::CPU}, none, {}, gyv); },
+               "grad_bias", "null");
+  MatrixView shifted{y.data() + 1, 3, 8, 8, DType::F32, Device::CPU};
+  expect_error([&] { swiglu_backward({g.data(), 3, 4, 4, DType::F32, Device::CPU}, {y.data(), 3, 8, 8, DType::F32, Device::CPU},
+                                     none, none, {}, shifted); },
+               "grad_y", "overlaps");
+}
+
+}  // namespace
+}  // namespace fusedloss::test
