@@ -3,77 +3,13 @@
 // run and the 3-pass floor. Median of many runs with CUDA events; the logits are restored from
 // a pristine copy outside the timed region (the in-place backward overwrites them).
 // Output: CSV on stdout (provider,op,V,ms,...), one line per measurement.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <random>
-#include <string>
-#include <vector>
+
+#include "bench_util.cuh"
 
 #include "fusedloss/fusedloss.h"
 
 namespace fl = fusedloss;
-
-#define CHECK(call)                                                                       \
-  do {                                                                                    \
-    cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #call, cudaGetErrorString(e_),      \
-                   __FILE__, __LINE__);                                                   \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
-template <class Setup, class Body>
-double median_ms(int iters, Setup&& setup, Body&& body) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < iters + 3; ++i) {
-    setup();
-    CHECK(cudaEventRecord(a));
-    body();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 3) ms.push_back(t);  // warm-up excluded
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
-// Bytes read + written per second by a large device-to-device copy.
-double copy_bandwidth_gbs() {
-  const size_t bytes = size_t(2) << 30;
-  void *src, *dst;
-  CHECK(cudaMalloc(&src, bytes));
-  CHECK(cudaMalloc(&dst, bytes));
-  CHECK(cudaMemset(src, 1, bytes));
-  double ms = median_ms(20, [] {}, [&] { CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice)); });
-  CHECK(cudaFree(src));
-  CHECK(cudaFree(dst));
-  return 2.0 * bytes / (ms * 1e-3) / 1e9;
-}
-
-__global__ void fill_bf16(uint16_t* x, size_t n, uint64_t seed) {
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  for (; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    // hash -> roughly uniform in [-8, 8)
-    uint64_t h = (i + seed) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-    h *= 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 32;
-    float v = (float(h & 0xffffff) / 16777216.0f - 0.5f) * 16.0f;
-    uint32_t u = __float_as_uint(v);
-    x[i] = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-}
 
 int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? std::atoll(argv[1]) : 8192;
@@ -96,8 +32,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&loss, rows * 4));
     CHECK(cudaMalloc(&lse, rows * 4));
     CHECK(cudaMalloc(&grad_loss, rows * 4));
-    fill_bf16<<<1024, 256>>>(pristine, n, uint64_t(V));
-    CHECK(cudaGetLastError());
+    fill_bf16(pristine, n, uint64_t(V), -8.0f, 8.0f);
     std::vector<int64_t> t(rows);
     std::mt19937_64 gen(V);
     for (auto& v : t) v = int64_t(gen() % uint64_t(V));

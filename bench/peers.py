@@ -90,3 +90,61 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
         del x, loss
     med = statistics.median
     return med(fwd), med(bwd), med(both), peak / 2**20
+
+
+# ---- SwiGLU over the fused gate-up buffer y [T, 2n] ----
+
+def torch_swiglu(y):
+    a, b = torch.chunk(y, 2, -1)
+    return F.silu(a) * b
+
+
+def liger_swiglu():
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
+
+    return lambda y: LigerFusedGateUpSiLUMulFunction.apply(y, False)
+
+
+def megatron_swiglu():
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    return lambda y: bias_swiglu_impl(y, None)
+
+
+def available_swiglu():
+    providers = {"torch": torch_swiglu}
+    for name, make in (("liger", liger_swiglu), ("megatron", megatron_swiglu)):
+        try:
+            providers[name] = make()
+        except Exception as e:
+            print(f"[bench] provider {name} unavailable: {type(e).__name__}: {e}")
+    return providers
+
+
+def time_unary(fn, pristine, iters=50, warmup=3):
+    """Like time_provider, for y -> out with a random upstream gradient."""
+    fwd, bwd, both = [], [], []
+    peak = 0
+    grad = None
+    for i in range(iters + warmup):
+        x = pristine.detach().clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        out = fn(x)
+        e[1].record()
+        if grad is None:
+            grad = torch.randn_like(out)
+        out.backward(grad)
+        e[2].record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            fwd.append(e[0].elapsed_time(e[1]))
+            bwd.append(e[1].elapsed_time(e[2]))
+            both.append(e[0].elapsed_time(e[2]))
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+        del x, out
+    med = statistics.median
+    return med(fwd), med(bwd), med(both), peak / 2**20

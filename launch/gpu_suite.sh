@@ -11,14 +11,13 @@ status=0
 step() { echo "== $*"; }
 
 step build
-BUILD_DIR=build-gpu launch/build.sh -DFUSEDLOSS_TESTS=ON -DFUSEDLOSS_BENCH=ON \
+BUILD_DIR=build-gpu launch/build.sh -DFUSEDLOSS_TESTS=ON -DFUSEDLOSS_BENCH=ON -DFUSEDLOSS_PTXAS_REPORT=ON \
   > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-grep -i -E "spill|warning" "$OUT/build.log" | head -20
-step resource usage
-cuobjdump --dump-resource-usage build-gpu/CMakeFiles/fusedloss.dir/src/cuda/*.o 2>&1 \
-  | grep -E "Function|REG|STACK" | sed 's/^ *//' > "$OUT/resource_usage.txt"
-grep -c "STACK:0" "$OUT/resource_usage.txt" | sed 's/^/kernels with no stack frame: /'
-grep -v "STACK:0" "$OUT/resource_usage.txt" | grep STACK | head -5
+step "kernel resources (ptxas)"
+grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/ptxas info *: //' \
+  > "$OUT/ptxas_report.txt"
+echo "kernels: $(grep -c 'Compiling entry' "$OUT/ptxas_report.txt"), with spills: \
+$(grep -c '[1-9][0-9]* bytes spill' "$OUT/ptxas_report.txt")"
 
 step ctest
 ctest --test-dir build-gpu --output-on-failure --timeout 600 -j 4 > "$OUT/ctest.log" 2>&1 || status=1
@@ -35,8 +34,11 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  step benchmark
-  PYTHONUNBUFFERED=1 python3 bench/run_ce_bench.py --binary build-gpu/bench/ce_bench --out "$OUT" \
-    2>&1 | tee "$OUT/bench.log" | grep -v "^\[bench\]" || status=1
+  for kind in cross-entropy swiglu; do
+    step "benchmark $kind"
+    PYTHONUNBUFFERED=1 python3 bench/run_bench.py $kind --build build-gpu --out "$OUT" \
+      > "$OUT/bench-$kind.log" 2>&1 || status=1
+    sed -n '/ on NVIDIA\| on .*copy bandwidth/,$p' "$OUT/bench-$kind.log" | grep -v "^\[rank"
+  done
 fi
 exit $status

@@ -1,0 +1,140 @@
+"""fusedloss against its peers, in one run on one GPU.
+
+  cross-entropy: bench/ce_bench (the C++ API) vs torch F.cross_entropy, Liger-Kernel, Megatron-core
+  swiglu:        bench/swiglu_bench vs torch silu(a)*b, Liger's fused gate-up, Megatron bias_swiglu_impl
+
+Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x each peer and
+peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
+
+usage: python3 bench/run_bench.py {cross-entropy,swiglu} --build build-gpu [--out DIR]
+"""
+import argparse
+import csv
+import datetime
+import io
+import os
+import subprocess
+
+import torch
+
+import peers
+
+ROWS = 8192  # S=2048, B=4
+
+
+def git_commit():
+    if os.environ.get("FUSEDLOSS_COMMIT"):
+        return os.environ["FUSEDLOSS_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def run_ours(binary, size_key):
+    text = subprocess.check_output([binary, str(ROWS)], text=True)
+    rows = list(csv.DictReader(io.StringIO(text)))
+    recs = [dict(provider="fusedloss", op=r["op"], size=int(r[size_key]), ms=float(r["ms"]),
+                 floor_ms=float(r["floor_ms"]), peak_mib=float(r["peak_extra_mib"])) for r in rows]
+    return recs, rows[0]["gpu"], float(rows[0]["copy_gbs"])
+
+
+def peer_records(kind, sizes, floors):
+    recs = []
+    if kind == "cross-entropy":
+        providers = peers.available()
+    else:
+        providers = peers.available_swiglu()
+    for size in sizes:
+        g = torch.Generator(device="cuda").manual_seed(size)
+        if kind == "cross-entropy":
+            x = (torch.rand(ROWS, size, device="cuda", generator=g) * 16 - 8).to(torch.bfloat16)
+            t = torch.randint(0, size, (ROWS,), device="cuda", generator=g)
+            timer = lambda fn: peers.time_provider(fn, x, t)
+        else:
+            x = (torch.rand(ROWS, 2 * size, device="cuda", generator=g) * 8 - 4).to(torch.bfloat16)
+            timer = lambda fn: peers.time_unary(fn, x)
+        for name, fn in providers.items():
+            try:
+                f, b, fb, peak = timer(fn)
+            except Exception as e:
+                print(f"[bench] {name} failed at {size}: {type(e).__name__}: {e}")
+                continue
+            for op, ms in (("forward", f), ("backward", b), ("fwd+bwd", fb)):
+                recs.append(dict(provider=name, op=op, size=size, ms=ms, floor_ms=floors[(op, size)],
+                                 peak_mib=peak))
+        del x
+        torch.cuda.empty_cache()
+    return recs, list(providers)
+
+
+def report(kind, size_name, records, names, gpu, copy_gbs, out_dir):
+    by = {(r["provider"], r["op"], r["size"]): r for r in records}
+    sizes = sorted({r["size"] for r in records})
+    print(f"\n{kind} on {gpu}; copy bandwidth {copy_gbs:.0f} GB/s (read+write); rows {ROWS}; bf16; "
+          f"commit {git_commit()}")
+    print(f"{size_name:>7} {'op':>9} {'floor':>7} " + " ".join(f"{n:>10}" for n in names) +
+          "  x floor " + " ".join(f"{'x ' + n:>11}" for n in names[1:]) +
+          "  peak extra MiB (" + "/".join(names) + ")")
+    def cell(n, op, s, fmt):
+        return fmt(by[(n, op, s)]) if (n, op, s) in by else "-"
+
+    for s in sizes:
+        for op in ("forward", "backward", "fwd+bwd"):
+            ours = by[("fusedloss", op, s)]
+            times = " ".join("%10s" % cell(n, op, s, lambda r: "%.3f" % r["ms"]) for n in names)
+            ratios = " ".join("%11s" % cell(n, op, s, lambda r: "%.2f" % (ours["ms"] / r["ms"]))
+                              for n in names[1:])
+            peaks = "/".join(cell(n, op, s, lambda r: "%.0f" % r["peak_mib"]) for n in names)
+            print(f"{s:>7} {op:>9} {ours['floor_ms']:>7.3f} {times}  "
+                  f"{ours['ms'] / ours['floor_ms']:>7.2f} {ratios}  {peaks}")
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-{kind}.csv")
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["provider", "op", size_name, "rows", "dtype", "ms", "floor_ms", "x_floor",
+                    "peak_extra_mib", "copy_gbs", "gpu", "commit", "date"])
+        for r in records:
+            w.writerow([r["provider"], r["op"], r["size"], ROWS, "bf16", f"{r['ms']:.4f}",
+                        f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}", f"{r['peak_mib']:.1f}",
+                        f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
+    print(f"wrote {path}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"[bench] no plot: {e}")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for n in names:
+        ax.plot(sizes, [by[(n, "fwd+bwd", s)]["ms"] if (n, "fwd+bwd", s) in by else float("nan")
+                        for s in sizes], marker="o", label=n)
+    ax.plot(sizes, [by[("fusedloss", "fwd+bwd", s)]["floor_ms"] for s in sizes], "k--",
+            label="floor (copy bandwidth)")
+    ax.set_xlabel(size_name)
+    ax.set_ylabel(f"forward+backward ms ({ROWS} rows, bf16)")
+    ax.set_title(f"{kind} on {gpu}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path.replace(".csv", ".png"), dpi=110, bbox_inches="tight")
+    print(f"wrote {path.replace('.csv', '.png')}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=["cross-entropy", "swiglu"])
+    ap.add_argument("--build", required=True, help="CMake build dir holding bench/ce_bench etc.")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    binary, size_name = (("ce_bench", "V") if args.kind == "cross-entropy" else ("swiglu_bench", "n"))
+    ours, gpu, copy_gbs = run_ours(os.path.join(args.build, "bench", binary), size_name)
+    floors = {(r["op"], r["size"]): r["floor_ms"] for r in ours}
+    theirs, names = peer_records(args.kind, sorted({r["size"] for r in ours}), floors)
+    report(args.kind, size_name, ours + theirs, ["fusedloss"] + names, gpu, copy_gbs, args.out)
+
+
+if __name__ == "__main__":
+    main()
