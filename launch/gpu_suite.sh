@@ -41,4 +41,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     sed -n '/ on NVIDIA\| on .*copy bandwidth/,$p' "$OUT/bench-$kind.log" | grep -v "^\[rank"
   done
 fi
+if [ "${PACK_LOGS:-0}" = 1 ]; then  # few files to carry back: logs in one archive
+  (cd "$OUT" && tar czf logs.tar.gz *.log *.txt && rm -f *.log *.txt)
+fi
 exit $status
