@@ -1,0 +1,21 @@
+"""fusedloss: fused, tensor-parallel-aware cross-entropy and SwiGLU kernels (CUDA C++).
+
+    fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
+    fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
+    fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
+"""
+import torch
+
+from . import _C
+from .cross_entropy import CrossEntropyLoss, cross_entropy
+from .swiglu import SwiGLU, swiglu
+
+__version__ = _C.__version__
+__all__ = ["cross_entropy", "CrossEntropyLoss", "swiglu", "SwiGLU", "check_device_errors"]
+
+
+def check_device_errors(device=None):
+    """Synchronises the current CUDA stream and raises ValueError naming the first out-of-range
+    target the kernels met since the last call (CUDA defers that report to avoid host syncs)."""
+    if torch.cuda.is_available():
+        _C.check_device_errors(torch.cuda.current_stream(device).cuda_stream)

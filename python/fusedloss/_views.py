@@ -1,0 +1,64 @@
+"""Tensor -> fusedloss._C view conversion, shared by the ops."""
+import torch
+
+from . import _C
+
+_DTYPES = {
+    torch.float32: _C.DType.F32,
+    torch.float16: _C.DType.F16,
+    torch.bfloat16: _C.DType.BF16,
+    torch.float8_e4m3fn: _C.DType.FP8_E4M3,
+}
+_INDEX = {torch.int32: _C.IndexType.I32, torch.int64: _C.IndexType.I64}
+
+
+def device_of(t):
+    if t.device.type == "cpu":
+        return _C.Device.CPU
+    if t.device.type == "cuda":
+        return _C.Device.CUDA
+    raise ValueError(f"{t.device}: expected a cpu or cuda tensor")
+
+
+def stream_of(t):
+    """The current stream of t's device as an integer handle (0 for CPU)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def dtype_of(t, name):
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected float32, float16 or bfloat16") from None
+
+
+def matrix(t, name):
+    """A [rows, cols] view of a 2-D tensor whose last dim is contiguous."""
+    assert t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1), name
+    return _C.MatrixView(t.data_ptr(), t.size(0), t.size(1), max(t.stride(0), t.size(1)),
+                         dtype_of(t, name), device_of(t))
+
+
+def index(t, name):
+    if t.dtype not in _INDEX:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected torch.int32 or torch.int64")
+    return _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))
+
+
+def vector(t, name):
+    if t is None:
+        return _C.VectorView()
+    return _C.VectorView(t.data_ptr(), t.numel(), dtype_of(t, name), device_of(t))
+
+
+def as_rows(t, name):
+    """Flatten leading dims to rows without copying when the layout allows it; copy when the
+    last dim is strided (the kernels need contiguous columns)."""
+    if t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1):
+        return t
+    if t.stride(-1) != 1 and t.size(-1) > 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.size(-1))
+    except RuntimeError:
+        return t.reshape(-1, t.size(-1))

@@ -1,0 +1,104 @@
+// fusedloss._C: the C++ API for Python, over raw pointers. Plain C++ (no LibTorch): the Python
+// layer passes tensor.data_ptr() and the current stream, so this module does not depend on
+// which CUDA version torch was built with.
+#include <pybind11/pybind11.h>
+
+#include "fusedloss/fusedloss.h"
+
+namespace py = pybind11;
+using namespace fusedloss;
+
+namespace {
+
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+float* fptr(uintptr_t p) { return reinterpret_cast<float*>(p); }
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedloss C++ core (raw-pointer binding; see fusedloss/ for the torch API)";
+  py::register_exception<Error>(m, "Error", PyExc_ValueError);
+
+  py::enum_<DType>(m, "DType")
+      .value("F32", DType::F32).value("F16", DType::F16).value("BF16", DType::BF16)
+      .value("FP8_E4M3", DType::FP8_E4M3);
+  py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("CUDA", Device::CUDA);
+  py::enum_<IndexType>(m, "IndexType").value("I32", IndexType::I32).value("I64", IndexType::I64);
+  py::enum_<Reduction>(m, "Reduction")
+      .value("NONE", Reduction::None).value("SUM", Reduction::Sum).value("MEAN", Reduction::Mean);
+  py::enum_<SmoothingFormula>(m, "SmoothingFormula")
+      .value("PYTORCH", SmoothingFormula::PyTorch).value("MEGATRON", SmoothingFormula::Megatron);
+  py::enum_<SmoothingScope>(m, "SmoothingScope")
+      .value("GLOBAL", SmoothingScope::Global).value("PARTITION", SmoothingScope::Partition);
+
+  py::class_<MatrixView>(m, "MatrixView")
+      .def(py::init([](uintptr_t data, int64_t rows, int64_t cols, int64_t stride, DType dt,
+                       Device dev) { return MatrixView{ptr(data), rows, cols, stride, dt, dev}; }),
+           py::arg("data"), py::arg("rows"), py::arg("cols"), py::arg("row_stride"),
+           py::arg("dtype"), py::arg("device"));
+  py::class_<IndexView>(m, "IndexView")
+      .def(py::init([](uintptr_t data, int64_t size, IndexType t, Device dev) {
+        return IndexView{ptr(data), size, t, dev};
+      }));
+  py::class_<VectorView>(m, "VectorView")
+      .def(py::init([](uintptr_t data, int64_t size, DType dt, Device dev) {
+        return VectorView{ptr(data), size, dt, dev};
+      }))
+      .def(py::init([]() { return VectorView{}; }));
+
+  py::class_<CrossEntropyOptions>(m, "CrossEntropyOptions")
+      .def(py::init<>())
+      .def_readwrite("ignore_index", &CrossEntropyOptions::ignore_index)
+      .def_readwrite("label_smoothing", &CrossEntropyOptions::label_smoothing)
+      .def_readwrite("smoothing_formula", &CrossEntropyOptions::smoothing_formula)
+      .def_readwrite("smoothing_scope", &CrossEntropyOptions::smoothing_scope)
+      .def_readwrite("z_loss", &CrossEntropyOptions::z_loss)
+      .def_readwrite("reduction", &CrossEntropyOptions::reduction)
+      .def_readwrite("vocab_start", &CrossEntropyOptions::vocab_start)
+      .def_readwrite("vocab_global", &CrossEntropyOptions::vocab_global);
+  py::class_<SwigluOptions>(m, "SwigluOptions")
+      .def(py::init<>())
+      .def_readwrite("clamp", &SwigluOptions::clamp)
+      .def_readwrite("clamp_value", &SwigluOptions::clamp_value);
+
+  // The GIL is released around every call: CUDA launches and OpenMP loops need no Python.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("cross_entropy_forward",
+        [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t loss,
+           uintptr_t lse, uintptr_t count, uintptr_t stream) {
+          cross_entropy_forward(x, t, o, {fptr(loss), fptr(lse), fptr(count)}, nullptr, ptr(stream));
+        }, release());
+  m.def("cross_entropy_local_stats",
+        [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t stats,
+           uintptr_t stream) {
+          cross_entropy_local_stats(x, t, o, static_cast<RowStats*>(ptr(stats)), ptr(stream));
+        }, release());
+  m.def("cross_entropy_merge",
+        [](uintptr_t combined, int parts, uintptr_t local, const IndexView& t,
+           const CrossEntropyOptions& o, int64_t vocab_local, uintptr_t loss, uintptr_t lse,
+           uintptr_t count, uintptr_t stream) {
+          cross_entropy_merge(static_cast<const RowStats*>(ptr(combined)), parts,
+                              static_cast<const RowStats*>(ptr(local)), t, o, vocab_local,
+                              {fptr(loss), fptr(lse), fptr(count)}, ptr(stream));
+        }, release());
+  m.def("cross_entropy_backward",
+        [](const MatrixView& x, const IndexView& t, uintptr_t lse, uintptr_t grad_loss,
+           uintptr_t count, const CrossEntropyOptions& o, const MatrixView& grad, uintptr_t stream) {
+          cross_entropy_backward(x, t, fptr(lse), fptr(grad_loss), fptr(count), o, grad, ptr(stream));
+        }, release());
+  m.def("swiglu_forward",
+        [](const MatrixView& y, const VectorView& bias, const VectorView& w, const SwigluOptions& o,
+           const MatrixView& out, const MatrixView& y8, uintptr_t stream) {
+          swiglu_forward(y, bias, w, o, out, y8, ptr(stream));
+        }, release());
+  m.def("swiglu_backward",
+        [](const MatrixView& g, const MatrixView& y, const VectorView& bias, const VectorView& w,
+           const SwigluOptions& o, const MatrixView& gy, uintptr_t gw, uintptr_t gb,
+           uintptr_t stream) {
+          swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream));
+        }, release());
+  m.def("check_device_errors", [](uintptr_t stream) { check_device_errors(ptr(stream)); }, release());
+  m.attr("ROW_STATS_FLOATS") = 4;
+  m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
+  m.attr("__version__") = FUSEDLOSS_VERSION;
+}

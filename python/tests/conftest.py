@@ -1,0 +1,33 @@
+import os
+import random
+
+import pytest
+import torch
+
+import fusedloss  # noqa: F401  (registers the ops)
+
+_SEED = int(os.environ.get("FUSEDLOSS_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"fusedloss random seed {_SEED} (set FUSEDLOSS_SEED={_SEED} to replay)"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(_SEED)
+
+
+def _devices():
+    devs = ["cpu"]
+    if torch.cuda.is_available():
+        devs.append("cuda")
+    return devs
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        params = [pytest.param("cpu")]
+        params.append(pytest.param("cuda", marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")))
+        metafunc.parametrize("device", params)

@@ -1,0 +1,121 @@
+"""fusedloss.cross_entropy against torch.nn.functional.cross_entropy in float64."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedloss
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def reference(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0,
+              formula="pytorch"):
+    """float64: torch's cross-entropy plus z * lse^2; Megatron's smoothing a = ls V/(V-1)."""
+    x = logits.detach().double().reshape(-1, logits.size(-1)).requires_grad_(True)
+    t = target.reshape(-1)
+    ls = label_smoothing
+    if formula == "megatron" and ls > 0:
+        ls = ls * x.size(1) / (x.size(1) - 1)
+    per_row = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=ls, reduction="none")
+    valid = t != ignore_index
+    per_row = per_row + z_loss * torch.where(valid, torch.logsumexp(x, -1) ** 2, 0.0)
+    if reduction == "none":
+        return x, per_row.view(target.shape)
+    if reduction == "sum":
+        return x, per_row.sum()
+    return x, per_row.sum() / valid.sum().clamp(min=1)
+
+
+def check(device, dtype=torch.float32, shape=(37, 1001), inplace=False, ignore_frac=0.2, **opts):
+    logits = (torch.randn(*shape, dtype=torch.float64) * 3).to(dtype).to(device)
+    target = torch.randint(0, shape[-1], shape[:-1], device=device)
+    ignore = opts.get("ignore_index", -100)
+    target[torch.rand(shape[:-1], device=device) < ignore_frac] = ignore
+    x_ref, ref = reference(logits, target, **opts)
+    x = logits.clone().requires_grad_(True)
+    # In-place writes into the leaf's storage: run through a non-leaf so autograd owns it.
+    inp = x * 1 if inplace else x
+    loss = fusedloss.cross_entropy(inp, target, inplace_backward=inplace, **opts)
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=2e-6)
+    g = torch.rand_like(ref) + 0.5
+    loss.backward(g.float())
+    ref.backward(g)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(x.grad.double(), x_ref.grad.view(shape), rtol=tol, atol=tol * x_ref.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_matches_torch(device, dtype, reduction):
+    check(device, dtype, reduction=reduction)
+
+
+@pytest.mark.parametrize("ls", [0.1, 0.3])
+@pytest.mark.parametrize("formula", ["pytorch", "megatron"])
+def test_label_smoothing(device, ls, formula):
+    logits = torch.randn(29, 503, device=device)
+    target = torch.randint(0, 503, (29,), device=device)
+    target[3] = -100
+    x_ref, ref = reference(logits, target, label_smoothing=ls, formula=formula)
+    x = logits.clone().requires_grad_(True)
+    loss = fusedloss.cross_entropy(x, target, label_smoothing=ls, smoothing_formula=formula)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("z", [1e-4, 0.05])
+def test_z_loss(device, z):
+    check(device, z_loss=z, label_smoothing=0.1)
+
+
+def test_three_dim_megatron_layout(device):
+    check(device, shape=(16, 3, 777), reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward(device, dtype):
+    check(device, dtype, inplace=True, reduction="mean")
+
+
+def test_ignore_index_and_all_ignored(device):
+    check(device, ignore_index=5, ignore_frac=0.5)
+    logits = torch.randn(6, 50, device=device, requires_grad=True)
+    target = torch.full((6,), -100, device=device)
+    loss = fusedloss.cross_entropy(logits, target)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.count_nonzero(logits.grad) == 0
+
+
+def test_strided_last_dim_and_padded_rows(device):
+    base = torch.randn(20, 64, device=device)
+    logits = base.t()[:, :20]  # last-dim stride != 1: copied, still right
+    target = torch.randint(0, 20, (64,), device=device)
+    torch.testing.assert_close(fusedloss.cross_entropy(logits, target).double(),
+                               F.cross_entropy(logits.double(), target), rtol=2e-5, atol=1e-6)
+    padded = torch.randn(10, 130, device=device)[:, :127]  # row stride 130
+    t = torch.randint(0, 127, (10,), device=device)
+    torch.testing.assert_close(fusedloss.cross_entropy(padded, t, reduction="none").double(),
+                               F.cross_entropy(padded.double(), t, reduction="none"), rtol=2e-5, atol=1e-6)
+
+
+def test_gradcheck(device):
+    x = torch.randn(4, 9, device=device, requires_grad=True)
+    t = torch.randint(0, 9, (4,), device=device)
+    def fn(v):
+        return fusedloss.cross_entropy(v, t, label_smoothing=0.1, z_loss=0.01, reduction="sum")
+    # the kernels compute in fp32, so finite differences use fp32 inputs and fp32 tolerances
+    with pytest.warns(UserWarning, match="double precision"):
+        assert torch.autograd.gradcheck(fn, (x,), eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+def test_module_wrapper(device):
+    m = fusedloss.CrossEntropyLoss(label_smoothing=0.1, reduction="sum")
+    x = torch.randn(5, 40, device=device)
+    t = torch.randint(0, 40, (5,), device=device)
+    torch.testing.assert_close(m(x, t).double(), F.cross_entropy(x.double(), t, label_smoothing=0.1, reduction="sum"),
+                               rtol=2e-5, atol=1e-6)
+    assert "label_smoothing=0.1" in repr(m)

@@ -1,0 +1,139 @@
+"""In-place safety, bad inputs (BAD_INPUTS.md, Python rows), torch.compile, CUDA graphs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedloss
+
+
+def test_second_backward_through_inplace_raises(device):
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    t = torch.randint(0, 64, (8,), device=device)
+    loss = fusedloss.cross_entropy(x * 1, t, inplace_backward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def test_reading_overwritten_logits_trips_version_check(device):
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    t = torch.randint(0, 64, (8,), device=device)
+    logits = x * 1
+    other = (logits ** 2).sum()  # saves `logits` for its own backward
+    loss = fusedloss.cross_entropy(logits, t, inplace_backward=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        other.backward()
+
+
+def test_out_of_place_allows_double_backward_of_graph(device):
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    t = torch.randint(0, 64, (8,), device=device)
+    loss = fusedloss.cross_entropy(x, t)
+    loss.backward(retain_graph=True)
+    g1 = x.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * g1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(label_smoothing=1.0), "label_smoothing: got 1.0"),
+    (dict(label_smoothing=-0.1), "label_smoothing: got -0.1"),
+    (dict(z_loss=-1.0), "z_loss: got -1.0"),
+    (dict(reduction="avg"), "reduction: got 'avg'"),
+    (dict(smoothing_formula="tf"), "smoothing_formula: got 'tf'"),
+])
+def test_bad_options(device, kwargs, match):
+    x = torch.randn(4, 10, device=device)
+    t = torch.randint(0, 10, (4,), device=device)
+    with pytest.raises(ValueError, match=match):
+        fusedloss.cross_entropy(x, t, **kwargs)
+
+
+def test_bad_shapes_and_dtypes(device):
+    t = torch.randint(0, 10, (4,), device=device)
+    with pytest.raises(ValueError, match="expected a 2-D"):
+        fusedloss.cross_entropy(torch.randn(40, device=device), t)
+    with pytest.raises(ValueError, match=r"target: got shape \(3,\)"):
+        fusedloss.cross_entropy(torch.randn(4, 10, device=device), t[:3])
+    with pytest.raises(ValueError, match="logits.dtype: got torch.float64"):
+        fusedloss.cross_entropy(torch.randn(4, 10, device=device, dtype=torch.float64), t)
+    with pytest.raises(ValueError, match="target.dtype: got torch.float32"):
+        fusedloss.cross_entropy(torch.randn(4, 10, device=device), t.float())
+
+
+def test_out_of_range_target(device):
+    x = torch.randn(4, 10, device=device)
+    t = torch.tensor([1, 2, 10, 3], device=device)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
+            fusedloss.cross_entropy(x, t)
+    else:
+        loss = fusedloss.cross_entropy(x, t, reduction="none")  # no host sync: reported later
+        with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
+            fusedloss.check_device_errors()
+        assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="target.device"):
+        fusedloss.cross_entropy(torch.randn(4, 10, device="cuda"), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_compile_fullgraph(device, inplace):
+    x = torch.randn(16, 300, device=device, requires_grad=True)
+    t = torch.randint(0, 300, (16,), device=device)
+    y = torch.randn(16, 64, device=device, requires_grad=True)
+
+    def step(x, t, y):
+        loss = fusedloss.cross_entropy(x * 2, t, label_smoothing=0.1, inplace_backward=inplace)
+        return loss + fusedloss.swiglu(y).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out = compiled(x, t, y)
+    out.backward()
+    gx, gy = x.grad.clone(), y.grad.clone()
+    x.grad = y.grad = None
+    eager = step(x, t, y)
+    eager.backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gy, y.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_capture_replays_forward_backward():
+    x_static = torch.randn(64, 5000, device="cuda")
+    t_static = torch.randint(0, 5000, (64,), device="cuda")
+    w = torch.randn(5000, 5000, device="cuda", requires_grad=True) * 0.01
+    w = w.detach().requires_grad_(True)
+
+    def step():
+        logits = x_static @ w
+        loss = fusedloss.cross_entropy(logits, t_static, inplace_backward=True)
+        loss.backward()
+        return loss
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm up (allocator, lazy init) outside the capture
+            w.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    w.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_loss = step()
+    for _ in range(2):
+        x_static.copy_(torch.randn_like(x_static))
+        t_static.copy_(torch.randint(0, 5000, (64,), device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_w = w.detach().clone().requires_grad_(True)
+        ref = F.cross_entropy(x_static @ ref_w, t_static)
+        ref.backward()
+        torch.testing.assert_close(static_loss, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,110 @@
+"""fusedloss.swiglu against a float64 reference of Megatron's math, every variant."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedloss
+
+
+def reference(y, bias=None, w=None, clamp=None, y_bwd=None):
+    """float64 forward from y; backward (autograd) through y_bwd (the e4m3 copy, if any)."""
+    def f(v, b, ww):
+        v = v + b if b is not None else v
+        a, u = v.chunk(2, -1)
+        if clamp is not None:
+            a = a.clamp(max=clamp)
+            u = u.clamp(-clamp, clamp)
+        out = F.silu(a) * u
+        return out * ww if ww is not None else out
+    v = (y_bwd if y_bwd is not None else y).detach().double().requires_grad_(True)
+    b = bias.detach().double().requires_grad_(True) if bias is not None else None
+    ww = w.detach().double().requires_grad_(True) if w is not None else None
+    out_fwd = f(y.detach().double(), b.detach() if b is not None else None, ww.detach() if ww is not None else None)
+    return out_fwd, f(v, b, ww), v, b, ww
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def run(device, dtype=torch.float32, shape=(33, 2 * 96), bias=False, weights=False, clamp=None,
+        fp8=False, in_place=False):
+    y0 = (torch.randn(shape, dtype=torch.float64) * 2).to(dtype).to(device)
+    rows = y0.numel() // shape[-1]
+    b = (torch.randn(shape[-1]) * 0.3).to(dtype).to(device).requires_grad_(True) if bias else None
+    w = (torch.rand(rows, 1) + 0.1).to(device).requires_grad_(True) if weights else None
+    y = y0.clone().requires_grad_(True)
+    inp = y * 1 if in_place else y
+    out = fusedloss.swiglu(inp, b, per_token_scale=w, clamp_value=clamp, fp8_input_store=fp8, in_place=in_place)
+    y_bwd = y0.to(torch.float8_e4m3fn).to(dtype) if fp8 else None
+    ref_out, ref_graph, v, rb, rw = reference(y0, b, w.view(-1, 1) if w is not None else None, clamp, y_bwd)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref_graph.backward(g.double())
+    torch.testing.assert_close(y.grad.double(), v.grad, rtol=tol, atol=tol * (v.grad.abs().max().item() if v.numel() else 1.0))
+    if bias:
+        torch.testing.assert_close(b.grad.double(), rb.grad, rtol=tol, atol=tol * rb.grad.abs().max().item())
+    if weights:
+        torch.testing.assert_close(w.grad.double(), rw.grad, rtol=tol, atol=tol * rw.grad.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_plain(device, dtype):
+    run(device, dtype)
+
+
+def test_megatron_3d_layout(device):
+    run(device, shape=(16, 2, 2 * 40))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias(device, dtype):
+    run(device, dtype, bias=True, shape=(300, 64))
+
+
+def test_weighted(device):
+    run(device, weights=True)
+
+
+@pytest.mark.parametrize("clamp", [0.5, 3.0])
+def test_clamp(device, clamp):
+    run(device, clamp=clamp, weights=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_input_store(device, dtype):
+    run(device, dtype, fp8=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place(device, dtype):
+    run(device, dtype, in_place=True, bias=True)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_small_and_odd_n(device, n):
+    run(device, shape=(5, 2 * n))
+    run(device, shape=(0, 2 * n))
+
+
+def test_in_place_second_backward_raises(device):
+    y = torch.randn(8, 32, device=device, requires_grad=True)
+    out = fusedloss.swiglu(y * 1, in_place=True).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
+
+
+def test_bad_inputs(device):
+    y = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"y: got shape \(4, 7\)"):
+        fusedloss.swiglu(torch.randn(4, 7, device=device))
+    with pytest.raises(ValueError, match=r"bias: got shape \(6,\)"):
+        fusedloss.swiglu(y, torch.randn(6, device=device))
+    with pytest.raises(ValueError, match=r"per_token_scale: got shape \(3, 1\)"):
+        fusedloss.swiglu(y, per_token_scale=torch.rand(3, 1, device=device))
+    with pytest.raises(ValueError, match="in_place=True with fp8_input_store=True"):
+        fusedloss.swiglu(y, fp8_input_store=True, in_place=True)
+    with pytest.raises(ValueError, match="y.dtype: got torch.float64"):
+        fusedloss.swiglu(y.double())
