@@ -1,0 +1,40 @@
+"""Mode 2: fusedloss building blocks for hand-built Megatron layers, without patching.
+
+    loss = fused_language_model_loss(labels, logits, tp_group)   # [b, s] fp32, like
+           # LanguageModule.compute_language_model_loss
+    act = FusedLossSwiGLU()                                      # on linear_fc1's [s, b, 2n]
+    h = act(fc1_out, fc1_bias)
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import fusedloss
+
+
+def fused_language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_group=None, *,
+                              ignore_index: int = -100, label_smoothing: float = 0.0,
+                              inplace_backward: bool = True) -> torch.Tensor:
+    """labels [b, s], logits [s, b, V/tp] -> per-token loss [b, s] (fp32), Megatron's layout.
+    A tp_group of size > 1 runs the vocab-parallel path (experimental)."""
+    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) == 1:
+        tp_group = None
+    loss = fusedloss.cross_entropy(logits, labels.transpose(0, 1).contiguous(), reduction="none",
+                                   ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   smoothing_formula="megatron", smoothing_scope="partition",
+                                   inplace_backward=inplace_backward, tp_group=tp_group)
+    return loss.transpose(0, 1).contiguous()
+
+
+class FusedLossSwiGLU(torch.nn.Module):
+    """SwiGLU over linear_fc1's fused gate-up output, with Megatron's variants."""
+
+    def __init__(self, clamp_value: Optional[float] = None, fp8_input_store: bool = False,
+                 in_place: bool = False):
+        super().__init__()
+        self.clamp_value, self.fp8_input_store, self.in_place = clamp_value, fp8_input_store, in_place
+
+    def forward(self, fc1_out, bias=None, per_token_scale=None):
+        return fusedloss.swiglu(fc1_out, bias, per_token_scale=per_token_scale, clamp_value=self.clamp_value,
+                                fp8_input_store=self.fp8_input_store, in_place=self.in_place)

@@ -1,0 +1,206 @@
+"""The Megatron-core patcher (see fusedloss.megatron)."""
+import contextlib
+import importlib
+import inspect
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import fusedloss
+
+log = logging.getLogger("fusedloss.megatron")
+
+_CE_FUSED = ("megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy")
+_CE_UNFUSED = ("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy")
+_SWIGLU = [("megatron.core.fusions.fused_bias_swiglu", name)
+           for name in ("SwiGLUFunction", "BiasSwiGLUFunction", "WeightedSwiGLUFunction")]
+
+_ORIGINALS = {}  # (module, name) -> the original object, while patched
+_CONFIG = {}
+_WARNED = set()
+
+
+def _warn_once(key, message, category=UserWarning):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def _resolve(module_name, attr):
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RuntimeError(f"fusedloss.megatron: cannot import {module_name} ({e}); is megatron-core "
+                           "installed?") from e
+    original = _ORIGINALS.get((module_name, attr), getattr(module, attr, None))
+    if original is None:
+        version = getattr(importlib.import_module("megatron.core"), "__version__", "unknown")
+        raise RuntimeError(f"fusedloss.megatron: {module_name}.{attr} not found in megatron-core "
+                           f"{version}; this version is not supported")
+    return module, original
+
+
+def _forward_signature(fn_class):
+    params = list(inspect.signature(fn_class.forward).parameters.values())[1:]  # drop ctx
+    return inspect.Signature(params)
+
+
+def _group_size(group):
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _tp_group_from_parallel_state():
+    try:
+        from megatron.core import parallel_state
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        return parallel_state.get_tensor_model_parallel_group()
+    except (AssertionError, RuntimeError, AttributeError):
+        return None  # not initialised: TP=1 as far as anyone can tell
+
+
+def _guard(tp_group, where):
+    size = _group_size(tp_group)
+    if size > 1 and not _CONFIG["allow_vocab_parallel"]:
+        raise RuntimeError(
+            f"fusedloss.megatron: {where} was called with a tensor-parallel group of size {size}. "
+            "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
+            "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
+            "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
+    if size > 1:
+        _warn_once("vocab_parallel", "fusedloss.megatron: experimental vocab-parallel cross-entropy "
+                   f"(TP={size}, one all-gather per forward)")
+    return tp_group if size > 1 else None
+
+
+def _cross_entropy(logits, target, tp_group, label_smoothing):
+    """Megatron's contract: [s, b, V/tp] logits, [s, b] targets -> [s, b] fp32 per-token loss."""
+    return fusedloss.cross_entropy(
+        logits, target, reduction="none", ignore_index=_CONFIG["ignore_index"],
+        label_smoothing=label_smoothing, smoothing_formula="megatron", smoothing_scope="partition",
+        inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group)
+
+
+def _make_fused_ce(original):
+    sig = _forward_signature(original)
+
+    class FusedVocabParallelCrossEntropy:
+        """Stands in for fused_cross_entropy._VocabParallelCrossEntropy (apply only)."""
+        __fusedloss_original__ = original
+
+        @staticmethod
+        def apply(*args, **kwargs):
+            a = sig.bind(*args, **kwargs).arguments
+            group = _guard(a.get("tp_group"), "fused_vocab_parallel_cross_entropy")
+            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group,
+                                  _CONFIG["label_smoothing"])
+
+    return FusedVocabParallelCrossEntropy
+
+
+def _make_unfused_ce(original):
+    sig = _forward_signature(original)
+
+    class VocabParallelCrossEntropy:
+        """Stands in for tensor_parallel.cross_entropy._VocabParallelCrossEntropy (apply only)."""
+        __fusedloss_original__ = original
+
+        @staticmethod
+        def apply(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+            group = a.get("tp_group") if a.get("tp_group") is not None else _tp_group_from_parallel_state()
+            group = _guard(group, "vocab_parallel_cross_entropy")
+            ls = a.get("label_smoothing") or _CONFIG["label_smoothing"]
+            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, float(ls))
+
+    return VocabParallelCrossEntropy
+
+
+def _make_swiglu(original, name):
+    sig = _forward_signature(original)
+
+    class PatchedSwiGLU:
+        __fusedloss_original__ = original
+
+        @staticmethod
+        def apply(*args, **kwargs):
+            a = sig.bind(*args, **kwargs).arguments
+            if a.get("cpu_offload_input"):
+                _warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
+                           "Megatron's own implementation (activation offload is not fused)")
+                return original.apply(*args, **kwargs)
+            fp8 = bool(a.get("fp8_input_store", False))
+            return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
+                                    clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
+                                    in_place=_CONFIG["swiglu_in_place"] and not fp8)
+
+    PatchedSwiGLU.__name__ = PatchedSwiGLU.__qualname__ = f"FusedLoss{name}"
+    return PatchedSwiGLU
+
+
+def _install(module_name, attr, make):
+    module, original = _resolve(module_name, attr)
+    _ORIGINALS.setdefault((module_name, attr), original)
+    setattr(module, attr, make(original))
+
+
+def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, ignore_index: int = -100,
+                                label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
+                                inplace_backward: bool = True, swiglu_in_place: bool = False) -> None:
+    """Swap Megatron-core's cross-entropy and SwiGLU for fusedloss's. Idempotent.
+
+    cross_entropy: both paths (fused 'native' and unfused); per-token fp32 loss as Megatron
+      returns, Megatron's label-smoothing formula averaged over the local shard; positions whose
+      label is `ignore_index` get loss 0 and gradient 0 (Megatron would compute lse there and
+      rely on loss_mask). `label_smoothing` applies where Megatron's caller passes none.
+      `inplace_backward` writes the gradient into the logits (Megatron does not read them again).
+    swiglu: SwiGLUFunction / BiasSwiGLUFunction / WeightedSwiGLUFunction natively (bias,
+      per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
+      own, logged once. `swiglu_in_place` writes the input gradient into the fc1 output.
+    allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
+      (when parallel_state is initialised) and at the first call (from the tp_group).
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing: got {label_smoothing}, expected in [0, 1)")
+    if cross_entropy and not allow_vocab_parallel:
+        size = _group_size(_tp_group_from_parallel_state())
+        if size > 1:
+            raise RuntimeError(
+                f"fusedloss.megatron: tensor_model_parallel_size is {size}; the patch is scoped to "
+                "TP=1 by default. Pass allow_vocab_parallel=True to run fusedloss's experimental "
+                "vocab-parallel cross-entropy.")
+    _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
+                   allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
+                   swiglu_in_place=bool(swiglu_in_place))
+    if cross_entropy:
+        _install(*_CE_FUSED, _make_fused_ce)
+        _install(*_CE_UNFUSED, _make_unfused_ce)
+    if swiglu:
+        for module_name, attr in _SWIGLU:
+            _install(module_name, attr, lambda original, attr=attr: _make_swiglu(original, attr))
+    log.info("fusedloss.megatron: patched %s", ", ".join(f"{m}.{a}" for m, a in _ORIGINALS))
+
+
+def unpatch_megatron() -> None:
+    """Restore every original Megatron object exactly."""
+    for (module_name, attr), original in list(_ORIGINALS.items()):
+        setattr(importlib.import_module(module_name), attr, original)
+        del _ORIGINALS[(module_name, attr)]
+
+
+def is_patched() -> bool:
+    return bool(_ORIGINALS)
+
+
+@contextlib.contextmanager
+def fusedloss_megatron(**options):
+    """Context manager form: patched inside the block, originals restored after."""
+    apply_fusedloss_to_megatron(**options)
+    try:
+        yield
+    finally:
+        unpatch_megatron()

@@ -1,0 +1,41 @@
+"""Run a function on N processes of a gloo (CPU) or NCCL (one GPU per rank) world."""
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, backend, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=os.environ.get(
+        "CUDA_VISIBLE_DEVICES", ""))
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world, fn, *args, backend="gloo"):
+    """Runs fn(rank, world, *args) on `world` processes; raises with every failing rank's trace."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world, _free_port(), backend, fn, args, errors), nprocs=world,
+                       join=True, start_method="spawn")
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        raise AssertionError("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(failures)))

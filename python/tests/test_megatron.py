@@ -1,0 +1,208 @@
+"""The Megatron-core patch against the real megatron-core (CPU, gloo worlds)."""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import fusedloss  # noqa: E402
+from fusedloss.megatron import apply_fusedloss_to_megatron, fusedloss_megatron, unpatch_megatron  # noqa: E402
+from dist_util import run_world  # noqa: E402
+
+PATCHED = [("megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy"),
+           ("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy"),
+           ("megatron.core.fusions.fused_bias_swiglu", "SwiGLUFunction"),
+           ("megatron.core.fusions.fused_bias_swiglu", "BiasSwiGLUFunction"),
+           ("megatron.core.fusions.fused_bias_swiglu", "WeightedSwiGLUFunction")]
+
+
+def _objects():
+    return {(m, a): getattr(importlib.import_module(m), a) for m, a in PATCHED}
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    unpatch_megatron()
+
+
+def test_patch_replaces_every_symbol_idempotently_and_unpatch_restores():
+    before = _objects()
+    apply_fusedloss_to_megatron()
+    after = _objects()
+    assert all(after[k] is not before[k] for k in before)
+    assert all(after[k].__fusedloss_original__ is before[k] for k in before)
+    apply_fusedloss_to_megatron()  # again: no stacking
+    assert all(_objects()[k].__fusedloss_original__ is before[k] for k in before)
+    unpatch_megatron()
+    assert all(_objects()[k] is before[k] for k in before)
+    with fusedloss_megatron(swiglu=False):
+        assert _objects()[PATCHED[0]] is not before[PATCHED[0]]
+        assert _objects()[PATCHED[2]] is before[PATCHED[2]]
+    assert all(_objects()[k] is before[k] for k in before)
+
+
+def test_consumers_that_imported_by_name_see_the_patch():
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.transformer import mlp
+    apply_fusedloss_to_megatron()
+    x = torch.randn(4, 2, 64, requires_grad=True)
+    t = torch.randint(0, 64, (4, 2))
+    loss = language_module.fused_vocab_parallel_cross_entropy(x, t, None)  # imported by name
+    ref = torch.nn.functional.cross_entropy(x.detach().double().view(-1, 64), t.view(-1), reduction="none")
+    torch.testing.assert_close(loss.double().view(-1), ref, rtol=2e-5, atol=1e-6)
+    y = torch.randn(3, 2, 32)
+    out = mlp.bias_swiglu_impl(y, None)
+    a, b = y.chunk(2, -1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(a) * b, rtol=1e-5, atol=1e-6)
+
+
+def _tp1_parity(rank, world):
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    torch.manual_seed(0)
+    x = torch.randn(8, 2, 300) * 2
+    t = torch.randint(0, 300, (8, 2))
+
+    def run(fn):
+        v = x.clone().requires_grad_(True)
+        loss = fn(v * 1)  # non-leaf: the patched path writes the gradient in place
+        loss.backward(torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))
+        return loss.detach(), v.grad
+
+    for ls in (0.0, 0.1):
+        ref = run(lambda v: tensor_parallel.vocab_parallel_cross_entropy(v, t, label_smoothing=ls))
+        apply_fusedloss_to_megatron()
+        ours = run(lambda v: tensor_parallel.vocab_parallel_cross_entropy(v, t, label_smoothing=ls))
+        unpatch_megatron()
+        torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-6)
+    ref = run(lambda v: fused_vocab_parallel_cross_entropy(v, t, tp))
+    apply_fusedloss_to_megatron()
+    ours = run(lambda v: fused_vocab_parallel_cross_entropy(v, t, tp))
+    unpatch_megatron()
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+    # Megatron's fused backward rounds its gradient to bf16 whatever the logits' dtype
+    torch.testing.assert_close(ours[1], ref[1], rtol=8e-3, atol=1e-4)
+    # SwiGLU: plain, bias, weighted
+    y = torch.randn(6, 2, 64)
+    bias = torch.randn(64) * 0.1
+    w = torch.rand(12, 1)
+    for call in (lambda v, b, ww: fbs.bias_swiglu_impl(v, None),
+                 lambda v, b, ww: fbs.bias_swiglu_impl(v, b),
+                 lambda v, b, ww: fbs.weighted_bias_swiglu_impl(v.view(12, 64), None, ww)):
+        def grads(patched):
+            if patched:
+                apply_fusedloss_to_megatron()
+            v, b, ww = (y.clone().requires_grad_(True), bias.clone().requires_grad_(True),
+                        w.clone().requires_grad_(True))
+            out = call(v, b, ww)
+            out.backward(torch.ones_like(out))
+            unpatch_megatron()
+            return out.detach(), v.grad, b.grad, ww.grad
+        for got, want in zip(grads(True), grads(False)):
+            if want is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tp1_parity_with_megatron_functions():
+    run_world(1, _tp1_parity)
+
+
+def _mlp_parity(rank, world):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                            use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
+                            bias_activation_fusion=True, add_bias_linear=False)
+    torch.manual_seed(0)
+    mlp = MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    x = torch.randn(5, 2, 64)
+
+    def step():
+        for p in mlp.parameters():
+            p.grad = None
+        v = x.clone().requires_grad_(True)
+        out, _ = mlp(v)
+        out.square().sum().backward()
+        return [out.detach(), v.grad] + [p.grad.clone() for p in mlp.parameters()]
+
+    ref = step()
+    apply_fusedloss_to_megatron()
+    ours = step()
+    for got, want in zip(ours, ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_megatron_mlp_forward_backward_with_and_without_patch():
+    run_world(1, _mlp_parity)
+
+
+def _guard_patch_time(rank, world):
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match="allow_vocab_parallel=True"):
+        apply_fusedloss_to_megatron()
+    apply_fusedloss_to_megatron(cross_entropy=False)  # SwiGLU alone is fine at TP>1
+    unpatch_megatron()
+
+
+def _guard_call_time(rank, world):
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    apply_fusedloss_to_megatron()  # before parallel state exists: allowed
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    with pytest.raises(RuntimeError, match="allow_vocab_parallel=True"):
+        fused_vocab_parallel_cross_entropy(torch.randn(4, 1, 32), torch.randint(0, 64, (4, 1)), tp)
+    unpatch_megatron()
+
+
+def _vocab_parallel_matches_megatron(rank, world):
+    from megatron.core import parallel_state, tensor_parallel
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    g = torch.Generator().manual_seed(7)
+    V = 128 * world
+    full = torch.randn(6, 2, V, generator=g) * 2
+    t = torch.randint(0, V, (6, 2), generator=g)
+    shard = full[..., rank * 128:(rank + 1) * 128]
+
+    def run():
+        v = shard.clone().requires_grad_(True)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(v * 1, t)
+        loss.backward(torch.ones_like(loss))
+        return loss.detach(), v.grad
+
+    ref = run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_fusedloss_to_megatron(allow_vocab_parallel=True)
+        ours = run()
+    assert any("experimental" in str(w.message) for w in caught)
+    unpatch_megatron()
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1], ref[1], rtol=1e-5, atol=1e-6)
+
+
+def test_tp2_guard_at_patch_time():
+    run_world(2, _guard_patch_time)
+
+
+def test_tp2_guard_at_call_time():
+    run_world(2, _guard_call_time)
+
+
+def test_tp2_allow_vocab_parallel_matches_megatron():
+    run_world(2, _vocab_parallel_matches_megatron)
