@@ -56,6 +56,17 @@ def megatron_fused_ce():
     return run
 
 
+def fusedloss_ce(x, t):
+    # a view, not the leaf: the in-place gradient lands in x's own storage (no [N, V] buffer)
+    import fusedloss
+    return fusedloss.cross_entropy(x.view_as(x), t, reduction="none", inplace_backward=True)
+
+
+def fusedloss_swiglu(in_place):
+    import fusedloss
+    return lambda y: fusedloss.swiglu(y.view_as(y) if in_place else y, in_place=in_place)
+
+
 def available():
     providers = {"torch": torch_ce}
     for name, make in (("liger", liger_ce), ("megatron", megatron_fused_ce)):

@@ -40,12 +40,23 @@ def run_ours(binary, size_key):
     return recs, rows[0]["gpu"], float(rows[0]["copy_gbs"])
 
 
+def python_providers(kind):
+    """fusedloss through its PyTorch API (what users call), when the package is installed."""
+    try:
+        import fusedloss  # noqa: F401
+    except ImportError as e:
+        print(f"[bench] fusedloss Python package unavailable: {e}")
+        return {}
+    if kind == "cross-entropy":
+        return {"fusedloss-py": peers.fusedloss_ce}
+    return {"fusedloss-py": peers.fusedloss_swiglu(True),
+            "fusedloss-py-out-of-place": peers.fusedloss_swiglu(False)}
+
+
 def peer_records(kind, sizes, floors):
     recs = []
-    if kind == "cross-entropy":
-        providers = peers.available()
-    else:
-        providers = peers.available_swiglu()
+    providers = python_providers(kind)
+    providers.update(peers.available() if kind == "cross-entropy" else peers.available_swiglu())
     for size in sizes:
         g = torch.Generator(device="cuda").manual_seed(size)
         if kind == "cross-entropy":
@@ -134,6 +145,12 @@ def main():
     floors = {(r["op"], r["size"]): r["floor_ms"] for r in ours}
     theirs, names = peer_records(args.kind, sorted({r["size"] for r in ours}), floors)
     report(args.kind, size_name, ours + theirs, ["fusedloss"] + names, gpu, copy_gbs, args.out)
+    by = {(r["provider"], r["op"], r["size"]): r["ms"] for r in ours + theirs}
+    small = min(r["size"] for r in ours)
+    if ("fusedloss-py", "fwd+bwd", small) in by:
+        cpp, py = by[("fusedloss", "fwd+bwd", small)], by[("fusedloss-py", "fwd+bwd", small)]
+        print(f"Python layer overhead at {size_name}={small}, forward+backward: {py - cpp:+.3f} ms "
+              f"({py / cpp:.2f}x the C++ API)")
 
 
 if __name__ == "__main__":

@@ -145,7 +145,10 @@ def _(*args):
 
 
 def _can_write_in_place(logits: Tensor) -> bool:
-    """The gradient can land in the logits' own storage when rows are a view of it."""
+    """The gradient can land in the logits' own storage when rows are a view of it. A leaf
+    (a parameter or user tensor) is never overwritten: its gradient goes to a new buffer."""
+    if logits.is_leaf:
+        return False
     if logits.stride(-1) != 1 and logits.size(-1) > 1:
         return False
     try:

@@ -112,7 +112,7 @@ def _backward(ctx, grad_out, _grad_saved):
             "backward twice (retain_graph=True).")
     y, saved, bias, weights = ctx.saved_tensors
     w32 = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
-    if ctx.in_place and y.stride(-1) == 1:
+    if ctx.in_place and y.stride(-1) == 1 and not y.is_leaf:  # a leaf is never overwritten
         ctx.consumed = True
         gw, gb = torch.ops.fusedloss.swiglu_bwd_(grad_out.contiguous(), y, bias, w32, ctx.clamp_value)
         torch.autograd.graph.increment_version(y)
