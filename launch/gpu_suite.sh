@@ -33,6 +33,10 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   done
 fi
 
+step "python package (pip install ., pytest on CPU and CUDA)"
+FUSEDLOSS_OFFLINE=${FUSEDLOSS_OFFLINE:-1} launch/python.sh -rs > "$OUT/pytest.log" 2>&1 || status=1
+grep -E "passed|failed|SKIPPED" "$OUT/pytest.log" | tail -8
+
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for kind in cross-entropy swiglu; do
     step "benchmark $kind"
