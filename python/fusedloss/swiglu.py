@@ -25,8 +25,7 @@ def _fp8_view(t, like):
                          _C.Device.CUDA if t.is_cuda else _C.Device.CPU)
 
 
-@torch.library.custom_op("fusedloss::swiglu_fwd", mutates_args=())
-def _fwd(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
+def _forward_impl(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
          fp8_input_store: bool, in_place: bool) -> Tuple[Tensor, Tensor]:
     x = as_rows(y, "y")
     out = torch.empty(x.size(0), x.size(1) // 2, dtype=x.dtype, device=x.device)
@@ -35,6 +34,9 @@ def _fwd(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_val
     _C.swiglu_forward(matrix(x, "y"), vector(bias, "bias"), vector(weights, "weights"),
                       _options(clamp_value), matrix(out, "out"), y8, stream_of(x))
     return out.view(*y.shape[:-1], y.size(-1) // 2), saved
+
+
+_fwd = torch.library.custom_op("fusedloss::swiglu_fwd", mutates_args=())(_forward_impl)
 
 
 @_fwd.register_fake
@@ -129,6 +131,41 @@ def _backward(ctx, grad_out, _grad_saved):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerSwiGLU(torch.autograd.Function):
+    """The same passes without the custom-op dispatch, for eager mode (the custom ops are what
+    torch.compile traces)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, weights, clamp_value, fp8_input_store, in_place):
+        out, saved = _forward_impl(y, bias, weights, clamp_value, fp8_input_store, in_place)
+        _setup_context(ctx, (y, bias, weights, clamp_value, fp8_input_store, in_place), (out, saved))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if getattr(ctx, "consumed", False):
+            return _backward(ctx, grad_out, None)  # raises the second-backward error
+        y, saved, bias, weights = ctx.saved_tensors
+        w32 = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
+        if ctx.in_place and y.stride(-1) == 1 and not y.is_leaf:
+            ctx.consumed = True
+            x = as_rows(y, "y")
+            gw, gb = _backward_into(grad_out, x, False, bias, w32, ctx.clamp_value, x,
+                                    weights is not None, bias is not None)
+            torch.autograd.graph.increment_version(y)
+            dy = y
+        else:
+            rows = (y if y is not None else saved)
+            grad = torch.empty(ctx.y_shape, dtype=grad_out.dtype, device=grad_out.device)
+            g2 = grad.view(-1, grad.size(-1))
+            gw, gb = _backward_into(grad_out, saved if ctx.fp8 else as_rows(rows, "y"), ctx.fp8, bias, w32,
+                                    ctx.clamp_value, g2, weights is not None, bias is not None)
+            dy = grad
+        d_bias = gb.to(ctx.bias_dtype) if bias is not None else None
+        d_w = gw.view(weights.shape).to(ctx.weights_dtype) if weights is not None else None
+        return dy, d_bias, d_w, None, None, None
+
+
 def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optional[Tensor] = None,
            clamp_value: Optional[float] = None, fp8_input_store: bool = False,
            in_place: bool = False) -> Tensor:
@@ -161,9 +198,11 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
     if fp8_input_store and in_place:
         raise ValueError("in_place=True with fp8_input_store=True: the fp8 store frees y for an "
                          "e4m3 copy, so there is no y left to write the gradient into; pick one")
-    out, _ = torch.ops.fusedloss.swiglu_fwd(y, bias, per_token_scale, clamp_value, bool(fp8_input_store),
-                                            bool(in_place))
-    return out
+    args = (y, bias, per_token_scale, clamp_value, bool(fp8_input_store), bool(in_place))
+    if torch.compiler.is_compiling():
+        out, _ = torch.ops.fusedloss.swiglu_fwd(*args)
+        return out
+    return _EagerSwiGLU.apply(*args)
 
 
 class SwiGLU(torch.nn.Module):

@@ -61,18 +61,18 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("clamp", &SwigluOptions::clamp)
       .def_readwrite("clamp_value", &SwigluOptions::clamp_value);
 
-  // The GIL is released around every call: CUDA launches and OpenMP loops need no Python.
-  using release = py::call_guard<py::gil_scoped_release>;
+  // The GIL stays held: the calls are short (kernel launches), and errors become Python
+  // exceptions without crossing a GIL-released frame.
   m.def("cross_entropy_forward",
         [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, uintptr_t stream) {
           cross_entropy_forward(x, t, o, {fptr(loss), fptr(lse), fptr(count)}, nullptr, ptr(stream));
-        }, release());
+        });
   m.def("cross_entropy_local_stats",
         [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t stats,
            uintptr_t stream) {
           cross_entropy_local_stats(x, t, o, static_cast<RowStats*>(ptr(stats)), ptr(stream));
-        }, release());
+        });
   m.def("cross_entropy_merge",
         [](uintptr_t combined, int parts, uintptr_t local, const IndexView& t,
            const CrossEntropyOptions& o, int64_t vocab_local, uintptr_t loss, uintptr_t lse,
@@ -80,24 +80,24 @@ PYBIND11_MODULE(_C, m) {
           cross_entropy_merge(static_cast<const RowStats*>(ptr(combined)), parts,
                               static_cast<const RowStats*>(ptr(local)), t, o, vocab_local,
                               {fptr(loss), fptr(lse), fptr(count)}, ptr(stream));
-        }, release());
+        });
   m.def("cross_entropy_backward",
         [](const MatrixView& x, const IndexView& t, uintptr_t lse, uintptr_t grad_loss,
            uintptr_t count, const CrossEntropyOptions& o, const MatrixView& grad, uintptr_t stream) {
           cross_entropy_backward(x, t, fptr(lse), fptr(grad_loss), fptr(count), o, grad, ptr(stream));
-        }, release());
+        });
   m.def("swiglu_forward",
         [](const MatrixView& y, const VectorView& bias, const VectorView& w, const SwigluOptions& o,
            const MatrixView& out, const MatrixView& y8, uintptr_t stream) {
           swiglu_forward(y, bias, w, o, out, y8, ptr(stream));
-        }, release());
+        });
   m.def("swiglu_backward",
         [](const MatrixView& g, const MatrixView& y, const VectorView& bias, const VectorView& w,
            const SwigluOptions& o, const MatrixView& gy, uintptr_t gw, uintptr_t gb,
            uintptr_t stream) {
           swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream));
-        }, release());
-  m.def("check_device_errors", [](uintptr_t stream) { check_device_errors(ptr(stream)); }, release());
+        });
+  m.def("check_device_errors", [](uintptr_t stream) { check_device_errors(ptr(stream)); });
   m.attr("ROW_STATS_FLOATS") = 4;
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
   m.attr("__version__") = FUSEDLOSS_VERSION;

@@ -1,4 +1,5 @@
 """Run a function on N processes of a gloo (CPU) or NCCL (one GPU per rank) world."""
+import datetime
 import os
 import socket
 import traceback
@@ -25,6 +26,15 @@ def _worker(rank, world, port, backend, fn, args, errors):
         errors.put((rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            # No rank may tear down while a peer still talks to it (gloo aborts on a closed
+            # peer); bounded, so a rank that died early cannot hang the others.
+            try:
+                if backend == "gloo":
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+                else:
+                    dist.barrier()
+            except Exception:
+                pass
             dist.destroy_process_group()
 
 

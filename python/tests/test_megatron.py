@@ -59,20 +59,20 @@ def test_consumers_that_imported_by_name_see_the_patch():
     torch.testing.assert_close(out, torch.nn.functional.silu(a) * b, rtol=1e-5, atol=1e-6)
 
 
-def _tp1_parity(rank, world):
+def _tp1_parity(rank, world, device):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.fusions import fused_bias_swiglu as fbs
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tp = parallel_state.get_tensor_model_parallel_group()
     torch.manual_seed(0)
-    x = torch.randn(8, 2, 300) * 2
-    t = torch.randint(0, 300, (8, 2))
+    x = (torch.randn(8, 2, 300) * 2).to(device)
+    t = torch.randint(0, 300, (8, 2)).to(device)
 
     def run(fn):
         v = x.clone().requires_grad_(True)
         loss = fn(v * 1)  # non-leaf: the patched path writes the gradient in place
-        loss.backward(torch.linspace(0.5, 1.5, loss.numel()).view_as(loss))
+        loss.backward(torch.linspace(0.5, 1.5, loss.numel(), device=loss.device).view_as(loss))
         return loss.detach(), v.grad
 
     for ls in (0.0, 0.1):
@@ -90,9 +90,9 @@ def _tp1_parity(rank, world):
     # Megatron's fused backward rounds its gradient to bf16 whatever the logits' dtype
     torch.testing.assert_close(ours[1], ref[1], rtol=8e-3, atol=1e-4)
     # SwiGLU: plain, bias, weighted
-    y = torch.randn(6, 2, 64)
-    bias = torch.randn(64) * 0.1
-    w = torch.rand(12, 1)
+    y = torch.randn(6, 2, 64, device=device)
+    bias = torch.randn(64, device=device) * 0.1
+    w = torch.rand(12, 1, device=device)
     for call in (lambda v, b, ww: fbs.bias_swiglu_impl(v, None),
                  lambda v, b, ww: fbs.bias_swiglu_impl(v, b),
                  lambda v, b, ww: fbs.weighted_bias_swiglu_impl(v.view(12, 64), None, ww)):
@@ -113,7 +113,12 @@ def _tp1_parity(rank, world):
 
 
 def test_tp1_parity_with_megatron_functions():
-    run_world(1, _tp1_parity)
+    # On a GPU the comparison runs there (Megatron's fused path is torch.compile'd for CUDA);
+    # without one, on the CPU.
+    if torch.cuda.is_available():
+        run_world(1, _tp1_parity, "cuda", backend="nccl")
+    else:
+        run_world(1, _tp1_parity, "cpu")
 
 
 def _mlp_parity(rank, world):

@@ -5,8 +5,6 @@
 // backward reads n + 2n and writes 2n. The bias gradient reads the written gradient once more.
 #include "cuda/swiglu_cuda.h"
 
-#include <algorithm>
-
 #include "core/dispatch.h"
 #include "core/swiglu_math.h"
 #include "cuda/cuda_check.h"
@@ -20,8 +18,7 @@ using Elem = typename core::Storage<K>::type;
 template <StorageKind K>
 using St = core::Storage<K>;
 
-constexpr int kMaxThreads = 256;
-constexpr int kUnroll = 4;  // column groups per thread whose loads are all issued before any use
+constexpr int kThreads = 256;
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -37,93 +34,76 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
-// Gate/up values of VEC columns from their raw packs, bias added.
+// VEC gate/up values of row `yr` at columns [j, j + VEC), bias added.
 template <StorageKind Y, StorageKind V, int VEC>
-__device__ __forceinline__ core::GateUp gate_up_at(const Pack<Elem<Y>, VEC>& g,
-                                                   const Pack<Elem<Y>, VEC>& u, int k, int64_t j,
-                                                   const core::SwigluArgs& a) {
-  float gk = St<Y>::load(g.v[k]), uk = St<Y>::load(u.v[k]);
+__device__ __forceinline__ void load_gate_up(const Elem<Y>* yr, int64_t j, const core::SwigluArgs& a,
+                                             core::GateUp (&v)[VEC]) {
+  Pack<Elem<Y>, VEC> g = load_pack<Elem<Y>, VEC>(yr + j), u = load_pack<Elem<Y>, VEC>(yr + a.n + j);
+  float bg[VEC] = {}, bu[VEC] = {};
   if (a.bias) {
     auto* b = static_cast<const Elem<V>*>(a.bias);
-    gk += St<V>::load(b[j + k]);
-    uk += St<V>::load(b[a.n + j + k]);
+    Pack<Elem<V>, VEC> pg = load_pack<Elem<V>, VEC>(b + j), pu = load_pack<Elem<V>, VEC>(b + a.n + j);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) bg[k] = St<V>::load(pg.v[k]), bu[k] = St<V>::load(pu.v[k]);
   }
-  return core::gate_up(gk, uk, a.params);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k)
+    v[k] = core::gate_up(St<Y>::load(g.v[k]) + bg[k], St<Y>::load(u.v[k]) + bu[k], a.params);
 }
 
-// Each thread owns column groups base + u * stride, u < kUnroll (stride = blockDim * VEC).
-#define FL_FOR_GROUPS(u, j, base, stride, n) \
-  _Pragma("unroll") for (int u = 0; u < kUnroll; ++u) \
-    if (const int64_t j = (base) + u * (stride); j < (n))
-
 template <StorageKind V, int VEC, bool kFp8Store>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kThreads)
     forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
                    uint8_t* y8, int64_t y8s) {
-  const int64_t stride = int64_t(blockDim.x) * VEC;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Elem<V>* yr = y + r * ys;
     const float w = a.weights ? a.weights[r] : 1.0f;
-    for (int64_t base = int64_t(threadIdx.x) * VEC; base < a.n; base += stride * kUnroll) {
-      Pack<Elem<V>, VEC> g[kUnroll], u[kUnroll];
-      FL_FOR_GROUPS(k, j, base, stride, a.n) {
-        g[k] = load_pack<Elem<V>, VEC>(yr + j);
-        u[k] = load_pack<Elem<V>, VEC>(yr + a.n + j);
-      }
-      FL_FOR_GROUPS(k, j, base, stride, a.n) {
-        Pack<Elem<V>, VEC> o;
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
+      core::GateUp v[VEC];
+      load_gate_up<V, V, VEC>(yr, j, a, v);
+      Pack<Elem<V>, VEC> o;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          o.v[e] = St<V>::store(core::swiglu_value(gate_up_at<V, V, VEC>(g[k], u[k], e, j, a)) * w);
-        store_pack(out + r * os + j, o);
-        if constexpr (kFp8Store) {  // the raw input (before bias), as Megatron saves it
-          Pack<uint8_t, VEC> fg, fu;
+      for (int k = 0; k < VEC; ++k) o.v[k] = St<V>::store(core::swiglu_value(v[k]) * w);
+      store_pack(out + r * os + j, o);
+      if constexpr (kFp8Store) {
+        // the raw input (before bias), as Megatron saves it
+        Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(yr + j), u = load_pack<Elem<V>, VEC>(yr + a.n + j);
+        Pack<uint8_t, VEC> fg, fu;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            fg.v[e] = core::float_to_e4m3(St<V>::load(g[k].v[e])),
-            fu.v[e] = core::float_to_e4m3(St<V>::load(u[k].v[e]));
-          store_pack(y8 + r * y8s + j, fg);
-          store_pack(y8 + r * y8s + a.n + j, fu);
-        }
+        for (int k = 0; k < VEC; ++k)
+          fg.v[k] = core::float_to_e4m3(St<V>::load(g.v[k])),
+          fu.v[k] = core::float_to_e4m3(St<V>::load(u.v[k]));
+        store_pack(y8 + r * y8s + j, fg);
+        store_pack(y8 + r * y8s + a.n + j, fu);
       }
     }
   }
 }
 
 template <StorageKind Y, StorageKind V, int VEC, bool kWeights>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kThreads)
     backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
                     core::SwigluArgs a, Elem<V>* gy, int64_t gys, float* grad_weights) {
-  __shared__ float warp_sums[kMaxThreads / 32];
-  const int64_t stride = int64_t(blockDim.x) * VEC;
+  __shared__ float warp_sums[kThreads / 32];
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Elem<Y>* yr = y + r * ys;
     Elem<V>* gr = gy + r * gys;
     const float w = kWeights ? a.weights[r] : 1.0f;
     float dw = 0.0f;
-    for (int64_t base = int64_t(threadIdx.x) * VEC; base < a.n; base += stride * kUnroll) {
-      Pack<Elem<Y>, VEC> g[kUnroll], u[kUnroll];
-      Pack<Elem<V>, VEC> d[kUnroll];
-      FL_FOR_GROUPS(k, j, base, stride, a.n) {
-        g[k] = load_pack<Elem<Y>, VEC>(yr + j);
-        u[k] = load_pack<Elem<Y>, VEC>(yr + a.n + j);
-        d[k] = load_pack<Elem<V>, VEC>(go + r * gos + j);
-      }
-      // in place: every column this thread overwrites was loaded above
-      FL_FOR_GROUPS(k, j, base, stride, a.n) {
-        Pack<Elem<V>, VEC> da, db;
+    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
+      core::GateUp v[VEC];
+      load_gate_up<Y, V, VEC>(yr, j, a, v);
+      Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(go + r * gos + j), da, db;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          core::GateUp v = gate_up_at<Y, V, VEC>(g[k], u[k], e, j, a);
-          float ge = St<V>::load(d[k].v[e]), dae, dbe;
-          core::swiglu_grad(v, ge * w, dae, dbe);
-          if (kWeights) dw += core::swiglu_value(v) * ge;
-          da.v[e] = St<V>::store(dae);
-          db.v[e] = St<V>::store(dbe);
-        }
-        store_pack(gr + j, da);
-        store_pack(gr + a.n + j, db);
+      for (int k = 0; k < VEC; ++k) {
+        float gk = St<V>::load(g.v[k]), dak, dbk;
+        core::swiglu_grad(v[k], gk * w, dak, dbk);
+        if (kWeights) dw += core::swiglu_value(v[k]) * gk;
+        da.v[k] = St<V>::store(dak);
+        db.v[k] = St<V>::store(dbk);
       }
+      store_pack(gr + j, da);  // in place: this thread read these columns above
+      store_pack(gr + a.n + j, db);
     }
     if constexpr (kWeights) {
       // fixed-order block sum: deterministic
@@ -133,7 +113,7 @@ __global__ void __launch_bounds__(kMaxThreads)
       __syncthreads();
       if (threadIdx.x == 0) {
         float s = 0.0f;
-        for (int k = 0; k < int(blockDim.x / 32); ++k) s += warp_sums[k];
+        for (int k = 0; k < kThreads / 32; ++k) s += warp_sums[k];
         grad_weights[r] = s;
       }
       __syncthreads();
@@ -178,12 +158,6 @@ bool can_vectorise(const core::SwigluArgs& a, int vec, std::initializer_list<con
 
 unsigned row_grid(int64_t rows) { return unsigned(std::min<int64_t>(rows, 1 << 30)); }
 
-// Just enough threads (a multiple of 32) for one pass of kUnroll groups over the row.
-unsigned row_threads(int64_t n, int vec) {
-  int64_t groups = (n + vec - 1) / vec, want = (groups + kUnroll - 1) / kUnroll;
-  return unsigned(std::clamp<int64_t>((want + 31) / 32 * 32, 32, kMaxThreads));
-}
-
 }  // namespace
 
 void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
@@ -194,7 +168,7 @@ void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const Matrix
     constexpr int VEC = 16 / sizeof(Elem<V>);
     auto launch = [&](auto vec_c, auto fp8_c) {
       forward_kernel<V, decltype(vec_c)::value, decltype(fp8_c)::value>
-          <<<row_grid(a.rows), row_threads(a.n, decltype(vec_c)::value), 0, as_cuda(stream)>>>(
+          <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
               static_cast<const Elem<V>*>(y.data), y.row_stride, a,
               static_cast<Elem<V>*>(out.data), out.row_stride, static_cast<uint8_t*>(y_fp8.data),
               y_fp8.row_stride);
@@ -225,7 +199,7 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
       constexpr StorageKind Y = decltype(y_kind)::value;
       auto launch = [&](auto vec_c, auto w_c) {
         backward_kernel<Y, V, decltype(vec_c)::value, decltype(w_c)::value>
-            <<<row_grid(a.rows), row_threads(a.n, decltype(vec_c)::value), 0, as_cuda(stream)>>>(
+            <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
                 static_cast<const Elem<V>*>(grad_out.data), grad_out.row_stride,
                 static_cast<const Elem<Y>*>(y.data), y.row_stride, a,
                 static_cast<Elem<V>*>(grad_y.data), grad_y.row_stride, grad_weights);
