@@ -17,7 +17,8 @@ float* fptr(uintptr_t p) { return reinterpret_cast<float*>(p); }
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedloss C++ core (raw-pointer binding; see fusedloss/ for the torch API)";
-  py::register_exception<Error>(m, "Error", PyExc_ValueError);
+  // Module-local: tried before any other extension's global translators (torch registers its own).
+  py::register_local_exception<Error>(m, "Error", PyExc_ValueError);
 
   py::enum_<DType>(m, "DType")
       .value("F32", DType::F32).value("F16", DType::F16).value("BF16", DType::BF16)
