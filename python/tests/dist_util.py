@@ -15,10 +15,12 @@ def _free_port():
 
 
 def _worker(rank, world, port, backend, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=os.environ.get(
-        "CUDA_VISIBLE_DEVICES", ""))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "gloo":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU world: keep the GPUs out of it
+    else:
+        import torch
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
         dist.init_process_group(backend, rank=rank, world_size=world)
         fn(rank, world, *args)

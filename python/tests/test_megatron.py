@@ -121,7 +121,7 @@ def test_tp1_parity_with_megatron_functions():
         run_world(1, _tp1_parity, "cpu")
 
 
-def _mlp_parity(rank, world):
+def _mlp_parity(rank, world, device):
     import torch.nn.functional as F
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -133,8 +133,8 @@ def _mlp_parity(rank, world):
                             use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
                             bias_activation_fusion=True, add_bias_linear=False)
     torch.manual_seed(0)
-    mlp = MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
-    x = torch.randn(5, 2, 64)
+    mlp = MLP(cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)).to(device)
+    x = torch.randn(5, 2, 64, device=device)
 
     def step():
         for p in mlp.parameters():
@@ -152,7 +152,10 @@ def _mlp_parity(rank, world):
 
 
 def test_megatron_mlp_forward_backward_with_and_without_patch():
-    run_world(1, _mlp_parity)
+    if torch.cuda.is_available():
+        run_world(1, _mlp_parity, "cuda", backend="nccl")
+    else:
+        run_world(1, _mlp_parity, "cpu")
 
 
 def _guard_patch_time(rank, world):
