@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Quickstart: install, build, and run the C++ example at TP=1 and vocab-parallel over 2 ranks.
+# Quickstart: install, build, run the C++ example at TP=1 and vocab-parallel over 2 ranks, then
+# install the Python package and run the PyTorch example (GPU if present, else CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/deps.sh
@@ -9,3 +10,7 @@ echo "== TP=1 =="
 $MPIRUN -np 1 build/examples/tp_cross_entropy
 echo "== vocab-parallel, 2 ranks =="
 $MPIRUN -np 2 build/examples/tp_cross_entropy
+echo "== Python API =="
+python3 -m pip install -q "torch>=2.4" pybind11 "scikit-build-core>=0.10"
+FUSEDLOSS_CUDA_ARCHS=${FUSEDLOSS_CUDA_ARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps .
+python3 examples/quickstart.py
