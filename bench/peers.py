@@ -78,9 +78,16 @@ def available():
 
 
 def time_provider(fn, pristine, target, iters=30, warmup=3):
-    """Median ms of forward, backward, forward+backward; peak extra MiB."""
+    """Cross-entropy provider: median ms of forward, backward, forward+backward; peak extra MiB."""
+    return time_autograd(lambda x: fn(x, target), pristine, iters, warmup)
+
+
+def time_autograd(forward, pristine, iters, warmup):
+    """Times forward(x) and its backward on a fresh leaf copy of `pristine` each run (the copy
+    outside the timed region), with CUDA events; the upstream gradient is random, drawn once."""
     fwd, bwd, both = [], [], []
     peak = 0
+    grad = None
     for i in range(iters + warmup):
         x = pristine.detach().clone().requires_grad_(True)
         torch.cuda.synchronize()
@@ -88,9 +95,11 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
         torch.cuda.reset_peak_memory_stats()
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         e[0].record()
-        loss = fn(x, target)
+        out = forward(x)
         e[1].record()
-        loss.backward(torch.ones_like(loss))
+        if grad is None:
+            grad = torch.rand_like(out) + 0.5
+        out.backward(grad)
         e[2].record()
         torch.cuda.synchronize()
         if i >= warmup:
@@ -98,10 +107,9 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
             bwd.append(e[1].elapsed_time(e[2]))
             both.append(e[0].elapsed_time(e[2]))
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del x, loss
+        del x, out
     med = statistics.median
     return med(fwd), med(bwd), med(both), peak / 2**20
-
 
 # ---- SwiGLU over the fused gate-up buffer y [T, 2n] ----
 
@@ -133,29 +141,5 @@ def available_swiglu():
 
 
 def time_unary(fn, pristine, iters=50, warmup=3):
-    """Like time_provider, for y -> out with a random upstream gradient."""
-    fwd, bwd, both = [], [], []
-    peak = 0
-    grad = None
-    for i in range(iters + warmup):
-        x = pristine.detach().clone().requires_grad_(True)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        e[0].record()
-        out = fn(x)
-        e[1].record()
-        if grad is None:
-            grad = torch.randn_like(out)
-        out.backward(grad)
-        e[2].record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            fwd.append(e[0].elapsed_time(e[1]))
-            bwd.append(e[1].elapsed_time(e[2]))
-            both.append(e[0].elapsed_time(e[2]))
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del x, out
-    med = statistics.median
-    return med(fwd), med(bwd), med(both), peak / 2**20
+    """SwiGLU provider y -> out: as time_provider."""
+    return time_autograd(fn, pristine, iters, warmup)

@@ -168,7 +168,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(logits, target, lse, count)
 
 
-def _backward(ctx, grad_loss, _grad_lse, _grad_count):
+def _run_backward(ctx, grad_loss, eager):
+    """The backward of both paths: eager calls the core directly, traced code the custom ops."""
     if getattr(ctx, "consumed", False):
         raise RuntimeError(
             "fusedloss.cross_entropy: second backward through a loss computed with "
@@ -179,12 +180,23 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_count):
     no_grads = [None] * (len(ctx.opts) + 2)
     if ctx.inplace and _can_write_in_place(logits):
         ctx.consumed = True
-        torch.ops.fusedloss.cross_entropy_bwd_(grad_loss, logits, target, lse, count, *ctx.opts)
+        if eager:
+            _backward_into(grad_loss, logits, target, lse, count, ctx.opts, as_rows(logits, "logits"))
+        else:
+            torch.ops.fusedloss.cross_entropy_bwd_(grad_loss, logits, target, lse, count, *ctx.opts)
         # The logits now hold their gradient: any later reader trips autograd's version check.
         torch.autograd.graph.increment_version(logits)
         return (logits, *no_grads)
-    grad = torch.ops.fusedloss.cross_entropy_bwd(grad_loss, logits, target, lse, count, *ctx.opts)
+    if eager:
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        _backward_into(grad_loss, logits, target, lse, count, ctx.opts, grad.view(-1, grad.size(-1)))
+    else:
+        grad = torch.ops.fusedloss.cross_entropy_bwd(grad_loss, logits, target, lse, count, *ctx.opts)
     return (grad, *no_grads)
+
+
+def _backward(ctx, grad_loss, _grad_lse, _grad_count):
+    return _run_backward(ctx, grad_loss, eager=False)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -204,18 +216,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if getattr(ctx, "consumed", False):
-            _backward(ctx, grad_loss, None, None)  # raises the second-backward error
-        logits, target, lse, count = ctx.saved_tensors
-        no_grads = [None] * (len(ctx.opts) + 2)
-        if ctx.inplace and _can_write_in_place(logits):
-            ctx.consumed = True
-            _backward_into(grad_loss, logits, target, lse, count, ctx.opts, as_rows(logits, "logits"))
-            torch.autograd.graph.increment_version(logits)
-            return (logits, *no_grads)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _backward_into(grad_loss, logits, target, lse, count, ctx.opts, grad.view(-1, grad.size(-1)))
-        return (grad, *no_grads)
+        return _run_backward(ctx, grad_loss, eager=True)
 
 
 def _check_args(logits, target, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss):

@@ -106,7 +106,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(y if not fp8_input_store else None, saved, bias, weights)
 
 
-def _backward(ctx, grad_out, _grad_saved):
+def _run_backward(ctx, grad_out, eager):
+    """The backward of both paths: eager calls the core directly, traced code the custom ops."""
     if getattr(ctx, "consumed", False):
         raise RuntimeError(
             "fusedloss.swiglu: second backward through an activation computed with in_place=True; "
@@ -114,18 +115,33 @@ def _backward(ctx, grad_out, _grad_saved):
             "backward twice (retain_graph=True).")
     y, saved, bias, weights = ctx.saved_tensors
     w32 = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
+    g = grad_out.contiguous()
+    want_dw, want_db = weights is not None, bias is not None
     if ctx.in_place and y.stride(-1) == 1 and not y.is_leaf:  # a leaf is never overwritten
         ctx.consumed = True
-        gw, gb = torch.ops.fusedloss.swiglu_bwd_(grad_out.contiguous(), y, bias, w32, ctx.clamp_value)
+        if eager:
+            x = as_rows(y, "y")
+            gw, gb = _backward_into(g, x, False, bias, w32, ctx.clamp_value, x, want_dw, want_db)
+        else:
+            gw, gb = torch.ops.fusedloss.swiglu_bwd_(g, y, bias, w32, ctx.clamp_value)
         torch.autograd.graph.increment_version(y)
         dy = y
+    elif eager:
+        dy = torch.empty(ctx.y_shape, dtype=g.dtype, device=g.device)
+        src = saved if ctx.fp8 else as_rows(y, "y")
+        gw, gb = _backward_into(g, src, ctx.fp8, bias, w32, ctx.clamp_value, dy.view(-1, dy.size(-1)),
+                                want_dw, want_db)
     else:
-        dy, gw, gb = torch.ops.fusedloss.swiglu_bwd(grad_out.contiguous(), y if y is not None else saved,
-                                                    saved, bias, w32, ctx.clamp_value, ctx.fp8)
+        dy, gw, gb = torch.ops.fusedloss.swiglu_bwd(g, y if y is not None else saved, saved, bias, w32,
+                                                    ctx.clamp_value, ctx.fp8)
         dy = dy.view(ctx.y_shape)
-    d_bias = gb.to(ctx.bias_dtype) if bias is not None else None
-    d_w = gw.view(weights.shape).to(ctx.weights_dtype) if weights is not None else None
+    d_bias = gb.to(ctx.bias_dtype) if want_db else None
+    d_w = gw.view(weights.shape).to(ctx.weights_dtype) if want_dw else None
     return dy, d_bias, d_w, None, None, None
+
+
+def _backward(ctx, grad_out, _grad_saved):
+    return _run_backward(ctx, grad_out, eager=False)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -143,27 +159,7 @@ class _EagerSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if getattr(ctx, "consumed", False):
-            return _backward(ctx, grad_out, None)  # raises the second-backward error
-        y, saved, bias, weights = ctx.saved_tensors
-        w32 = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
-        if ctx.in_place and y.stride(-1) == 1 and not y.is_leaf:
-            ctx.consumed = True
-            x = as_rows(y, "y")
-            gw, gb = _backward_into(grad_out, x, False, bias, w32, ctx.clamp_value, x,
-                                    weights is not None, bias is not None)
-            torch.autograd.graph.increment_version(y)
-            dy = y
-        else:
-            rows = (y if y is not None else saved)
-            grad = torch.empty(ctx.y_shape, dtype=grad_out.dtype, device=grad_out.device)
-            g2 = grad.view(-1, grad.size(-1))
-            gw, gb = _backward_into(grad_out, saved if ctx.fp8 else as_rows(rows, "y"), ctx.fp8, bias, w32,
-                                    ctx.clamp_value, g2, weights is not None, bias is not None)
-            dy = grad
-        d_bias = gb.to(ctx.bias_dtype) if bias is not None else None
-        d_w = gw.view(weights.shape).to(ctx.weights_dtype) if weights is not None else None
-        return dy, d_bias, d_w, None, None, None
+        return _run_backward(ctx, grad_out, eager=True)
 
 
 def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optional[Tensor] = None,

@@ -43,11 +43,8 @@ __device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, c
   return core::classify_target(*t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
 }
 
-// Block-wide merge of (m, s, sx) in a fixed order: deterministic.
-template <int kThreads>
-__device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
-  constexpr int kWarps = kThreads / 32;
-  __shared__ float sm_m[kWarps], sm_s[kWarps], sm_x[kWarps];
+// Warp-wide merge of (m, s, sx): a butterfly in a fixed order, deterministic.
+__device__ __forceinline__ void warp_merge(float& m, float& s, float& sx) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     float m2 = __shfl_xor_sync(0xffffffffu, m, off);
@@ -55,6 +52,14 @@ __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
     sx += __shfl_xor_sync(0xffffffffu, sx, off);
     core::online_merge(m, s, m2, s2);
   }
+}
+
+// Block-wide merge: every warp, then warp 0 over the warps' results.
+template <int kThreads>
+__device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float sm_m[kWarps], sm_s[kWarps], sm_x[kWarps];
+  warp_merge(m, s, sx);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) sm_m[warp] = m, sm_s[warp] = s, sm_x[warp] = sx;
   __syncthreads();
@@ -62,13 +67,7 @@ __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
     m = lane < kWarps ? sm_m[lane] : -INFINITY;
     s = lane < kWarps ? sm_s[lane] : 0.0f;
     sx = lane < kWarps ? sm_x[lane] : 0.0f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-      float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-      sx += __shfl_xor_sync(0xffffffffu, sx, off);
-      core::online_merge(m, s, m2, s2);
-    }
+    warp_merge(m, s, sx);
   }
 }
 
