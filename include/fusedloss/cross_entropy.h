@@ -75,7 +75,7 @@ void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target
 // All-reduce form, between the MAX all-reduce of the maxima and the SUM all-reduce:
 // given global_max[rows], writes summable[rows] (max = global max on rank 0 and 0 elsewhere,
 // sum_exp rescaled to the global max, target_logit 0 off its owner) so that an element-wise
-// SUM over ranks gives the merged statistics. global_max may alias nothing in `local`.
+// SUM over ranks gives the merged statistics. `summable` must not overlap `local`.
 void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
                                const IndexView& target, const CrossEntropyOptions& options,
                                int64_t vocab_local, int rank, RowStats* summable,

@@ -254,13 +254,12 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
             p.vocab_global, "/", p.vocab_start, " without a communicator of size > 1, expected ",
             logits.cols, "/0 (the whole vocabulary on one rank)");
     check_targets_on_host(target, p);
-    if (dev == Device::CPU) {
-      std::vector<RowStats> stats(rows);
-      cpu::ce_local_stats(logits, target, p, stats.data());
-      cpu::ce_merge(stats.data(), 1, stats.data(), target, p, out);
-      return;
-    }
-    FL_DISPATCH(dev, "cross_entropy_forward", , cuda::ce_forward_tp1(logits, target, p, out, stream));
+    // TP=1: the stats are already global, so the CUDA backend merges inside the stats pass.
+    std::vector<RowStats> stats(dev == Device::CPU ? rows : 0);
+    FL_DISPATCH(dev, "cross_entropy_forward",
+                cpu::ce_local_stats(logits, target, p, stats.data());
+                cpu::ce_merge(stats.data(), 1, stats.data(), target, p, out),
+                cuda::ce_forward_tp1(logits, target, p, out, stream));
     return;
   }
 
