@@ -158,6 +158,30 @@ TEST_P(BadInputs, BackwardBuffers) {
   expect_error([&] { backward(g, nullptr); }, {"valid_count", "Mean"});
 }
 
+// A communicator whose collectives fail, as a broken MPI/NCCL hook would.
+class FailingCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  Device device() const override { return Device::CPU; }
+  void all_gather(const void*, void*, size_t, Stream) override {
+    throw Error("MPI_Allgather failed: simulated transport error");
+  }
+  void all_reduce(float*, size_t, ReduceOp, Stream) override {
+    throw Error("MPI_Allreduce failed: simulated transport error");
+  }
+};
+
+TEST(BadInputsHook, CollectiveFailurePropagatesWithItsMessage) {
+  Fixture f(Device::CPU);
+  FailingCommunicator comm;
+  CrossEntropyOptions o;
+  o.vocab_global = 2 * f.V;
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
+               {"MPI_Allgather failed", "simulated"});
+  EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written despite the failure";
+}
+
 #if !FUSEDLOSS_HAS_CUDA
 TEST(BadInputsCpuOnlyBuild, CudaViewIsRejected) {
   float x[4] = {0, 1, 2, 3}, loss[2], lse[2];
