@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 #include "core/dispatch.h"
+#include "cpu/parallel.h"
 
 namespace fusedloss::cpu {
 namespace {
@@ -29,7 +30,7 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
                       RowStats* stats) {
   using S = core::Storage<K>;
   const auto* base = static_cast<const typename S::type*>(x.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(x.rows * x.cols))
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* row = base + r * x.row_stride;
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
@@ -62,7 +63,7 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
   float scalar_grad = 0.0f;
   if (p.reduction == Reduction::Sum) scalar_grad = grad_loss[0];
   if (p.reduction == Reduction::Mean) scalar_grad = grad_loss[0] / fmaxf(valid_count[0], 1.0f);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(x.rows * x.cols))
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* xr = in + r * x.row_stride;
     auto* gr = out + r * grad.row_stride;

@@ -1,6 +1,7 @@
 #include "cpu/swiglu_cpu.h"
 
 #include "core/dispatch.h"
+#include "cpu/parallel.h"
 #include "core/swiglu_math.h"
 
 namespace fusedloss::cpu {
@@ -29,7 +30,7 @@ void forward_impl(const MatrixView& y, const core::SwigluArgs& a, const MatrixVi
   auto* in = static_cast<const Elem<V>*>(y.data);
   auto* o = static_cast<Elem<V>*>(out.data);
   auto* f8 = static_cast<uint8_t*>(y_fp8.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(a.rows * a.n))
   for (int64_t r = 0; r < a.rows; ++r) {
     const Elem<V>* yr = in + r * y.row_stride;
     const float w = a.weights ? a.weights[r] : 1.0f;
@@ -48,7 +49,7 @@ void backward_impl(const MatrixView& grad_out, const MatrixView& y, const core::
   auto* go = static_cast<const Elem<V>*>(grad_out.data);
   auto* in = static_cast<const Elem<Y>*>(y.data);
   auto* gy = static_cast<Elem<V>*>(grad_y.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(a.rows * a.n))
   for (int64_t r = 0; r < a.rows; ++r) {
     const Elem<Y>* yr = in + r * y.row_stride;
     Elem<V>* gr = gy + r * grad_y.row_stride;
@@ -71,7 +72,7 @@ void backward_impl(const MatrixView& grad_out, const MatrixView& y, const core::
 template <StorageKind V>
 void bias_grad_impl(const MatrixView& grad_y, const core::SwigluArgs& a, float* grad_bias) {
   auto* gy = static_cast<const Elem<V>*>(grad_y.data);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(a.rows * a.n))
   for (int64_t c = 0; c < 2 * a.n; ++c) {
     double s = 0.0;
     for (int64_t r = 0; r < a.rows; ++r) s += core::Storage<V>::load(gy[r * grad_y.row_stride + c]);
