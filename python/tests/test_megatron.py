@@ -214,3 +214,17 @@ def test_tp2_guard_at_call_time():
 
 def test_tp2_allow_vocab_parallel_matches_megatron():
     run_world(2, _vocab_parallel_matches_megatron)
+
+
+def test_mode2_language_model_loss_and_swiglu_module():
+    from fusedloss.megatron import FusedLossSwiGLU, fused_language_model_loss
+    logits = torch.randn(16, 3, 200)  # [s, b, V]
+    labels = torch.randint(0, 200, (3, 16))  # [b, s]
+    loss = fused_language_model_loss(labels, logits, inplace_backward=False)
+    assert loss.shape == (3, 16) and loss.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
+    y = torch.randn(4, 2, 64)
+    a, b = y.chunk(2, -1)
+    torch.testing.assert_close(FusedLossSwiGLU(clamp_value=1.0)(y),
+                               torch.nn.functional.silu(a.clamp(max=1.0)) * b.clamp(-1.0, 1.0))
