@@ -119,3 +119,13 @@ def test_module_wrapper(device):
     torch.testing.assert_close(m(x, t).double(), F.cross_entropy(x.double(), t, label_smoothing=0.1, reduction="sum"),
                                rtol=2e-5, atol=1e-6)
     assert "label_smoothing=0.1" in repr(m)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_zero_rows_and_single_class(device, reduction):
+    empty = torch.randn(0, 7, device=device, requires_grad=True)
+    loss = fusedloss.cross_entropy(empty, torch.zeros(0, dtype=torch.long, device=device), reduction=reduction)
+    assert loss.numel() == (0 if reduction == "none" else 1)
+    if reduction != "none":
+        assert loss.item() == 0.0
+    check(device, shape=(9, 1), reduction=reduction, ignore_frac=0.0)

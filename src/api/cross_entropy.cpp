@@ -129,8 +129,9 @@ void check_forward_args(const MatrixView& logits, const IndexView& target,
                         const CrossEntropyOutputs& out, const core::CeParams& p) {
   detail::check_matrix(logits, "logits");
   detail::check_index(target, "target", logits.rows, logits.device);
-  require(out.loss != nullptr, "out.loss: got null, expected a float buffer of ",
-          p.reduction == Reduction::None ? logits.rows : 1, " elements");
+  const int64_t nloss = p.reduction == Reduction::None ? logits.rows : 1;
+  require(out.loss != nullptr || nloss == 0, "out.loss: got null, expected a float buffer of ",
+          nloss, " elements");
   require(out.lse != nullptr || logits.rows == 0,
           "out.lse: got null, expected a float buffer of ", logits.rows, " elements");
 }
@@ -232,7 +233,8 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
           " x ", target.size, " RowStats");
   require(!p.partition_scope || local != nullptr || target.size == 0,
           "local: got null, expected this rank's RowStats (SmoothingScope::Partition)");
-  require(out.loss != nullptr, "out.loss: got null, expected a float buffer");
+  require(out.loss != nullptr || (p.reduction == Reduction::None && target.size == 0),
+          "out.loss: got null, expected a float buffer");
   require(out.lse != nullptr || target.size == 0, "out.lse: got null, expected ", target.size,
           " floats");
   FL_DISPATCH(target.device, "cross_entropy_merge",
