@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
-python3 -c "import fusedloss" 2>/dev/null || FUSEDLOSS_CUDA_ARCHS=${FUSEDLOSS_CUDA_ARCHS:-90} \
-  python3 -m pip install -q --no-build-isolation --no-deps .
+source launch/cuda_archs.sh
+python3 -c "import fusedloss" 2>/dev/null || python3 -m pip install -q --no-build-isolation --no-deps .
 PYTHONUNBUFFERED=1 python3 examples/megatron_gpt_patch.py --steps "${STEPS:-50}" --out "$OUT"

@@ -10,5 +10,6 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
   # torch from PyPI; megatron-core: the newest release this Python supports
   $PY -m pip install -q "torch>=2.4" pybind11 "scikit-build-core>=0.10" pytest numpy megatron-core
 fi
-FUSEDLOSS_CUDA_ARCHS=${FUSEDLOSS_CUDA_ARCHS:-90} $PY -m pip install -q --no-build-isolation --no-deps .
+source launch/cuda_archs.sh
+$PY -m pip install -q --no-build-isolation --no-deps .
 cd python/tests && $PY -m pytest -q -p no:cacheprovider "$@"

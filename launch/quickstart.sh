@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/deps.sh
-launch/build.sh -DFUSEDLOSS_TESTS=OFF
+launch/build.sh -DFUSEDLOSS_TESTS=OFF -DFUSEDLOSS_BENCH=OFF
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
 echo "== TP=1 =="
 $MPIRUN -np 1 build/examples/tp_cross_entropy
@@ -12,5 +12,6 @@ echo "== vocab-parallel, 2 ranks =="
 $MPIRUN -np 2 build/examples/tp_cross_entropy
 echo "== Python API =="
 python3 -m pip install -q "torch>=2.4" pybind11 "scikit-build-core>=0.10"
-FUSEDLOSS_CUDA_ARCHS=${FUSEDLOSS_CUDA_ARCHS:-90} python3 -m pip install -q --no-build-isolation --no-deps .
+source launch/cuda_archs.sh
+python3 -m pip install -q --no-build-isolation --no-deps .
 python3 examples/quickstart.py
