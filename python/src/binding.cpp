@@ -99,7 +99,7 @@ PYBIND11_MODULE(_C, m) {
           swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream));
         });
   m.def("check_device_errors", [](uintptr_t stream) { check_device_errors(ptr(stream)); });
-  m.attr("ROW_STATS_FLOATS") = 4;
+  m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
   m.attr("__version__") = FUSEDLOSS_VERSION;
 }

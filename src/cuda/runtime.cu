@@ -24,13 +24,4 @@ void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream
 
 void synchronize(Stream stream) { FL_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream))); }
 
-bool is_device_pointer(const void* ptr) {
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
-}
-
 }  // namespace fusedloss::cuda

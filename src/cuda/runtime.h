@@ -10,6 +10,5 @@ void* alloc_async(size_t bytes, Stream stream);
 void free_async(void* ptr, Stream stream);
 void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream);
 void synchronize(Stream stream);
-bool is_device_pointer(const void* ptr);
 
 }  // namespace fusedloss::cuda
