@@ -19,6 +19,15 @@ struct CeParams {
   Reduction reduction = Reduction::Mean;
 };
 
+// A merged row's lse and reported loss. `local_sum_logits` is this rank's own sum, which the
+// partition smoothing scope averages instead of the merged one.
+FL_HD void finish_row(const RowStats& merged, float local_sum_logits, TargetKind kind,
+                      const CeParams& p, float& lse, float& loss) {
+  lse = log_sum_exp(merged.max, merged.sum_exp);
+  float sx = p.partition_scope ? local_sum_logits : merged.sum_logits;
+  loss = reported_loss(kind, lse, merged.target_logit, sx, p.smoothing, p.z_loss);
+}
+
 // Resolves options against a shard of `vocab_local` columns; throws Error on bad options.
 CeParams resolve_params(const CrossEntropyOptions& options, int64_t rows, int64_t vocab_local);
 

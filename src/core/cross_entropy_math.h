@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include "core/platform.h"
+#include "fusedloss/cross_entropy.h"  // RowStats
 
 namespace fusedloss::core {
 
@@ -132,6 +133,34 @@ FL_HD TargetKind classify_target(int64_t target, int64_t ignore_index, int64_t v
 // (a NaN target logit propagates; a real -inf target logit stays -inf).
 FL_HD float merge_target_logit(float t_acc, float t_part) {
   return t_part == -INFINITY ? t_acc : t_part;
+}
+
+// Row r of `parts` gathered shards ([parts][rows] RowStats) merged into one: every rank runs
+// the same fixed-order merge, so every rank gets the same bits.
+FL_HD RowStats merge_row(const RowStats* combined, int parts, int64_t rows, int64_t r) {
+  RowStats acc = combined[r];
+  for (int k = 1; k < parts; ++k) {
+    const RowStats part = combined[int64_t(k) * rows + r];
+    online_merge(acc.max, acc.sum_exp, part.max, part.sum_exp);
+    acc.target_logit = merge_target_logit(acc.target_logit, part.target_logit);
+    acc.sum_logits += part.sum_logits;
+  }
+  return acc;
+}
+
+// All-reduce form: this rank's row rescaled to the global max so that an element-wise SUM over
+// ranks merges (the max itself travels once, from rank 0; the owner alone adds its target).
+FL_HD RowStats summable_row(const RowStats& local, float global_max, bool owner, int rank) {
+  return RowStats{rank == 0 ? global_max : 0.0f, local.sum_exp * rescale(local.max, global_max),
+                  owner ? local.target_logit : 0.0f, local.sum_logits};
+}
+
+// The loss a row reports: 0 when ignored, NaN for an out-of-range target, else row_loss.
+FL_HD float reported_loss(TargetKind kind, float lse, float target_logit, float sum_logits,
+                          Smoothing sm, float z_loss) {
+  if (kind == TargetKind::Ignored) return 0.0f;
+  if (kind == TargetKind::OutOfRange) return NAN;
+  return row_loss(lse, target_logit, sum_logits, sm, z_loss);
 }
 
 }  // namespace fusedloss::core

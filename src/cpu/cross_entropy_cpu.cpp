@@ -102,11 +102,8 @@ void ce_local_stats(const MatrixView& logits, const IndexView& target, const cor
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
                     const core::CeParams& p, int rank, RowStats* summable) {
   for (int64_t r = 0; r < p.rows; ++r) {
-    const RowStats& l = local[r];
-    float gm = global_max[r];
     bool owner = classify(target, r, p) == TargetKind::Local;
-    summable[r] = RowStats{rank == 0 ? gm : 0.0f, l.sum_exp * core::rescale(l.max, gm),
-                           owner ? l.target_logit : 0.0f, l.sum_logits};
+    summable[r] = core::summable_row(local[r], global_max[r], owner, rank);
   }
 }
 
@@ -117,22 +114,8 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
   std::vector<float> scratch(p.reduction == Reduction::None ? 0 : rows);
   float* row_losses = p.reduction == Reduction::None ? out.loss : scratch.data();
   for (int64_t r = 0; r < rows; ++r) {
-    float m = combined[r].max, s = combined[r].sum_exp;
-    float t = combined[r].target_logit, sx = combined[r].sum_logits;
-    for (int k = 1; k < parts; ++k) {
-      const RowStats& part = combined[int64_t(k) * rows + r];
-      core::online_merge(m, s, part.max, part.sum_exp);
-      t = core::merge_target_logit(t, part.target_logit);
-      sx += part.sum_logits;
-    }
-    if (p.partition_scope) sx = local[r].sum_logits;
-    float lse = core::log_sum_exp(m, s);
-    out.lse[r] = lse;
-    TargetKind kind = classify(target, r, p);
-    row_losses[r] = kind == TargetKind::Ignored ? 0.0f
-                    : kind == TargetKind::OutOfRange
-                        ? NAN
-                        : core::row_loss(lse, t, sx, p.smoothing, p.z_loss);
+    core::finish_row(core::merge_row(combined, parts, rows, r), local[r].sum_logits,
+                     classify(target, r, p), p, out.lse[r], row_losses[r]);
   }
   // Deterministic reductions: a fixed-order sum in double.
   double total = 0.0;

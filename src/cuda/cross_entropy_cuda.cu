@@ -108,12 +108,7 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
     if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
     float tl = kind == TargetKind::Local ? S::load(row[t - p.vocab_start]) : -INFINITY;
     if constexpr (kFinish) {
-      float lse = core::log_sum_exp(m, s);
-      lse_out[r] = lse;
-      row_loss_out[r] = kind == TargetKind::Ignored      ? 0.0f
-                        : kind == TargetKind::OutOfRange ? NAN
-                                                         : core::row_loss(lse, tl, sx, p.smoothing,
-                                                                          p.z_loss);
+      core::finish_row(RowStats{m, s, tl, sx}, sx, kind, p, lse_out[r], row_loss_out[r]);
     } else {
       stats[r] = RowStats{m, s, tl, sx};
     }
@@ -129,10 +124,7 @@ __global__ void prepare_sum_kernel(const RowStats* local, const float* global_ma
   if (r >= p.rows) return;
   int64_t t;
   bool owner = classify(target, r, p, &t) == TargetKind::Local;
-  RowStats l = local[r];
-  float gm = global_max[r];
-  summable[r] = RowStats{rank == 0 ? gm : 0.0f, l.sum_exp * core::rescale(l.max, gm),
-                         owner ? l.target_logit : 0.0f, l.sum_logits};
+  summable[r] = core::summable_row(local[r], global_max[r], owner, rank);
 }
 
 __global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* maxima) {
@@ -147,23 +139,9 @@ __global__ void merge_kernel(const RowStats* combined, int parts, const RowStats
                              float* row_loss_out) {
   int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (r >= p.rows) return;
-  RowStats c = combined[r];
-  float m = c.max, s = c.sum_exp, t = c.target_logit, sx = c.sum_logits;
-  for (int k = 1; k < parts; ++k) {
-    RowStats part = combined[int64_t(k) * p.rows + r];
-    core::online_merge(m, s, part.max, part.sum_exp);
-    t = core::merge_target_logit(t, part.target_logit);
-    sx += part.sum_logits;
-  }
-  if (p.partition_scope) sx = local[r].sum_logits;
-  float lse = core::log_sum_exp(m, s);
-  lse_out[r] = lse;
-  int64_t ti;
-  TargetKind kind = classify(target, r, p, &ti);
-  row_loss_out[r] = kind == TargetKind::Ignored      ? 0.0f
-                    : kind == TargetKind::OutOfRange ? NAN
-                                                     : core::row_loss(lse, t, sx, p.smoothing,
-                                                                      p.z_loss);
+  int64_t t;
+  core::finish_row(core::merge_row(combined, parts, p.rows, r), local[r].sum_logits,
+                   classify(target, r, p, &t), p, lse_out[r], row_loss_out[r]);
 }
 
 // Deterministic sum / mean over rows and the non-ignored count: one block, fixed order,
