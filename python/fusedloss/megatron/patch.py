@@ -83,40 +83,28 @@ def _cross_entropy(logits, target, tp_group, label_smoothing):
         inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group)
 
 
-def _make_fused_ce(original):
-    sig = _forward_signature(original)
-
-    class FusedVocabParallelCrossEntropy:
-        """Stands in for fused_cross_entropy._VocabParallelCrossEntropy (apply only)."""
-        __fusedloss_original__ = original
-
-        @staticmethod
-        def apply(*args, **kwargs):
-            a = sig.bind(*args, **kwargs).arguments
-            group = _guard(a.get("tp_group"), "fused_vocab_parallel_cross_entropy")
-            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group,
-                                  _CONFIG["label_smoothing"])
-
-    return FusedVocabParallelCrossEntropy
-
-
-def _make_unfused_ce(original):
+def _make_ce(original, where):
+    """Stands in for a `_VocabParallelCrossEntropy` (apply only), whatever its forward's
+    signature: (logits, target, tp_group) for the fused path, (logits, target,
+    label_smoothing=0.0[, tp_group=None]) for the unfused one."""
     sig = _forward_signature(original)
 
     class VocabParallelCrossEntropy:
-        """Stands in for tensor_parallel.cross_entropy._VocabParallelCrossEntropy (apply only)."""
         __fusedloss_original__ = original
 
         @staticmethod
         def apply(*args, **kwargs):
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            group = a.get("tp_group") if a.get("tp_group") is not None else _tp_group_from_parallel_state()
-            group = _guard(group, "vocab_parallel_cross_entropy")
-            ls = a.get("label_smoothing") or _CONFIG["label_smoothing"]
-            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, float(ls))
+            a = sig.bind(*args, **kwargs).arguments  # only what the caller passed
+            group = a.get("tp_group")
+            if group is None and where == "unfused":
+                group = _tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
+            ls = a.get("label_smoothing")
+            ls = _CONFIG["label_smoothing"] if ls is None else float(ls)
+            group = _guard(group, f"{where} vocab_parallel_cross_entropy")
+            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, ls)
 
+    VocabParallelCrossEntropy.__name__ = VocabParallelCrossEntropy.__qualname__ = (
+        f"FusedLoss{where.capitalize()}VocabParallelCrossEntropy")
     return VocabParallelCrossEntropy
 
 
@@ -177,8 +165,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                    allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
                    swiglu_in_place=bool(swiglu_in_place))
     if cross_entropy:
-        _install(*_CE_FUSED, _make_fused_ce)
-        _install(*_CE_UNFUSED, _make_unfused_ce)
+        _install(*_CE_FUSED, lambda original: _make_ce(original, "fused"))
+        _install(*_CE_UNFUSED, lambda original: _make_ce(original, "unfused"))
     if swiglu:
         for module_name, attr in _SWIGLU:
             _install(module_name, attr, lambda original, attr=attr: _make_swiglu(original, attr))
