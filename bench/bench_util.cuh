@@ -42,6 +42,22 @@ double median_ms(int iters, Setup&& setup, Body&& body) {
   return ms[ms.size() / 2];
 }
 
+// Median forward, backward and forward+backward times of one provider, each run from a
+// restored input (restore() runs outside the timed region), printed as the CSV rows the
+// benchmark drivers read: provider,op,<size>,rows,ms,floor_ms,copy_gbs,peak_extra_mib,gpu.
+template <class Restore, class Forward, class Backward>
+void time_and_print(int iters, Restore&& restore, Forward&& fwd, Backward&& bwd, long long size,
+                    long long rows, const double (&floor_ms)[3], double copy_gbs,
+                    double extra_mib, const char* gpu) {
+  const double ms[3] = {median_ms(iters, restore, fwd), median_ms(iters, restore, bwd),
+                        median_ms(iters, restore, [&] { fwd(); bwd(); })};
+  const char* ops[3] = {"forward", "backward", "fwd+bwd"};
+  for (int i = 0; i < 3; ++i)
+    std::printf("fusedloss-cpp,%s,%lld,%lld,%.4f,%.4f,%.1f,%.2f,%s\n", ops[i], size, rows, ms[i],
+                floor_ms[i], copy_gbs, extra_mib, gpu);
+  std::fflush(stdout);
+}
+
 // Bytes read + written per second by a large device-to-device copy, in GB/s.
 inline double copy_bandwidth_gbs() {
   const size_t bytes = size_t(2) << 30;

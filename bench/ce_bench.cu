@@ -47,27 +47,20 @@ int main(int argc, char** argv) {
     auto restore = [&] { CHECK(cudaMemcpyAsync(x, pristine, bytes, cudaMemcpyDeviceToDevice)); };
     auto fwd = [&] { fl::cross_entropy_forward(xv, tv, opt, out); };
     auto bwd = [&] { fl::cross_entropy_backward(xv, tv, lse, grad_loss, nullptr, opt, xv); };
-    restore();
-    fwd();
-    CHECK(cudaDeviceSynchronize());
+    // The library allocates only from the stream-ordered pool (the scratch RowStats); lse
+    // (4 B/row) is the caller's saved state, added here.
+    const double pass_ms = double(bytes) / (bw * 1e9) * 1e3;
     uint64_t zero = 0;
     CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
-    double t_fwd = median_ms(iters, restore, fwd);
-    double t_bwd = median_ms(iters, restore, bwd);
-    double t_both = median_ms(iters, restore, [&] { fwd(); bwd(); });
-    fl::check_device_errors();
+    restore();
+    fwd();
+    bwd();
+    CHECK(cudaDeviceSynchronize());
     uint64_t high = 0;
     CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
-    // Everything the library allocated beyond the caller's buffers comes from the stream-ordered
-    // pool (the scratch RowStats); lse (4 B/row) is the caller's saved state, added here.
-    double extra_mib = (double(high) + rows * 4.0) / (1 << 20);
-    const double pass_ms = double(bytes) / (bw * 1e9) * 1e3;
-    struct { const char* op; double ms, floor; } rowsout[] = {
-        {"forward", t_fwd, 1 * pass_ms}, {"backward", t_bwd, 2 * pass_ms}, {"fwd+bwd", t_both, 3 * pass_ms}};
-    for (auto& r : rowsout)
-      std::printf("fusedloss-cpp,%s,%lld,%lld,%.4f,%.4f,%.1f,%.2f,%s\n", r.op, (long long)V,
-                  (long long)rows, r.ms, r.floor, bw, extra_mib, prop.name);
-    std::fflush(stdout);
+    fl::check_device_errors();
+    time_and_print(iters, restore, fwd, bwd, V, rows, {pass_ms, 2 * pass_ms, 3 * pass_ms}, bw,
+                   (double(high) + rows * 4.0) / (1 << 20), prop.name);
     for (void* p : {(void*)x, (void*)pristine, (void*)target, (void*)loss, (void*)lse, (void*)grad_loss})
       CHECK(cudaFree(p));
   }

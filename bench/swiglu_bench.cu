@@ -28,18 +28,10 @@ int main(int argc, char** argv) {
     auto restore = [&] { CHECK(cudaMemcpyAsync(y, pristine, ny * 2, cudaMemcpyDeviceToDevice)); };
     auto fwd = [&] { fl::swiglu_forward(yv, {}, {}, {}, ov); };
     auto bwd = [&] { fl::swiglu_backward(gv, yv, {}, {}, {}, yv); };  // in place
-    double t_fwd = median_ms(iters, restore, fwd);
-    double t_bwd = median_ms(iters, restore, bwd);
-    double t_both = median_ms(iters, restore, [&] { fwd(); bwd(); });
-    const double elem_ms = 2.0 / (bw * 1e9) * 1e3 * double(T) * double(n);  // ms per n bf16 per token
+    const double elem_ms = 2.0 / (bw * 1e9) * 1e3 * double(T) * double(n);  // n bf16 per token
     // Extra memory beyond the input: the output [T, n]; in place, no gradient buffer.
-    const double extra_mib = double(nout) * 2 / (1 << 20);
-    struct { const char* op; double ms, floor; } rows[] = {
-        {"forward", t_fwd, 3 * elem_ms}, {"backward", t_bwd, 5 * elem_ms}, {"fwd+bwd", t_both, 8 * elem_ms}};
-    for (auto& r : rows)
-      std::printf("fusedloss-cpp,%s,%lld,%lld,%.4f,%.4f,%.1f,%.2f,%s\n", r.op, (long long)n,
-                  (long long)T, r.ms, r.floor, bw, extra_mib, prop.name);
-    std::fflush(stdout);
+    time_and_print(iters, restore, fwd, bwd, n, T, {3 * elem_ms, 5 * elem_ms, 8 * elem_ms}, bw,
+                   double(nout) * 2 / (1 << 20), prop.name);
     for (void* p : {(void*)y, (void*)pristine, (void*)out, (void*)g}) CHECK(cudaFree(p));
   }
   return 0;
