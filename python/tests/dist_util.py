@@ -2,6 +2,7 @@
 import datetime
 import os
 import socket
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -28,8 +29,8 @@ def _worker(rank, world, port, backend, fn, args, errors):
         errors.put((rank, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            # No rank may tear down while a peer still talks to it (gloo aborts on a closed
-            # peer); bounded, so a rank that died early cannot hang the others.
+            # No rank may leave while a peer still talks to it (gloo aborts on a closed peer);
+            # bounded, so a rank that died early cannot hang the others.
             try:
                 if backend == "gloo":
                     dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
@@ -37,8 +38,12 @@ def _worker(rank, world, port, backend, fn, args, errors):
                     dist.barrier()
             except Exception:
                 pass
-            dist.destroy_process_group()
-
+    # Leave without running C++ destructors or interpreter finalization: gloo's worker and
+    # store threads can abort the process when torn down during finalization, which would
+    # turn a passing rank into a SIGABRT. Everything a rank reports is already in `errors`.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 def run_world(world, fn, *args, backend="gloo"):
     """Runs fn(rank, world, *args) on `world` processes; raises with every failing rank's trace."""
