@@ -12,4 +12,15 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
 fi
 source launch/cuda_archs.sh
 $PY -m pip install -q --no-build-isolation --no-deps .
-cd python/tests && $PY -m pytest -q -p no:cacheprovider "$@"
+cd python/tests
+$PY -m pytest -q -p no:cacheprovider "$@"
+# The patcher supports the newest megatron-core and older minors: run its tests once more
+# against an older release, installed beside the newest one (PYTHONPATH puts it first).
+OLDER=${FUSEDLOSS_MEGATRON_OLDER:-0.14.0}
+if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ] && [ -n "$OLDER" ] && [ $# -eq 0 ]; then
+  target="$(cd ../.. && pwd)/build/megatron-core-$OLDER"
+  [ -d "$target/megatron" ] || $PY -m pip install -q --no-deps --target "$target" "megatron-core==$OLDER"
+  export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
+  echo "test_megatron.py against megatron-core $($PY -c 'from importlib.metadata import version; print(version("megatron-core"))')"
+  $PY -m pytest -q -p no:cacheprovider test_megatron.py
+fi

@@ -13,12 +13,26 @@ namespace {
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 float* fptr(uintptr_t p) { return reinterpret_cast<float*>(p); }
 
+PyObject* g_error_type = nullptr;  // fusedloss._C.Error (a ValueError), set at import
+
+// Runs one C++ API call. A fusedloss::Error becomes the Python exception right here, so no C++
+// exception reaches pybind11's translator chain, which other extensions (torch) share and
+// extend with translators of their own.
+template <class Body>
+void guarded(Body&& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    PyErr_SetString(g_error_type, e.what());
+    throw py::error_already_set();
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fusedloss C++ core (raw-pointer binding; see fusedloss/ for the torch API)";
-  // Module-local: tried before any other extension's global translators (torch registers its own).
-  py::register_local_exception<Error>(m, "Error", PyExc_ValueError);
+  g_error_type = py::register_local_exception<Error>(m, "Error", PyExc_ValueError).ptr();
 
   py::enum_<DType>(m, "DType")
       .value("F32", DType::F32).value("F16", DType::F16).value("BF16", DType::BF16)
@@ -67,38 +81,49 @@ PYBIND11_MODULE(_C, m) {
   m.def("cross_entropy_forward",
         [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, uintptr_t stream) {
-          cross_entropy_forward(x, t, o, {fptr(loss), fptr(lse), fptr(count)}, nullptr, ptr(stream));
+          guarded([&] {
+            cross_entropy_forward(x, t, o, {fptr(loss), fptr(lse), fptr(count)}, nullptr,
+                                  ptr(stream));
+          });
         });
   m.def("cross_entropy_local_stats",
         [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t stats,
            uintptr_t stream) {
-          cross_entropy_local_stats(x, t, o, static_cast<RowStats*>(ptr(stats)), ptr(stream));
+          guarded([&] {
+            cross_entropy_local_stats(x, t, o, static_cast<RowStats*>(ptr(stats)), ptr(stream));
+          });
         });
   m.def("cross_entropy_merge",
         [](uintptr_t combined, int parts, uintptr_t local, const IndexView& t,
            const CrossEntropyOptions& o, int64_t vocab_local, uintptr_t loss, uintptr_t lse,
            uintptr_t count, uintptr_t stream) {
-          cross_entropy_merge(static_cast<const RowStats*>(ptr(combined)), parts,
-                              static_cast<const RowStats*>(ptr(local)), t, o, vocab_local,
-                              {fptr(loss), fptr(lse), fptr(count)}, ptr(stream));
+          guarded([&] {
+            cross_entropy_merge(static_cast<const RowStats*>(ptr(combined)), parts,
+                                static_cast<const RowStats*>(ptr(local)), t, o, vocab_local,
+                                {fptr(loss), fptr(lse), fptr(count)}, ptr(stream));
+          });
         });
   m.def("cross_entropy_backward",
         [](const MatrixView& x, const IndexView& t, uintptr_t lse, uintptr_t grad_loss,
            uintptr_t count, const CrossEntropyOptions& o, const MatrixView& grad, uintptr_t stream) {
-          cross_entropy_backward(x, t, fptr(lse), fptr(grad_loss), fptr(count), o, grad, ptr(stream));
+          guarded([&] {
+            cross_entropy_backward(x, t, fptr(lse), fptr(grad_loss), fptr(count), o, grad,
+                                   ptr(stream));
+          });
         });
   m.def("swiglu_forward",
         [](const MatrixView& y, const VectorView& bias, const VectorView& w, const SwigluOptions& o,
            const MatrixView& out, const MatrixView& y8, uintptr_t stream) {
-          swiglu_forward(y, bias, w, o, out, y8, ptr(stream));
+          guarded([&] { swiglu_forward(y, bias, w, o, out, y8, ptr(stream)); });
         });
   m.def("swiglu_backward",
         [](const MatrixView& g, const MatrixView& y, const VectorView& bias, const VectorView& w,
            const SwigluOptions& o, const MatrixView& gy, uintptr_t gw, uintptr_t gb,
            uintptr_t stream) {
-          swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream));
+          guarded([&] { swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream)); });
         });
-  m.def("check_device_errors", [](uintptr_t stream) { check_device_errors(ptr(stream)); });
+  m.def("check_device_errors",
+        [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
   m.attr("__version__") = FUSEDLOSS_VERSION;

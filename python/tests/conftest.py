@@ -10,7 +10,12 @@ _SEED = int(os.environ.get("FUSEDLOSS_SEED", random.SystemRandom().randrange(2**
 
 
 def pytest_report_header(config):
-    return f"fusedloss random seed {_SEED} (set FUSEDLOSS_SEED={_SEED} to replay)"
+    try:
+        from importlib.metadata import version
+        megatron = f"megatron-core {version('megatron-core')}"
+    except Exception:
+        megatron = "megatron-core not installed"
+    return [f"fusedloss random seed {_SEED} (set FUSEDLOSS_SEED={_SEED} to replay)", megatron]
 
 
 @pytest.fixture(autouse=True)
