@@ -18,7 +18,25 @@ using Elem = typename core::Storage<K>::type;
 template <StorageKind K>
 using St = core::Storage<K>;
 
-constexpr int kThreads = 256;
+// Build-time knobs for bench/swiglu_variants.sh; the defaults are the shipped kernels.
+#ifndef FUSEDLOSS_SWIGLU_THREADS
+#define FUSEDLOSS_SWIGLU_THREADS 256
+#endif
+constexpr int kThreads = FUSEDLOSS_SWIGLU_THREADS;
+// A register cap (resident blocks per SM) and an unroll factor for the column loop: more
+// 16-byte loads in flight per thread, at the price of registers.
+#ifdef FUSEDLOSS_SWIGLU_MIN_BLOCKS
+#define FL_SWIGLU_BOUNDS __launch_bounds__(kThreads, FUSEDLOSS_SWIGLU_MIN_BLOCKS)
+#else
+#define FL_SWIGLU_BOUNDS __launch_bounds__(kThreads)
+#endif
+#define FL_PRAGMA_TEXT(x) _Pragma(#x)
+#define FL_PRAGMA(x) FL_PRAGMA_TEXT(x)
+#ifdef FUSEDLOSS_SWIGLU_UNROLL
+#define FL_SWIGLU_COLUMN_LOOP FL_PRAGMA(unroll FUSEDLOSS_SWIGLU_UNROLL)
+#else
+#define FL_SWIGLU_COLUMN_LOOP
+#endif
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -52,12 +70,13 @@ __device__ __forceinline__ void load_gate_up(const Elem<Y>* yr, int64_t j, const
 }
 
 template <StorageKind V, int VEC, bool kFp8Store>
-__global__ void __launch_bounds__(kThreads)
+__global__ void FL_SWIGLU_BOUNDS
     forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
                    uint8_t* y8, int64_t y8s) {
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Elem<V>* yr = y + r * ys;
     const float w = a.weights ? a.weights[r] : 1.0f;
+    FL_SWIGLU_COLUMN_LOOP
     for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
       core::GateUp v[VEC];
       load_gate_up<V, V, VEC>(yr, j, a, v);
@@ -81,7 +100,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <StorageKind Y, StorageKind V, int VEC, bool kWeights>
-__global__ void __launch_bounds__(kThreads)
+__global__ void FL_SWIGLU_BOUNDS
     backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
                     core::SwigluArgs a, Elem<V>* gy, int64_t gys, float* grad_weights) {
   __shared__ float warp_sums[kThreads / 32];
@@ -90,6 +109,7 @@ __global__ void __launch_bounds__(kThreads)
     Elem<V>* gr = gy + r * gys;
     const float w = kWeights ? a.weights[r] : 1.0f;
     float dw = 0.0f;
+    FL_SWIGLU_COLUMN_LOOP
     for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
       core::GateUp v[VEC];
       load_gate_up<Y, V, VEC>(yr, j, a, v);
