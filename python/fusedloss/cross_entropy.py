@@ -5,6 +5,7 @@ forward  one pass over the logits (online softmax) -> per-row loss and lse (4 B/
          all_gather_into_tensor of 16 B/row merges the shards
 backward one pass that reads the logits and writes the gradient, optionally into the logits
 """
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +35,16 @@ def _group_handle(group) -> int:
 
 
 def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, group, v_local):
+    g = _GROUPS.get(group)
+    rank, world = (dist.get_rank(g), dist.get_world_size(g)) if g is not None else (0, 1)
+    return _options_for(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
+                        v_local)
+
+
+@functools.lru_cache(maxsize=256)
+def _options_for(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local):
+    """One options object per distinct call (the C++ side only reads it): building it field by
+    field costs more host time than the rest of a small call."""
     o = _C.CrossEntropyOptions()
     o.ignore_index = ignore_index
     o.label_smoothing = label_smoothing
@@ -41,10 +52,9 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, g
     o.smoothing_scope = _C.SmoothingScope(scope)
     o.z_loss = z_loss
     o.reduction = _C.Reduction(reduction)
-    if group:
-        g = _GROUPS[group]
-        o.vocab_start = dist.get_rank(g) * v_local
-        o.vocab_global = dist.get_world_size(g) * v_local
+    if world > 1:
+        o.vocab_start = rank * v_local
+        o.vocab_global = world * v_local
     return o
 
 

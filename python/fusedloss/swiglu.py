@@ -4,6 +4,7 @@ Megatron semantics (megatron.core.fusions.fused_bias_swiglu): optional bias [2n]
 the activation, optional per-token scale [T, 1] (MoE), optional clamp, and an fp8 (e4m3) copy of
 the input saved for backward. The math runs in fp32 inside one kernel per pass.
 """
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -13,8 +14,9 @@ from . import _C
 from ._views import as_rows, matrix, stream_of, vector
 
 
+@functools.lru_cache(maxsize=64)
 def _options(clamp_value: Optional[float]):
-    o = _C.SwigluOptions()
+    o = _C.SwigluOptions()  # read only by the C++ side: one per clamp value
     if clamp_value is not None:
         o.clamp, o.clamp_value = True, float(clamp_value)
     return o
