@@ -1,12 +1,14 @@
 """Peer providers of the benchmarks, timed the way bench/ce_bench.cu times fusedloss.
 
 Each provider is a function (logits, target) -> per-token loss that autograd can backprop.
-Timing: CUDA events around forward and backward, median of many runs, fresh leaf tensors
-prepared outside the timed region. Peak extra memory: torch's allocator high-water mark above
+Timing: CUDA events around forward and backward (device time: the GPU is kept busy while the
+host enqueues), median of many runs, fresh leaf tensors prepared outside the timed region; the
+host's enqueue time is reported beside it. Peak extra memory: torch's allocator high-water mark above
 what the inputs already hold.
 """
 import os
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +84,19 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
     return time_autograd(lambda x: fn(x, target), pristine, iters, warmup)
 
 
+# A GPU-side wait queued before each timed region (about 2 ms at H200 clocks): the host
+# enqueues the whole forward and backward while the GPU is still busy, so the events time the
+# device work alone, as in a training step whose launch queue runs ahead. The host's own time
+# to enqueue is measured separately.
+_BUSY_CYCLES = 4_000_000
+
+
 def time_autograd(forward, pristine, iters, warmup):
     """Times forward(x) and its backward on a fresh leaf copy of `pristine` each run (the copy
-    outside the timed region), with CUDA events; the upstream gradient is random, drawn once."""
-    fwd, bwd, both = [], [], []
+    outside the timed region), with CUDA events; the upstream gradient is random, drawn once.
+    Returns median device ms of forward, backward and both, peak extra MiB, and the median host
+    ms to enqueue forward+backward (a provider that syncs the host pays for it in both)."""
+    fwd, bwd, both, host = [], [], [], []
     peak = 0
     grad = None
     for i in range(iters + warmup):
@@ -94,22 +105,27 @@ def time_autograd(forward, pristine, iters, warmup):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        if grad is None:
+            with torch.no_grad():
+                grad = torch.rand_like(forward(x.detach())) + 0.5
+        torch.cuda._sleep(_BUSY_CYCLES)
+        t0 = time.perf_counter()
         e[0].record()
         out = forward(x)
         e[1].record()
-        if grad is None:
-            grad = torch.rand_like(out) + 0.5
         out.backward(grad)
         e[2].record()
+        t1 = time.perf_counter()
         torch.cuda.synchronize()
         if i >= warmup:
             fwd.append(e[0].elapsed_time(e[1]))
             bwd.append(e[1].elapsed_time(e[2]))
             both.append(e[0].elapsed_time(e[2]))
+            host.append((t1 - t0) * 1e3)
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
         del x, out
     med = statistics.median
-    return med(fwd), med(bwd), med(both), peak / 2**20
+    return med(fwd), med(bwd), med(both), peak / 2**20, med(host)
 
 # ---- SwiGLU over the fused gate-up buffer y [T, 2n] ----
 

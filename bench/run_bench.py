@@ -68,13 +68,13 @@ def peer_records(kind, sizes, floors):
             timer = lambda fn: peers.time_unary(fn, x)
         for name, fn in providers.items():
             try:
-                f, b, fb, peak = timer(fn)
+                f, b, fb, peak, host = timer(fn)
             except Exception as e:
                 print(f"[bench] {name} failed at {size}: {type(e).__name__}: {e}")
                 continue
             for op, ms in (("forward", f), ("backward", b), ("fwd+bwd", fb)):
                 recs.append(dict(provider=name, op=op, size=size, ms=ms, floor_ms=floors[(op, size)],
-                                 peak_mib=peak))
+                                 peak_mib=peak, host_ms=host if op == "fwd+bwd" else None))
         del x
         torch.cuda.empty_cache()
     return recs, list(providers)
@@ -106,11 +106,12 @@ def report(kind, size_name, records, names, gpu, copy_gbs, out_dir):
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["provider", "op", size_name, "rows", "dtype", "ms", "floor_ms", "x_floor",
-                    "peak_extra_mib", "copy_gbs", "gpu", "commit", "date"])
+                    "peak_extra_mib", "host_ms", "copy_gbs", "gpu", "commit", "date"])
         for r in records:
+            host = "" if r.get("host_ms") is None else f"{r['host_ms']:.4f}"
             w.writerow([r["provider"], r["op"], r["size"], ROWS, "bf16", f"{r['ms']:.4f}",
                         f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}", f"{r['peak_mib']:.1f}",
-                        f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
+                        host, f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
     print(f"wrote {path}")
     try:
         import matplotlib
@@ -134,6 +135,21 @@ def report(kind, size_name, records, names, gpu, copy_gbs, out_dir):
     print(f"wrote {path.replace('.csv', '.png')}")
 
 
+def report_overhead(ours, theirs, size_name):
+    """The Python layer's cost at the smallest size: extra device time over the C++ API, and
+    the host time each Python provider takes to enqueue forward+backward."""
+    by = {(r["provider"], r["op"], r["size"]): r for r in ours + theirs}
+    small = min(r["size"] for r in ours)
+    if ("fusedloss-py", "fwd+bwd", small) in by:
+        cpp, py = by[("fusedloss", "fwd+bwd", small)], by[("fusedloss-py", "fwd+bwd", small)]
+        print(f"Python layer overhead at {size_name}={small}, forward+backward: device "
+              f"{py['ms'] - cpp['ms']:+.3f} ms ({py['ms'] / cpp['ms']:.2f}x the C++ API); host "
+              f"{py['host_ms'] * 1e3:.0f} us to enqueue (hidden while the GPU is busy)")
+        hosts = ", ".join(f"{r['provider']} {r['host_ms'] * 1e3:.0f} us" for r in theirs
+                          if r["op"] == "fwd+bwd" and r["size"] == small)
+        print(f"host time to enqueue forward+backward at {size_name}={small}: {hosts}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("kind", choices=["cross-entropy", "swiglu"])
@@ -145,13 +161,7 @@ def main():
     floors = {(r["op"], r["size"]): r["floor_ms"] for r in ours}
     theirs, names = peer_records(args.kind, sorted({r["size"] for r in ours}), floors)
     report(args.kind, size_name, ours + theirs, ["fusedloss"] + names, gpu, copy_gbs, args.out)
-    by = {(r["provider"], r["op"], r["size"]): r["ms"] for r in ours + theirs}
-    small = min(r["size"] for r in ours)
-    if ("fusedloss-py", "fwd+bwd", small) in by:
-        cpp, py = by[("fusedloss", "fwd+bwd", small)], by[("fusedloss-py", "fwd+bwd", small)]
-        print(f"Python layer overhead at {size_name}={small}, forward+backward: {py - cpp:+.3f} ms "
-              f"({py / cpp:.2f}x the C++ API)")
-
+    report_overhead(ours, theirs, size_name)
 
 if __name__ == "__main__":
     main()
