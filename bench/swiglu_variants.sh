@@ -32,8 +32,9 @@ for v in $variants; do
       /bytes stack frame/ { s = $5 > s ? $5 : s }
       END { printf "%s: max %d registers, max %d bytes spill stores\n", v, r, s }' "$log"
   elif [ "$mode" = run ]; then
-    "build-swiglu-variants/swiglu_bench-$threads-$unroll-$min_blocks" | awk -v tag="$v" -v first=$first \
-      'NR==1 { if (first) print "variant," $0; next } { print "\"" tag "\"," $0 }'
+    tag=$threads-$unroll-$min_blocks
+    "build-swiglu-variants/swiglu_bench-$tag" | awk -v tag="$tag" -v first=$first \
+      'NR==1 { if (first) print "variant," $0; next } { print tag "," $0 }'
     first=0
   else
     echo "mode: got '$mode', expected build or run" >&2

@@ -45,6 +45,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     sed -n '/ on NVIDIA\| on .*copy bandwidth/,$p' "$OUT/bench-$kind.log" | grep -v "^\[rank"
   done
 fi
+if [ -d build-swiglu-variants ] && [ "${SKIP_BENCH:-0}" != 1 ]; then  # built ahead by swiglu_variants.sh
+  step "SwiGLU kernel variants"
+  variants=$(ls build-swiglu-variants | sed -n 's/^swiglu_bench-\([0-9]*\)-\([0-9]*\)-\([0-9]*\)$/\1,\2,\3/p')
+  bench/swiglu_variants.sh run "$variants" > "$OUT/swiglu-variants.csv" 2> "$OUT/swiglu-variants.log" || status=1
+  grep -E "^variant|fwd\+bwd|forward" "$OUT/swiglu-variants.csv" | cut -d, -f1,3,4,6,7
+fi
 if [ "${PACK_LOGS:-0}" = 1 ]; then  # few files to carry back: logs in one archive
   (cd "$OUT" && tar czf logs.tar.gz *.log *.txt && rm -f *.log *.txt)
 fi
