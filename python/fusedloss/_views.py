@@ -12,11 +12,14 @@ _DTYPES = {
 _INDEX = {torch.int32: _C.IndexType.I32, torch.int64: _C.IndexType.I64}
 
 
+_CPU, _CUDA = _C.Device.CPU, _C.Device.CUDA
+
+
 def device_of(t):
-    if t.device.type == "cpu":
-        return _C.Device.CPU
-    if t.device.type == "cuda":
-        return _C.Device.CUDA
+    if t.is_cuda:
+        return _CUDA
+    if t.is_cpu:
+        return _CPU
     raise ValueError(f"{t.device}: expected a cpu or cuda tensor")
 
 
@@ -34,9 +37,10 @@ def dtype_of(t, name):
 
 def matrix(t, name):
     """A [rows, cols] view of a 2-D tensor whose last dim is contiguous."""
-    assert t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1), name
-    return _C.MatrixView(t.data_ptr(), t.size(0), t.size(1), max(t.stride(0), t.size(1)),
-                         dtype_of(t, name), device_of(t))
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    assert col_stride == 1 or cols <= 1, name
+    return _C.MatrixView(t.data_ptr(), rows, cols, max(row_stride, cols), dtype_of(t, name),
+                         device_of(t))
 
 
 def index(t, name):
