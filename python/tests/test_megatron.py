@@ -44,6 +44,26 @@ def test_patch_replaces_every_symbol_idempotently_and_unpatch_restores():
     assert all(_objects()[k] is before[k] for k in before)
 
 
+def test_unsupported_megatron_fails_clearly_and_patches_nothing(monkeypatch):
+    from megatron.core.fusions import fused_bias_swiglu
+    before = _objects()
+    monkeypatch.delattr(fused_bias_swiglu, "WeightedSwiGLUFunction")
+    with pytest.raises(RuntimeError, match=r"fused_bias_swiglu\.WeightedSwiGLUFunction not found in "
+                                           r"megatron-core [0-9.]+"):
+        apply_fusedloss_to_megatron()
+    monkeypatch.undo()
+    assert _objects() == before  # all or nothing: the cross-entropy was not patched either
+
+    class Renamed(torch.autograd.Function):  # a forward whose parameters moved on
+        @staticmethod
+        def forward(ctx, x, bias, fp8_input_store, cpu_offload_input):
+            return x
+    monkeypatch.setattr(fused_bias_swiglu, "BiasSwiGLUFunction", Renamed)
+    with pytest.raises(RuntimeError, match=r"BiasSwiGLUFunction\.forward has no parameter input"):
+        apply_fusedloss_to_megatron(cross_entropy=False)
+    assert not fusedloss.megatron.is_patched()
+
+
 def test_consumers_that_imported_by_name_see_the_patch():
     from megatron.core.models.common.language_module import language_module
     from megatron.core.transformer import mlp

@@ -16,6 +16,10 @@ _CE_FUSED = ("megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEn
 _CE_UNFUSED = ("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy")
 _SWIGLU = [("megatron.core.fusions.fused_bias_swiglu", name)
            for name in ("SwiGLUFunction", "BiasSwiGLUFunction", "WeightedSwiGLUFunction")]
+# forward() parameters the stand-ins read by name; the rest are optional
+_REQUIRED = {"_VocabParallelCrossEntropy": ("vocab_parallel_logits", "target"),
+             "SwiGLUFunction": ("input",), "BiasSwiGLUFunction": ("input", "bias"),
+             "WeightedSwiGLUFunction": ("input", "weights")}
 
 _ORIGINALS = {}  # (module, name) -> the original object, while patched
 _CONFIG = {}
@@ -36,10 +40,20 @@ def _resolve(module_name, attr):
                            "installed?") from e
     original = _ORIGINALS.get((module_name, attr), getattr(module, attr, None))
     if original is None:
-        version = getattr(importlib.import_module("megatron.core"), "__version__", "unknown")
         raise RuntimeError(f"fusedloss.megatron: {module_name}.{attr} not found in megatron-core "
-                           f"{version}; this version is not supported")
+                           f"{_megatron_version()}; this version is not supported")
+    params = inspect.signature(original.forward).parameters
+    missing = [p for p in _REQUIRED[attr] if p not in params]
+    if missing:
+        raise RuntimeError(f"fusedloss.megatron: {module_name}.{attr}.forward has no parameter "
+                           f"{', '.join(missing)} in megatron-core {_megatron_version()} (its "
+                           f"signature: {inspect.signature(original.forward)}); this version is "
+                           "not supported")
     return module, original
+
+
+def _megatron_version():
+    return getattr(importlib.import_module("megatron.core"), "__version__", "unknown")
 
 
 def _forward_signature(fn_class):
@@ -130,10 +144,6 @@ def _make_swiglu(original, name):
     return PatchedSwiGLU
 
 
-def _install(module_name, attr, make):
-    module, original = _resolve(module_name, attr)
-    _ORIGINALS.setdefault((module_name, attr), original)
-    setattr(module, attr, make(original))
 
 
 def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, ignore_index: int = -100,
@@ -161,15 +171,20 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                 f"fusedloss.megatron: tensor_model_parallel_size is {size}; the patch is scoped to "
                 "TP=1 by default. Pass allow_vocab_parallel=True to run fusedloss's experimental "
                 "vocab-parallel cross-entropy.")
+    targets = []  # (module, attr, stand-in factory)
+    if cross_entropy:
+        targets += [(*_CE_FUSED, lambda original: _make_ce(original, "fused")),
+                    (*_CE_UNFUSED, lambda original: _make_ce(original, "unfused"))]
+    if swiglu:
+        targets += [(m, a, lambda original, a=a: _make_swiglu(original, a)) for m, a in _SWIGLU]
+    # Every symbol is resolved and checked before anything changes: all or nothing.
+    resolved = [(_resolve(m, a), m, a, make) for m, a, make in targets]
     _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                    allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
                    swiglu_in_place=bool(swiglu_in_place))
-    if cross_entropy:
-        _install(*_CE_FUSED, lambda original: _make_ce(original, "fused"))
-        _install(*_CE_UNFUSED, lambda original: _make_ce(original, "unfused"))
-    if swiglu:
-        for module_name, attr in _SWIGLU:
-            _install(module_name, attr, lambda original, attr=attr: _make_swiglu(original, attr))
+    for (module, original), module_name, attr, make in resolved:
+        _ORIGINALS.setdefault((module_name, attr), original)
+        setattr(module, attr, make(original))
     log.info("fusedloss.megatron: patched %s", ", ".join(f"{m}.{a}" for m, a in _ORIGINALS))
 
 
