@@ -22,20 +22,18 @@ using St = core::Storage<K>;
 #ifndef FUSEDLOSS_SWIGLU_THREADS
 #define FUSEDLOSS_SWIGLU_THREADS 256
 #endif
+// Column groups per thread in flight: a thread loads the packs of kGroups column groups before
+// computing any of them, so kGroups 16-byte loads per input are outstanding at once.
+#ifndef FUSEDLOSS_SWIGLU_GROUPS
+#define FUSEDLOSS_SWIGLU_GROUPS 1
+#endif
 constexpr int kThreads = FUSEDLOSS_SWIGLU_THREADS;
-// A register cap (resident blocks per SM) and an unroll factor for the column loop: more
-// 16-byte loads in flight per thread, at the price of registers.
+constexpr int kGroups = FUSEDLOSS_SWIGLU_GROUPS;
+// An optional register cap: at least this many resident blocks per SM.
 #ifdef FUSEDLOSS_SWIGLU_MIN_BLOCKS
 #define FL_SWIGLU_BOUNDS __launch_bounds__(kThreads, FUSEDLOSS_SWIGLU_MIN_BLOCKS)
 #else
 #define FL_SWIGLU_BOUNDS __launch_bounds__(kThreads)
-#endif
-#define FL_PRAGMA_TEXT(x) _Pragma(#x)
-#define FL_PRAGMA(x) FL_PRAGMA_TEXT(x)
-#ifdef FUSEDLOSS_SWIGLU_UNROLL
-#define FL_SWIGLU_COLUMN_LOOP FL_PRAGMA(unroll FUSEDLOSS_SWIGLU_UNROLL)
-#else
-#define FL_SWIGLU_COLUMN_LOOP
 #endif
 
 template <class T, int N>
@@ -52,11 +50,21 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
   *reinterpret_cast<Pack<T, N>*>(p) = v;
 }
 
-// VEC gate/up values of row `yr` at columns [j, j + VEC), bias added.
+// The stored gate and up values of columns [j, j + VEC) of one row.
+template <class T, int VEC>
+struct RawGateUp {
+  Pack<T, VEC> g, u;
+};
+
+template <class T, int VEC>
+__device__ __forceinline__ RawGateUp<T, VEC> load_raw(const T* yr, int64_t j, int64_t n) {
+  return {load_pack<T, VEC>(yr + j), load_pack<T, VEC>(yr + n + j)};
+}
+
+// VEC gate/up values at columns [j, j + VEC) from their stored packs, bias added, clamped.
 template <StorageKind Y, StorageKind V, int VEC>
-__device__ __forceinline__ void load_gate_up(const Elem<Y>* yr, int64_t j, const core::SwigluArgs& a,
-                                             core::GateUp (&v)[VEC]) {
-  Pack<Elem<Y>, VEC> g = load_pack<Elem<Y>, VEC>(yr + j), u = load_pack<Elem<Y>, VEC>(yr + a.n + j);
+__device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& raw, int64_t j,
+                                               const core::SwigluArgs& a, core::GateUp (&v)[VEC]) {
   float bg[VEC] = {}, bu[VEC] = {};
   if (a.bias) {
     auto* b = static_cast<const Elem<V>*>(a.bias);
@@ -66,34 +74,42 @@ __device__ __forceinline__ void load_gate_up(const Elem<Y>* yr, int64_t j, const
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k)
-    v[k] = core::gate_up(St<Y>::load(g.v[k]) + bg[k], St<Y>::load(u.v[k]) + bu[k], a.params);
+    v[k] = core::gate_up(St<Y>::load(raw.g.v[k]) + bg[k], St<Y>::load(raw.u.v[k]) + bu[k], a.params);
 }
 
 template <StorageKind V, int VEC, bool kFp8Store>
 __global__ void FL_SWIGLU_BOUNDS
     forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
                    uint8_t* y8, int64_t y8s) {
+  constexpr int64_t kStride = int64_t(kThreads) * VEC;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Elem<V>* yr = y + r * ys;
     const float w = a.weights ? a.weights[r] : 1.0f;
-    FL_SWIGLU_COLUMN_LOOP
-    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
-      core::GateUp v[VEC];
-      load_gate_up<V, V, VEC>(yr, j, a, v);
-      Pack<Elem<V>, VEC> o;
+    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
+      RawGateUp<Elem<V>, VEC> raw[kGroups];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o.v[k] = St<V>::store(core::swiglu_value(v[k]) * w);
-      store_pack(out + r * os + j, o);
-      if constexpr (kFp8Store) {
-        // the raw input (before bias), as Megatron saves it
-        Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(yr + j), u = load_pack<Elem<V>, VEC>(yr + a.n + j);
-        Pack<uint8_t, VEC> fg, fu;
+      for (int k = 0; k < kGroups; ++k)
+        if (j0 + k * kStride < a.n) raw[k] = load_raw<Elem<V>, VEC>(yr, j0 + k * kStride, a.n);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          fg.v[k] = core::float_to_e4m3(St<V>::load(g.v[k])),
-          fu.v[k] = core::float_to_e4m3(St<V>::load(u.v[k]));
-        store_pack(y8 + r * y8s + j, fg);
-        store_pack(y8 + r * y8s + a.n + j, fu);
+      for (int k = 0; k < kGroups; ++k) {
+        const int64_t j = j0 + k * kStride;
+        if (j >= a.n) break;
+        core::GateUp v[VEC];
+        gate_up_values<V, V, VEC>(raw[k], j, a, v);
+        Pack<Elem<V>, VEC> o;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o.v[e] = St<V>::store(core::swiglu_value(v[e]) * w);
+        store_pack(out + r * os + j, o);
+        if constexpr (kFp8Store) {
+          // the raw input (before bias), as Megatron saves it
+          Pack<uint8_t, VEC> fg, fu;
+#pragma unroll
+          for (int e = 0; e < VEC; ++e)
+            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e])),
+            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]));
+          store_pack(y8 + r * y8s + j, fg);
+          store_pack(y8 + r * y8s + a.n + j, fu);
+        }
       }
     }
   }
@@ -103,27 +119,40 @@ template <StorageKind Y, StorageKind V, int VEC, bool kWeights>
 __global__ void FL_SWIGLU_BOUNDS
     backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
                     core::SwigluArgs a, Elem<V>* gy, int64_t gys, float* grad_weights) {
+  constexpr int64_t kStride = int64_t(kThreads) * VEC;
   __shared__ float warp_sums[kThreads / 32];
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const Elem<Y>* yr = y + r * ys;
+    const Elem<V>* gor = go + r * gos;
     Elem<V>* gr = gy + r * gys;
     const float w = kWeights ? a.weights[r] : 1.0f;
     float dw = 0.0f;
-    FL_SWIGLU_COLUMN_LOOP
-    for (int64_t j = int64_t(threadIdx.x) * VEC; j < a.n; j += int64_t(kThreads) * VEC) {
-      core::GateUp v[VEC];
-      load_gate_up<Y, V, VEC>(yr, j, a, v);
-      Pack<Elem<V>, VEC> g = load_pack<Elem<V>, VEC>(go + r * gos + j), da, db;
+    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
+      RawGateUp<Elem<Y>, VEC> raw[kGroups];
+      Pack<Elem<V>, VEC> g[kGroups];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        float gk = St<V>::load(g.v[k]), dak, dbk;
-        core::swiglu_grad(v[k], gk * w, dak, dbk);
-        if (kWeights) dw += core::swiglu_value(v[k]) * gk;
-        da.v[k] = St<V>::store(dak);
-        db.v[k] = St<V>::store(dbk);
+      for (int k = 0; k < kGroups; ++k) {
+        const int64_t j = j0 + k * kStride;
+        if (j < a.n) raw[k] = load_raw<Elem<Y>, VEC>(yr, j, a.n), g[k] = load_pack<Elem<V>, VEC>(gor + j);
       }
-      store_pack(gr + j, da);  // in place: this thread read these columns above
-      store_pack(gr + a.n + j, db);
+#pragma unroll
+      for (int k = 0; k < kGroups; ++k) {
+        const int64_t j = j0 + k * kStride;
+        if (j >= a.n) break;
+        core::GateUp v[VEC];
+        gate_up_values<Y, V, VEC>(raw[k], j, a, v);
+        Pack<Elem<V>, VEC> da, db;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          float ge = St<V>::load(g[k].v[e]), dae, dbe;
+          core::swiglu_grad(v[e], ge * w, dae, dbe);
+          if (kWeights) dw += core::swiglu_value(v[e]) * ge;
+          da.v[e] = St<V>::store(dae);
+          db.v[e] = St<V>::store(dbe);
+        }
+        store_pack(gr + j, da);  // in place: this thread read these columns above
+        store_pack(gr + a.n + j, db);
+      }
     }
     if constexpr (kWeights) {
       // fixed-order block sum: deterministic
