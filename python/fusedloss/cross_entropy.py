@@ -21,21 +21,31 @@ _FORMULAS = {"pytorch": int(_C.SmoothingFormula.PYTORCH), "megatron": int(_C.Smo
 _SCOPES = {"global": int(_C.SmoothingScope.GLOBAL), "partition": int(_C.SmoothingScope.PARTITION)}
 _NONE = _REDUCTIONS["none"]
 
-# Custom-op schemas take ints, not process groups: groups are registered under a handle.
-_GROUPS = {}
-_AGREED = {}  # handle -> (rows, V_local) last checked on every rank
+# Custom-op schemas cannot carry process groups: they carry the group's name ("" at TP=1),
+# which torch.compile traces as a constant, and the op resolves it back at run time.
+_GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
+_AGREED = {}  # (name, id(group)) -> (rows, V_local) last checked on every rank
 
 
-def _group_handle(group) -> int:
+def _group_name(group) -> str:
     if group is None or dist.get_world_size(group) == 1:
-        return 0
-    handle = id(group)
-    _GROUPS[handle] = group
-    return handle
+        return ""
+    name = group.group_name
+    if not torch.compiler.is_compiling():
+        _GROUPS[name] = group
+    return name
+
+
+def _resolve_group(name: str):
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        return _resolve_process_group(name)
+    except (ImportError, LookupError, ValueError, RuntimeError):
+        return _GROUPS[name]
 
 
 def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, group, v_local):
-    g = _GROUPS.get(group)
+    g = _resolve_group(group) if group else None
     rank, world = (dist.get_rank(g), dist.get_world_size(g)) if g is not None else (0, 1)
     return _options_for(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
                         v_local)
@@ -58,10 +68,11 @@ def _options_for(ignore_index, label_smoothing, formula, scope, z_loss, reductio
     return o
 
 
-def _check_shard_agreement(group, handle, rows, v_local, device):
+def _check_shard_agreement(group, name, rows, v_local, device):
     """Every rank must hold the same rows and an equal vocab shard. One tiny all-gather (a
     host sync) when the shape changes; afterwards nothing. Raises on every rank."""
-    if _AGREED.get(handle) == (rows, v_local):
+    key = (name, id(group))  # a re-created world may reuse a name
+    if _AGREED.get(key) == (rows, v_local):
         return
     world = dist.get_world_size(group)
     mine = torch.tensor([rows, v_local], dtype=torch.int64, device=device)
@@ -75,11 +86,11 @@ def _check_shard_agreement(group, handle, rows, v_local, device):
         if vv != every[0][1]:
             raise ValueError(f"vocab-parallel shard size: rank {r} has V_local {vv}, rank 0 has "
                              f"{every[0][1]}; expected equal shards on every rank")
-    _AGREED[handle] = (rows, v_local)
+    _AGREED[key] = (rows, v_local)
 
 
 def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
-         scope: int, z_loss: float, reduction: int, group: int,
+         scope: int, z_loss: float, reduction: int, group: str,
          inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     x = as_rows(logits, "logits")
     t = target.reshape(-1).contiguous()
@@ -94,7 +105,7 @@ def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoot
     if not group:
         _C.cross_entropy_forward(xv, tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
-    g = _GROUPS[group]
+    g = _resolve_group(group)
     world = dist.get_world_size(g)
     _check_shard_agreement(g, group, rows, v_local, dev)
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
@@ -130,7 +141,7 @@ def _backward_into(grad_loss, logits, target, lse, count, opts, out):
 @torch.library.custom_op("fusedloss::cross_entropy_bwd", mutates_args=())
 def _bwd(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
          ignore_index: int, label_smoothing: float, formula: int, scope: int, z_loss: float,
-         reduction: int, group: int) -> Tensor:
+         reduction: int, group: str) -> Tensor:
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
     _backward_into(grad_loss, logits, target, lse, count, opts, grad.view(-1, grad.size(-1)))
@@ -145,7 +156,7 @@ def _(grad_loss, logits, *rest):
 @torch.library.custom_op("fusedloss::cross_entropy_bwd_", mutates_args=("logits",))
 def _bwd_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
                  ignore_index: int, label_smoothing: float, formula: int, scope: int,
-                 z_loss: float, reduction: int, group: int) -> None:
+                 z_loss: float, reduction: int, group: str) -> None:
     x = as_rows(logits, "logits")
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
     _backward_into(grad_loss, x, target, lse, count, opts, x)
@@ -272,7 +283,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     """
     _check_args(logits, target, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss)
     args = (logits, target, int(ignore_index), float(label_smoothing), _FORMULAS[smoothing_formula],
-            _SCOPES[smoothing_scope], float(z_loss), _REDUCTIONS[reduction], _group_handle(tp_group),
+            _SCOPES[smoothing_scope], float(z_loss), _REDUCTIONS[reduction], _group_name(tp_group),
             bool(inplace_backward))
     if torch.compiler.is_compiling():
         loss, _, _ = torch.ops.fusedloss.cross_entropy_fwd(*args)
