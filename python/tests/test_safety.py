@@ -81,8 +81,9 @@ def test_device_mismatch():
         fusedloss.cross_entropy(torch.randn(4, 10, device="cuda"), torch.zeros(4, dtype=torch.long))
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_torch_compile_fullgraph(device, inplace):
+@pytest.mark.parametrize("inplace, backend", [(False, "aot_eager"), (True, "aot_eager"),
+                                              (True, "inductor")])
+def test_torch_compile_fullgraph(device, inplace, backend):
     x = torch.randn(16, 300, device=device, requires_grad=True)
     t = torch.randint(0, 300, (16,), device=device)
     y = torch.randn(16, 64, device=device, requires_grad=True)
@@ -91,16 +92,16 @@ def test_torch_compile_fullgraph(device, inplace):
         loss = fusedloss.cross_entropy(x * 2, t, label_smoothing=0.1, inplace_backward=inplace)
         return loss + fusedloss.swiglu(y).sum()
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
     out = compiled(x, t, y)
     out.backward()
     gx, gy = x.grad.clone(), y.grad.clone()
     x.grad = y.grad = None
     eager = step(x, t, y)
     eager.backward()
-    torch.testing.assert_close(out, eager)
-    torch.testing.assert_close(gx, x.grad)
-    torch.testing.assert_close(gy, y.grad)
+    torch.testing.assert_close(out, eager)  # inductor fuses x * 2 and its backward: rounding only
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gy, y.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
