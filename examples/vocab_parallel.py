@@ -4,7 +4,7 @@
 
 Each rank holds V/N columns of the logits; fusedloss merges the shards with one all-gather of
 16 B/row. NCCL when every rank has a GPU, else gloo on the CPU. Checks the loss and this rank's
-gradient shard against the unsharded torch reference, and with --bench times forward+backward.
+gradient shard against the unsharded torch reference (bench/tp_bench.py times it against peers).
 """
 import argparse
 import os
@@ -20,7 +20,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--rows", type=int, default=1024)
-    ap.add_argument("--bench", action="store_true")
     args = ap.parse_args()
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
     if use_cuda:
@@ -44,23 +43,6 @@ def main():
     grad_err = (shard.grad.double().cpu() - ref_x.grad[:, rank * Vl:(rank + 1) * Vl]).abs().max().item()
     print(f"rank {rank}/{world} [{dist.get_backend()}] loss {loss.item():.6f} reference {ref.item():.6f} "
           f"max |grad - reference| {grad_err:.2e}", flush=True)
-    if args.bench and use_cuda:
-        x = shard.detach()
-        t = target.to(dev)
-        times = []
-        for i in range(25):
-            v = x.clone().requires_grad_(True)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            dist.barrier()
-            start.record()
-            fusedloss.cross_entropy(v.view_as(v), t, tp_group=dist.group.WORLD, inplace_backward=True).backward()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 5:
-                times.append(start.elapsed_time(end))
-        times.sort()
-        print(f"rank {rank}: forward+backward median {times[len(times) // 2]:.3f} ms (V={V}, TP={world}, "
-              f"rows={args.rows})", flush=True)
     dist.destroy_process_group()
 
 

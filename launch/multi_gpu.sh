@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU runs on one host with N GPUs (N = 2, 4, 8): the NCCL mpirun tests, the torchrun
-# vocab-parallel example with its timing, for N ranks. NVLink multicast stays off.
+# vocab-parallel example (checked against the unsharded reference), and the TP-scaling benchmark
+# at TP = 1, 2, ... N against Megatron-core and Liger-Kernel (CSV + plot in ${OUT:-bench/results}).
+# NVLink multicast stays off.
 #   launch/multi_gpu.sh 4
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +12,13 @@ export NCCL_NVLS_ENABLE=0
 echo "== mpirun -np $N: C++ vocab-parallel tests (MPI + CPU, NCCL + CUDA)"
 mpirun --allow-run-as-root --oversubscribe -np "$N" -x NCCL_NVLS_ENABLE build/tests/test_multi_gpu
 echo "== torchrun --nproc-per-node $N: PyTorch vocab-parallel cross-entropy"
-for V in 131072 262144; do
-  torchrun --standalone --nproc-per-node "$N" examples/vocab_parallel.py --vocab "$V" --rows 8192 --bench
+torchrun --standalone --nproc-per-node "$N" examples/vocab_parallel.py --vocab 131072 --rows 8192
+echo "== TP scaling benchmark"
+OUT=${OUT:-bench/results}
+csv="$OUT/$(date +%F)-$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | tr ' ' '-')-tp.csv"
+rm -f "$csv"
+for n in 1 2 4 8; do
+  [ "$n" -le "$N" ] || break
+  torchrun --standalone --nproc-per-node "$n" bench/tp_bench.py --out "$OUT"
 done
+python3 bench/tp_bench.py --summarize "$csv"
