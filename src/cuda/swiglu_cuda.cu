@@ -133,7 +133,9 @@ __global__ void FL_SWIGLU_BOUNDS
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {
         const int64_t j = j0 + k * kStride;
-        if (j < a.n) raw[k] = load_raw<Elem<Y>, VEC>(yr, j, a.n), g[k] = load_pack<Elem<V>, VEC>(gor + j);
+        if (j >= a.n) break;
+        raw[k] = load_raw<Elem<Y>, VEC>(yr, j, a.n);
+        g[k] = load_pack<Elem<V>, VEC>(gor + j);
       }
 #pragma unroll
       for (int k = 0; k < kGroups; ++k) {
