@@ -108,3 +108,22 @@ def test_bad_inputs(device):
         fusedloss.swiglu(y, fp8_input_store=True, in_place=True)
     with pytest.raises(ValueError, match="y.dtype: got torch.float64"):
         fusedloss.swiglu(y.double())
+
+
+def test_fp8_store_rounds_like_torch_at_every_boundary(device):
+    """The e4m3 copy (backward reads only it) must round as torch's float8_e4m3fn cast does:
+    ties to even, subnormals, the largest finite 448 and NaN from 480 up. Recovered exactly
+    from d_gate = g * silu'(1) * up8 with gate 1.0 (exact in e4m3)."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = e4m3[torch.isfinite(e4m3)].unique()
+    mids = (finite[:-1] + finite[1:]) / 2  # ties: must go to the even neighbour
+    probes = torch.cat([finite, mids, mids.nextafter(torch.tensor(-1e9)), mids.nextafter(torch.tensor(1e9)),
+                        torch.tensor([464.0, 479.9, 480.0, 1e4, 2.0 ** -10, 2.0 ** -11])])
+    up = torch.cat([probes, -probes])
+    y = torch.stack([torch.ones_like(up), up], dim=1).to(device).requires_grad_(True)  # n = 1
+    fusedloss.swiglu(y, fp8_input_store=True).backward(torch.ones(up.numel(), 1, device=device))
+    s = torch.sigmoid(torch.tensor(1.0, dtype=torch.float64))
+    dsilu1 = s * (1 + (1 - s))
+    up8 = up.to(torch.float8_e4m3fn).double()
+    torch.testing.assert_close(y.grad[:, 0].cpu().double(), dsilu1 * up8, rtol=1e-6, atol=0.0,
+                               equal_nan=True)
