@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                    help="fp32 checks parity tightly (the curves should agree to ~1e-5)")
+                    help="fp32 holds the two loss curves to a tighter tolerance than bf16")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="largest relative loss difference accepted (default 5e-2 bf16, 1e-3 fp32)")
     ap.add_argument("--out", default=None)

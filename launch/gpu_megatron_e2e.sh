@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with megatron-core: a tiny GPTModel trained 50 steps with and without the
 # fusedloss patch (examples/megatron_gpt_patch.py), in bf16 (speed, memory, loss within bf16
-# tolerance) and in fp32 (loss curves to ~1e-5); CSVs to ${OUT:-gpu-out}.
+# tolerance) and in fp32 (curves held to 1e-3 relative); CSVs to ${OUT:-gpu-out}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
