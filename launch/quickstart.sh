@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quickstart: install, build, run the C++ example at TP=1 and vocab-parallel over 2 ranks, then
-# install the Python package and run the PyTorch example (GPU if present, else CPU).
+# Quickstart: install, build, run the C++ examples (cross-entropy at TP=1 and vocab-parallel over
+# 2 ranks, SwiGLU in place), then install the Python package and run the PyTorch example (GPU if
+# present, else CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/deps.sh
@@ -10,6 +11,8 @@ echo "== TP=1 =="
 $MPIRUN -np 1 build/examples/tp_cross_entropy
 echo "== vocab-parallel, 2 ranks =="
 $MPIRUN -np 2 build/examples/tp_cross_entropy
+echo "== SwiGLU (C++) =="
+build/examples/swiglu_step
 echo "== Python API =="
 python3 -m pip install -q "torch>=2.4" pybind11 "scikit-build-core>=0.10"
 source launch/cuda_archs.sh
