@@ -7,8 +7,9 @@
 
 namespace fusedloss {
 
-// The caller keeps `comm` alive and initialised for the communicator's lifetime.
-// MPI errors are returned (MPI_ERRORS_RETURN is set on `comm`) and thrown as fusedloss::Error.
+// Collective over `comm` (every rank calls it): the communicator works on a private duplicate
+// of `comm`, freed when it is destroyed (destroy it before MPI_Finalize). MPI errors on that
+// duplicate are returned, not fatal, and thrown as fusedloss::Error.
 std::unique_ptr<Communicator> make_mpi_communicator(MPI_Comm comm);
 
 }  // namespace fusedloss

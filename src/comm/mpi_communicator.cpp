@@ -16,11 +16,21 @@ void check_mpi(int code, const char* what) {
 
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm comm) : comm_(comm) {
+  // A private duplicate: our collectives never match the caller's messages, and the error
+  // handler that turns MPI failures into fusedloss::Error is set on our copy, not theirs.
+  explicit MpiCommunicator(MPI_Comm comm) {
+    check_mpi(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
     check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
   }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);  // after MPI_Finalize there is nothing to free
+  }
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Device device() const override { return Device::CPU; }
@@ -39,7 +49,7 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  MPI_Comm comm_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
 };
 

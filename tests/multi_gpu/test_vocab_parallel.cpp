@@ -169,6 +169,22 @@ TEST(VocabParallelMpi, MismatchedShardsFailOnEveryRank) {
   expect_mismatch_errors(Device::CPU, *comm);
 }
 
+// The communicator works on its own duplicate: the caller's error handler stays as it was.
+TEST(VocabParallelMpi, LeavesTheCallersCommunicatorAlone) {
+  MPI_Errhandler before, during;
+  ASSERT_EQ(MPI_Comm_get_errhandler(MPI_COMM_WORLD, &before), MPI_SUCCESS);
+  {
+    auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+    EXPECT_EQ(comm->size(), world_size());
+    EXPECT_EQ(comm->rank(), world_rank());
+    ASSERT_EQ(MPI_Comm_get_errhandler(MPI_COMM_WORLD, &during), MPI_SUCCESS);
+    EXPECT_EQ(during, before);
+    EXPECT_EQ(during, MPI_ERRORS_ARE_FATAL);  // MPI's default, untouched
+  }
+  EXPECT_EQ(MPI_Errhandler_free(&during), MPI_SUCCESS);
+  EXPECT_EQ(MPI_Errhandler_free(&before), MPI_SUCCESS);
+}
+
 #if FUSEDLOSS_HAS_NCCL
 // Skips (collectively) unless every rank can have a GPU of its own.
 bool nccl_ready(std::string* why) {
@@ -192,7 +208,10 @@ class NcclComm {
     nccl_ = make_nccl_comm_from_mpi(MPI_COMM_WORLD);
     comm_ = make_nccl_communicator(nccl_);
   }
-  ~NcclComm() { ncclCommDestroy(nccl_); }
+  ~NcclComm() {
+    ncclResult_t r = ncclCommDestroy(nccl_);
+    if (r != ncclSuccess) ADD_FAILURE() << "ncclCommDestroy: " << ncclGetErrorString(r);
+  }
   Communicator& get() { return *comm_; }
 
  private:
