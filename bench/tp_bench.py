@@ -133,8 +133,8 @@ def main():
         if V % world:
             raise SystemExit(f"--vocab {V} must divide by the world size {world}")
         v_local = V // world
-        g = torch.Generator().manual_seed(V * 1000 + rank)  # each rank its own shard
-        shard = (torch.rand(args.rows, v_local, generator=g) * 16 - 8).to(dtype).to(device)
+        g = torch.Generator(device=device).manual_seed(V * 1000 + rank)  # each rank its own shard
+        shard = (torch.rand(args.rows, v_local, generator=g, device=device) * 16 - 8).to(dtype)
         target = torch.randint(0, V, (args.rows,), generator=torch.Generator().manual_seed(V)).to(device)
         for name, fn in providers(group, device).items():
             try:
