@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
+from ._autograd import first_order_only
 from ._views import as_rows, device_of, index, matrix, stream_of
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
@@ -236,6 +237,7 @@ class _EagerCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @first_order_only("fusedloss.cross_entropy")
     def backward(ctx, grad_loss):
         return _run_backward(ctx, grad_loss, eager=True)
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._autograd import first_order_only
 from ._views import as_rows, matrix, stream_of, vector
 
 
@@ -160,6 +161,7 @@ class _EagerSwiGLU(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order_only("fusedloss.swiglu")
     def backward(ctx, grad_out):
         return _run_backward(ctx, grad_out, eager=True)
 

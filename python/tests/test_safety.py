@@ -138,3 +138,18 @@ def test_cuda_graph_capture_replays_forward_backward():
         ref.backward()
         torch.testing.assert_close(static_loss, ref, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "swiglu"])
+def test_double_backward_raises_instead_of_treating_the_gradient_as_constant(device, op):
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    if op == "cross_entropy":
+        out = fusedloss.cross_entropy(x, torch.randint(0, 16, (6,), device=device))
+    else:
+        out = fusedloss.swiglu(x).sum()
+    g, = torch.autograd.grad(out, x, create_graph=True)
+    w = torch.randn_like(x, requires_grad=True)
+    (g.detach() * w).sum().backward()  # using the gradient's values is fine
+    assert w.grad is not None
+    with pytest.raises(RuntimeError, match=f"fusedloss.{op}: differentiating its gradient"):
+        (g * w).sum().backward()
