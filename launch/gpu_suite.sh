@@ -34,8 +34,15 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
 fi
 
 step "python package (pip install ., pytest on CPU and CUDA)"
-FUSEDLOSS_OFFLINE=${FUSEDLOSS_OFFLINE:-1} launch/python.sh -rs > "$OUT/pytest.log" 2>&1 || status=1
-grep -E "passed|failed|SKIPPED" "$OUT/pytest.log" | tail -8
+# Installs, then one pytest process per file with a line per test: a crash in one file keeps
+# every other file's report and this file's progress up to the crash.
+FUSEDLOSS_OFFLINE=${FUSEDLOSS_OFFLINE:-1} launch/python.sh --collect-only -q > "$OUT/pytest.log" 2>&1 ||
+  status=1
+for f in python/tests/test_*.py; do
+  (cd python/tests && python3 -m pytest -v -rs -p no:cacheprovider "$(basename "$f")") \
+    >> "$OUT/pytest.log" 2>&1 || status=1
+done
+grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for kind in cross-entropy swiglu; do
