@@ -14,6 +14,10 @@ namespace fusedloss {
 struct SwigluOptions {
   bool clamp = false;
   float clamp_value = 0.0f;  // > 0 when clamp is set
+  // The fp8 input store's values beyond e4m3's largest finite value (448), and inf: +-448 when
+  // true (the hardware's satfinite conversion; newer torch casts), NaN when false (older torch
+  // casts). Megatron stores torch's cast; the Python package matches the torch it runs with.
+  bool fp8_saturate = true;
 };
 
 // y: [T, 2n] fp32/fp16/bf16. bias: absent or [2n] of y's dtype. weights: absent or [T] fp32.

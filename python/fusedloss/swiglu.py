@@ -15,9 +15,19 @@ from ._autograd import first_order_only
 from ._views import as_rows, matrix, stream_of, vector
 
 
+def _torch_e4m3_saturates() -> bool:
+    """Megatron's fp8 input store is torch's float8_e4m3fn cast, whose values past 448 are
+    +-448 in newer torch and NaN in older: the e4m3 copy follows the torch in use."""
+    return bool(torch.tensor([1e4]).to(torch.float8_e4m3fn).float().isfinite())
+
+
+_FP8_SATURATE = _torch_e4m3_saturates()
+
+
 @functools.lru_cache(maxsize=64)
 def _options(clamp_value: Optional[float]):
     o = _C.SwigluOptions()  # read only by the C++ side: one per clamp value
+    o.fp8_saturate = _FP8_SATURATE
     if clamp_value is not None:
         o.clamp, o.clamp_value = True, float(clamp_value)
     return o

@@ -74,7 +74,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<SwigluOptions>(m, "SwigluOptions")
       .def(py::init<>())
       .def_readwrite("clamp", &SwigluOptions::clamp)
-      .def_readwrite("clamp_value", &SwigluOptions::clamp_value);
+      .def_readwrite("clamp_value", &SwigluOptions::clamp_value)
+      .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate);
 
   // The GIL stays held: the calls are short (kernel launches), and errors become Python
   // exceptions without crossing a GIL-released frame.

@@ -34,6 +34,7 @@ core::SwigluArgs resolve(const MatrixView& y, const VectorView& bias, const Vect
   require(!o.clamp || (std::isfinite(o.clamp_value) && o.clamp_value > 0.0f),
           "options.clamp_value: got ", o.clamp_value, ", expected a finite value > 0");
   a.params = core::SwigluParams{o.clamp, o.clamp_value};
+  a.fp8_saturate = o.fp8_saturate;
   if (bias.data) {
     require(bias.size == y.cols, "bias.size: got ", bias.size, ", expected 2n = ", y.cols);
     require(bias.dtype == value_dtype, "bias.dtype: got ", to_string(bias.dtype), ", expected ",

@@ -83,17 +83,23 @@ FL_HD float e4m3_to_float(uint8_t b) {
   }
   return bits_to_float(sign | ((exp + 120u) << 23) | (man << 20));
 }
-FL_HD uint8_t float_to_e4m3(float f) {
+// Rounds to nearest even. Beyond the largest finite value 448 (anything that rounds past it,
+// and inf): +-448 when `saturate` (the hardware's satfinite conversion; newer torch casts), NaN
+// otherwise (older torch casts). NaN stays NaN.
+FL_HD uint8_t float_to_e4m3(float f, bool saturate) {
   uint32_t u = float_to_bits(f);
   uint8_t sign = uint8_t((u >> 24) & 0x80u);
   uint32_t a = u & 0x7fffffffu;
-  if (a >= 0x43f00000u) return uint8_t(sign | 0x7fu);  // >= 480, inf or NaN
-  if (a < (121u << 23)) {                              // below 2^-6: subnormal or zero
-    float r = rintf(bits_to_float(a) * 512.0f);        // units of 2^-9, ties to even
+  const uint8_t overflow = uint8_t(sign | (saturate ? 0x7eu : 0x7fu));
+  if (a > 0x7f800000u) return uint8_t(sign | 0x7fu);  // NaN
+  if (a >= 0x43f00000u) return overflow;              // >= 480 or inf
+  if (a < (121u << 23)) {                             // below 2^-6: subnormal or zero
+    float r = rintf(bits_to_float(a) * 512.0f);       // units of 2^-9, ties to even
     return uint8_t(sign | uint8_t(r));
   }
   a += ((7u - 127u) << 23) + 0x7ffffu + ((a >> 20) & 1u);
-  return uint8_t(sign | uint8_t(a >> 20));
+  const uint8_t code = uint8_t(a >> 20);
+  return code == 0x7fu ? overflow : uint8_t(sign | code);  // 0x7f: rounded up past 448
 }
 
 enum class StorageKind { F32, F16, BF16, E4M3 };
@@ -118,7 +124,7 @@ template <> struct Storage<StorageKind::BF16> {
 template <> struct Storage<StorageKind::E4M3> {
   using type = uint8_t;
   static FL_HD float load(uint8_t v) { return e4m3_to_float(v); }
-  static FL_HD uint8_t store(float v) { return float_to_e4m3(v); }
+  static FL_HD uint8_t store(float v) { return float_to_e4m3(v, true); }
 };
 
 }  // namespace fusedloss::core

@@ -11,6 +11,7 @@ struct SwigluArgs {
   SwigluParams params{false, 0.0f};
   const void* bias = nullptr;   // [2n], y's dtype (the forward's y, or grad_y's in backward)
   const float* weights = nullptr;  // [rows]
+  bool fp8_saturate = true;        // the e4m3 input copy: out-of-range values to +-448, or NaN
 };
 
 }  // namespace fusedloss::core

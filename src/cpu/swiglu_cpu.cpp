@@ -39,7 +39,8 @@ void forward_impl(const MatrixView& y, const core::SwigluArgs& a, const MatrixVi
           core::Storage<V>::store(core::swiglu_value(load_gate_up<V, V>(yr, j, a)) * w);
     if (f8)
       for (int64_t j = 0; j < 2 * a.n; ++j)
-        f8[r * y_fp8.row_stride + j] = core::float_to_e4m3(core::Storage<V>::load(yr[j]));
+        f8[r * y_fp8.row_stride + j] =
+            core::float_to_e4m3(core::Storage<V>::load(yr[j]), a.fp8_saturate);
   }
 }
 

@@ -105,8 +105,8 @@ __global__ void FL_SWIGLU_BOUNDS
           Pack<uint8_t, VEC> fg, fu;
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e])),
-            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]));
+            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e]), a.fp8_saturate),
+            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]), a.fp8_saturate);
           store_pack(y8 + r * y8s + j, fg);
           store_pack(y8 + r * y8s + a.n + j, fu);
         }

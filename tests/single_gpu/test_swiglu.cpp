@@ -108,7 +108,8 @@ void Swiglu::check(const SwCase& c) {
     for (int64_t i = 0; i < T * cols; ++i) {
       // the saved copy is the input rounded to e4m3 (checked against known encodings below)
       ybwd[i] = core::e4m3_to_float(y8.host_as<uint8_t>()[i]);
-      ASSERT_EQ(y8.host_as<uint8_t>()[i], core::float_to_e4m3(float(yd[i]))) << "y_fp8[" << i << "]";
+      ASSERT_EQ(y8.host_as<uint8_t>()[i], core::float_to_e4m3(float(yd[i]), opt.fp8_saturate))
+          << "y_fp8[" << i << "]";
     }
 
   MatrixView gyv = c.in_place ? yv : MatrixView{at(gy), T, cols, stride, c.dtype, dev};
@@ -226,19 +227,27 @@ INSTANTIATE_TEST_SUITE_P(Backends, Swiglu, ::testing::Values(Device::CPU, Device
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
 TEST(Fp8E4M3, KnownEncodings) {
-  struct { float v; uint8_t bits; } known[] = {
-      {0.0f, 0x00}, {1.0f, 0x38}, {-1.5f, 0xbc}, {448.0f, 0x7e}, {-448.0f, 0xfe},
-      {0.001953125f, 0x01} /* 2^-9, smallest subnormal */, {0.015625f, 0x08} /* 2^-6 */,
-      {1.0625f, 0x38} /* tie: rounds to even */, {1.1875f, 0x3a} /* tie: up to even */,
-      {464.0f, 0x7e} /* below the overflow threshold */, {480.0f, 0x7f} /* NaN */,
-      {INFINITY, 0x7f}};
+  // bits: the code when saturating, and when overflow gives NaN (they differ past 448 only)
+  struct { float v; uint8_t saturated, nan_mode; } known[] = {
+      {0.0f, 0x00, 0x00}, {1.0f, 0x38, 0x38}, {-1.5f, 0xbc, 0xbc}, {448.0f, 0x7e, 0x7e},
+      {-448.0f, 0xfe, 0xfe}, {0.001953125f, 0x01, 0x01} /* 2^-9, smallest subnormal */,
+      {0.015625f, 0x08, 0x08} /* 2^-6 */, {1.0625f, 0x38, 0x38} /* tie: rounds to even */,
+      {1.1875f, 0x3a, 0x3a} /* tie: up to even */, {464.0f, 0x7e, 0x7e} /* tie: down to 448 */,
+      {470.0f, 0x7e, 0x7f} /* rounds past 448 */, {480.0f, 0x7e, 0x7f}, {-1e4f, 0xfe, 0xff},
+      {INFINITY, 0x7e, 0x7f}, {-INFINITY, 0xfe, 0xff}, {NAN, 0x7f, 0x7f}};
   for (auto k : known) {
-    EXPECT_EQ(int(core::float_to_e4m3(k.v)), int(k.bits)) << k.v;
-    if ((k.bits & 0x7f) != 0x7f) EXPECT_EQ(core::e4m3_to_float(k.bits), k.v == 1.0625f ? 1.0f : k.v == 1.1875f ? 1.25f : k.v == 464.0f ? 448.0f : k.v);
+    EXPECT_EQ(int(core::float_to_e4m3(k.v, true)), int(k.saturated)) << k.v << " saturating";
+    EXPECT_EQ(int(core::float_to_e4m3(k.v, false)), int(k.nan_mode)) << k.v << " NaN on overflow";
   }
+  EXPECT_EQ(core::e4m3_to_float(0x38), 1.0f);
+  EXPECT_EQ(core::e4m3_to_float(0x3a), 1.25f);
+  EXPECT_EQ(core::e4m3_to_float(0xfe), -448.0f);
+  EXPECT_EQ(core::e4m3_to_float(0x01), 0.001953125f);
   EXPECT_TRUE(std::isnan(core::e4m3_to_float(0x7f)));
-  for (int b = 0; b < 256; ++b)  // every non-NaN code round-trips
-    if ((b & 0x7f) != 0x7f) EXPECT_EQ(int(core::float_to_e4m3(core::e4m3_to_float(uint8_t(b)))), b);
+  for (int b = 0; b < 256; ++b)  // every non-NaN code round-trips, in both modes
+    if ((b & 0x7f) != 0x7f)
+      for (bool saturate : {true, false})
+        EXPECT_EQ(int(core::float_to_e4m3(core::e4m3_to_float(uint8_t(b)), saturate)), b);
 }
 
 // Bad inputs: odd last dim, bias / scale shapes, dtype and device mismatches, missing grads.
