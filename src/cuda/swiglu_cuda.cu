@@ -209,6 +209,18 @@ bool can_vectorise(const core::SwigluArgs& a, int vec, std::initializer_list<con
 
 unsigned row_grid(int64_t rows) { return unsigned(std::min<int64_t>(rows, 1 << 30)); }
 
+// Calls launch(width, flag) with both as compile-time constants: VEC-wide packs when `wide`
+// (single elements otherwise), and the kernel's one optional feature on or off.
+template <int VEC, class Launch>
+void dispatch_layout(bool wide, bool flag, Launch&& launch) {
+  auto with_flag = [&](auto width) {
+    if (flag) launch(width, std::true_type{});
+    else launch(width, std::false_type{});
+  };
+  if (wide) with_flag(std::integral_constant<int, VEC>{});
+  else with_flag(std::integral_constant<int, 1>{});
+}
+
 }  // namespace
 
 void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
@@ -224,14 +236,7 @@ void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const Matrix
               static_cast<Elem<V>*>(out.data), out.row_stride, static_cast<uint8_t*>(y_fp8.data),
               y_fp8.row_stride);
     };
-    const bool vec = can_vectorise(a, VEC, {&y, &out, &y_fp8});
-    const bool f8 = y_fp8.data != nullptr;
-    using One = std::integral_constant<int, 1>;
-    using Wide = std::integral_constant<int, VEC>;
-    if (vec && f8) launch(Wide{}, std::true_type{});
-    else if (vec) launch(Wide{}, std::false_type{});
-    else if (f8) launch(One{}, std::true_type{});
-    else launch(One{}, std::false_type{});
+    dispatch_layout<VEC>(can_vectorise(a, VEC, {&y, &out, &y_fp8}), y_fp8.data != nullptr, launch);
     FL_CUDA_CHECK_LAUNCH();
   });
 }
@@ -255,13 +260,8 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
                 static_cast<const Elem<Y>*>(y.data), y.row_stride, a,
                 static_cast<Elem<V>*>(grad_y.data), grad_y.row_stride, grad_weights);
       };
-      const bool vec = can_vectorise(a, VEC, {&grad_out, &y, &grad_y});
-      using One = std::integral_constant<int, 1>;
-      using Wide = std::integral_constant<int, VEC>;
-      if (vec && grad_weights) launch(Wide{}, std::true_type{});
-      else if (vec) launch(Wide{}, std::false_type{});
-      else if (grad_weights) launch(One{}, std::true_type{});
-      else launch(One{}, std::false_type{});
+      dispatch_layout<VEC>(can_vectorise(a, VEC, {&grad_out, &y, &grad_y}), grad_weights != nullptr,
+                           launch);
       FL_CUDA_CHECK_LAUNCH();
     };
     if (y.dtype == DType::FP8_E4M3) run(std::integral_constant<StorageKind, StorageKind::E4M3>{});
