@@ -26,11 +26,10 @@ def first_order_only(op: str):
     def wrap(backward):
         @functools.wraps(backward)
         def run(ctx, *grads):
-            recording = torch.is_grad_enabled()
+            if not torch.is_grad_enabled():  # a plain backward: nothing to guard
+                return backward(ctx, *grads)
             with torch.no_grad():
                 outs = backward(ctx, *grads)
-            if not recording:
-                return outs
             return tuple(_guard(o, op) if isinstance(o, Tensor) else o for o in outs)
         return run
     return wrap

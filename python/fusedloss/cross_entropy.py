@@ -37,16 +37,26 @@ def _group_name(group) -> str:
     return name
 
 
+try:  # c10d's own name -> group map (what functional collectives use)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+except ImportError:
+    _resolve_process_group = None
+
+
 def _resolve_group(name: str):
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return _resolve_process_group(name)
-    except (ImportError, LookupError, ValueError, RuntimeError):
-        return _GROUPS[name]
+    """The process group behind a name from _group_name; None for "" (TP=1)."""
+    if not name:
+        return None
+    if _resolve_process_group is not None:
+        try:
+            return _resolve_process_group(name)
+        except (LookupError, ValueError, RuntimeError):
+            pass
+    return _GROUPS[name]
 
 
-def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, group, v_local):
-    g = _resolve_group(group) if group else None
+def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, g, v_local):
+    """Options for group `g` (a resolved process group, or None at TP=1)."""
     rank, world = (dist.get_rank(g), dist.get_world_size(g)) if g is not None else (0, 1)
     return _options_for(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
                         v_local)
@@ -100,13 +110,13 @@ def _forward_impl(logits: Tensor, target: Tensor, ignore_index: int, label_smoot
     loss = torch.empty(rows if reduction == _NONE else (), dtype=torch.float32, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
     count = torch.empty((), dtype=torch.float32, device=dev)
-    o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, group, v_local)
+    g = _resolve_group(group)
+    o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, g, v_local)
     stream = stream_of(x)
     xv, tv = matrix(x, "logits"), index(t, "target")
-    if not group:
+    if g is None:
         _C.cross_entropy_forward(xv, tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
-    g = _resolve_group(group)
     world = dist.get_world_size(g)
     _check_shard_agreement(g, group, rows, v_local, dev)
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
@@ -133,7 +143,8 @@ def _(logits, target, ignore_index, label_smoothing, formula, scope, z_loss, red
 def _backward_into(grad_loss, logits, target, lse, count, opts, out):
     x = as_rows(logits, "logits")
     t = target.reshape(-1).contiguous()
-    o = _options(*opts, x.size(1))
+    *head, group = opts
+    o = _options(*head, _resolve_group(group), x.size(1))
     gl = grad_loss.to(torch.float32).reshape(-1).contiguous()
     _C.cross_entropy_backward(matrix(x, "logits"), index(t, "target"), lse.data_ptr(), gl.data_ptr(),
                               count.data_ptr(), o, matrix(out, "grad_logits"), stream_of(x))
