@@ -69,14 +69,19 @@ def fusedloss_swiglu(in_place):
     return lambda y: fusedloss.swiglu(y.view_as(y) if in_place else y, in_place=in_place)
 
 
-def available():
-    providers = {"torch": torch_ce}
-    for name, make in (("liger", liger_ce), ("megatron", megatron_fused_ce)):
+def collect(providers, candidates, *args):
+    """providers plus every candidate make(*args) that can be built; a missing wheel (or
+    anything else make raises) is reported, not fatal."""
+    for name, make in candidates.items():
         try:
-            providers[name] = make()
-        except Exception as e:  # a missing wheel is reported, not fatal
+            providers[name] = make(*args)
+        except Exception as e:
             print(f"[bench] provider {name} unavailable: {type(e).__name__}: {e}")
     return providers
+
+
+def available():
+    return collect({"torch": torch_ce}, {"liger": liger_ce, "megatron": megatron_fused_ce})
 
 
 def time_provider(fn, pristine, target, iters=30, warmup=3):
@@ -147,13 +152,7 @@ def megatron_swiglu():
 
 
 def available_swiglu():
-    providers = {"torch": torch_swiglu}
-    for name, make in (("liger", liger_swiglu), ("megatron", megatron_swiglu)):
-        try:
-            providers[name] = make()
-        except Exception as e:
-            print(f"[bench] provider {name} unavailable: {type(e).__name__}: {e}")
-    return providers
+    return collect({"torch": torch_swiglu}, {"liger": liger_swiglu, "megatron": megatron_swiglu})
 
 
 def time_unary(fn, pristine, iters=50, warmup=3):

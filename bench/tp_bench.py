@@ -34,12 +34,7 @@ def providers(group, device):
     candidates = {"megatron": _megatron_unfused}
     if device == "cuda":  # these peers are GPU-only
         candidates.update(megatron_fused=_megatron_fused, liger=_liger)
-    for name, make in candidates.items():
-        try:
-            found[name] = make(group)
-        except Exception as e:  # a missing wheel is reported, not fatal
-            print(f"[tp_bench] provider {name} unavailable: {type(e).__name__}: {e}")
-    return found
+    return peers.collect(found, candidates, group)
 
 
 def _megatron_unfused(group):
