@@ -132,13 +132,17 @@ def _tp1_parity(rank, world, device):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_tp1_parity_with_megatron_functions():
-    # On a GPU the comparison runs there (Megatron's fused path is torch.compile'd for CUDA);
-    # without one, on the CPU.
+def _run_tp1(fn):
+    """fn(rank, world, device) in a one-process world: on the GPU when there is one (Megatron's
+    fused paths are torch.compile'd for CUDA), else on the CPU."""
     if torch.cuda.is_available():
-        run_world(1, _tp1_parity, "cuda", backend="nccl")
+        run_world(1, fn, "cuda", backend="nccl")
     else:
-        run_world(1, _tp1_parity, "cpu")
+        run_world(1, fn, "cpu")
+
+
+def test_tp1_parity_with_megatron_functions():
+    _run_tp1(_tp1_parity)
 
 
 def _mlp_parity(rank, world, device):
@@ -148,7 +152,6 @@ def _mlp_parity(rank, world, device):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401
     cfg = TransformerConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                             use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
                             bias_activation_fusion=True, add_bias_linear=False)
@@ -172,10 +175,7 @@ def _mlp_parity(rank, world, device):
 
 
 def test_megatron_mlp_forward_backward_with_and_without_patch():
-    if torch.cuda.is_available():
-        run_world(1, _mlp_parity, "cuda", backend="nccl")
-    else:
-        run_world(1, _mlp_parity, "cpu")
+    _run_tp1(_mlp_parity)
 
 
 def _guard_patch_time(rank, world):

@@ -6,9 +6,13 @@ import torch.nn.functional as F
 import fusedloss
 
 
+def _logits_and_targets(device, rows=8, V=64):
+    return (torch.randn(rows, V, device=device, requires_grad=True),
+            torch.randint(0, V, (rows,), device=device))
+
+
 def test_second_backward_through_inplace_raises(device):
-    x = torch.randn(8, 64, device=device, requires_grad=True)
-    t = torch.randint(0, 64, (8,), device=device)
+    x, t = _logits_and_targets(device)
     loss = fusedloss.cross_entropy(x * 1, t, inplace_backward=True)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
@@ -16,8 +20,7 @@ def test_second_backward_through_inplace_raises(device):
 
 
 def test_reading_overwritten_logits_trips_version_check(device):
-    x = torch.randn(8, 64, device=device, requires_grad=True)
-    t = torch.randint(0, 64, (8,), device=device)
+    x, t = _logits_and_targets(device)
     logits = x * 1
     other = (logits ** 2).sum()  # saves `logits` for its own backward
     loss = fusedloss.cross_entropy(logits, t, inplace_backward=True)
@@ -27,8 +30,7 @@ def test_reading_overwritten_logits_trips_version_check(device):
 
 
 def test_out_of_place_allows_double_backward_of_graph(device):
-    x = torch.randn(8, 64, device=device, requires_grad=True)
-    t = torch.randint(0, 64, (8,), device=device)
+    x, t = _logits_and_targets(device)
     loss = fusedloss.cross_entropy(x, t)
     loss.backward(retain_graph=True)
     g1 = x.grad.clone()
