@@ -121,10 +121,10 @@ template <> struct Storage<StorageKind::BF16> {
   static FL_HD uint16_t store(float v) { return float_to_bf16(v); }
 };
 
+// Read-only: the e4m3 copy is written by float_to_e4m3 with the caller's overflow rule.
 template <> struct Storage<StorageKind::E4M3> {
   using type = uint8_t;
   static FL_HD float load(uint8_t v) { return e4m3_to_float(v); }
-  static FL_HD uint8_t store(float v) { return float_to_e4m3(v, true); }
 };
 
 }  // namespace fusedloss::core
