@@ -44,6 +44,24 @@ struct CeRun {
   bool padding_intact = true;
 };
 
+// A dense fp32 problem: logits [rows, V] ~ N(0, sigma), targets uniform in [0, V) (callers
+// mark ignored rows themselves).
+struct DenseProblem {
+  int64_t rows, V;
+  std::vector<float> x;
+  std::vector<int64_t> target;
+};
+
+template <class Gen>
+DenseProblem random_problem(int64_t rows, int64_t V, float sigma, Gen& gen) {
+  std::normal_distribution<float> normal(0.0f, sigma);
+  std::uniform_int_distribution<int64_t> cls(0, V - 1);
+  DenseProblem p{rows, V, std::vector<float>(rows * V), std::vector<int64_t>(rows)};
+  for (auto& v : p.x) v = normal(gen);
+  for (auto& t : p.target) t = cls(gen);
+  return p;
+}
+
 inline std::vector<double> to_double(const std::vector<float>& v) {
   return std::vector<double>(v.begin(), v.end());
 }

@@ -18,20 +18,13 @@ int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
 int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
 // Every rank draws the same global problem from rank 0's seed.
-struct Problem {
-  int64_t rows, V;
-  std::vector<float> x;
-  std::vector<int64_t> target;
-};
+using Problem = DenseProblem;
 Problem make_problem(int64_t rows, int64_t V) {
   uint64_t seed = rng()();
   MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
   std::mt19937_64 gen(seed);
-  std::normal_distribution<float> normal(0, 3);
-  std::uniform_int_distribution<int64_t> cls(0, V - 1);
-  Problem p{rows, V, std::vector<float>(rows * V), std::vector<int64_t>(rows)};
-  for (auto& v : p.x) v = normal(gen);
-  for (int64_t r = 0; r < rows; ++r) p.target[r] = r % 5 == 1 ? -100 : cls(gen);
+  Problem p = random_problem(rows, V, 3.0f, gen);
+  for (int64_t r = 1; r < rows; r += 5) p.target[r] = -100;
   return p;
 }
 

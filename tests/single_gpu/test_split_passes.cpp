@@ -101,12 +101,9 @@ Sharded run_sharded(Device dev, const std::vector<float>& x, const std::vector<i
 
 TEST_P(SplitPasses, ShardedEqualsUnsharded) {
   const int64_t rows = 24, V = 1200;
-  std::normal_distribution<float> normal(0, 2);
-  std::uniform_int_distribution<int64_t> cls(0, V - 1);
-  std::vector<float> x(rows * V);
-  for (auto& v : x) v = normal(rng());
-  std::vector<int64_t> target(rows);
-  for (auto& t : target) t = cls(rng());
+  DenseProblem p = random_problem(rows, V, 2.0f, rng());
+  const std::vector<float>& x = p.x;
+  std::vector<int64_t>& target = p.target;
   target[3] = -100;
   std::vector<double> xd(x.begin(), x.end());
   for (float ls : {0.0f, 0.1f})
@@ -135,12 +132,9 @@ TEST_P(SplitPasses, PartitionScopeIsMegatronsPerShardAverage) {
   const int64_t rows = 10, V = 600;
   const int world = 3, Vl = V / world;
   const double ls = 0.1;
-  std::normal_distribution<float> normal(0, 2);
-  std::uniform_int_distribution<int64_t> cls(0, V - 1);
-  std::vector<float> x(rows * V);
-  for (auto& v : x) v = normal(rng());
-  std::vector<int64_t> target(rows);
-  for (auto& t : target) t = cls(rng());
+  DenseProblem p = random_problem(rows, V, 2.0f, rng());
+  const std::vector<float>& x = p.x;
+  std::vector<int64_t>& target = p.target;
   std::vector<double> xd(x.begin(), x.end());
   RefResult base = reference_cross_entropy(xd, rows, V, target, {}, std::vector<double>(rows, 1));
   CrossEntropyOptions o;
