@@ -73,5 +73,10 @@ bool overlaps(const MatrixView& a, const MatrixView& b) {
   return alo < bhi && blo < ahi;
 }
 
+void no_cuda(const char* what) {
+  fail(what, ": got a CUDA view, but this fusedloss build has no CUDA backend "
+             "(rebuild with -DFUSEDLOSS_CUDA=ON)");
+}
+
 }  // namespace detail
 }  // namespace fusedloss

@@ -64,34 +64,6 @@ namespace {
 using detail::fail;
 using detail::require;
 
-#ifndef FUSEDLOSS_WITH_CUDA
-[[noreturn]] void no_cuda(const char* what) {
-  fail(what, ": got a CUDA view, but this fusedloss build has no CUDA backend "
-             "(rebuild with -DFUSEDLOSS_CUDA=ON)");
-}
-#endif
-
-// Runs `cpu_fn` or `cuda_fn` by device; the CUDA branch compiles only in CUDA builds.
-#ifdef FUSEDLOSS_WITH_CUDA
-#define FL_DISPATCH(device, what, cpu_call, cuda_call) \
-  do {                                                 \
-    if ((device) == Device::CPU) {                     \
-      cpu_call;                                        \
-    } else {                                           \
-      cuda_call;                                       \
-    }                                                  \
-  } while (0)
-#else
-#define FL_DISPATCH(device, what, cpu_call, cuda_call) \
-  do {                                                 \
-    if ((device) == Device::CPU) {                     \
-      cpu_call;                                        \
-    } else {                                           \
-      no_cuda(what);                                   \
-    }                                                  \
-  } while (0)
-#endif
-
 // Scratch memory on the logits' device, released at scope exit (stream-ordered on CUDA).
 class Scratch {
  public:
@@ -197,7 +169,7 @@ void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine,
 
 void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target,
                                const CrossEntropyOptions& options, RowStats* stats,
-                               Stream stream) {
+                               [[maybe_unused]] Stream stream) {
   core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_matrix(logits, "logits");
   detail::check_index(target, "target", logits.rows, logits.device);
@@ -212,7 +184,7 @@ void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target
 void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
                                const IndexView& target, const CrossEntropyOptions& options,
                                int64_t vocab_local, int rank, RowStats* summable, Device device,
-                               Stream stream) {
+                               [[maybe_unused]] Stream stream) {
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
   detail::check_index(target, "target", target.size, device);
   require(rank >= 0, "rank: got ", rank, ", expected >= 0");
@@ -226,7 +198,8 @@ void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
 
 void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* local,
                          const IndexView& target, const CrossEntropyOptions& options,
-                         int64_t vocab_local, const CrossEntropyOutputs& out, Stream stream) {
+                         int64_t vocab_local, const CrossEntropyOutputs& out,
+                         [[maybe_unused]] Stream stream) {
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
   require(parts >= 1, "parts: got ", parts, ", expected >= 1");
   require(combined != nullptr || target.size == 0, "combined: got null, expected ", parts,
@@ -320,7 +293,7 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
 void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                             const float* grad_loss, const float* valid_count,
                             const CrossEntropyOptions& options, const MatrixView& grad_logits,
-                            Stream stream) {
+                            [[maybe_unused]] Stream stream) {
   core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_matrix(logits, "logits");
   detail::check_matrix(grad_logits, "grad_logits");

@@ -55,17 +55,11 @@ core::SwigluArgs resolve(const MatrixView& y, const VectorView& bias, const Vect
   return a;
 }
 
-#ifndef FUSEDLOSS_WITH_CUDA
-[[noreturn]] void no_cuda(const char* what) {
-  detail::fail(what, ": got a CUDA view, but this fusedloss build has no CUDA backend");
-}
-#endif
-
 }  // namespace
 
 void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorView& weights,
                     const SwigluOptions& options, const MatrixView& out, const MatrixView& y_fp8,
-                    Stream stream) {
+                    [[maybe_unused]] Stream stream) {
   detail::check_matrix(y, "y");
   core::SwigluArgs a = resolve(y, bias, weights, options, y.dtype);
   check_same_place(out, "out", y, a.n, y.dtype);
@@ -74,19 +68,14 @@ void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorVie
     check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
     require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
   }
-  if (y.device == Device::CPU) return cpu::swiglu_forward(y, a, out, y_fp8);
-#ifdef FUSEDLOSS_WITH_CUDA
-  cuda::swiglu_forward(y, a, out, y_fp8, stream);
-#else
-  (void)stream;
-  no_cuda("swiglu_forward");
-#endif
+  FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, a, out, y_fp8),
+              cuda::swiglu_forward(y, a, out, y_fp8, stream));
 }
 
 void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const VectorView& bias,
                      const VectorView& weights, const SwigluOptions& options,
                      const MatrixView& grad_y, float* grad_weights, float* grad_bias,
-                     Stream stream) {
+                     [[maybe_unused]] Stream stream) {
   detail::check_matrix(grad_out, "grad_out");
   detail::check_matrix(y, "y", true);
   const DType vt = grad_out.dtype;
@@ -106,14 +95,9 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   require((grad_bias != nullptr) == (a.bias != nullptr), "grad_bias: got ",
           grad_bias ? "a buffer" : "null", ", expected ",
           a.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
-  if (y.device == Device::CPU)
-    return cpu::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias);
-#ifdef FUSEDLOSS_WITH_CUDA
-  cuda::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias, stream);
-#else
-  (void)stream;
-  no_cuda("swiglu_backward");
-#endif
+  FL_DISPATCH(y.device, "swiglu_backward",
+              cpu::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias),
+              cuda::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias, stream));
 }
 
 }  // namespace fusedloss
