@@ -97,51 +97,46 @@ def _cross_entropy(logits, target, tp_group, label_smoothing):
         inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group)
 
 
-def _make_ce(original, where):
-    """Stands in for a `_VocabParallelCrossEntropy` (apply only), whatever its forward's
-    signature: (logits, target, tp_group) for the fused path, (logits, target,
-    label_smoothing=0.0[, tp_group=None]) for the unfused one."""
+def _stand_in(original, name, run):
+    """A class with the `apply` that Megatron calls on its autograd Function: binds the call to
+    the original forward's signature (without ctx) and hands run() the arguments the caller
+    passed, plus the call itself (for falling back to the original)."""
     sig = _forward_signature(original)
 
-    class VocabParallelCrossEntropy:
-        __fusedloss_original__ = original
+    def apply(*args, **kwargs):
+        return run(sig.bind(*args, **kwargs).arguments, args, kwargs)
 
-        @staticmethod
-        def apply(*args, **kwargs):
-            a = sig.bind(*args, **kwargs).arguments  # only what the caller passed
-            group = a.get("tp_group")
-            if group is None and where == "unfused":
-                group = _tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
-            ls = a.get("label_smoothing")
-            ls = _CONFIG["label_smoothing"] if ls is None else float(ls)
-            group = _guard(group, f"{where} vocab_parallel_cross_entropy")
-            return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, ls)
+    return type(name, (), {"__fusedloss_original__": original, "apply": staticmethod(apply)})
 
-    VocabParallelCrossEntropy.__name__ = VocabParallelCrossEntropy.__qualname__ = (
-        f"FusedLoss{where.capitalize()}VocabParallelCrossEntropy")
-    return VocabParallelCrossEntropy
+
+def _make_ce(original, where):
+    """Stands in for a `_VocabParallelCrossEntropy`, whatever its forward's signature:
+    (logits, target, tp_group) for the fused path, (logits, target, label_smoothing=0.0
+    [, tp_group=None]) for the unfused one."""
+    def run(a, _args, _kwargs):
+        group = a.get("tp_group")
+        if group is None and where == "unfused":
+            group = _tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
+        ls = a.get("label_smoothing")
+        ls = _CONFIG["label_smoothing"] if ls is None else float(ls)
+        group = _guard(group, f"{where} vocab_parallel_cross_entropy")
+        return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, ls)
+
+    return _stand_in(original, f"FusedLoss{where.capitalize()}VocabParallelCrossEntropy", run)
 
 
 def _make_swiglu(original, name):
-    sig = _forward_signature(original)
+    def run(a, args, kwargs):
+        if a.get("cpu_offload_input"):
+            _warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
+                       "Megatron's own implementation (activation offload is not fused)")
+            return original.apply(*args, **kwargs)
+        fp8 = bool(a.get("fp8_input_store", False))
+        return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
+                                clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
+                                in_place=_CONFIG["swiglu_in_place"] and not fp8)
 
-    class PatchedSwiGLU:
-        __fusedloss_original__ = original
-
-        @staticmethod
-        def apply(*args, **kwargs):
-            a = sig.bind(*args, **kwargs).arguments
-            if a.get("cpu_offload_input"):
-                _warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
-                           "Megatron's own implementation (activation offload is not fused)")
-                return original.apply(*args, **kwargs)
-            fp8 = bool(a.get("fp8_input_store", False))
-            return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
-                                    clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
-                                    in_place=_CONFIG["swiglu_in_place"] and not fp8)
-
-    PatchedSwiGLU.__name__ = PatchedSwiGLU.__qualname__ = f"FusedLoss{name}"
-    return PatchedSwiGLU
+    return _stand_in(original, f"FusedLoss{name}", run)
 
 
 
