@@ -19,6 +19,17 @@
     }                                                                                     \
   } while (0)
 
+// A GPU-side wait of about 2 ms (4M cycles, as the Python harness's torch.cuda._sleep) queued
+// ahead of each timed region: the host enqueues the timed work while the GPU is busy, so the
+// events time device work alone, and the clocks are up as in a training step rather than
+// dropping in the host's gaps between short runs.
+constexpr long long kBusyCycles = 4000000;
+__global__ void busy_wait_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+
 // Median milliseconds of `body` over `iters` runs (3 warm-ups), `setup` outside the timing.
 template <class Setup, class Body>
 double median_ms(int iters, Setup&& setup, Body&& body) {
@@ -28,6 +39,8 @@ double median_ms(int iters, Setup&& setup, Body&& body) {
   std::vector<float> ms;
   for (int i = 0; i < iters + 3; ++i) {
     setup();
+    busy_wait_kernel<<<1, 1>>>(kBusyCycles);
+    CHECK(cudaGetLastError());
     CHECK(cudaEventRecord(a));
     body();
     CHECK(cudaEventRecord(b));
