@@ -126,5 +126,10 @@ PYBIND11_MODULE(_C, m) {
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
+#ifdef FUSEDLOSS_STATIC_CXX_RUNTIME
+  m.attr("STATIC_CXX_RUNTIME") = true;
+#else
+  m.attr("STATIC_CXX_RUNTIME") = false;
+#endif
   m.attr("__version__") = FUSEDLOSS_VERSION;
 }

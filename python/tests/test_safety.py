@@ -64,6 +64,20 @@ def test_bad_shapes_and_dtypes(device):
         fusedloss.cross_entropy(torch.randn(4, 10, device=device), t.float())
 
 
+def test_extension_keeps_its_cxx_runtime_private():
+    """The extension must not take libstdc++/libgcc from the process (torch's libraries can put
+    another copy first; its error messages then crashed in the locale code): linked static."""
+    import shutil
+    import subprocess
+    from fusedloss import _C
+    if not _C.STATIC_CXX_RUNTIME:
+        pytest.skip("built with FUSEDLOSS_PYTHON_STATIC_RUNTIME=OFF (or not on Linux)")
+    if shutil.which("ldd") is None:
+        pytest.skip("ldd is not available to list the extension's shared libraries")
+    needed = subprocess.run(["ldd", _C.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++" not in needed and "libgcc_s" not in needed, needed
+
+
 def test_out_of_range_target(device):
     x = torch.randn(4, 10, device=device)
     t = torch.tensor([1, 2, 10, 3], device=device)
