@@ -38,11 +38,13 @@ FL_HD GateUp gate_up(float a, float b, const SwigluParams& p) {
 
 FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }
 
-// d(out)/d(a), d(out)/d(b) scaled by g (the upstream gradient, already times w).
-FL_HD void swiglu_grad(const GateUp& v, float g, float& da, float& db) {
+// d(out)/d(a), d(out)/d(b) scaled by g (the upstream gradient, already times w). Returns
+// swiglu_value(v) from the same sigmoid, for the per-token weight's gradient.
+FL_HD float swiglu_grad(const GateUp& v, float g, float& da, float& db) {
   float s = sigmoid(v.a);
   da = v.a_live ? g * s * (1.0f + v.a * (1.0f - s)) * v.b : 0.0f;
   db = v.b_live ? g * v.a * s : 0.0f;
+  return v.a * s * v.b;
 }
 
 }  // namespace fusedloss::core

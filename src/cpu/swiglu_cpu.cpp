@@ -60,8 +60,8 @@ void backward_impl(const MatrixView& grad_out, const MatrixView& y, const core::
       core::GateUp v = load_gate_up<Y, V>(yr, j, a);
       float g = core::Storage<V>::load(go[r * grad_out.row_stride + j]);
       float da, db;
-      core::swiglu_grad(v, g * w, da, db);
-      if (grad_weights) dw += double(core::swiglu_value(v)) * g;
+      float value = core::swiglu_grad(v, g * w, da, db);
+      if (grad_weights) dw += double(value) * g;
       gr[j] = core::Storage<V>::store(da);  // in place: y[j] and y[n+j] were read above
       gr[a.n + j] = core::Storage<V>::store(db);
     }

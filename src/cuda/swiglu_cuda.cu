@@ -77,6 +77,18 @@ __device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& ra
     v[k] = core::gate_up(St<Y>::load(raw.g.v[k]) + bg[k], St<Y>::load(raw.u.v[k]) + bu[k], a.params);
 }
 
+// Calls f(k, j) for this thread's column groups k = 0 .. kGroups-1, at columns
+// j = j0 + k * stride, while j < n. The kernels run it twice per step: all loads, then all math.
+template <class F>
+__device__ __forceinline__ void for_each_group(int64_t j0, int64_t stride, int64_t n, F&& f) {
+#pragma unroll
+  for (int k = 0; k < kGroups; ++k) {
+    const int64_t j = j0 + k * stride;
+    if (j >= n) break;
+    f(k, j);
+  }
+}
+
 template <StorageKind V, int VEC, bool kFp8Store>
 __global__ void FL_SWIGLU_BOUNDS
     forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
@@ -87,13 +99,9 @@ __global__ void FL_SWIGLU_BOUNDS
     const float w = a.weights ? a.weights[r] : 1.0f;
     for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
       RawGateUp<Elem<V>, VEC> raw[kGroups];
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k)
-        if (j0 + k * kStride < a.n) raw[k] = load_raw<Elem<V>, VEC>(yr, j0 + k * kStride, a.n);
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        const int64_t j = j0 + k * kStride;
-        if (j >= a.n) break;
+      for_each_group(j0, kStride, a.n,
+                     [&](int k, int64_t j) { raw[k] = load_raw<Elem<V>, VEC>(yr, j, a.n); });
+      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
         gate_up_values<V, V, VEC>(raw[k], j, a, v);
         Pack<Elem<V>, VEC> o;
@@ -110,7 +118,7 @@ __global__ void FL_SWIGLU_BOUNDS
           store_pack(y8 + r * y8s + j, fg);
           store_pack(y8 + r * y8s + a.n + j, fu);
         }
-      }
+      });
     }
   }
 }
@@ -130,31 +138,25 @@ __global__ void FL_SWIGLU_BOUNDS
     for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
       RawGateUp<Elem<Y>, VEC> raw[kGroups];
       Pack<Elem<V>, VEC> g[kGroups];
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        const int64_t j = j0 + k * kStride;
-        if (j >= a.n) break;
+      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
         raw[k] = load_raw<Elem<Y>, VEC>(yr, j, a.n);
         g[k] = load_pack<Elem<V>, VEC>(gor + j);
-      }
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        const int64_t j = j0 + k * kStride;
-        if (j >= a.n) break;
+      });
+      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
         gate_up_values<Y, V, VEC>(raw[k], j, a, v);
         Pack<Elem<V>, VEC> da, db;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           float ge = St<V>::load(g[k].v[e]), dae, dbe;
-          core::swiglu_grad(v[e], ge * w, dae, dbe);
-          if (kWeights) dw += core::swiglu_value(v[e]) * ge;
+          float value = core::swiglu_grad(v[e], ge * w, dae, dbe);
+          if (kWeights) dw += value * ge;
           da.v[e] = St<V>::store(dae);
           db.v[e] = St<V>::store(dbe);
         }
         store_pack(gr + j, da);  // in place: this thread read these columns above
         store_pack(gr + a.n + j, db);
-      }
+      });
     }
     if constexpr (kWeights) {
       // fixed-order block sum: deterministic
