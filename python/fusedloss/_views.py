@@ -28,11 +28,22 @@ def stream_of(t):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
+def check_float(t, name):
+    """The dtypes a caller may pass as values (the e4m3 copy is internal)."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected float32, float16 or bfloat16")
+
+
+def check_index(t, name):
+    if t.dtype not in _INDEX:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected torch.int32 or torch.int64")
+
+
 def dtype_of(t, name):
-    try:
-        return _DTYPES[t.dtype]
-    except KeyError:
-        raise ValueError(f"{name}.dtype: got {t.dtype}, expected float32, float16 or bfloat16") from None
+    dt = _DTYPES.get(t.dtype)
+    if dt is None:
+        check_float(t, name)  # raises
+    return dt
 
 
 def matrix(t, name):
@@ -44,8 +55,7 @@ def matrix(t, name):
 
 
 def index(t, name):
-    if t.dtype not in _INDEX:
-        raise ValueError(f"{name}.dtype: got {t.dtype}, expected torch.int32 or torch.int64")
+    check_index(t, name)
     return _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))
 
 

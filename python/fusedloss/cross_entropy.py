@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _C
 from ._autograd import first_order_only
-from ._views import as_rows, device_of, index, matrix, stream_of
+from ._views import as_rows, check_float, check_index, index, matrix, stream_of
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
@@ -260,10 +260,8 @@ def _check_args(logits, target, label_smoothing, smoothing_formula, smoothing_sc
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(logits.shape[:-1])} "
                          "(the logits' shape without the vocab dim)")
-    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"logits.dtype: got {logits.dtype}, expected float32, float16 or bfloat16")
-    if target.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"target.dtype: got {target.dtype}, expected torch.int32 or torch.int64")
+    check_float(logits, "logits")
+    check_index(target, "target")
     if target.device != logits.device:
         raise ValueError(f"target.device: got {target.device}, expected {logits.device} (the logits' device)")
     if not 0.0 <= label_smoothing < 1.0:

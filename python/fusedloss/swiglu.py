@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _C
 from ._autograd import first_order_only
-from ._views import as_rows, matrix, stream_of, vector
+from ._views import as_rows, check_float, matrix, stream_of, vector
 
 
 def _torch_e4m3_saturates() -> bool:
@@ -33,17 +33,13 @@ def _options(clamp_value: Optional[float]):
     return o
 
 
-def _fp8_view(t, like):
-    return _C.MatrixView(t.data_ptr(), like.size(0), like.size(1), like.size(1), _C.DType.FP8_E4M3,
-                         _C.Device.CUDA if t.is_cuda else _C.Device.CPU)
-
-
 def _forward_impl(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
          fp8_input_store: bool, in_place: bool) -> Tuple[Tensor, Tensor]:
     x = as_rows(y, "y")
     out = torch.empty(x.size(0), x.size(1) // 2, dtype=x.dtype, device=x.device)
     saved = torch.empty(x.shape if fp8_input_store else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    y8 = _fp8_view(saved, x) if fp8_input_store else _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)
+    no_copy = _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)
+    y8 = matrix(saved, "y_fp8") if fp8_input_store else no_copy
     _C.swiglu_forward(matrix(x, "y"), vector(bias, "bias"), vector(weights, "weights"),
                       _options(clamp_value), matrix(out, "out"), y8, stream_of(x))
     return out.view(*y.shape[:-1], y.size(-1) // 2), saved
@@ -60,11 +56,11 @@ def _(y, bias, weights, clamp_value, fp8_input_store, in_place):
     return out, saved
 
 
-def _backward_into(g, saved, saved_is_fp8, bias, weights, clamp_value, grad_y, want_dw, want_db):
+def _backward_into(g, saved, bias, weights, clamp_value, grad_y, want_dw, want_db):
     gr = as_rows(g, "grad_out").contiguous()
     gw = torch.empty(gr.size(0), dtype=torch.float32, device=gr.device) if want_dw else None
     gb = torch.empty(grad_y.size(1), dtype=torch.float32, device=gr.device) if want_db else None
-    yv = _fp8_view(saved, grad_y) if saved_is_fp8 else matrix(saved, "y")
+    yv = matrix(saved, "y")  # y itself, or its e4m3 copy
     _C.swiglu_backward(matrix(gr, "grad_out"), yv, vector(bias, "bias"), vector(weights, "weights"),
                        _options(clamp_value), matrix(grad_y, "grad_y"),
                        gw.data_ptr() if want_dw else 0, gb.data_ptr() if want_db else 0, stream_of(gr))
@@ -77,7 +73,7 @@ def _bwd(g: Tensor, y: Tensor, saved: Tensor, bias: Optional[Tensor], weights: O
     x = as_rows(y, "y")
     grad = torch.empty(x.shape, dtype=g.dtype, device=g.device)
     src = saved if fp8_input_store else x
-    gw, gb = _backward_into(g, src, fp8_input_store, bias, weights, clamp_value, grad,
+    gw, gb = _backward_into(g, src, bias, weights, clamp_value, grad,
                             weights is not None, bias is not None)
     def none_():  # absent gradients are distinct empty tensors (custom-op outputs may not alias)
         return grad.new_empty(0, dtype=torch.float32)
@@ -95,7 +91,7 @@ def _(g, y, saved, bias, weights, clamp_value, fp8_input_store):
 def _bwd_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
                  clamp_value: Optional[float]) -> List[Tensor]:
     x = as_rows(y, "y")
-    gw, gb = _backward_into(g, x, False, bias, weights, clamp_value, x, weights is not None,
+    gw, gb = _backward_into(g, x, bias, weights, clamp_value, x, weights is not None,
                             bias is not None)
     return [gw if gw is not None else x.new_empty(0, dtype=torch.float32),
             gb if gb is not None else x.new_empty(0, dtype=torch.float32)]
@@ -134,7 +130,7 @@ def _run_backward(ctx, grad_out, eager):
         ctx.consumed = True
         if eager:
             x = as_rows(y, "y")
-            gw, gb = _backward_into(g, x, False, bias, w32, ctx.clamp_value, x, want_dw, want_db)
+            gw, gb = _backward_into(g, x, bias, w32, ctx.clamp_value, x, want_dw, want_db)
         else:
             gw, gb = torch.ops.fusedloss.swiglu_bwd_(g, y, bias, w32, ctx.clamp_value)
         torch.autograd.graph.increment_version(y)
@@ -142,7 +138,7 @@ def _run_backward(ctx, grad_out, eager):
     elif eager:
         dy = torch.empty(ctx.y_shape, dtype=g.dtype, device=g.device)
         src = saved if ctx.fp8 else as_rows(y, "y")
-        gw, gb = _backward_into(g, src, ctx.fp8, bias, w32, ctx.clamp_value, dy.view(-1, dy.size(-1)),
+        gw, gb = _backward_into(g, src, bias, w32, ctx.clamp_value, dy.view(-1, dy.size(-1)),
                                 want_dw, want_db)
     else:
         dy, gw, gb = torch.ops.fusedloss.swiglu_bwd(g, y if y is not None else saved, saved, bias, w32,
@@ -190,8 +186,7 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
     if y.dim() < 2 or y.size(-1) % 2:
         raise ValueError(f"y: got shape {tuple(y.shape)}, expected [..., 2n] with an even last dim "
                          "(gate columns [0, n), up columns [n, 2n))")
-    if y.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"y.dtype: got {y.dtype}, expected float32, float16 or bfloat16")
+    check_float(y, "y")
     rows = y.numel() // y.size(-1)
     if bias is not None:
         if tuple(bias.shape) != (y.size(-1),):
