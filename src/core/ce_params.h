@@ -28,6 +28,12 @@ FL_HD void finish_row(const RowStats& merged, float local_sum_logits, TargetKind
   loss = reported_loss(kind, lse, merged.target_logit, sx, p.smoothing, p.z_loss);
 }
 
+// This rank's own sum of logits for row r, which only the partition scope reads: `local` may be
+// null under the global scope (the public merge documents it so).
+FL_HD float own_sum_logits(const RowStats* local, int64_t r, const CeParams& p) {
+  return p.partition_scope ? local[r].sum_logits : 0.0f;
+}
+
 // Resolves options against a shard of `vocab_local` columns; throws Error on bad options.
 CeParams resolve_params(const CrossEntropyOptions& options, int64_t rows, int64_t vocab_local);
 

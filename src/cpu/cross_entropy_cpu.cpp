@@ -114,7 +114,7 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
   std::vector<float> scratch(p.reduction == Reduction::None ? 0 : rows);
   float* row_losses = p.reduction == Reduction::None ? out.loss : scratch.data();
   for (int64_t r = 0; r < rows; ++r) {
-    core::finish_row(core::merge_row(combined, parts, rows, r), local[r].sum_logits,
+    core::finish_row(core::merge_row(combined, parts, rows, r), core::own_sum_logits(local, r, p),
                      classify(target, r, p), p, out.lse[r], row_losses[r]);
   }
   // Deterministic reductions: a fixed-order sum in double.

@@ -140,7 +140,8 @@ __global__ void merge_kernel(const RowStats* combined, int parts, const RowStats
   int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (r >= p.rows) return;
   int64_t t;
-  core::finish_row(core::merge_row(combined, parts, p.rows, r), local[r].sum_logits,
+  core::finish_row(core::merge_row(combined, parts, p.rows, r),
+                   core::own_sum_logits(local, r, p),
                    classify(target, r, p, &t), p, lse_out[r], row_loss_out[r]);
 }
 

@@ -79,7 +79,10 @@ Sharded run_sharded(Device dev, const std::vector<float>& x, const std::vector<i
     }
     Buffer loss(dev, rows * 4), lse(dev, rows * 4);
     loss.poison(); lse.poison();
-    cross_entropy_merge(combined.data_as<RowStats>(), parts, local.data_as<RowStats>(), tv, opt, Vl,
+    // `local` is read only under the partition scope: pass null otherwise, as the API allows
+    const bool partition = opt.smoothing_scope == SmoothingScope::Partition;
+    cross_entropy_merge(combined.data_as<RowStats>(), parts,
+                        partition ? local.data_as<RowStats>() : nullptr, tv, opt, Vl,
                         {loss.data_as<float>(), lse.data_as<float>(), nullptr});
     loss.download(); lse.download();
     if (k == observe) {
