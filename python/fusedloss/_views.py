@@ -1,5 +1,17 @@
-"""Tensor -> fusedloss._C view conversion, shared by the ops."""
+"""Tensors -> fusedloss._C views: the one place that knows what the kernels can read as is,
+what must be copied, and when a gradient may be written into an input's storage.
+
+The kernels read a matrix as `rows` rows of `cols` contiguous elements, `row_stride` apart, with
+row_stride >= cols (rows never overlap), and vectors as contiguous runs. Any other layout torch
+allows (expanded/stride-0 rows, transposes, step slices, overlapping `as_strided` views) is
+copied here first; auxiliary tensors (bias, scales, grad_output, targets) are small and always
+made contiguous in the dtype the kernel computes with.
+"""
+import operator
+import warnings
+
 import torch
+from torch import Tensor
 
 from . import _C
 
@@ -9,18 +21,124 @@ _DTYPES = {
     torch.bfloat16: _C.DType.BF16,
     torch.float8_e4m3fn: _C.DType.FP8_E4M3,
 }
+VALUE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = {torch.int32: _C.IndexType.I32, torch.int64: _C.IndexType.I64}
-
-
 _CPU, _CUDA = _C.Device.CPU, _C.Device.CUDA
 
 
+# ---- arguments ----
+
+def require_tensor(t, name):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if not (t.is_cpu or t.is_cuda):
+        raise ValueError(f"{name}.device: got {t.device}, expected a cpu or cuda tensor")
+    return t
+
+
+def require_values(t, name):
+    """A tensor the kernels read as values: fp32, fp16 or bf16."""
+    require_tensor(t, name)
+    if t.dtype not in VALUE_DTYPES:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected torch.float32, torch.float16 or "
+                         "torch.bfloat16")
+    return t
+
+
+def require_float_aux(t, name):
+    """An auxiliary float tensor (bias, scale): any floating dtype, computed with in fp32."""
+    require_tensor(t, name)
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected a floating-point dtype")
+    return t
+
+
+def require_same_device(t, name, ref, ref_name):
+    if t.device != ref.device:
+        raise ValueError(f"{name}.device: got {t.device}, expected {ref.device} ({ref_name}'s device)")
+
+
+def as_int(value, name):
+    """An integer argument: ints and integer-like objects (numpy, 0-d int tensors), never a
+    float or bool truncated silently."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: got {value!r}, expected an int")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected an int") from None
+
+
+def as_float(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a float")
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise TypeError(f"{name}: got a tensor of shape {tuple(value.shape)}, expected a float")
+    return float(value)
+
+
+def as_choice(value, name, allowed):
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name}: got {value!r}, expected one of {sorted(allowed)}")
+    return allowed[value]
+
+
+# ---- layouts ----
+
+def _rows_view(t):
+    """[rows, cols] over t's own memory when the kernels can read it as is, else None."""
+    cols = t.size(-1)
+    if t.stride(-1) != 1 and cols > 1:
+        return None
+    try:
+        r = t.view(-1, cols)
+    except RuntimeError:  # leading dims not flattenable without a copy
+        return None
+    if r.size(0) > 1 and r.stride(0) < cols:  # overlapping (expanded / as_strided) rows
+        return None
+    return r
+
+
+def rows_of(t):
+    """t as [rows, cols] rows the kernels can read: a view when possible, else a copy.
+    Returns (rows, is_view)."""
+    r = _rows_view(t)
+    if r is not None:
+        return r, True
+    return t.contiguous().view(-1, t.size(-1)), False
+
+
+def storage_is_ours(t: Tensor) -> bool:
+    """Whether a gradient may overwrite t's memory: t must be an autograd intermediate (not a
+    leaf, and not a view of one: `param[:]`, `x.view(...)` of a user tensor) whose rows the
+    kernels can address in place (a copy would receive the gradient instead)."""
+    base = t._base if t._base is not None else t
+    return not t.is_leaf and not base.is_leaf and _rows_view(t) is not None
+
+
+def inplace_refused(t: Tensor, op: str, arg: str, flag: str) -> bool:
+    """True when the in-place gradient must go to a new buffer instead (with a warning, which
+    Python's filters show once per call site by default)."""
+    if storage_is_ours(t):
+        return False
+    base = t._base if t._base is not None else t
+    why = ("it is a leaf tensor, or a view of one, whose values the caller still owns"
+           if t.is_leaf or base.is_leaf else
+           "its layout cannot be addressed in place (the kernels read a copy of it)")
+    warnings.warn(f"{op}: {flag}=True, but {arg} is not overwritten: {why}; its gradient goes "
+                  "to a new buffer", stacklevel=5)
+    return True
+
+
+def values_in(t, dtype):
+    """A small auxiliary tensor (bias, scale, grad_output) contiguous in `dtype`."""
+    return t.to(dtype).contiguous()
+
+
+# ---- C++ views ----
+
 def device_of(t):
-    if t.is_cuda:
-        return _CUDA
-    if t.is_cpu:
-        return _CPU
-    raise ValueError(f"{t.device}: expected a cpu or cuda tensor")
+    return _CUDA if t.is_cuda else _CPU
 
 
 def stream_of(t):
@@ -28,51 +146,27 @@ def stream_of(t):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
 
 
-def check_float(t, name):
-    """The dtypes a caller may pass as values (the e4m3 copy is internal)."""
-    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"{name}.dtype: got {t.dtype}, expected float32, float16 or bfloat16")
-
-
-def check_index(t, name):
-    if t.dtype not in _INDEX:
-        raise ValueError(f"{name}.dtype: got {t.dtype}, expected torch.int32 or torch.int64")
-
-
-def dtype_of(t, name):
-    dt = _DTYPES.get(t.dtype)
-    if dt is None:
-        check_float(t, name)  # raises
-    return dt
-
-
-def matrix(t, name):
-    """A [rows, cols] view of a 2-D tensor whose last dim is contiguous."""
-    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
-    assert col_stride == 1 or cols <= 1, name
-    return _C.MatrixView(t.data_ptr(), rows, cols, max(row_stride, cols), dtype_of(t, name),
-                         device_of(t))
+def matrix(t):
+    """The C++ view of a [rows, cols] tensor from rows_of() (or one allocated contiguous)."""
+    rows, cols = t.shape
+    stride = t.stride(0) if rows > 1 else cols  # a single row's stride is never used
+    if rows and ((t.stride(1) != 1 and cols > 1) or stride < cols):
+        raise AssertionError(f"fusedloss internal: unreadable layout {tuple(t.shape)} {t.stride()}")
+    return _C.MatrixView(t.data_ptr(), rows, cols, stride, _DTYPES[t.dtype], device_of(t))
 
 
 def index(t, name):
-    check_index(t, name)
-    return _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))
+    """Class indices as a contiguous int32/int64 vector (other integer dtypes are widened)."""
+    if t.dtype not in _INDEX:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name}.dtype: got {t.dtype}, expected an integer dtype (class indices)")
+        t = t.to(torch.int64)
+    t = t.reshape(-1).contiguous()
+    return t, _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))
 
 
-def vector(t, name):
+def vector(t):
+    """A contiguous vector; None is "absent"."""
     if t is None:
         return _C.VectorView()
-    return _C.VectorView(t.data_ptr(), t.numel(), dtype_of(t, name), device_of(t))
-
-
-def as_rows(t, name):
-    """Flatten leading dims to rows without copying when the layout allows it; copy when the
-    last dim is strided (the kernels need contiguous columns)."""
-    if t.dim() == 2 and (t.stride(1) == 1 or t.size(1) <= 1):
-        return t
-    if t.stride(-1) != 1 and t.size(-1) > 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.size(-1))
-    except RuntimeError:
-        return t.reshape(-1, t.size(-1))
+    return _C.VectorView(t.data_ptr(), t.numel(), _DTYPES[t.dtype], device_of(t))

@@ -5,14 +5,19 @@ the activation, optional per-token scale [T, 1] (MoE), optional clamp, and an fp
 the input saved for backward. The math runs in fp32 inside one kernel per pass.
 """
 import functools
+import math
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _C
-from ._autograd import first_order_only
-from ._views import as_rows, check_float, matrix, stream_of, vector
+from ._op import FusedOp
+from ._views import (as_float, inplace_refused, matrix, require_float_aux, require_same_device,
+                     require_values, rows_of, stream_of, values_in, vector)
+
+_OP = "fusedloss.swiglu"
 
 
 def _torch_e4m3_saturates() -> bool:
@@ -21,193 +26,187 @@ def _torch_e4m3_saturates() -> bool:
     return bool(torch.tensor([1e4]).to(torch.float8_e4m3fn).float().isfinite())
 
 
+def _torch_clamp_passes_at_bound() -> Tuple[bool, bool]:
+    """Whether the running torch's clamp passes the gradient where the value equals the bound,
+    for the gate's one-sided clamp(max=c) and the up half's clamp(min=-c, max=c) (Megatron's
+    unfused clamped SwiGLU). The rule has changed between torch releases; bf16 values land on
+    the bound often, so the kernels follow whichever rule is running."""
+    x = torch.tensor([1.0, 1.0, -1.0], requires_grad=True)
+    (x[:1].clamp(max=1.0).sum() + x[1:].clamp(min=-1.0, max=1.0).sum()).backward()
+    gate, up_hi, up_lo = (bool(v == 1) for v in x.grad)
+    if up_hi != up_lo:
+        warnings.warn("fusedloss.swiglu: this torch's clamp treats its two bounds differently; the "
+                      "up half follows the upper bound's rule")
+    return gate, up_hi
+
+
 _FP8_SATURATE = _torch_e4m3_saturates()
+_CLAMP_GATE_AT_BOUND, _CLAMP_UP_AT_BOUND = _torch_clamp_passes_at_bound()
 
 
 @functools.lru_cache(maxsize=64)
 def _options(clamp_value: Optional[float]):
     o = _C.SwigluOptions()  # read only by the C++ side: one per clamp value
     o.fp8_saturate = _FP8_SATURATE
+    o.clamp_gate_grad_at_bound = _CLAMP_GATE_AT_BOUND
+    o.clamp_up_grad_at_bound = _CLAMP_UP_AT_BOUND
     if clamp_value is not None:
         o.clamp, o.clamp_value = True, float(clamp_value)
+    try:
+        _C.validate_swiglu_options(o)
+    except _C.Error as e:
+        raise _C.Error(str(e).replace("options.", "", 1)) from None
     return o
 
 
-def _forward_impl(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
-         fp8_input_store: bool, in_place: bool) -> Tuple[Tensor, Tensor]:
-    x = as_rows(y, "y")
+def _bias_for(bias: Optional[Tensor], y: Tensor) -> Optional[Tensor]:
+    """The bias as the kernels read it: y's dtype as is, any other float dtype in fp32."""
+    if bias is None:
+        return None
+    return values_in(bias, y.dtype if bias.dtype == y.dtype else torch.float32)
+
+
+def _scale_for(weights: Optional[Tensor]) -> Optional[Tensor]:
+    return None if weights is None else values_in(weights.reshape(-1), torch.float32)
+
+
+def _forward(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
+             fp8_input_store: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor]:
+    x, _ = rows_of(y)
     out = torch.empty(x.size(0), x.size(1) // 2, dtype=x.dtype, device=x.device)
     saved = torch.empty(x.shape if fp8_input_store else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    no_copy = _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)
-    y8 = matrix(saved, "y_fp8") if fp8_input_store else no_copy
-    _C.swiglu_forward(matrix(x, "y"), vector(bias, "bias"), vector(weights, "weights"),
-                      _options(clamp_value), matrix(out, "out"), y8, stream_of(x))
+    y8 = matrix(saved) if fp8_input_store else _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)
+    b, w = _bias_for(bias, x), _scale_for(weights)
+    _C.swiglu_forward(matrix(x), vector(b), vector(w), _options(clamp_value), matrix(out), y8,
+                      stream_of(x))
     return out.view(*y.shape[:-1], y.size(-1) // 2), saved
 
 
-_fwd = torch.library.custom_op("fusedloss::swiglu_fwd", mutates_args=())(_forward_impl)
-
-
-@_fwd.register_fake
-def _(y, bias, weights, clamp_value, fp8_input_store, in_place):
+def _forward_fake(y, bias, weights, clamp_value, fp8_input_store, inplace_backward):
     out = y.new_empty(*y.shape[:-1], y.size(-1) // 2)
     saved = y.new_empty((y.numel() // y.size(-1), y.size(-1)) if fp8_input_store else (0,),
                         dtype=torch.float8_e4m3fn)
     return out, saved
 
 
-def _backward_into(g, saved, bias, weights, clamp_value, grad_y, want_dw, want_db):
-    gr = as_rows(g, "grad_out").contiguous()
-    gw = torch.empty(gr.size(0), dtype=torch.float32, device=gr.device) if want_dw else None
-    gb = torch.empty(grad_y.size(1), dtype=torch.float32, device=gr.device) if want_db else None
-    yv = matrix(saved, "y")  # y itself, or its e4m3 copy
-    _C.swiglu_backward(matrix(gr, "grad_out"), yv, vector(bias, "bias"), vector(weights, "weights"),
-                       _options(clamp_value), matrix(grad_y, "grad_y"),
-                       gw.data_ptr() if want_dw else 0, gb.data_ptr() if want_db else 0, stream_of(gr))
-    return gw, gb
+def _backward_into(grad_out, x, bias, weights, clamp_value, grad_y):
+    """Kernel backward from rows x (y's rows, or its e4m3 copy) into rows grad_y; returns the
+    fp32 per-row scale gradient and bias gradient (empty when absent)."""
+    g = values_in(grad_out, grad_y.dtype).view(-1, grad_y.size(1) // 2)  # may arrive expanded
+    b, w = _bias_for(bias, grad_y), _scale_for(weights)
+    gw = torch.empty(g.size(0) if w is not None else 0, dtype=torch.float32, device=g.device)
+    gb = torch.empty(grad_y.size(1) if b is not None else 0, dtype=torch.float32, device=g.device)
+    _C.swiglu_backward(matrix(g), matrix(x), vector(b), vector(w), _options(clamp_value), matrix(grad_y),
+                       gw.data_ptr() if w is not None else 0, gb.data_ptr() if b is not None else 0,
+                       stream_of(g))
+    return [gw, gb]
 
 
-@torch.library.custom_op("fusedloss::swiglu_bwd", mutates_args=())
-def _bwd(g: Tensor, y: Tensor, saved: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
-         clamp_value: Optional[float], fp8_input_store: bool) -> List[Tensor]:
-    x = as_rows(y, "y")
-    grad = torch.empty(x.shape, dtype=g.dtype, device=g.device)
-    src = saved if fp8_input_store else x
-    gw, gb = _backward_into(g, src, bias, weights, clamp_value, grad,
-                            weights is not None, bias is not None)
-    def none_():  # absent gradients are distinct empty tensors (custom-op outputs may not alias)
-        return grad.new_empty(0, dtype=torch.float32)
-    return [grad.view(y.shape), gw if gw is not None else none_(), gb if gb is not None else none_()]
+def _backward(g: Tensor, y: Tensor, saved: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
+              clamp_value: Optional[float], fp8_input_store: bool) -> List[Tensor]:
+    grad = torch.empty(y.shape, dtype=g.dtype, device=g.device)
+    src = saved if fp8_input_store else rows_of(y)[0]
+    return [grad, *_backward_into(g, src, bias, weights, clamp_value, grad.view(-1, grad.size(-1)))]
 
 
-@_bwd.register_fake
-def _(g, y, saved, bias, weights, clamp_value, fp8_input_store):
+def _backward_fake(g, y, saved, bias, weights, clamp_value, fp8_input_store):
     rows = y.numel() // y.size(-1)
-    return [torch.empty_like(y, dtype=g.dtype), y.new_empty(rows if weights is not None else 0, dtype=torch.float32),
+    return [torch.empty(y.shape, dtype=g.dtype, device=g.device),
+            y.new_empty(rows if weights is not None else 0, dtype=torch.float32),
             y.new_empty(y.size(-1) if bias is not None else 0, dtype=torch.float32)]
 
 
-@torch.library.custom_op("fusedloss::swiglu_bwd_", mutates_args=("y",))
-def _bwd_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
-                 clamp_value: Optional[float]) -> List[Tensor]:
-    x = as_rows(y, "y")
-    gw, gb = _backward_into(g, x, bias, weights, clamp_value, x, weights is not None,
-                            bias is not None)
-    return [gw if gw is not None else x.new_empty(0, dtype=torch.float32),
-            gb if gb is not None else x.new_empty(0, dtype=torch.float32)]
+def _backward_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
+                      clamp_value: Optional[float]) -> List[Tensor]:
+    x, _ = rows_of(y)  # a view: setup() checked storage_is_ours
+    return _backward_into(g, x, bias, weights, clamp_value, x)
 
 
-@_bwd_inplace.register_fake
-def _(g, y, bias, weights, clamp_value):
-    rows = y.numel() // y.size(-1)
-    return [y.new_empty(rows if weights is not None else 0, dtype=torch.float32),
-            y.new_empty(y.size(-1) if bias is not None else 0, dtype=torch.float32)]
+def _backward_inplace_fake(g, y, bias, weights, clamp_value):
+    return _backward_fake(g, y, None, bias, weights, clamp_value, False)[1:]
 
 
-def _setup_context(ctx, inputs, output):
-    y, bias, weights, clamp_value, fp8_input_store, in_place = inputs
+def _setup(ctx, inputs, output):
+    y, bias, weights, clamp_value, fp8_input_store, inplace = inputs
     _, saved = output
-    ctx.clamp_value, ctx.fp8, ctx.in_place = clamp_value, fp8_input_store, in_place
-    ctx.y_shape = y.shape
-    ctx.weights_dtype = None if weights is None else weights.dtype
-    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.clamp_value, ctx.fp8 = clamp_value, fp8_input_store
+    ctx.inplace = inplace and not inplace_refused(y, _OP, "y", "inplace_backward")
+    ctx.aux = [(None if t is None else (t.shape, t.dtype)) for t in (bias, weights)]
     # With the fp8 store only the e4m3 copy is kept, as in Megatron.
     ctx.save_for_backward(y if not fp8_input_store else None, saved, bias, weights)
 
 
-def _run_backward(ctx, grad_out, eager):
-    """The backward of both paths: eager calls the core directly, traced code the custom ops."""
-    if getattr(ctx, "consumed", False):
-        raise RuntimeError(
-            "fusedloss.swiglu: second backward through an activation computed with in_place=True; "
-            "the first backward overwrote the input with its gradient. Use in_place=False to "
-            "backward twice (retain_graph=True).")
+def _grads(ctx, grad_out, kernels):
     y, saved, bias, weights = ctx.saved_tensors
-    w32 = None if weights is None else weights.reshape(-1).to(torch.float32).contiguous()
-    g = grad_out.contiguous()
-    want_dw, want_db = weights is not None, bias is not None
-    if ctx.in_place and y.stride(-1) == 1 and not y.is_leaf:  # a leaf is never overwritten
-        ctx.consumed = True
-        if eager:
-            x = as_rows(y, "y")
-            gw, gb = _backward_into(g, x, bias, w32, ctx.clamp_value, x, want_dw, want_db)
-        else:
-            gw, gb = torch.ops.fusedloss.swiglu_bwd_(g, y, bias, w32, ctx.clamp_value)
-        torch.autograd.graph.increment_version(y)
-        dy = y
-    elif eager:
-        dy = torch.empty(ctx.y_shape, dtype=g.dtype, device=g.device)
-        src = saved if ctx.fp8 else as_rows(y, "y")
-        gw, gb = _backward_into(g, src, bias, w32, ctx.clamp_value, dy.view(-1, dy.size(-1)),
-                                want_dw, want_db)
+    if ctx.inplace:
+        gw, gb = kernels.bwd_(grad_out, y, bias, weights, ctx.clamp_value)
+        dy, overwritten = y, y
     else:
-        dy, gw, gb = torch.ops.fusedloss.swiglu_bwd(g, y if y is not None else saved, saved, bias, w32,
-                                                    ctx.clamp_value, ctx.fp8)
-        dy = dy.view(ctx.y_shape)
-    d_bias = gb.to(ctx.bias_dtype) if want_db else None
-    d_w = gw.view(weights.shape).to(ctx.weights_dtype) if want_dw else None
-    return dy, d_bias, d_w, None, None, None
+        dy, gw, gb = kernels.bwd(grad_out, y if y is not None else saved, saved, bias, weights,
+                                 ctx.clamp_value, ctx.fp8)
+        overwritten = None
+    (bias_meta, w_meta) = ctx.aux
+    d_bias = gb.view(bias_meta[0]).to(bias_meta[1]) if bias_meta else None
+    d_w = gw.view(w_meta[0]).to(w_meta[1]) if w_meta else None
+    return (dy, d_bias, d_w, None, None, None), overwritten
 
 
-def _backward(ctx, grad_out, _grad_saved):
-    return _run_backward(ctx, grad_out, eager=False)
+_swiglu = FusedOp(
+    "swiglu", forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_grads,
+    inplace_flag="inplace_backward",
+    kernels={"bwd": (_backward, _backward_fake, ()),
+             "bwd_": (_backward_inplace, _backward_inplace_fake, ("y",))})
 
 
-_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _EagerSwiGLU(torch.autograd.Function):
-    """The same passes without the custom-op dispatch, for eager mode (the custom ops are what
-    torch.compile traces)."""
-
-    @staticmethod
-    def forward(ctx, y, bias, weights, clamp_value, fp8_input_store, in_place):
-        out, saved = _forward_impl(y, bias, weights, clamp_value, fp8_input_store, in_place)
-        _setup_context(ctx, (y, bias, weights, clamp_value, fp8_input_store, in_place), (out, saved))
-        return out
-
-    @staticmethod
-    @first_order_only("fusedloss.swiglu")
-    def backward(ctx, grad_out):
-        return _run_backward(ctx, grad_out, eager=True)
+def _inplace_flag(inplace_backward, in_place):
+    if in_place is None:
+        return bool(inplace_backward)
+    warnings.warn("fusedloss.swiglu: in_place= is deprecated; use inplace_backward= (one spelling "
+                  "for every op)", DeprecationWarning, stacklevel=3)
+    return bool(in_place)
 
 
 def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optional[Tensor] = None,
            clamp_value: Optional[float] = None, fp8_input_store: bool = False,
-           in_place: bool = False) -> Tensor:
-    """silu(gate) * up over y [..., 2n] = [gate | up]; returns [..., n].
+           inplace_backward: bool = False, in_place: Optional[bool] = None) -> Tensor:
+    """silu(gate) * up over y [..., 2n] = [gate | up] (fp32/fp16/bf16, any strides); returns
+    [..., n] in y's dtype.
 
-    bias [2n] is added before the activation; per_token_scale [T, 1] (T = rows of y) scales
-    each row's output (MoE), with its gradient; clamp_value applies Megatron's clamped SwiGLU
-    (gate <= c, -c <= up <= c). fp8_input_store saves an e4m3 copy of y for backward instead of
-    y. in_place writes the input gradient into y's storage (no [T, 2n] gradient buffer); y is
-    consumed, so a second backward raises.
+    bias [2n] (any float dtype) is added before the activation; per_token_scale with T = rows of
+    y elements ([T, 1], any float dtype and strides) scales each row's output (MoE), with its
+    gradient; gradients come back in each tensor's own dtype and shape. clamp_value applies
+    Megatron's clamped SwiGLU (gate <= c, -c <= up <= c) with the running torch's clamp rule at
+    the bound. fp8_input_store saves an e4m3 copy of y for backward instead of y.
+    inplace_backward writes the input gradient into y's memory (no [T, 2n] gradient buffer); y is
+    consumed, so a second backward raises. Memory the caller owns is never written: for a leaf,
+    a view of a leaf, or a layout the kernels must copy, the gradient goes to a new buffer
+    (warned once). `in_place` is the deprecated spelling of inplace_backward.
     """
-    if y.dim() < 2 or y.size(-1) % 2:
-        raise ValueError(f"y: got shape {tuple(y.shape)}, expected [..., 2n] with an even last dim "
-                         "(gate columns [0, n), up columns [n, 2n))")
-    check_float(y, "y")
+    inplace = _inplace_flag(inplace_backward, in_place)
+    require_values(y, "y")
+    if y.dim() < 2 or y.size(-1) == 0 or y.size(-1) % 2:
+        raise ValueError(f"y: got shape {tuple(y.shape)}, expected [..., 2n] with n >= 1 (gate "
+                         "columns [0, n), up columns [n, 2n))")
     rows = y.numel() // y.size(-1)
     if bias is not None:
+        require_float_aux(bias, "bias")
         if tuple(bias.shape) != (y.size(-1),):
             raise ValueError(f"bias: got shape {tuple(bias.shape)}, expected ({y.size(-1)},) = [2n]")
-        if bias.dtype != y.dtype or bias.device != y.device:
-            raise ValueError(f"bias: got {bias.dtype} on {bias.device}, expected {y.dtype} on {y.device}")
-        bias = bias.contiguous()
+        require_same_device(bias, "bias", y, "y")
     if per_token_scale is not None:
-        if per_token_scale.numel() != rows or (per_token_scale.dim() == 2 and per_token_scale.size(1) != 1):
+        require_float_aux(per_token_scale, "per_token_scale")
+        if per_token_scale.numel() != rows or (per_token_scale.dim() >= 2 and per_token_scale.size(-1) != 1):
             raise ValueError(f"per_token_scale: got shape {tuple(per_token_scale.shape)}, expected "
-                             f"({rows}, 1) = [T, 1]")
-        if per_token_scale.device != y.device:
-            raise ValueError(f"per_token_scale.device: got {per_token_scale.device}, expected {y.device}")
-    if fp8_input_store and in_place:
-        raise ValueError("in_place=True with fp8_input_store=True: the fp8 store frees y for an "
-                         "e4m3 copy, so there is no y left to write the gradient into; pick one")
-    args = (y, bias, per_token_scale, clamp_value, bool(fp8_input_store), bool(in_place))
-    if torch.compiler.is_compiling():
-        out, _ = torch.ops.fusedloss.swiglu_fwd(*args)
-        return out
-    return _EagerSwiGLU.apply(*args)
+                             f"({rows}, 1) = [T, 1], one scale per row of y")
+        require_same_device(per_token_scale, "per_token_scale", y, "y")
+    if clamp_value is not None:
+        clamp_value = as_float(clamp_value, "clamp_value")
+        if not (math.isfinite(clamp_value) and clamp_value > 0):
+            raise ValueError(f"clamp_value: got {clamp_value}, expected a finite value > 0 or None")
+    if fp8_input_store and inplace:
+        raise ValueError("inplace_backward=True with fp8_input_store=True: the fp8 store frees y for "
+                         "an e4m3 copy, so there is no y left to write the gradient into; pick one")
+    return _swiglu(y, bias, per_token_scale, clamp_value, bool(fp8_input_store), inplace)
 
 
 class SwiGLU(torch.nn.Module):

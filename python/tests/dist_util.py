@@ -15,7 +15,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, backend, fn, args, errors):
+def _worker(rank, world, port, backend, fn, args, errors, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU world: keep the GPUs out of it
@@ -23,7 +23,8 @@ def _worker(rank, world, port, backend, fn, args, errors):
         import torch
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -45,11 +46,12 @@ def _worker(rank, world, port, backend, fn, args, errors):
     sys.stderr.flush()
     os._exit(0)
 
-def run_world(world, fn, *args, backend="gloo"):
-    """Runs fn(rank, world, *args) on `world` processes; raises with every failing rank's trace."""
+def run_world(world, fn, *args, backend="gloo", timeout_s=60):
+    """Runs fn(rank, world, *args) on `world` processes; raises with every failing rank's trace.
+    timeout_s bounds every collective, so a rank left waiting fails instead of hanging."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), backend, fn, args, errors), nprocs=world,
+    mp.start_processes(_worker, args=(world, _free_port(), backend, fn, args, errors, timeout_s), nprocs=world,
                        join=True, start_method="spawn")
     failures = []
     while not errors.empty():

@@ -34,7 +34,7 @@ def run(device, dtype=torch.float32, shape=(33, 2 * 96), bias=False, weights=Fal
     w = (torch.rand(rows, 1) + 0.1).to(device).requires_grad_(True) if weights else None
     y = y0.clone().requires_grad_(True)
     inp = y * 1 if in_place else y
-    out = fusedloss.swiglu(inp, b, per_token_scale=w, clamp_value=clamp, fp8_input_store=fp8, in_place=in_place)
+    out = fusedloss.swiglu(inp, b, per_token_scale=w, clamp_value=clamp, fp8_input_store=fp8, inplace_backward=in_place)
     y_bwd = y0.to(torch.float8_e4m3fn).to(dtype) if fp8 else None
     ref_out, ref_graph, v, rb, rw = reference(y0, b, w.view(-1, 1) if w is not None else None, clamp, y_bwd)
     tol = TOL[dtype]
@@ -90,7 +90,7 @@ def test_small_and_odd_n(device, n):
 
 def test_in_place_second_backward_raises(device):
     y = torch.randn(8, 32, device=device, requires_grad=True)
-    out = fusedloss.swiglu(y * 1, in_place=True).sum()
+    out = fusedloss.swiglu(y * 1, inplace_backward=True).sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         out.backward()
@@ -104,8 +104,8 @@ def test_bad_inputs(device):
         fusedloss.swiglu(y, torch.randn(6, device=device))
     with pytest.raises(ValueError, match=r"per_token_scale: got shape \(3, 1\)"):
         fusedloss.swiglu(y, per_token_scale=torch.rand(3, 1, device=device))
-    with pytest.raises(ValueError, match="in_place=True with fp8_input_store=True"):
-        fusedloss.swiglu(y, fp8_input_store=True, in_place=True)
+    with pytest.raises(ValueError, match="inplace_backward=True with fp8_input_store=True"):
+        fusedloss.swiglu(y, fp8_input_store=True, inplace_backward=True)
     with pytest.raises(ValueError, match="y.dtype: got torch.float64"):
         fusedloss.swiglu(y.double())
 

@@ -1,5 +1,7 @@
 """Vocab-parallel cross-entropy over torch.distributed (gloo on CPU): the sharded loss and
 gradients equal the unsharded ones; mismatched shards fail on every rank."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,3 +68,83 @@ def test_gloo_mismatched_shards_fail_everywhere():
 @pytest.mark.parametrize("inplace", [False, True])
 def test_gloo_torch_compile_fullgraph(inplace):
     run_world(2, _check_matches_unsharded, "mean", 0.1, True, inplace)
+
+
+# ---- every rank raises the same error at the same call, promptly, on the first call and later ----
+
+def _same_error_everywhere(call, *match):
+    """Runs call(); every rank must raise, with one identical message containing `match`."""
+    start = time.monotonic()
+    try:
+        call()
+        message = None
+    except ValueError as e:
+        message = str(e)
+    elapsed = time.monotonic() - start
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, message)
+    assert message is not None, f"rank {dist.get_rank()}: no error; others: {every}"
+    assert all(m == message for m in every), every
+    for m in match:
+        assert m in message, message
+    assert elapsed < 10, f"{elapsed:.1f} s to raise"  # the group's timeout is 30 s
+
+
+def _ce(x, t, **kw):
+    return fusedloss.cross_entropy(x, t, tp_group=dist.group.WORLD, **kw)
+
+
+def _check_later_disagreement(rank, world, what):
+    V_local, rows = 32, 6
+    t = torch.randint(0, V_local * world, (rows,), generator=torch.Generator().manual_seed(7))
+    for _ in range(2):  # agreed steps first: nothing may be cached from them
+        _ce(torch.randn(rows, V_local, requires_grad=True), t).backward()
+    if what == "rows":
+        r = rows - 1 if rank == world - 1 else rows
+        _same_error_everywhere(lambda: _ce(torch.randn(r, V_local), t[:r]), "vocab-parallel rows",
+                               f"rank {world - 1} has {rows - 1} rows")
+    elif what == "V_local":
+        v = V_local + 1 if rank == 1 else V_local
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, v), t), "shard size", "rank 1 has V_local 33")
+    elif what == "target":  # out of range on one rank only
+        bad = t.clone()
+        if rank == world - 1:
+            bad[3] = V_local * world + 5
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), bad),
+                               f"vocab-parallel rank {world - 1}: target[3]: got {V_local * world + 5}")
+    elif what == "dtype":  # a rank whose own arguments are rejected before the op
+        x = torch.randn(rows, V_local, dtype=torch.float64 if rank == 0 else torch.float32)
+        _same_error_everywhere(lambda: _ce(x, t), "vocab-parallel rank 0: logits.dtype: got torch.float64")
+    # and the group is still usable afterwards: a good call agrees again
+    loss = _ce(torch.randn(rows, V_local), t)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype"])
+def test_gloo_disagreement_raises_everywhere(world, what):
+    run_world(world, _check_later_disagreement, what, timeout_s=30)
+
+
+def _check_opt_out_skips_the_exchange(rank, world):
+    calls = []
+    real = dist.all_gather_into_tensor
+
+    def counting(out, inp, group=None, **kw):
+        calls.append(inp.numel())
+        return real(out, inp, group=group, **kw)
+
+    dist.all_gather_into_tensor = counting
+    try:
+        x, t = torch.randn(4, 16), torch.randint(0, 16 * world, (4,))
+        _ce(x, t)
+        checked = len(calls)
+        calls.clear()
+        _ce(x, t, check_shard_agreement=False)
+        assert (checked, len(calls)) == (2, 1), (checked, len(calls))  # header + stats vs stats
+    finally:
+        dist.all_gather_into_tensor = real
+
+
+def test_gloo_agreement_opt_out_skips_the_exchange():
+    run_world(2, _check_opt_out_skips_the_exchange, timeout_s=30)

@@ -1,0 +1,110 @@
+"""Tensor-parallel groups for the ops: validation, naming, resolution and the shard agreement.
+
+Custom-op schemas cannot carry process groups, so an op carries its group's name ("" at TP=1),
+which torch.compile traces as a constant, and resolves it back at run time.
+
+Shard agreement: before any collective whose size depends on the arguments, every rank
+contributes a fixed-size header (its rows, its V_local and whether it rejected its own
+arguments), so a disagreement, or a rank whose arguments were bad, raises the same ValueError on
+every rank at the same call instead of leaving the others waiting in a collective (or merging
+mismatched shards). The same guarantee as the C++ API's header exchange.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+_GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
+_HEADER = 3   # int64: rows, V_local, rejected (0/1)
+_MESSAGE_BYTES = 512
+
+try:  # c10d's own name -> group map (what functional collectives use)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+except ImportError:
+    _resolve_process_group = None
+
+
+def check_group(group, name="tp_group"):
+    """None or a process group; its size (1 when None or not initialised)."""
+    if group is None:
+        return 1
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: got {group!r} ({type(group).__name__}), expected a "
+                        "torch.distributed ProcessGroup or None")
+    if not dist.is_initialized():
+        raise ValueError(f"{name}: got a process group, but torch.distributed is not initialised")
+    return dist.get_world_size(group)
+
+
+def group_name(group) -> str:
+    """The name an op carries for `group` ("" when the group has one rank)."""
+    if check_group(group) == 1:
+        return ""
+    name = group.group_name
+    if not torch.compiler.is_compiling():
+        _GROUPS[name] = group
+    return name
+
+
+def resolve_group(name: str):
+    """The process group behind a name from group_name(); None for "" (TP=1)."""
+    if not name:
+        return None
+    if _resolve_process_group is not None:
+        try:
+            return _resolve_process_group(name)
+        except (LookupError, ValueError, RuntimeError):
+            pass
+    return _GROUPS[name]
+
+
+def rank_and_size(group):
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
+def _header_device(group):
+    """Where the headers travel: host memory for gloo (also in a cpu:gloo,cuda:nccl group),
+    device memory for an NCCL-only group. Decided by the group, never by a rank's arguments,
+    so every rank takes the same path even when one rank's tensors are wrong."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None:
+    """Every rank learns every rank's rows, V_local and rejection at the same call, and raises
+    the same ValueError when anything disagrees. Costs one all-gather of 24 B per rank and its
+    host sync (plus one of 512 B per rank when a rank rejected its arguments)."""
+    device = _header_device(group)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{op}: the vocab-parallel shard agreement reads a small all-gather on the host, which "
+            "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
+            "caller then guarantees equal rows and V_local on every rank)")
+    world = dist.get_world_size(group)
+    mine = torch.tensor([rows, v_local, error is not None], dtype=torch.int64, device=device)
+    every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    headers = every.view(world, _HEADER).tolist()
+    rejected = [r for r, h in enumerate(headers) if h[2]]
+    if rejected:
+        text = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+        msg = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+        msgs = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
+        dist.all_gather_into_tensor(msgs, msg, group=group)
+        first = rejected[0]
+        raw = bytes(msgs.view(world, _MESSAGE_BYTES)[first].cpu().tolist())
+        others = f" (ranks {rejected} rejected their arguments)" if len(rejected) > 1 else ""
+        raise _C.Error(f"{op}: vocab-parallel rank {first}: "
+                       f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
+    rows0, v0, _ = headers[0]
+    for r, (rr, vv, _) in enumerate(headers):
+        if rr != rows0:
+            raise _C.Error(f"{op}: vocab-parallel rows: rank {r} has {rr} rows, rank 0 has {rows0}; "
+                           "expected the same rows on every rank")
+        if vv != v0:
+            raise _C.Error(f"{op}: vocab-parallel shard size: rank {r} has V_local {vv}, rank 0 has "
+                           f"{v0}; expected equal shards on every rank")

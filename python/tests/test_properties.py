@@ -1,0 +1,234 @@
+"""Property-based: shapes, layouts (expanded, transposed, sliced, offset, overlapping rows),
+dtypes, options and in-place flags for both ops and every tensor argument, against a float64
+torch reference; memory the caller owns (leaves, targets, scales, biases) is never written.
+
+CI runs a fixed-seed batch and a few random examples; FUSEDLOSS_PROPERTY_EXAMPLES and
+FUSEDLOSS_PROPERTY_DEVICE=cuda give the long run on a GPU."""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import fusedloss
+from layouts import LAYOUTS, leaf
+
+DEVICE = os.environ.get("FUSEDLOSS_PROPERTY_DEVICE", "cpu")
+EXAMPLES = int(os.environ.get("FUSEDLOSS_PROPERTY_EXAMPLES", "60"))
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+RUNS = {  # a fixed batch (the same examples every run) and a few fresh random ones
+    "fixed": settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck)),
+    "random": settings(max_examples=max(EXAMPLES // 4, 5), deadline=None, database=None,
+                       suppress_health_check=list(HealthCheck)),
+}
+
+
+def _shape(draw, cols):
+    rows = draw(st.integers(0, 9))
+    if draw(st.booleans()):
+        return (rows, cols)
+    return (draw(st.integers(1, 3)), rows, cols)  # Megatron's [s, b, ...]
+
+
+def _layout(draw, shape):
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return draw(st.sampled_from(LAYOUTS)) if rows > 1 else "contiguous"
+
+
+def _input(draw, shape, dtype, gen, scale, edit=None):
+    """(leaf base, op input, reference input from a float64 copy of the base)."""
+    layout = _layout(draw, shape)
+    base, view = leaf(layout, shape, dtype, DEVICE, gen, scale, step=draw(st.integers(1, 8)))
+    if edit is not None:
+        with torch.no_grad():
+            base.copy_(edit(base))
+    through_intermediate = draw(st.booleans())  # else the op gets a view of the leaf itself
+    inp = view(base * 1 if through_intermediate else base)
+    base64 = base.detach().double().requires_grad_(True)
+    return base, inp, base64, view(base64), layout
+
+
+def _multiplicity(layout, shape):
+    """How many op elements share one base element (the base's gradient sums them)."""
+    return max(shape) if layout in ("expanded", "overlapping") else 1
+
+
+def _upstream(draw, out, gen):
+    """A scalar to backward from: out.sum() (an expanded gradient arrives) or a weighted sum."""
+    if out.dim() == 0 or draw(st.booleans()):
+        return lambda o: o.sum(), lambda o: o.sum()
+    w = torch.rand(out.shape, generator=gen, dtype=torch.float64) + 0.5
+    return (lambda o: (o * w.to(o.device, o.dtype)).sum()), (lambda o: (o * w.to(o.device)).sum())
+
+
+def _close(actual, expected, tol, scale=1.0):
+    torch.testing.assert_close(actual.double().cpu(), expected.detach().double().cpu(), rtol=tol,
+                               atol=tol * scale, equal_nan=True)
+
+
+def _ce_reference(x, t, ignore_index, ls, formula, reduction, z):
+    x2 = x.reshape(-1, x.size(-1))
+    t2 = t.reshape(-1).long()
+    if formula == "megatron" and ls > 0:
+        ls = ls * x2.size(1) / (x2.size(1) - 1)
+    per_row = F.cross_entropy(x2, t2, ignore_index=ignore_index, label_smoothing=ls, reduction="none")
+    valid = t2 != ignore_index
+    per_row = per_row + z * torch.where(valid, torch.logsumexp(x2, -1) ** 2, 0.0)
+    if reduction == "none":
+        return per_row.view(t.shape)
+    if reduction == "sum":
+        return per_row.sum()
+    return per_row.sum() / valid.sum().clamp(min=1)  # no valid row: 0, not NaN
+
+
+@st.composite
+def _ce_case(draw):
+    cols = draw(st.integers(1, 70))
+    shape = _shape(draw, cols)
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    ls = draw(st.sampled_from([0.0, 0.1])) if cols > 1 else 0.0
+    opts = dict(ignore_index=-100, label_smoothing=ls,
+                smoothing_formula=draw(st.sampled_from(["pytorch", "megatron"])),
+                reduction=draw(st.sampled_from(["none", "sum", "mean"])),
+                z_loss=draw(st.sampled_from([0.0, 1e-3])),
+                inplace_backward=draw(st.booleans()))
+    tdtype = draw(st.sampled_from([torch.int64, torch.int32, torch.int16]))
+    t = torch.randint(0, cols, shape[:-1], generator=gen)
+    t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
+    t_layout = draw(st.sampled_from(["contiguous", "strided", "expanded"]))
+    if t_layout == "strided" and t.numel():
+        t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    elif t_layout == "expanded" and t.numel():
+        t = t.reshape(-1)[:1].expand(t.numel()).view(t.shape)
+    return draw, shape, dtype, gen, opts, t.to(tdtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_cross_entropy_any_layout(run):
+    @RUNS[run]
+    @given(_ce_case())
+    def check(case):
+        draw, shape, dtype, gen, opts, t = case
+        base, x, base64, x64, layout = _input(draw, shape, dtype, gen, 3.0)
+        before, t_before = base.detach().clone(), t.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # in-place refused for leaves / copied layouts
+            loss = fusedloss.cross_entropy(x, t, **opts)
+        ref = _ce_reference(x64, t.cpu().to(DEVICE), opts["ignore_index"], opts["label_smoothing"],
+                            opts["smoothing_formula"], opts["reduction"], opts["z_loss"])
+        assert loss.dtype == torch.float32 and loss.shape == ref.shape
+        _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        up, up64 = _upstream(draw, loss, gen)
+        up(loss).backward()
+        up64(ref).backward()
+        assert torch.equal(base.detach(), before), "the caller's tensor was written"
+        assert torch.equal(t, t_before), "the targets were written"
+        gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
+        _close(base.grad, base64.grad, TOL[dtype], gmax * _multiplicity(layout, shape) + 1e-6)
+
+    check()
+
+
+def _swiglu_reference(y, bias, w, clamp):
+    v = y + bias if bias is not None else y
+    a, u = v.chunk(2, -1)
+    if clamp is not None:
+        a = a.clamp(max=clamp)
+        u = u.clamp(-clamp, clamp)
+    out = F.silu(a) * u
+    return out * w.reshape(*out.shape[:-1], 1) if w is not None else out
+
+
+@st.composite
+def _swiglu_case(draw):
+    n = draw(st.integers(1, 40))
+    shape = _shape(draw, 2 * n)
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    fp8 = draw(st.booleans()) and draw(st.booleans())
+    opts = dict(clamp_value=draw(st.sampled_from([None, 0.5, 2.0])), fp8_input_store=fp8,
+                inplace_backward=draw(st.booleans()) and not fp8)
+    return draw, shape, dtype, gen, opts
+
+
+def _aux(draw, shape, gen, kind):
+    """bias [2n] or per_token_scale [T, 1]: absent, or any float dtype and layout."""
+    if not draw(st.booleans()):
+        return None, None, None
+    dtype = draw(st.sampled_from(DTYPES + (torch.float64,)))
+    layout = draw(st.sampled_from(["contiguous", "sliced", "expanded"]))
+    scale = 0.3 if kind == "bias" else 1.0
+    if layout == "sliced":  # bias[::2] of a longer vector; scale probs[:, :1] of [T, 4]
+        full = (shape[0] * 2,) if kind == "bias" else (shape[0], 4)
+        base = (torch.rand(full, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
+        view = (lambda b: b[::2]) if kind == "bias" else (lambda b: b[:, :1])
+    elif layout == "expanded":
+        base = (torch.rand(1, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
+        view = (lambda b: b.expand(shape[0])) if kind == "bias" else (lambda b: b.view(1, 1).expand(shape))
+    else:
+        base = (torch.rand(shape, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
+        view = lambda b: b  # noqa: E731
+    base = base.to(DEVICE).requires_grad_(True)
+    return base, view, base.detach().double().requires_grad_(True)
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_swiglu_any_layout(run):
+    @RUNS[run]
+    @given(_swiglu_case())
+    def check(case):
+        draw, shape, dtype, gen, opts = case
+        clamp = opts["clamp_value"]
+
+        def on_bounds(base):  # bf16 values land exactly on the clamp bound often
+            pick = torch.rand(base.shape, generator=gen) < 0.25
+            sign = torch.where(torch.rand(base.shape, generator=gen) < 0.5, -1.0, 1.0)
+            return torch.where(pick.to(DEVICE), (sign * clamp).to(DEVICE, base.dtype), base)
+
+        base, y, base64, y64, layout = _input(draw, shape, dtype, gen, 2.0,
+                                              on_bounds if clamp is not None else None)
+        rows = y.numel() // y.size(-1) if y.size(-1) else 0
+        b, b_view, b64 = _aux(draw, (y.size(-1),), gen, "bias")
+        w, w_view, w64 = _aux(draw, (rows, 1), gen, "scale")
+        owned = [(t, t.detach().clone()) for t in (base, b, w) if t is not None]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = fusedloss.swiglu(y, b_view(b) if b is not None else None,
+                                   per_token_scale=w_view(w) if w is not None else None, **opts)
+        y_bwd = y64
+        if opts["fp8_input_store"]:  # the backward sees only the e4m3 copy of y
+            y_bwd = y64.detach().to(torch.float8_e4m3fn).double().requires_grad_(True)
+        ref_out = _swiglu_reference(y64.detach(), None if b is None else b_view(b64).detach(),
+                                    None if w is None else w_view(w64).detach(), clamp)
+        ref = _swiglu_reference(y_bwd, None if b is None else b_view(b64),
+                                None if w is None else w_view(w64), clamp)
+        assert out.dtype == dtype and out.shape == ref.shape
+        tol = TOL[dtype]
+        _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
+        up, up64 = _upstream(draw, out, gen)
+        up(out).backward()
+        up64(ref).backward()
+        for t, before in owned:
+            assert torch.equal(t.detach(), before), "the caller's tensor was written"
+        if opts["fp8_input_store"] and y_bwd.grad is not None:  # d(e4m3 copy) flows to y as is
+            y64_grad = torch.autograd.grad(y64, base64, y_bwd.grad, allow_unused=True)[0]
+        else:
+            y64_grad = base64.grad
+        mult = _multiplicity(layout, shape)
+        if y64_grad is not None:
+            gmax = y64_grad.abs().max().item() if y64_grad.numel() else 1.0
+            _close(base.grad, y64_grad, tol, gmax * mult + 1e-6)
+        for t, t64 in ((b, b64), (w, w64)):
+            if t is not None:
+                assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+                gmax = t64.grad.abs().max().item() if t64.grad.numel() else 1.0
+                _close(t.grad, t64.grad, max(tol, TOL.get(t.dtype, 2e-5)), gmax * max(shape) + 1e-6)
+
+    check()
