@@ -59,14 +59,14 @@ def megatron_fused_ce():
 
 
 def fusedloss_ce(x, t):
-    # a view, not the leaf: the in-place gradient lands in x's own storage (no [N, V] buffer)
+    # x is an autograd intermediate (time_autograd): the in-place gradient lands in its storage
     import fusedloss
-    return fusedloss.cross_entropy(x.view_as(x), t, reduction="none", inplace_backward=True)
+    return fusedloss.cross_entropy(x, t, reduction="none", inplace_backward=True)
 
 
 def fusedloss_swiglu(in_place):
     import fusedloss
-    return lambda y: fusedloss.swiglu(y.view_as(y) if in_place else y, in_place=in_place)
+    return lambda y: fusedloss.swiglu(y, inplace_backward=in_place)
 
 
 def collect(providers, candidates, *args):
@@ -97,15 +97,17 @@ _BUSY_CYCLES = 4_000_000
 
 
 def time_autograd(forward, pristine, iters, warmup):
-    """Times forward(x) and its backward on a fresh leaf copy of `pristine` each run (the copy
-    outside the timed region), with CUDA events; the upstream gradient is random, drawn once.
+    """Times forward(x) and its backward on a fresh copy of `pristine` each run (the copy
+    outside the timed region), with CUDA events. x is an autograd intermediate (a clone of a
+    leaf), as logits and fc1 outputs are in training, so in-place providers may write into it; the upstream gradient is random, drawn once.
     Returns median device ms of forward, backward and both, peak extra MiB, and the median host
     ms to enqueue forward+backward (a provider that syncs the host pays for it in both)."""
     fwd, bwd, both, host = [], [], [], []
     peak = 0
     grad = None
     for i in range(iters + warmup):
-        x = pristine.detach().clone().requires_grad_(True)
+        leaf = pristine.detach().requires_grad_(True)
+        x = leaf.clone()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -128,7 +130,7 @@ def time_autograd(forward, pristine, iters, warmup):
             both.append(e[0].elapsed_time(e[2]))
             host.append((t1 - t0) * 1e3)
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del x, out
+        del leaf, x, out
     med = statistics.median
     return med(fwd), med(bwd), med(both), peak / 2**20, med(host)
 

@@ -30,7 +30,7 @@ from run_bench import git_commit
 def providers(group, device):
     import fusedloss
     found = {"fusedloss": lambda x, t: fusedloss.cross_entropy(
-        x.view_as(x), t, reduction="none", tp_group=group, inplace_backward=True)}
+        x, t, reduction="none", tp_group=group, inplace_backward=True)}
     candidates = {"megatron": _megatron_unfused}
     if device == "cuda":  # these peers are GPU-only
         candidates.update(megatron_fused=_megatron_fused, liger=_liger)
@@ -86,12 +86,13 @@ def time_on_group(body, group, device, iters, warmup, setup=lambda: None):
 
 
 def measure(fn, shard, target, group, device, iters, warmup):
-    """Forward+backward of one provider on a fresh leaf copy of the shard each run."""
+    """Forward+backward of one provider on a fresh copy of the shard each run: an autograd
+    intermediate (a clone of a leaf), as logits are in training, so in-place writes into it."""
     grad = torch.rand(target.shape, generator=torch.Generator().manual_seed(7)).to(device) + 0.5
     leaf = {}
 
     def setup():
-        leaf["x"] = shard.clone().requires_grad_(True)
+        leaf["x"] = shard.detach().requires_grad_(True).clone()
 
     def body():
         fn(leaf.pop("x"), target).reshape(-1).backward(grad)

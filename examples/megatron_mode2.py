@@ -25,7 +25,7 @@ class FusedMLP(torch.nn.Module):
         init = config.init_method
         self.fc1 = ColumnParallelLinear(config.hidden_size, 2 * config.ffn_hidden_size, config=config,
                                         init_method=init, bias=False, gather_output=False)
-        self.act = FusedLossSwiGLU(in_place=True)  # the gradient lands in fc1's output
+        self.act = FusedLossSwiGLU(inplace_backward=True)  # the gradient lands in fc1's output
         self.fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, config=config,
                                      init_method=init, bias=False, input_is_parallel=True,
                                      skip_bias_add=True)

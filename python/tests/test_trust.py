@@ -238,3 +238,11 @@ def test_zero_rows(device):
     assert loss.item() == 0.0
     loss.backward()
     assert x.grad.shape == (0, 7)
+
+
+def test_deprecated_in_place_spelling_still_works_and_warns(device):
+    y = torch.randn(4, 8, device=device, requires_grad=True)
+    with pytest.warns(DeprecationWarning, match="use inplace_backward="):
+        out = fusedloss.swiglu(y * 1, in_place=True)
+    out.sum().backward()
+    assert y.grad is not None

@@ -31,10 +31,11 @@ class FusedLossSwiGLU(torch.nn.Module):
     """SwiGLU over linear_fc1's fused gate-up output, with Megatron's variants."""
 
     def __init__(self, clamp_value: Optional[float] = None, fp8_input_store: bool = False,
-                 in_place: bool = False):
+                 inplace_backward: bool = False):
         super().__init__()
-        self.clamp_value, self.fp8_input_store, self.in_place = clamp_value, fp8_input_store, in_place
+        self.clamp_value, self.fp8_input_store = clamp_value, fp8_input_store
+        self.inplace_backward = inplace_backward
 
     def forward(self, fc1_out, bias=None, per_token_scale=None):
         return fusedloss.swiglu(fc1_out, bias, per_token_scale=per_token_scale, clamp_value=self.clamp_value,
-                                fp8_input_store=self.fp8_input_store, in_place=self.in_place)
+                                fp8_input_store=self.fp8_input_store, inplace_backward=self.inplace_backward)

@@ -94,7 +94,8 @@ def _cross_entropy(logits, target, tp_group, label_smoothing):
     return fusedloss.cross_entropy(
         logits, target, reduction="none", ignore_index=_CONFIG["ignore_index"],
         label_smoothing=label_smoothing, smoothing_formula="megatron", smoothing_scope="partition",
-        inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group)
+        inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group,
+        check_shard_agreement=_CONFIG["check_shard_agreement"])
 
 
 def _stand_in(original, name, run):
@@ -134,7 +135,7 @@ def _make_swiglu(original, name):
         fp8 = bool(a.get("fp8_input_store", False))
         return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
                                 clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
-                                in_place=_CONFIG["swiglu_in_place"] and not fp8)
+                                inplace_backward=_CONFIG["swiglu_inplace_backward"] and not fp8)
 
     return _stand_in(original, f"FusedLoss{name}", run)
 
@@ -143,7 +144,8 @@ def _make_swiglu(original, name):
 
 def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, ignore_index: int = -100,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
-                                inplace_backward: bool = True, swiglu_in_place: bool = False) -> None:
+                                inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
+                                check_shard_agreement: bool = True, swiglu_in_place=None) -> None:
     """Swap Megatron-core's cross-entropy and SwiGLU for fusedloss's. Idempotent.
 
     cross_entropy: both paths (fused 'native' and unfused); per-token fp32 loss as Megatron
@@ -153,12 +155,20 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       `inplace_backward` writes the gradient into the logits (Megatron does not read them again).
     swiglu: SwiGLUFunction / BiasSwiGLUFunction / WeightedSwiGLUFunction natively (bias,
       per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
-      own, logged once. `swiglu_in_place` writes the input gradient into the fc1 output.
+      own, logged once. `swiglu_inplace_backward` writes the input gradient into the fc1 output
+      (`swiglu_in_place` is its deprecated spelling).
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
+    check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
+      all-gather and a host sync); False skips it, e.g. for CUDA-graph capture.
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing: got {label_smoothing}, expected in [0, 1)")
+    if swiglu_in_place is not None:
+        warnings.warn("apply_fusedloss_to_megatron: swiglu_in_place= is deprecated; use "
+                      "swiglu_inplace_backward=", DeprecationWarning, stacklevel=2)
+        swiglu_inplace_backward = swiglu_in_place
+    # the options are checked here, once, by the op that will use them
+    fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               smoothing_formula="megatron", smoothing_scope="partition")
     if cross_entropy and not allow_vocab_parallel:
         size = _group_size(_tp_group_from_parallel_state())
         if size > 1:
@@ -176,7 +186,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     resolved = [(_resolve(m, a), m, a, make) for m, a, make in targets]
     _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                    allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
-                   swiglu_in_place=bool(swiglu_in_place))
+                   swiglu_inplace_backward=bool(swiglu_inplace_backward),
+                   check_shard_agreement=bool(check_shard_agreement))
     for (module, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(module, attr, make(original))
