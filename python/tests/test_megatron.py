@@ -130,6 +130,20 @@ def _tp1_parity(rank, world, device):
                 assert got is None
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # MoE router probabilities as Megatron passes them: a bf16 column slice of [T, k]
+    probs = torch.rand(12, 4, device=device).to(torch.bfloat16)
+
+    def weighted(patched):
+        if patched:
+            apply_fusedloss_to_megatron()
+        v, p = y.clone().view(12, 64).requires_grad_(True), probs.clone().requires_grad_(True)
+        out = fbs.weighted_bias_swiglu_impl(v, None, p[:, :1])
+        out.backward(torch.ones_like(out))
+        unpatch_megatron()
+        return out.detach(), v.grad, p.grad
+    for got, want in zip(weighted(True), weighted(False)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 def _run_tp1(fn):
