@@ -23,13 +23,6 @@ def _seed():
     torch.manual_seed(_SEED)
 
 
-def _devices():
-    devs = ["cpu"]
-    if torch.cuda.is_available():
-        devs.append("cuda")
-    return devs
-
-
 def pytest_generate_tests(metafunc):
     if "device" in metafunc.fixturenames:
         params = [pytest.param("cpu")]
