@@ -20,6 +20,10 @@ struct SwigluOptions {
   bool fp8_saturate = true;
 };
 
+// Checks the options alone (no views, no data): the same checks and messages the entry
+// points run first. Throws Error.
+void validate_swiglu_options(const SwigluOptions& options);
+
 // y: [T, 2n] fp32/fp16/bf16. bias: absent or [2n] of y's dtype. weights: absent or [T] fp32.
 // out: [T, n] of y's dtype. y_fp8: absent (data == nullptr) or [T, 2n] FP8_E4M3, receiving the
 // input (before bias) rounded to e4m3 for the backward (Megatron's fp8 input store).

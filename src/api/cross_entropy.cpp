@@ -11,54 +11,6 @@
 #endif
 
 namespace fusedloss {
-namespace core {
-
-CeParams resolve_params(const CrossEntropyOptions& o, int64_t rows, int64_t vocab_local) {
-  using detail::require;
-  CeParams p;
-  p.rows = rows;
-  p.vocab_local = vocab_local;
-  p.vocab_global = o.vocab_global < 0 ? vocab_local : o.vocab_global;
-  p.vocab_start = o.vocab_start;
-  p.ignore_index = o.ignore_index;
-  require(o.vocab_global == -1 || o.vocab_global >= vocab_local, "options.vocab_global: got ",
-          o.vocab_global, ", expected -1 or >= the shard's columns (", vocab_local, ")");
-  require(o.vocab_start >= 0 && o.vocab_start + vocab_local <= p.vocab_global,
-          "options.vocab_start: got ", o.vocab_start, ", expected in [0, ",
-          p.vocab_global - vocab_local, "] so the shard of ", vocab_local,
-          " columns fits in vocab_global ", p.vocab_global);
-  require(std::isfinite(o.label_smoothing) && o.label_smoothing >= 0.0f &&
-              o.label_smoothing < 1.0f,
-          "options.label_smoothing: got ", o.label_smoothing, ", expected in [0, 1)");
-  require(std::isfinite(o.z_loss) && o.z_loss >= 0.0f, "options.z_loss: got ", o.z_loss,
-          ", expected a finite value >= 0");
-  require(o.reduction == Reduction::None || o.reduction == Reduction::Sum ||
-              o.reduction == Reduction::Mean,
-          "options.reduction: got ", int(o.reduction), ", expected None, Sum or Mean");
-  require(o.smoothing_formula == SmoothingFormula::PyTorch ||
-              o.smoothing_formula == SmoothingFormula::Megatron,
-          "options.smoothing_formula: got ", int(o.smoothing_formula),
-          ", expected PyTorch or Megatron");
-  require(o.smoothing_scope == SmoothingScope::Global ||
-              o.smoothing_scope == SmoothingScope::Partition,
-          "options.smoothing_scope: got ", int(o.smoothing_scope), ", expected Global or Partition");
-  require(o.collective == CollectiveForm::AllGather || o.collective == CollectiveForm::AllReduce,
-          "options.collective: got ", int(o.collective), ", expected AllGather or AllReduce");
-  p.partition_scope = o.smoothing_scope == SmoothingScope::Partition;
-  int64_t count = p.partition_scope ? vocab_local : p.vocab_global;
-  bool megatron = o.smoothing_formula == SmoothingFormula::Megatron;
-  require(!(megatron && o.label_smoothing > 0.0f && count < 2),
-          "options.label_smoothing: the Megatron formula ls*K/(K-1) needs K >= 2 columns, got K = ",
-          count);
-  p.smoothing = make_smoothing(o.label_smoothing, megatron, count);
-  p.need_sum_logits = o.label_smoothing > 0.0f;
-  p.z_loss = o.z_loss;
-  p.reduction = o.reduction;
-  return p;
-}
-
-}  // namespace core
-
 namespace {
 
 using detail::fail;
@@ -167,11 +119,16 @@ void exchange_and_check_headers(Communicator& comm, const ShardHeader& mine,
 
 }  // namespace
 
+void validate_cross_entropy_options(const CrossEntropyOptions& options, int64_t rows,
+                                    int64_t vocab_local) {
+  core::resolve_params(options, rows, vocab_local);
+}
+
 void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target,
                                const CrossEntropyOptions& options, RowStats* stats,
                                [[maybe_unused]] Stream stream) {
-  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_matrix(logits, "logits");
+  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_index(target, "target", logits.rows, logits.device);
   require(stats != nullptr || logits.rows == 0, "stats: got null, expected ", logits.rows,
           " RowStats");
@@ -223,6 +180,7 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
   const int64_t rows = logits.rows;
 
   if (world == 1) {
+    detail::check_matrix(logits, "logits");  // named as such before the options see its shape
     core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
     check_forward_args(logits, target, out, p);
     require(p.vocab_start == 0 && p.vocab_global == logits.cols, "options.vocab_global/start: got ",
@@ -294,8 +252,8 @@ void cross_entropy_backward(const MatrixView& logits, const IndexView& target, c
                             const float* grad_loss, const float* valid_count,
                             const CrossEntropyOptions& options, const MatrixView& grad_logits,
                             [[maybe_unused]] Stream stream) {
-  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_matrix(logits, "logits");
+  core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
   detail::check_matrix(grad_logits, "grad_logits");
   detail::check_index(target, "target", logits.rows, logits.device);
   require(grad_logits.rows == logits.rows && grad_logits.cols == logits.cols,

@@ -18,7 +18,8 @@ FL_HD float sigmoid(float x) {
 #endif
 }
 
-struct SwigluParams {
+// The clamped variant's settings (SwigluOptions' clamp fields, validated).
+struct SwigluClamp {
   bool clamp;
   float clamp_value;
 };
@@ -29,11 +30,11 @@ struct GateUp {
   bool a_live, b_live;
 };
 
-FL_HD GateUp gate_up(float a, float b, const SwigluParams& p) {
-  if (!p.clamp) return GateUp{a, b, true, true};
-  const float c = p.clamp_value;
+FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k) {
+  if (!k.clamp) return GateUp{gate, up, true, true};
+  const float c = k.clamp_value;
   // torch.clamp passes the gradient where min <= x <= max (inclusive)
-  return GateUp{fminf(a, c), fminf(fmaxf(b, -c), c), a <= c, b >= -c && b <= c};
+  return GateUp{fminf(gate, c), fminf(fmaxf(up, -c), c), gate <= c, up >= -c && up <= c};
 }
 
 FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }

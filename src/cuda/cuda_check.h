@@ -1,7 +1,7 @@
 // CUDA return-code checking: every runtime call goes through FL_CUDA_CHECK.
 #pragma once
 #include <cuda_runtime.h>
-#include "api/check.h"
+#include "common/error.h"
 
 #define FL_CUDA_CHECK(call)                                                               \
   do {                                                                                    \

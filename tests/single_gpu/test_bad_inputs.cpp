@@ -182,6 +182,31 @@ TEST(BadInputsHook, CollectiveFailurePropagatesWithItsMessage) {
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written despite the failure";
 }
 
+// The shape-only validator runs the entry points' own option checks, with their messages,
+// without any data pointer (callers validate before allocating, e.g. on fake tensors).
+TEST(BadInputsValidators, CrossEntropyOptionsWithoutData) {
+  Fixture f(Device::CPU);
+  CrossEntropyOptions o;
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 4, 10));
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 0, 1));
+  o.label_smoothing = 1.0f;
+  std::string from_forward;
+  try {
+    f.forward(o);
+  } catch (const Error& e) {
+    from_forward = e.what();
+  }
+  expect_error([&] { validate_cross_entropy_options(o, 4, 10); }, {from_forward.c_str()});
+  EXPECT_NE(from_forward.find("options.label_smoothing"), std::string::npos) << from_forward;
+  o = {};
+  o.vocab_start = 8;
+  o.vocab_global = 16;
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 4, 8));
+  expect_error([&] { validate_cross_entropy_options(o, 4, 10); }, {"vocab_start", "8", "[0, 6]"});
+  expect_error([&] { validate_cross_entropy_options({}, -1, 10); }, {"rows", "-1"});
+  expect_error([&] { validate_cross_entropy_options({}, 4, 0); }, {"vocab_local", "0"});
+}
+
 #if !FUSEDLOSS_HAS_CUDA
 TEST(BadInputsCpuOnlyBuild, CudaViewIsRejected) {
   float x[4] = {0, 1, 2, 3}, loss[2], lse[2];

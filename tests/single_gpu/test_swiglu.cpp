@@ -285,6 +285,10 @@ TEST(SwigluBadInputs, ClearErrors) {
   bad.clamp = true;
   bad.clamp_value = -1.0f;
   expect_error([&] { swiglu_forward(yv, none, none, bad, ov); }, "clamp_value", "-1");
+  // The shape-free validator runs the same check, with the same message.
+  expect_error([&] { validate_swiglu_options(bad); }, "options.clamp_value", "-1");
+  bad.clamp_value = 1.0f;
+  validate_swiglu_options(bad);
   MatrixView gv{g.data(), 4, 4, 4, DType::F32, Device::CPU}, gyv{gy.data(), 4, 8, 8, DType::F32, Device::CPU};
   expect_error([&] { swiglu_backward(gv, yv, none, {w.data(), 4, DType::F32, Device::CPU}, {}, gyv); },
                "grad_weights", "null");
