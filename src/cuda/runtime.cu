@@ -12,7 +12,8 @@ void* alloc_async(size_t bytes, Stream stream) {
 }
 
 void free_async(void* ptr, Stream stream) {
-  // A destructor path: report, but a failed free must not throw out of ~Scratch.
+  // A destructor path (~Scratch): a failed free must not throw, so its error is dropped here.
+  // It stays sticky only if the context itself failed, and then the next checked call reports it.
   if (ptr) (void)cudaFreeAsync(ptr, as_cuda(stream));
 }
 
