@@ -28,6 +28,15 @@ struct CrossEntropyOptions {
   int64_t vocab_start = 0;    // global index of this rank's first column
   int64_t vocab_global = -1;  // V_global; -1 means the logits' column count (no sharding)
   CollectiveForm collective = CollectiveForm::AllGather;
+  // Vocab-parallel only (a communicator of size > 1). true: every call first all-gathers a
+  // fixed-size header (rows, V_local, vocab_start, vocab_global, an error flag) so that a rank
+  // whose shape differs or whose own arguments were rejected makes every rank throw the same
+  // Error at the same call, instead of leaving its peers in a mismatched collective. On a
+  // device communicator this costs one small all-gather and one host synchronisation per call.
+  // false: the caller guarantees that every rank passes agreeing shapes and valid arguments;
+  // no header, no host synchronisation (needed inside CUDA graph capture). A rank that then
+  // rejects its arguments throws alone, and its peers may wait in the next collective.
+  bool check_shard_agreement = true;
 };
 
 // Forward outputs, in the logits' memory space (host or device).
