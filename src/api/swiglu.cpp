@@ -2,6 +2,7 @@
 #include "fusedloss/swiglu.h"
 
 #include <cmath>
+#include <string>
 #include "api/check.h"
 #include "cpu/swiglu_cpu.h"
 #ifdef FUSEDLOSS_WITH_CUDA
@@ -33,15 +34,18 @@ core::SwigluParams resolve_params(const MatrixView& y, const VectorView& bias,
   core::SwigluParams p;
   p.rows = y.rows;
   p.n = y.cols / 2;
-  p.clamp = core::SwigluClamp{o.clamp, o.clamp_value};
+  p.clamp = core::SwigluClamp{o.clamp, o.clamp_value, o.clamp_gate_grad_at_bound,
+                              o.clamp_up_grad_at_bound};
   p.fp8_saturate = o.fp8_saturate;
   if (bias.data) {
     require(bias.size == y.cols, "bias.size: got ", bias.size, ", expected 2n = ", y.cols);
-    require(bias.dtype == value_dtype, "bias.dtype: got ", to_string(bias.dtype), ", expected ",
-            to_string(value_dtype));
+    require(bias.dtype == value_dtype || bias.dtype == DType::F32, "bias.dtype: got ",
+            to_string(bias.dtype), ", expected ",
+            value_dtype == DType::F32 ? "fp32" : std::string(to_string(value_dtype)) + " or fp32");
     require(bias.device == y.device, "bias.device: got ", to_string(bias.device), ", expected ",
             to_string(y.device));
     p.bias = bias.data;
+    p.bias_f32 = bias.dtype == DType::F32;
   }
   if (weights.data) {
     require(weights.size == y.rows, "weights.size: got ", weights.size, ", expected T = ", y.rows,

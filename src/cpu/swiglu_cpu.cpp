@@ -12,14 +12,20 @@ using core::StorageKind;
 template <StorageKind K>
 using Elem = typename core::Storage<K>::type;
 
+// Bias column c in fp32, stored as fp32 or as V.
+template <StorageKind V>
+float bias_at(const core::SwigluParams& p, int64_t c) {
+  if (p.bias_f32) return static_cast<const float*>(p.bias)[c];
+  return core::Storage<V>::load(static_cast<const Elem<V>*>(p.bias)[c]);
+}
+
 // Gate and up of row r, column j, with the bias added (in fp32).
 template <StorageKind Y, StorageKind V>
 core::GateUp load_gate_up(const Elem<Y>* yr, int64_t j, const core::SwigluParams& p) {
   float g = core::Storage<Y>::load(yr[j]), u = core::Storage<Y>::load(yr[p.n + j]);
   if (p.bias) {
-    auto* b = static_cast<const Elem<V>*>(p.bias);
-    g += core::Storage<V>::load(b[j]);
-    u += core::Storage<V>::load(b[p.n + j]);
+    g += bias_at<V>(p, j);
+    u += bias_at<V>(p, p.n + j);
   }
   return core::gate_up(g, u, p.clamp);
 }

@@ -61,16 +61,38 @@ __device__ __forceinline__ RawGateUp<T, VEC> load_raw(const T* yr, int64_t j, in
   return {load_pack<T, VEC>(yr + j), load_pack<T, VEC>(yr + n + j)};
 }
 
+// VEC bias values at columns [j, j + VEC), in V's storage type or fp32 (a uniform branch; the
+// fp32 y case has one kind only). fp32 packs are 16 bytes too: VEC is 1 or a multiple of 4,
+// and can_vectorise checked the bias base for 16-byte alignment.
+template <StorageKind V, int VEC>
+__device__ __forceinline__ void load_bias(const core::SwigluParams& p, int64_t j,
+                                          float (&out)[VEC]) {
+  if constexpr (V != StorageKind::F32) {
+    if (p.bias_f32) {
+      constexpr int W = VEC >= 4 ? 4 : 1;
+      const float* b = static_cast<const float*>(p.bias) + j;
+#pragma unroll
+      for (int q = 0; q < VEC; q += W) {
+        Pack<float, W> pk = load_pack<float, W>(b + q);
+#pragma unroll
+        for (int k = 0; k < W; ++k) out[q + k] = pk.v[k];
+      }
+      return;
+    }
+  }
+  Pack<Elem<V>, VEC> pk = load_pack<Elem<V>, VEC>(static_cast<const Elem<V>*>(p.bias) + j);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = St<V>::load(pk.v[k]);
+}
+
 // VEC gate/up values at columns [j, j + VEC) from their stored packs, bias added, clamped.
 template <StorageKind Y, StorageKind V, int VEC>
 __device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& raw, int64_t j,
                                                const core::SwigluParams& p, core::GateUp (&v)[VEC]) {
   float bg[VEC] = {}, bu[VEC] = {};
   if (p.bias) {
-    auto* b = static_cast<const Elem<V>*>(p.bias);
-    Pack<Elem<V>, VEC> pg = load_pack<Elem<V>, VEC>(b + j), pu = load_pack<Elem<V>, VEC>(b + p.n + j);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) bg[k] = St<V>::load(pg.v[k]), bu[k] = St<V>::load(pu.v[k]);
+    load_bias<V, VEC>(p, j, bg);
+    load_bias<V, VEC>(p, p.n + j, bu);
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k)
