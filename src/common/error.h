@@ -21,6 +21,14 @@ void require(bool ok, const Parts&... parts) {
   if (!ok) fail(parts...);
 }
 
+// The CUDA layer's error when no device can run the kernels (no GPU, a driver older than this
+// build's runtime, ...). The dispatch below rethrows it as a plain Error that names the public
+// function, since the CUDA layer does not know which one called it.
+class NoUsableCudaDevice : public Error {
+ public:
+  using Error::Error;
+};
+
 // Bytes per element; throws for a value outside the DType enum.
 int64_t element_size(DType dtype);
 // The error for a CUDA view in a build without the CUDA backend.
@@ -31,7 +39,12 @@ int64_t element_size(DType dtype);
 // Runs `cpu_call` or `cuda_call` by device; in a build without the CUDA backend the CUDA branch
 // is not compiled and raises instead.
 #ifdef FUSEDLOSS_WITH_CUDA
-#define FL_CUDA_BRANCH(fn, cuda_call) cuda_call
+#define FL_CUDA_BRANCH(fn, cuda_call)                               \
+  try {                                                             \
+    cuda_call;                                                      \
+  } catch (const ::fusedloss::detail::NoUsableCudaDevice& fl_e_) {  \
+    ::fusedloss::detail::fail(fn, ": ", fl_e_.what());              \
+  }
 #else
 #define FL_CUDA_BRANCH(fn, cuda_call) ::fusedloss::detail::no_cuda(fn)
 #endif
