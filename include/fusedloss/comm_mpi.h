@@ -1,5 +1,5 @@
 // fusedloss: a Communicator over an MPI communicator, for host (CPU) buffers.
-// Available when the library was built with MPI (FUSEDLOSS_WITH_MPI).
+// Available when the library was built with MPI (FUSEDLOSS_HAS_MPI in fusedloss/config.h).
 #pragma once
 #include <mpi.h>
 #include <memory>

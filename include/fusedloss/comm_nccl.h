@@ -1,6 +1,6 @@
 // fusedloss: a Communicator over a trainer-owned ncclComm_t, for device (CUDA) buffers.
 // Collectives are enqueued on the stream passed to each call. Available when the library
-// was built with NCCL (FUSEDLOSS_WITH_NCCL).
+// was built with NCCL (FUSEDLOSS_HAS_NCCL in fusedloss/config.h).
 #pragma once
 #include <nccl.h>
 #include <memory>

@@ -12,6 +12,8 @@ namespace fusedloss {
 
 enum class ReduceOp { Max, Sum };
 
+// Collectives only: the library keeps no state in a Communicator, so one may be shared by
+// any number of calls, ops and threads that the caller already orders.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -24,17 +26,6 @@ class Communicator {
   // In-place element-wise reduction of `count` floats over all ranks.
   virtual void all_reduce(float* data, size_t count, ReduceOp op, Stream stream) = 0;
 
-  // Bookkeeping of the library: the shard shape last agreed on by all ranks. Device
-  // communicators re-check agreement (one small all-gather and a host sync) only when it
-  // changes; host communicators check every call.
-  struct AgreedShape {
-    int64_t rows = -1, vocab_local = -1, vocab_start = -1, vocab_global = -1;
-    bool operator==(const AgreedShape& o) const {
-      return rows == o.rows && vocab_local == o.vocab_local && vocab_start == o.vocab_start &&
-             vocab_global == o.vocab_global;
-    }
-  };
-  AgreedShape agreed_shape;
 };
 
 }  // namespace fusedloss

@@ -11,14 +11,10 @@
 #pragma once
 #include <cstdint>
 #include "fusedloss/communicator.h"
+#include "fusedloss/options.h"
 #include "fusedloss/types.h"
 
 namespace fusedloss {
-
-enum class Reduction { None, Sum, Mean };  // Mean: over rows whose target != ignore_index
-enum class SmoothingFormula { PyTorch, Megatron };  // alpha = ls, or ls * K / (K - 1)
-enum class SmoothingScope { Global, Partition };    // K = V_global, or this rank's V_local
-enum class CollectiveForm { AllGather, AllReduce };  // 1 collective, or 2 (max, then sum)
 
 struct CrossEntropyOptions {
   int64_t ignore_index = -100;
@@ -32,15 +28,15 @@ struct CrossEntropyOptions {
   int64_t vocab_start = 0;    // global index of this rank's first column
   int64_t vocab_global = -1;  // V_global; -1 means the logits' column count (no sharding)
   CollectiveForm collective = CollectiveForm::AllGather;
-};
-
-// Per-row partial statistics of one shard. target_logit is -inf when the target lives on
-// another shard or the row is ignored.
-struct RowStats {
-  float max;
-  float sum_exp;  // sum_j exp(x_j - max)
-  float target_logit;
-  float sum_logits;  // sum_j x_j, used by label smoothing
+  // Vocab-parallel only (a communicator of size > 1). true: every call first all-gathers a
+  // fixed-size header (rows, V_local, vocab_start, vocab_global, an error flag) so that a rank
+  // whose shape differs or whose own arguments were rejected makes every rank throw the same
+  // Error at the same call, instead of leaving its peers in a mismatched collective. On a
+  // device communicator this costs one small all-gather and one host synchronisation per call.
+  // false: the caller guarantees that every rank passes agreeing shapes and valid arguments;
+  // no header, no host synchronisation (needed inside CUDA graph capture). A rank that then
+  // rejects its arguments throws alone, and its peers may wait in the next collective.
+  bool check_shard_agreement = true;
 };
 
 // Forward outputs, in the logits' memory space (host or device).
@@ -49,6 +45,12 @@ struct CrossEntropyOutputs {
   float* lse = nullptr;          // [rows]: log-sum-exp over the global vocabulary (for backward)
   float* valid_count = nullptr;  // [1]: rows whose target != ignore_index (Mean's divisor)
 };
+
+// Checks the options against a logits shape of [rows, vocab_local], without any data: the
+// same checks (and messages) that every entry point runs first, for callers that validate
+// before allocating or launching (e.g. on fake tensors). Throws Error.
+void validate_cross_entropy_options(const CrossEntropyOptions& options, int64_t rows,
+                                    int64_t vocab_local);
 
 // Whole forward: local stats -> hook over `comm` (may be null) -> merge.
 // With a communicator of size > 1 every rank gets the same loss, bit for bit (except

@@ -3,5 +3,6 @@
 #include "fusedloss/config.h"
 #include "fusedloss/communicator.h"
 #include "fusedloss/cross_entropy.h"
+#include "fusedloss/options.h"
 #include "fusedloss/swiglu.h"
 #include "fusedloss/types.h"

@@ -5,7 +5,7 @@
 //   backward  da = g w sigmoid(a')(1 + a'(1 - sigmoid(a'))) b',  db = g w silu(a')
 //             dw = sum_j silu(a'_j) b'_j g_j,  dbias = column sums of dy
 // Clamped variant (clamp_value c): a' = min(a, c), b' = clamp(b, -c, c), and the gradient is
-// zero where a clamp was active. All math in fp32; outputs rounded once.
+// zero where a clamp was active (beyond a bound; exactly on one, see the options). All math in fp32; outputs rounded once.
 #pragma once
 #include "fusedloss/types.h"
 
@@ -14,13 +14,25 @@ namespace fusedloss {
 struct SwigluOptions {
   bool clamp = false;
   float clamp_value = 0.0f;  // > 0 when clamp is set
+  // Whether the gradient passes where the value equals the bound, as the framework's clamp
+  // does: the gate's for gate == clamp_value (Megatron: a.clamp(max=c)), the up's for
+  // up == +-clamp_value (b.clamp(min=-c, max=c)). Strictly inside the bounds it always passes.
+  // bf16/fp16 values land on the bound often, so this decides real gradients. The defaults
+  // are torch 2.15's rule (0 on the bound for both); the Python package sets them from the
+  // torch it runs with.
+  bool clamp_gate_grad_at_bound = false;
+  bool clamp_up_grad_at_bound = false;
   // The fp8 input store's values beyond e4m3's largest finite value (448), and inf: +-448 when
   // true (the hardware's satfinite conversion; newer torch casts), NaN when false (older torch
   // casts). Megatron stores torch's cast; the Python package matches the torch it runs with.
   bool fp8_saturate = true;
 };
 
-// y: [T, 2n] fp32/fp16/bf16. bias: absent or [2n] of y's dtype. weights: absent or [T] fp32.
+// Checks the options alone (no views, no data): the same checks and messages the entry
+// points run first. Throws Error.
+void validate_swiglu_options(const SwigluOptions& options);
+
+// y: [T, 2n] fp32/fp16/bf16. bias: absent or [2n], y's dtype or fp32. weights: absent or [T] fp32.
 // out: [T, n] of y's dtype. y_fp8: absent (data == nullptr) or [T, 2n] FP8_E4M3, receiving the
 // input (before bias) rounded to e4m3 for the backward (Megatron's fp8 input store).
 void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorView& weights,

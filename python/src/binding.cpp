@@ -69,12 +69,25 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("z_loss", &CrossEntropyOptions::z_loss)
       .def_readwrite("reduction", &CrossEntropyOptions::reduction)
       .def_readwrite("vocab_start", &CrossEntropyOptions::vocab_start)
-      .def_readwrite("vocab_global", &CrossEntropyOptions::vocab_global);
+      .def_readwrite("vocab_global", &CrossEntropyOptions::vocab_global)
+      .def_readwrite("check_shard_agreement", &CrossEntropyOptions::check_shard_agreement);
   py::class_<SwigluOptions>(m, "SwigluOptions")
       .def(py::init<>())
       .def_readwrite("clamp", &SwigluOptions::clamp)
       .def_readwrite("clamp_value", &SwigluOptions::clamp_value)
-      .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate);
+      .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate)
+      .def_readwrite("clamp_gate_grad_at_bound", &SwigluOptions::clamp_gate_grad_at_bound)
+      .def_readwrite("clamp_up_grad_at_bound", &SwigluOptions::clamp_up_grad_at_bound);
+
+  // Shape-only validators: the entry points' own option checks, for fake tensors too.
+  m.def("validate_cross_entropy_options",
+        [](const CrossEntropyOptions& o, int64_t rows, int64_t vocab_local) {
+          guarded([&] { validate_cross_entropy_options(o, rows, vocab_local); });
+        },
+        py::arg("options"), py::arg("rows"), py::arg("vocab_local"));
+  m.def("validate_swiglu_options",
+        [](const SwigluOptions& o) { guarded([&] { validate_swiglu_options(o); }); },
+        py::arg("options"));
 
   // The GIL stays held: the calls are short (kernel launches), and errors become Python
   // exceptions without crossing a GIL-released frame.

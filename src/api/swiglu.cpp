@@ -2,6 +2,7 @@
 #include "fusedloss/swiglu.h"
 
 #include <cmath>
+#include <string>
 #include "api/check.h"
 #include "cpu/swiglu_cpu.h"
 #ifdef FUSEDLOSS_WITH_CUDA
@@ -24,24 +25,27 @@ void check_same_place(const MatrixView& m, const char* name, const MatrixView& y
           to_string(y.device));
 }
 
-core::SwigluArgs resolve(const MatrixView& y, const VectorView& bias, const VectorView& weights,
-                         const SwigluOptions& o, DType value_dtype) {
+core::SwigluParams resolve_params(const MatrixView& y, const VectorView& bias,
+                                  const VectorView& weights, const SwigluOptions& o,
+                                  DType value_dtype) {
+  validate_swiglu_options(o);
   require(y.cols % 2 == 0, "y.cols: got ", y.cols,
           ", expected an even number (gate columns [0, n) and up columns [n, 2n))");
-  core::SwigluArgs a;
-  a.rows = y.rows;
-  a.n = y.cols / 2;
-  require(!o.clamp || (std::isfinite(o.clamp_value) && o.clamp_value > 0.0f),
-          "options.clamp_value: got ", o.clamp_value, ", expected a finite value > 0");
-  a.params = core::SwigluParams{o.clamp, o.clamp_value};
-  a.fp8_saturate = o.fp8_saturate;
+  core::SwigluParams p;
+  p.rows = y.rows;
+  p.n = y.cols / 2;
+  p.clamp = core::SwigluClamp{o.clamp, o.clamp_value, o.clamp_gate_grad_at_bound,
+                              o.clamp_up_grad_at_bound};
+  p.fp8_saturate = o.fp8_saturate;
   if (bias.data) {
     require(bias.size == y.cols, "bias.size: got ", bias.size, ", expected 2n = ", y.cols);
-    require(bias.dtype == value_dtype, "bias.dtype: got ", to_string(bias.dtype), ", expected ",
-            to_string(value_dtype));
+    require(bias.dtype == value_dtype || bias.dtype == DType::F32, "bias.dtype: got ",
+            to_string(bias.dtype), ", expected ",
+            value_dtype == DType::F32 ? "fp32" : std::string(to_string(value_dtype)) + " or fp32");
     require(bias.device == y.device, "bias.device: got ", to_string(bias.device), ", expected ",
             to_string(y.device));
-    a.bias = bias.data;
+    p.bias = bias.data;
+    p.bias_f32 = bias.dtype == DType::F32;
   }
   if (weights.data) {
     require(weights.size == y.rows, "weights.size: got ", weights.size, ", expected T = ", y.rows,
@@ -50,26 +54,31 @@ core::SwigluArgs resolve(const MatrixView& y, const VectorView& bias, const Vect
             ", expected fp32");
     require(weights.device == y.device, "weights.device: got ", to_string(weights.device),
             ", expected ", to_string(y.device));
-    a.weights = static_cast<const float*>(weights.data);
+    p.weights = static_cast<const float*>(weights.data);
   }
-  return a;
+  return p;
 }
 
 }  // namespace
+
+void validate_swiglu_options(const SwigluOptions& o) {
+  require(!o.clamp || (std::isfinite(o.clamp_value) && o.clamp_value > 0.0f),
+          "options.clamp_value: got ", o.clamp_value, ", expected a finite value > 0");
+}
 
 void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorView& weights,
                     const SwigluOptions& options, const MatrixView& out, const MatrixView& y_fp8,
                     [[maybe_unused]] Stream stream) {
   detail::check_matrix(y, "y");
-  core::SwigluArgs a = resolve(y, bias, weights, options, y.dtype);
-  check_same_place(out, "out", y, a.n, y.dtype);
+  core::SwigluParams p = resolve_params(y, bias, weights, options, y.dtype);
+  check_same_place(out, "out", y, p.n, y.dtype);
   require(!detail::overlaps(out, y), "out: overlaps y, expected a separate buffer");
   if (y_fp8.data) {
     check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
     require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
   }
-  FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, a, out, y_fp8),
-              cuda::swiglu_forward(y, a, out, y_fp8, stream));
+  FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, p, out, y_fp8),
+              cuda::swiglu_forward(y, p, out, y_fp8, stream));
 }
 
 void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const VectorView& bias,
@@ -81,23 +90,23 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   const DType vt = grad_out.dtype;
   require(y.dtype == vt || y.dtype == DType::FP8_E4M3, "y.dtype: got ", to_string(y.dtype),
           ", expected ", to_string(vt), " (grad_out's) or fp8_e4m3 (fp8 input store)");
-  core::SwigluArgs a = resolve(y, bias, weights, options, vt);
-  check_same_place(grad_out, "grad_out", y, a.n, vt);
+  core::SwigluParams p = resolve_params(y, bias, weights, options, vt);
+  check_same_place(grad_out, "grad_out", y, p.n, vt);
   check_same_place(grad_y, "grad_y", y, y.cols, vt);
   const bool in_place = grad_y.data == y.data && grad_y.row_stride == y.row_stride &&
                         grad_y.dtype == y.dtype;
   require(in_place || !detail::overlaps(grad_y, y),
           "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
   require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
-  require((grad_weights != nullptr) == (a.weights != nullptr), "grad_weights: got ",
+  require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
           grad_weights ? "a buffer" : "null", ", expected ",
-          a.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
-  require((grad_bias != nullptr) == (a.bias != nullptr), "grad_bias: got ",
+          p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
+  require((grad_bias != nullptr) == (p.bias != nullptr), "grad_bias: got ",
           grad_bias ? "a buffer" : "null", ", expected ",
-          a.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
+          p.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
   FL_DISPATCH(y.device, "swiglu_backward",
-              cpu::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias),
-              cuda::swiglu_backward(grad_out, y, a, grad_y, grad_weights, grad_bias, stream));
+              cpu::swiglu_backward(grad_out, y, p, grad_y, grad_weights, grad_bias),
+              cuda::swiglu_backward(grad_out, y, p, grad_y, grad_weights, grad_bias, stream));
 }
 
 }  // namespace fusedloss

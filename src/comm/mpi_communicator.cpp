@@ -1,7 +1,7 @@
 #include "fusedloss/comm_mpi.h"
 
 #include <string>
-#include "api/check.h"
+#include "common/error.h"
 
 namespace fusedloss {
 namespace {

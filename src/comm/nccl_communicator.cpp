@@ -1,7 +1,7 @@
 #include "fusedloss/comm_nccl.h"
 
 #include <cuda_runtime.h>
-#include "api/check.h"
+#include "common/error.h"
 
 namespace fusedloss {
 namespace {

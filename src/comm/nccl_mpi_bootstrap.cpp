@@ -1,6 +1,6 @@
 #include "fusedloss/nccl_bootstrap.h"
 
-#include "api/check.h"
+#include "common/error.h"
 
 namespace fusedloss {
 

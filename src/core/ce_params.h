@@ -2,7 +2,11 @@
 #pragma once
 #include <cstdint>
 #include "core/cross_entropy_math.h"
-#include "fusedloss/cross_entropy.h"
+#include "fusedloss/options.h"
+
+namespace fusedloss {
+struct CrossEntropyOptions;
+}
 
 namespace fusedloss::core {
 
@@ -34,7 +38,9 @@ FL_HD float own_sum_logits(const RowStats* local, int64_t r, const CeParams& p) 
   return p.partition_scope ? local[r].sum_logits : 0.0f;
 }
 
-// Resolves options against a shard of `vocab_local` columns; throws Error on bad options.
+// Resolves options against `rows` rows and a shard of `vocab_local` columns; throws Error on
+// bad options. Shape-only (no data pointers): the one implementation of the option checks,
+// which every entry point and validate_cross_entropy_options run (src/core/ce_params.cpp).
 CeParams resolve_params(const CrossEntropyOptions& options, int64_t rows, int64_t vocab_local);
 
 }  // namespace fusedloss::core

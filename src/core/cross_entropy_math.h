@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include "core/platform.h"
-#include "fusedloss/cross_entropy.h"  // RowStats
+#include "fusedloss/options.h"  // RowStats
 
 namespace fusedloss::core {
 

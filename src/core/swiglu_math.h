@@ -18,9 +18,12 @@ FL_HD float sigmoid(float x) {
 #endif
 }
 
-struct SwigluParams {
+// The clamped variant's settings (SwigluOptions' clamp fields, validated).
+struct SwigluClamp {
   bool clamp;
   float clamp_value;
+  bool gate_grad_at_bound;  // the gradient passes where gate == clamp_value
+  bool up_grad_at_bound;    // the gradient passes where up == +-clamp_value
 };
 
 // Gate/up after the optional clamp, and whether each clamp let the gradient through.
@@ -29,11 +32,15 @@ struct GateUp {
   bool a_live, b_live;
 };
 
-FL_HD GateUp gate_up(float a, float b, const SwigluParams& p) {
-  if (!p.clamp) return GateUp{a, b, true, true};
-  const float c = p.clamp_value;
-  // torch.clamp passes the gradient where min <= x <= max (inclusive)
-  return GateUp{fminf(a, c), fminf(fmaxf(b, -c), c), a <= c, b >= -c && b <= c};
+FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k) {
+  if (!k.clamp) return GateUp{gate, up, true, true};
+  const float c = k.clamp_value;
+  // Strictly inside the bounds the gradient passes, beyond them it does not; exactly on a
+  // bound it follows the framework's clamp, whose rule has changed between torch versions
+  // (and differs between clamp(max=) and clamp(min=, max=)), so it is a setting.
+  const bool gate_live = gate < c || (k.gate_grad_at_bound && gate == c);
+  const bool up_live = (up > -c && up < c) || (k.up_grad_at_bound && (up == c || up == -c));
+  return GateUp{fminf(gate, c), fminf(fmaxf(up, -c), c), gate_live, up_live};
 }
 
 FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }

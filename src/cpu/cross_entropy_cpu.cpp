@@ -34,7 +34,8 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* row = base + r * x.row_stride;
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
-    constexpr int kChunk = 8;  // as the kernels: one rescale per 8 elements
+    // As the kernels: one rescale per 16-byte vector (4 fp32 or 8 fp16/bf16 elements).
+    constexpr int kChunk = 16 / sizeof(typename S::type);
     int64_t j = 0;
     for (; j + kChunk <= x.cols; j += kChunk) {
       float v[kChunk];

@@ -2,6 +2,7 @@
 // Arguments arrive validated (src/api); targets were range-checked before any write.
 #pragma once
 #include "core/ce_params.h"
+#include "fusedloss/cross_entropy.h"  // CrossEntropyOutputs
 
 namespace fusedloss::cpu {
 

@@ -4,9 +4,9 @@
 
 namespace fusedloss::cpu {
 
-void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
+void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const MatrixView& out,
                     const MatrixView& y_fp8);
-void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluArgs& a,
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluParams& p,
                      const MatrixView& grad_y, float* grad_weights, float* grad_bias);
 
 }  // namespace fusedloss::cpu

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstddef>
 #include "core/ce_params.h"
+#include "fusedloss/cross_entropy.h"  // CrossEntropyOutputs
 #include "cuda/runtime.h"
 
 namespace fusedloss::cuda {

@@ -11,7 +11,9 @@ struct DeviceError {
   long long value;
 };
 
-// Defined in cross_entropy_cuda.cu, the one translation unit that reports into it.
+// Defined here, so include this header from one translation unit only
+// (cross_entropy_cuda.cu, which reports into it and reads it in check_device_errors): without
+// relocatable device code, every .cu that included it would get a copy of its own.
 __device__ DeviceError g_device_error = {0, 0, 0};
 
 __device__ __forceinline__ void report_bad_target(int64_t row, int64_t value) {

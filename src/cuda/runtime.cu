@@ -1,9 +1,29 @@
 // Stream-ordered memory and copies.
 #include <cstdint>
+#include <string>
 #include "cuda/runtime.h"
 #include "cuda/cuda_check.h"
 
 namespace fusedloss::cuda {
+
+void throw_error(cudaError_t err, const char* call, const char* file, int line) {
+  switch (err) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorStubLibrary:
+    case cudaErrorInitializationError:
+    case cudaErrorNoKernelImageForDevice:
+      (void)cudaGetLastError();  // the error is reported here; later calls must not see it again
+      throw detail::NoUsableCudaDevice(std::string("no usable CUDA device (") +
+                                       cudaGetErrorString(err) + ")");
+    default:
+      detail::fail(call, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err), " (",
+                   file, ":", line, ")");
+  }
+}
 
 void* alloc_async(size_t bytes, Stream stream) {
   void* p = nullptr;
@@ -12,7 +32,8 @@ void* alloc_async(size_t bytes, Stream stream) {
 }
 
 void free_async(void* ptr, Stream stream) {
-  // A destructor path: report, but a failed free must not throw out of ~Scratch.
+  // A destructor path (~Scratch): a failed free must not throw, so its error is dropped here.
+  // It stays sticky only if the context itself failed, and then the next checked call reports it.
   if (ptr) (void)cudaFreeAsync(ptr, as_cuda(stream));
 }
 

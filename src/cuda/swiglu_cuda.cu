@@ -61,20 +61,42 @@ __device__ __forceinline__ RawGateUp<T, VEC> load_raw(const T* yr, int64_t j, in
   return {load_pack<T, VEC>(yr + j), load_pack<T, VEC>(yr + n + j)};
 }
 
+// VEC bias values at columns [j, j + VEC), in V's storage type or fp32 (a uniform branch; the
+// fp32 y case has one kind only). fp32 packs are 16 bytes too: VEC is 1 or a multiple of 4,
+// and can_vectorise checked the bias base for 16-byte alignment.
+template <StorageKind V, int VEC>
+__device__ __forceinline__ void load_bias(const core::SwigluParams& p, int64_t j,
+                                          float (&out)[VEC]) {
+  if constexpr (V != StorageKind::F32) {
+    if (p.bias_f32) {
+      constexpr int W = VEC >= 4 ? 4 : 1;
+      const float* b = static_cast<const float*>(p.bias) + j;
+#pragma unroll
+      for (int q = 0; q < VEC; q += W) {
+        Pack<float, W> pk = load_pack<float, W>(b + q);
+#pragma unroll
+        for (int k = 0; k < W; ++k) out[q + k] = pk.v[k];
+      }
+      return;
+    }
+  }
+  Pack<Elem<V>, VEC> pk = load_pack<Elem<V>, VEC>(static_cast<const Elem<V>*>(p.bias) + j);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = St<V>::load(pk.v[k]);
+}
+
 // VEC gate/up values at columns [j, j + VEC) from their stored packs, bias added, clamped.
 template <StorageKind Y, StorageKind V, int VEC>
 __device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& raw, int64_t j,
-                                               const core::SwigluArgs& a, core::GateUp (&v)[VEC]) {
+                                               const core::SwigluParams& p, core::GateUp (&v)[VEC]) {
   float bg[VEC] = {}, bu[VEC] = {};
-  if (a.bias) {
-    auto* b = static_cast<const Elem<V>*>(a.bias);
-    Pack<Elem<V>, VEC> pg = load_pack<Elem<V>, VEC>(b + j), pu = load_pack<Elem<V>, VEC>(b + a.n + j);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) bg[k] = St<V>::load(pg.v[k]), bu[k] = St<V>::load(pu.v[k]);
+  if (p.bias) {
+    load_bias<V, VEC>(p, j, bg);
+    load_bias<V, VEC>(p, p.n + j, bu);
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k)
-    v[k] = core::gate_up(St<Y>::load(raw.g.v[k]) + bg[k], St<Y>::load(raw.u.v[k]) + bu[k], a.params);
+    v[k] = core::gate_up(St<Y>::load(raw.g.v[k]) + bg[k], St<Y>::load(raw.u.v[k]) + bu[k], p.clamp);
 }
 
 // Calls f(k, j) for this thread's column groups k = 0 .. kGroups-1, at columns
@@ -91,19 +113,19 @@ __device__ __forceinline__ void for_each_group(int64_t j0, int64_t stride, int64
 
 template <StorageKind V, int VEC, bool kFp8Store>
 __global__ void FL_SWIGLU_BOUNDS
-    forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluArgs a, Elem<V>* out, int64_t os,
+    forward_kernel(const Elem<V>* y, int64_t ys, core::SwigluParams p, Elem<V>* out, int64_t os,
                    uint8_t* y8, int64_t y8s) {
   constexpr int64_t kStride = int64_t(kThreads) * VEC;
-  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     const Elem<V>* yr = y + r * ys;
-    const float w = a.weights ? a.weights[r] : 1.0f;
-    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
+    const float w = p.weights ? p.weights[r] : 1.0f;
+    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < p.n; j0 += kGroups * kStride) {
       RawGateUp<Elem<V>, VEC> raw[kGroups];
-      for_each_group(j0, kStride, a.n,
-                     [&](int k, int64_t j) { raw[k] = load_raw<Elem<V>, VEC>(yr, j, a.n); });
-      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
+      for_each_group(j0, kStride, p.n,
+                     [&](int k, int64_t j) { raw[k] = load_raw<Elem<V>, VEC>(yr, j, p.n); });
+      for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
-        gate_up_values<V, V, VEC>(raw[k], j, a, v);
+        gate_up_values<V, V, VEC>(raw[k], j, p, v);
         Pack<Elem<V>, VEC> o;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) o.v[e] = St<V>::store(core::swiglu_value(v[e]) * w);
@@ -113,10 +135,10 @@ __global__ void FL_SWIGLU_BOUNDS
           Pack<uint8_t, VEC> fg, fu;
 #pragma unroll
           for (int e = 0; e < VEC; ++e)
-            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e]), a.fp8_saturate),
-            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]), a.fp8_saturate);
+            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e]), p.fp8_saturate),
+            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]), p.fp8_saturate);
           store_pack(y8 + r * y8s + j, fg);
-          store_pack(y8 + r * y8s + a.n + j, fu);
+          store_pack(y8 + r * y8s + p.n + j, fu);
         }
       });
     }
@@ -126,25 +148,25 @@ __global__ void FL_SWIGLU_BOUNDS
 template <StorageKind Y, StorageKind V, int VEC, bool kWeights>
 __global__ void FL_SWIGLU_BOUNDS
     backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
-                    core::SwigluArgs a, Elem<V>* gy, int64_t gys, float* grad_weights) {
+                    core::SwigluParams p, Elem<V>* gy, int64_t gys, float* grad_weights) {
   constexpr int64_t kStride = int64_t(kThreads) * VEC;
   __shared__ float warp_sums[kThreads / 32];
-  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     const Elem<Y>* yr = y + r * ys;
     const Elem<V>* gor = go + r * gos;
     Elem<V>* gr = gy + r * gys;
-    const float w = kWeights ? a.weights[r] : 1.0f;
+    const float w = kWeights ? p.weights[r] : 1.0f;
     float dw = 0.0f;
-    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < a.n; j0 += kGroups * kStride) {
+    for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < p.n; j0 += kGroups * kStride) {
       RawGateUp<Elem<Y>, VEC> raw[kGroups];
       Pack<Elem<V>, VEC> g[kGroups];
-      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
-        raw[k] = load_raw<Elem<Y>, VEC>(yr, j, a.n);
+      for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
+        raw[k] = load_raw<Elem<Y>, VEC>(yr, j, p.n);
         g[k] = load_pack<Elem<V>, VEC>(gor + j);
       });
-      for_each_group(j0, kStride, a.n, [&](int k, int64_t j) {
+      for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
-        gate_up_values<Y, V, VEC>(raw[k], j, a, v);
+        gate_up_values<Y, V, VEC>(raw[k], j, p, v);
         Pack<Elem<V>, VEC> da, db;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
@@ -155,7 +177,7 @@ __global__ void FL_SWIGLU_BOUNDS
           db.v[e] = St<V>::store(dbe);
         }
         store_pack(gr + j, da);  // in place: this thread read these columns above
-        store_pack(gr + a.n + j, db);
+        store_pack(gr + p.n + j, db);
       });
     }
     if constexpr (kWeights) {
@@ -198,14 +220,14 @@ __global__ void column_final_kernel(const float* partial, int64_t chunks, int64_
 bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // 16-byte accesses need every row start, both halves and the bias on a VEC boundary.
-bool can_vectorise(const core::SwigluArgs& a, int vec, std::initializer_list<const MatrixView*> views) {
-  if (a.n % vec) return false;
+bool can_vectorise(const core::SwigluParams& p, int vec, std::initializer_list<const MatrixView*> views) {
+  if (p.n % vec) return false;
   for (const MatrixView* m : views) {
     if (!m->data) continue;
     int64_t es = detail::element_size(m->dtype);
     if (!aligned(m->data, vec * es) || (m->row_stride * es) % (vec * es)) return false;
   }
-  if (a.bias && !aligned(a.bias, 16)) return false;
+  if (p.bias && !aligned(p.bias, 16)) return false;
   return true;
 }
 
@@ -225,29 +247,29 @@ void dispatch_layout(bool wide, bool flag, Launch&& launch) {
 
 }  // namespace
 
-void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
+void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const MatrixView& out,
                     const MatrixView& y_fp8, Stream stream) {
-  if (a.rows == 0) return;
+  if (p.rows == 0) return;
   core::dispatch_dtype(y.dtype, [&](auto k) {
     constexpr StorageKind V = decltype(k)::value;
     constexpr int VEC = 16 / sizeof(Elem<V>);
     auto launch = [&](auto vec_c, auto fp8_c) {
       forward_kernel<V, decltype(vec_c)::value, decltype(fp8_c)::value>
-          <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
-              static_cast<const Elem<V>*>(y.data), y.row_stride, a,
+          <<<row_grid(p.rows), kThreads, 0, as_cuda(stream)>>>(
+              static_cast<const Elem<V>*>(y.data), y.row_stride, p,
               static_cast<Elem<V>*>(out.data), out.row_stride, static_cast<uint8_t*>(y_fp8.data),
               y_fp8.row_stride);
     };
-    dispatch_layout<VEC>(can_vectorise(a, VEC, {&y, &out, &y_fp8}), y_fp8.data != nullptr, launch);
+    dispatch_layout<VEC>(can_vectorise(p, VEC, {&y, &out, &y_fp8}), y_fp8.data != nullptr, launch);
     FL_CUDA_CHECK_LAUNCH();
   });
 }
 
-void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluArgs& a,
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluParams& p,
                      const MatrixView& grad_y, float* grad_weights, float* grad_bias,
                      Stream stream) {
-  if (a.rows == 0) {
-    if (grad_bias) FL_CUDA_CHECK(cudaMemsetAsync(grad_bias, 0, sizeof(float) * 2 * a.n, as_cuda(stream)));
+  if (p.rows == 0) {
+    if (grad_bias) FL_CUDA_CHECK(cudaMemsetAsync(grad_bias, 0, sizeof(float) * 2 * p.n, as_cuda(stream)));
     return;
   }
   core::dispatch_dtype(grad_y.dtype, [&](auto k) {
@@ -257,23 +279,23 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
       constexpr StorageKind Y = decltype(y_kind)::value;
       auto launch = [&](auto vec_c, auto w_c) {
         backward_kernel<Y, V, decltype(vec_c)::value, decltype(w_c)::value>
-            <<<row_grid(a.rows), kThreads, 0, as_cuda(stream)>>>(
+            <<<row_grid(p.rows), kThreads, 0, as_cuda(stream)>>>(
                 static_cast<const Elem<V>*>(grad_out.data), grad_out.row_stride,
-                static_cast<const Elem<Y>*>(y.data), y.row_stride, a,
+                static_cast<const Elem<Y>*>(y.data), y.row_stride, p,
                 static_cast<Elem<V>*>(grad_y.data), grad_y.row_stride, grad_weights);
       };
-      dispatch_layout<VEC>(can_vectorise(a, VEC, {&grad_out, &y, &grad_y}), grad_weights != nullptr,
+      dispatch_layout<VEC>(can_vectorise(p, VEC, {&grad_out, &y, &grad_y}), grad_weights != nullptr,
                            launch);
       FL_CUDA_CHECK_LAUNCH();
     };
     if (y.dtype == DType::FP8_E4M3) run(std::integral_constant<StorageKind, StorageKind::E4M3>{});
     else run(std::integral_constant<StorageKind, V>{});
     if (grad_bias) {
-      const int64_t cols = 2 * a.n, chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
+      const int64_t cols = 2 * p.n, chunks = (p.rows + kRowsPerChunk - 1) / kRowsPerChunk;
       float* partial = static_cast<float*>(alloc_async(sizeof(float) * cols * chunks, stream));
       dim3 grid(unsigned((cols + 255) / 256), unsigned(chunks));
       column_partial_kernel<V><<<grid, 256, 0, as_cuda(stream)>>>(
-          static_cast<const Elem<V>*>(grad_y.data), grad_y.row_stride, a.rows, cols, partial);
+          static_cast<const Elem<V>*>(grad_y.data), grad_y.row_stride, p.rows, cols, partial);
       FL_CUDA_CHECK_LAUNCH();
       column_final_kernel<<<unsigned((cols + 255) / 256), 256, 0, as_cuda(stream)>>>(partial, chunks,
                                                                                 cols, grad_bias);

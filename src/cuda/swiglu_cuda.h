@@ -5,9 +5,9 @@
 
 namespace fusedloss::cuda {
 
-void swiglu_forward(const MatrixView& y, const core::SwigluArgs& a, const MatrixView& out,
+void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const MatrixView& out,
                     const MatrixView& y_fp8, Stream stream);
-void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluArgs& a,
+void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluParams& p,
                      const MatrixView& grad_y, float* grad_weights, float* grad_bias,
                      Stream stream);
 

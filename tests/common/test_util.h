@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include "../../src/core/numeric.h"
+#include "core/numeric.h"  // fusedloss_testing adds src/ to the include path
 #include "fusedloss/config.h"
 #include "fusedloss/types.h"
 #if FUSEDLOSS_HAS_CUDA

@@ -152,6 +152,137 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   }
 }
 
+// Every rank throws, and the message is the same text on every rank (compared through
+// MPI_COMM_WORLD, outside the communicator under test).
+template <class F>
+std::string expect_same_error_everywhere(F&& f, const std::string& fragment) {
+  std::string msg;
+  try {
+    f();
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_FALSE(msg.empty()) << "rank " << world_rank() << " did not raise";
+  EXPECT_NE(msg.find(fragment), std::string::npos) << "message '" << msg << "' lacks '" << fragment << "'";
+  constexpr int kBytes = 512;
+  std::vector<char> mine(kBytes, 0), all(size_t(kBytes) * world_size());
+  std::memcpy(mine.data(), msg.data(), std::min<size_t>(msg.size(), kBytes - 1));
+  MPI_Allgather(mine.data(), kBytes, MPI_CHAR, all.data(), kBytes, MPI_CHAR, MPI_COMM_WORLD);
+  for (int r = 0; r < world_size(); ++r)
+    EXPECT_STREQ(&all[size_t(r) * kBytes], mine.data()) << "rank " << r << " threw another message";
+  return msg;
+}
+
+// A fixed shard problem of `rows` x `vl` columns per rank, for the agreement tests.
+struct Shard {
+  Device dev;
+  int64_t rows, vl;
+  Buffer x, t, loss, lse;
+  CrossEntropyOptions o;
+  Shard(Device d, const Communicator& comm, int64_t rows_, int64_t vl_)
+      : dev(d), rows(rows_), vl(vl_), x(d, rows_ * (vl_ + 1) * 4), t(d, rows_ * 8),
+        loss(d, rows_ * 4), lse(d, rows_ * 4) {
+    std::memset(x.host(), 0, x.bytes());
+    for (int64_t r = 0; r < rows; ++r) t.host_as<int64_t>()[r] = r;
+    x.upload(); t.upload();
+    o.vocab_start = comm.rank() * vl;
+    o.vocab_global = vl * comm.size();
+  }
+  // A forward over this rank's first `r` rows and `v` columns (the buffers hold vl + 1).
+  void forward(Communicator& comm, int64_t r, int64_t v) {
+    cross_entropy_forward({x.data(), r, v, v, DType::F32, dev}, {t.data(), r, IndexType::I64, dev}, o,
+                          {loss.data_as<float>(), lse.data_as<float>(), nullptr}, &comm);
+  }
+  void forward(Communicator& comm) { forward(comm, rows, vl); }
+};
+
+// After calls that agreed, one rank alone changes its rows, then its V_local: every rank
+// throws the same error at that call (the agreement runs on every call, not once per shape),
+// and the calls after it, agreed again, work.
+void expect_later_disagreement_fails_everywhere(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  Shard s(dev, comm, 8, 64);
+  for (int i = 0; i < 3; ++i) s.forward(comm);
+  const bool odd = comm.rank() == 1;
+  std::string m = expect_same_error_everywhere(
+      [&] { s.forward(comm, odd ? s.rows - 1 : s.rows, s.vl); }, "rows");
+  EXPECT_NE(m.find("rank 1 has 7 rows, rank 0 has 8"), std::string::npos) << m;
+  s.forward(comm);
+  m = expect_same_error_everywhere([&] { s.forward(comm, s.rows, odd ? s.vl + 1 : s.vl); }, "V_local");
+  EXPECT_NE(m.find("rank 1 has V_local 65, rank 0 has 64"), std::string::npos) << m;
+  s.forward(comm);
+}
+
+// A rank whose own arguments are rejected (a bad target, a missing output): every rank throws
+// that rank's message, prefixed with its rank, at the same call.
+void expect_local_error_everywhere(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  Shard s(dev, comm, 8, 64);
+  s.forward(comm);
+  const int64_t vg = s.o.vocab_global;
+  if (dev == Device::CPU) {  // CUDA targets are checked by the kernels, in flight
+    if (comm.rank() == 1) s.t.host_as<int64_t>()[5] = 99 + vg;
+    s.t.upload();
+    expect_same_error_everywhere([&] { s.forward(comm); },
+                                 "vocab-parallel: rank 1: target[5]: got " + std::to_string(99 + vg) +
+                                     ", expected in [0, " + std::to_string(vg) +
+                                     ") or ignore_index (-100)");
+    s.t.host_as<int64_t>()[5] = 5;
+    s.t.upload();
+  }
+  const int last = comm.size() - 1;
+  expect_same_error_everywhere([&] {
+    CrossEntropyOutputs out{s.loss.data_as<float>(), comm.rank() == last ? nullptr : s.lse.data_as<float>(),
+                            nullptr};
+    cross_entropy_forward({s.x.data(), s.rows, s.vl, s.vl, DType::F32, dev},
+                          {s.t.data(), s.rows, IndexType::I64, dev}, s.o, out, &comm);
+  }, "vocab-parallel: rank " + std::to_string(last) + ": out.lse: got null");
+  s.forward(comm);
+}
+
+// Counts the all-gathers that reach the wrapped communicator.
+class CountingCommunicator final : public Communicator {
+ public:
+  explicit CountingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Device device() const override { return inner_.device(); }
+  void all_gather(const void* send, void* recv, size_t bytes, Stream stream) override {
+    ++all_gathers;
+    inner_.all_gather(send, recv, bytes, stream);
+  }
+  void all_reduce(float* data, size_t count, ReduceOp op, Stream stream) override {
+    inner_.all_reduce(data, count, op, stream);
+  }
+  int all_gathers = 0;
+
+ private:
+  Communicator& inner_;
+};
+
+// The header exchange is one all-gather on every call; check_shard_agreement = false skips it
+// (and gives the same loss).
+void expect_opt_out_skips_the_exchange(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  CountingCommunicator counting(comm);
+  Shard s(dev, comm, 8, 64);
+  for (auto form : {CollectiveForm::AllGather, CollectiveForm::AllReduce}) {
+    const int stats_gathers = form == CollectiveForm::AllGather ? 1 : 0;
+    s.o.collective = form;
+    for (bool check : {true, false, true}) {
+      s.o.check_shard_agreement = check;
+      for (int call = 0; call < 3; ++call) {
+        counting.all_gathers = 0;
+        s.forward(counting);
+        EXPECT_EQ(counting.all_gathers, stats_gathers + (check ? 1 : 0))
+            << "check " << check << " call " << call << " form " << int(form);
+      }
+      s.loss.download();
+      EXPECT_TRUE(std::isfinite(s.loss.host_as<float>()[0]));
+    }
+  }
+}
+
 TEST(VocabParallelMpi, MatchesTp1) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_matches_tp1(Device::CPU, *comm);
@@ -160,6 +291,21 @@ TEST(VocabParallelMpi, MatchesTp1) {
 TEST(VocabParallelMpi, MismatchedShardsFailOnEveryRank) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_mismatch_errors(Device::CPU, *comm);
+}
+
+TEST(VocabParallelMpi, LaterDisagreementFailsOnEveryRank) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_later_disagreement_fails_everywhere(Device::CPU, *comm);
+}
+
+TEST(VocabParallelMpi, OneRanksErrorIsEveryRanksError) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_local_error_everywhere(Device::CPU, *comm);
+}
+
+TEST(VocabParallelMpi, OptOutSkipsTheExchange) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_opt_out_skips_the_exchange(Device::CPU, *comm);
 }
 
 // The communicator works on its own duplicate: the caller's error handler stays as it was.
@@ -224,6 +370,27 @@ TEST(VocabParallelNccl, MismatchedShardsFailOnEveryRank) {
   if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
   NcclComm comm;
   expect_mismatch_errors(Device::CUDA, comm.get());
+}
+
+TEST(VocabParallelNccl, LaterDisagreementFailsOnEveryRank) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  NcclComm comm;
+  expect_later_disagreement_fails_everywhere(Device::CUDA, comm.get());
+}
+
+TEST(VocabParallelNccl, OneRanksErrorIsEveryRanksError) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  NcclComm comm;
+  expect_local_error_everywhere(Device::CUDA, comm.get());
+}
+
+TEST(VocabParallelNccl, OptOutSkipsTheExchange) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  NcclComm comm;
+  expect_opt_out_skips_the_exchange(Device::CUDA, comm.get());
 }
 #endif
 

@@ -1,6 +1,7 @@
 // BAD_INPUTS.md rows that apply to the C++ API: every bad argument gets a fusedloss::Error that
 // names the argument and the value, and nothing is written before the check.
 #include "common/ce_harness.h"
+#include "fusedloss/swiglu.h"
 
 namespace fusedloss::test {
 namespace {
@@ -182,7 +183,59 @@ TEST(BadInputsHook, CollectiveFailurePropagatesWithItsMessage) {
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written despite the failure";
 }
 
-#if !FUSEDLOSS_HAS_CUDA
+// The shape-only validator runs the entry points' own option checks, with their messages,
+// without any data pointer (callers validate before allocating, e.g. on fake tensors).
+TEST(BadInputsValidators, CrossEntropyOptionsWithoutData) {
+  Fixture f(Device::CPU);
+  CrossEntropyOptions o;
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 4, 10));
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 0, 1));
+  o.label_smoothing = 1.0f;
+  std::string from_forward;
+  try {
+    f.forward(o);
+  } catch (const Error& e) {
+    from_forward = e.what();
+  }
+  expect_error([&] { validate_cross_entropy_options(o, 4, 10); }, {from_forward.c_str()});
+  EXPECT_NE(from_forward.find("options.label_smoothing"), std::string::npos) << from_forward;
+  o = {};
+  o.vocab_start = 8;
+  o.vocab_global = 16;
+  EXPECT_NO_THROW(validate_cross_entropy_options(o, 4, 8));
+  expect_error([&] { validate_cross_entropy_options(o, 4, 10); }, {"vocab_start", "8", "[0, 6]"});
+  expect_error([&] { validate_cross_entropy_options({}, -1, 10); }, {"rows", "-1"});
+  expect_error([&] { validate_cross_entropy_options({}, 4, 0); }, {"vocab_local", "0"});
+}
+
+#if FUSEDLOSS_HAS_CUDA
+// A CUDA build on a machine with no GPU, or a driver too old for the build: the error names
+// the public function and says so, never a CUDA runtime string with a source path.
+TEST(BadInputsNoGpu, CudaCallSaysNoUsableDevice) {
+  std::string why;
+  if (cuda_available(&why)) GTEST_SKIP() << "a GPU is present";
+  float x[4] = {0, 1, 2, 3}, loss[2], lse[2];
+  int64_t t[2] = {0, 1};
+  auto expect_clear = [](auto&& call, const char* fn) {
+    try {
+      call();
+      ADD_FAILURE() << fn << ": expected fusedloss::Error";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.rfind(std::string(fn) + ": no usable CUDA device", 0), 0u) << m;
+      EXPECT_EQ(m.find(".cu:"), std::string::npos) << "a source path in: " << m;
+    }
+  };
+  expect_clear([&] {
+    cross_entropy_forward({x, 2, 2, 2, DType::F32, Device::CUDA}, {t, 2, IndexType::I64, Device::CUDA},
+                          {}, {loss, lse, nullptr});
+  }, "cross_entropy_forward");
+  expect_clear([&] {
+    swiglu_forward({x, 2, 2, 2, DType::F32, Device::CUDA}, {}, {}, {},
+                   {loss, 2, 1, 1, DType::F32, Device::CUDA});
+  }, "swiglu_forward");
+}
+#else
 TEST(BadInputsCpuOnlyBuild, CudaViewIsRejected) {
   float x[4] = {0, 1, 2, 3}, loss[2], lse[2];
   int64_t t[2] = {0, 1};

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "common/test_util.h"
+#include "core/swiglu_math.h"
 #include "fusedloss/swiglu.h"
 
 namespace fusedloss::test {
@@ -12,13 +13,18 @@ struct SwCase {
   int64_t rows = 33, n = 96, pad = 0, offset = 0;
   DType dtype = DType::F32;
   bool bias = false, weights = false, fp8 = false, in_place = false;
+  bool bias_f32 = false;  // an fp32 bias with a 16-bit y
   std::optional<float> clamp;
+  // Clamp settings, and whether a third of the gate and up values sit exactly on +-clamp.
+  bool gate_grad_at_bound = false, up_grad_at_bound = false, on_bound = false;
   std::string describe() const {
     std::ostringstream os;
     os << "rows=" << rows << " n=" << n << " pad=" << pad << " offset=" << offset << " dtype="
        << to_string(dtype) << (bias ? " bias" : "") << (weights ? " weights" : "")
        << (fp8 ? " fp8-store" : "") << (in_place ? " in-place" : "")
-       << (clamp ? " clamp=" + std::to_string(*clamp) : "");
+       << (bias_f32 ? " bias-fp32" : "") << (clamp ? " clamp=" + std::to_string(*clamp) : "")
+       << (gate_grad_at_bound ? " gate-grad-at-bound" : "")
+       << (up_grad_at_bound ? " up-grad-at-bound" : "") << (on_bound ? " on-bound" : "");
     return os.str();
   }
 };
@@ -29,7 +35,8 @@ double sig(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 struct SwRef { std::vector<double> out, dy, dw, dbias; };
 SwRef reference(const std::vector<double>& y, const std::vector<double>& y_bwd,
                 const std::vector<double>& bias, const std::vector<double>& w,
-                const std::vector<double>& g, int64_t T, int64_t n, std::optional<float> clamp) {
+                const std::vector<double>& g, int64_t T, int64_t n, const SwCase& c) {
+  const std::optional<float> clamp = c.clamp;
   SwRef r{std::vector<double>(T * n), std::vector<double>(T * 2 * n), std::vector<double>(T),
           std::vector<double>(2 * n, 0.0)};
   for (int64_t t = 0; t < T; ++t)
@@ -39,8 +46,9 @@ SwRef reference(const std::vector<double>& y, const std::vector<double>& y_bwd,
         b = src[t * 2 * n + n + j] + (bias.empty() ? 0 : bias[n + j]);
         la = lb = true;
         if (clamp) {
-          la = a <= *clamp;
-          lb = b >= -*clamp && b <= *clamp;
+          // on a bound, as the options say; strictly inside, always; beyond, never
+          la = a < *clamp || (c.gate_grad_at_bound && a == *clamp);
+          lb = (b > -*clamp && b < *clamp) || (c.up_grad_at_bound && std::fabs(b) == *clamp);
           a = std::min<double>(a, *clamp);
           b = std::clamp<double>(b, -*clamp, *clamp);
         }
@@ -74,11 +82,19 @@ void Swiglu::check(const SwCase& c) {
   const int64_t elems = c.offset + std::max<int64_t>(T * stride, 1);
   auto nz = [](int64_t v) { return std::max<int64_t>(v, 1); };
   std::normal_distribution<float> normal(0.0f, 2.0f);
-  Buffer y(dev, elems * es), out(dev, nz(T * n) * es), y8(dev, nz(T * cols)), bias(dev, cols * es),
+  const DType bias_dtype = c.bias_f32 ? DType::F32 : c.dtype;
+  Buffer y(dev, elems * es), out(dev, nz(T * n) * es), y8(dev, nz(T * cols)),
+      bias(dev, cols * dtype_size(bias_dtype)),
       w(dev, nz(T) * 4), g(dev, nz(T * n) * es), gy(dev, elems * es), gw(dev, nz(T) * 4),
       gb(dev, cols * 4);
   for (int64_t i = 0; i < elems; ++i) store_as(c.dtype, y.host(), i, normal(rng()));
-  for (int64_t i = 0; i < cols; ++i) store_as(c.dtype, bias.host(), i, normal(rng()) * 0.3f);
+  if (c.on_bound)  // every third gate on +c, every third up on +-c (exact in every dtype)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = t % 3; j < n; j += 3) {
+        store_as(c.dtype, y.host(), c.offset + t * stride + j, *c.clamp);
+        store_as(c.dtype, y.host(), c.offset + t * stride + n + j, j % 2 ? *c.clamp : -*c.clamp);
+      }
+  for (int64_t i = 0; i < cols; ++i) store_as(bias_dtype, bias.host(), i, normal(rng()) * 0.3f);
   std::uniform_real_distribution<float> u(0.1f, 1.0f);
   for (int64_t t = 0; t < T; ++t) w.host_as<float>()[t] = u(rng());
   for (int64_t i = 0; i < T * n; ++i) store_as(c.dtype, g.host(), i, normal(rng()));
@@ -86,7 +102,7 @@ void Swiglu::check(const SwCase& c) {
   std::vector<double> yd(T * cols), bd, wd, gd(T * n);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < cols; ++j) yd[t * cols + j] = load_as(c.dtype, y.host(), c.offset + t * stride + j);
-  if (c.bias) for (int64_t i = 0; i < cols; ++i) bd.push_back(load_as(c.dtype, bias.host(), i));
+  if (c.bias) for (int64_t i = 0; i < cols; ++i) bd.push_back(load_as(bias_dtype, bias.host(), i));
   if (c.weights) for (int64_t t = 0; t < T; ++t) wd.push_back(w.host_as<float>()[t]);
   for (int64_t i = 0; i < T * n; ++i) gd[i] = load_as(c.dtype, g.host(), i);
   std::vector<unsigned char> y_before(static_cast<unsigned char*>(y.host()),
@@ -97,10 +113,12 @@ void Swiglu::check(const SwCase& c) {
   auto at = [&](Buffer& b) { return static_cast<char*>(b.data()) + c.offset * es; };
   MatrixView yv{at(y), T, cols, stride, c.dtype, dev};
   MatrixView y8v{c.fp8 ? y8.data() : nullptr, T, cols, cols, DType::FP8_E4M3, dev};
-  VectorView bv{c.bias ? bias.data() : nullptr, cols, c.dtype, dev};
+  VectorView bv{c.bias ? bias.data() : nullptr, cols, bias_dtype, dev};
   VectorView wv{c.weights ? w.data() : nullptr, T, DType::F32, dev};
   SwigluOptions opt;
   if (c.clamp) opt.clamp = true, opt.clamp_value = *c.clamp;
+  opt.clamp_gate_grad_at_bound = c.gate_grad_at_bound;
+  opt.clamp_up_grad_at_bound = c.up_grad_at_bound;
   swiglu_forward(yv, bv, wv, opt, {out.data(), T, n, n, c.dtype, dev}, y8v);
   out.download(); y8.download();
   std::vector<double> ybwd = yd;
@@ -118,7 +136,7 @@ void Swiglu::check(const SwCase& c) {
   Buffer& gbuf = c.in_place ? y : gy;
   gbuf.download(); gw.download(); gb.download();
 
-  SwRef ref = reference(yd, ybwd, bd, wd, gd, T, n, c.clamp);
+  SwRef ref = reference(yd, ybwd, bd, wd, gd, T, n, c);
   const double tol = grad_tolerance(c.dtype);
   std::vector<double> o(T * n), dy(T * cols);
   for (int64_t i = 0; i < T * n; ++i) o[i] = load_as(c.dtype, out.host(), i);
@@ -180,6 +198,58 @@ TEST_P(Swiglu, Clamp) {
     c.weights = cv > 1;
     check(c);
   }
+}
+
+// Elements exactly on +-clamp_value: the gradient passes there or not as each option says
+// (torch's clamp rule differs between versions, and bf16 values land on the bound often).
+TEST_P(Swiglu, ClampGradientAtTheBound) {
+  for (DType d : {DType::F32, DType::BF16})
+    for (bool gate : {false, true})
+      for (bool up : {false, true}) {
+        SwCase c;
+        c.dtype = d;
+        c.clamp = 2.0f;
+        c.on_bound = true;
+        c.gate_grad_at_bound = gate;
+        c.up_grad_at_bound = up;
+        check(c);
+      }
+}
+
+// The gate's gradient on the bound changes the result by far more than the tolerance, so the
+// test above would see a setting that is ignored.
+TEST(SwigluClamp, SettingsDecideTheGradientOnTheBound) {
+  core::SwigluClamp k{true, 2.0f, false, false};
+  core::GateUp v = core::gate_up(2.0f, -2.0f, k);
+  EXPECT_FALSE(v.a_live);
+  EXPECT_FALSE(v.b_live);
+  k.gate_grad_at_bound = k.up_grad_at_bound = true;
+  v = core::gate_up(2.0f, -2.0f, k);
+  EXPECT_TRUE(v.a_live);
+  EXPECT_TRUE(v.b_live);
+  v = core::gate_up(2.5f, 2.5f, k);  // beyond: never
+  EXPECT_FALSE(v.a_live);
+  EXPECT_FALSE(v.b_live);
+  EXPECT_EQ(v.a, 2.0f);
+  EXPECT_EQ(v.b, 2.0f);
+}
+
+// An fp32 bias with a 16-bit y (the math is fp32 anyway), on the 16-byte path and off it.
+TEST_P(Swiglu, Fp32BiasWith16BitValues) {
+  for (DType d : {DType::BF16, DType::F16})
+    for (int64_t n : {96, 7}) {
+      SwCase c;
+      c.dtype = d;
+      c.n = n;
+      c.bias = true;
+      c.bias_f32 = true;
+      c.weights = n == 7;
+      check(c);
+    }
+  SwCase in_place;
+  in_place.dtype = DType::BF16;
+  in_place.bias = in_place.bias_f32 = in_place.in_place = true;
+  check(in_place);
 }
 
 TEST_P(Swiglu, Fp8InputStore) {
@@ -273,6 +343,9 @@ TEST(SwigluBadInputs, ClearErrors) {
                "bias.size", "6");
   expect_error([&] { swiglu_forward(yv, {bias.data(), 8, DType::BF16, Device::CPU}, none, {}, ov); },
                "bias.dtype", "bf16");
+  // A 16-bit bias with fp32 values: the bias may be the values' dtype or fp32, nothing else.
+  expect_error([&] { swiglu_forward(yv, {bias.data(), 8, DType::F16, Device::CPU}, none, {}, ov); },
+               "bias.dtype", "got fp16, expected fp32");
   expect_error([&] { swiglu_forward(yv, none, {w.data(), 3, DType::F32, Device::CPU}, {}, ov); },
                "weights.size", "3");
   expect_error([&] { swiglu_forward(yv, none, {w.data(), 4, DType::F32, Device::CUDA}, {}, ov); },
@@ -285,6 +358,10 @@ TEST(SwigluBadInputs, ClearErrors) {
   bad.clamp = true;
   bad.clamp_value = -1.0f;
   expect_error([&] { swiglu_forward(yv, none, none, bad, ov); }, "clamp_value", "-1");
+  // The shape-free validator runs the same check, with the same message.
+  expect_error([&] { validate_swiglu_options(bad); }, "options.clamp_value", "-1");
+  bad.clamp_value = 1.0f;
+  validate_swiglu_options(bad);
   MatrixView gv{g.data(), 4, 4, 4, DType::F32, Device::CPU}, gyv{gy.data(), 4, 8, 8, DType::F32, Device::CPU};
   expect_error([&] { swiglu_backward(gv, yv, none, {w.data(), 4, DType::F32, Device::CPU}, {}, gyv); },
                "grad_weights", "null");

@@ -1,0 +1,54 @@
+// The vocab-parallel hook of cross_entropy_forward (a communicator of size > 1): the shard
+// agreement that runs before any size-dependent collective, and the two collective forms
+// between the local stats and the merge.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+#include "core/ce_params.h"
+#include "fusedloss/cross_entropy.h"
+
+namespace fusedloss::vocab_parallel {
+
+// Scratch memory on `device`, released at scope exit (stream-ordered on CUDA).
+class Scratch {
+ public:
+  Scratch(Device device, size_t bytes, Stream stream);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <class T>
+  T* as(size_t offset_elems = 0) const {
+    return static_cast<T*>(ptr_) + offset_elems;
+  }
+
+ private:
+  Device device_;
+  Stream stream_;
+  std::vector<RowStats> host_;  // RowStats-aligned host storage
+  void* ptr_ = nullptr;
+};
+
+// What this rank brings to the agreement: its shape and, when its own arguments were
+// rejected, the error it would have thrown (empty when none).
+struct ShardClaim {
+  int64_t rows = 0, vocab_local = 0;
+  std::string error;
+};
+
+// Collective over `comm` (every rank calls it, whatever its arguments): one all-gather of a
+// fixed-size header, then, only if some rank has an error, one all-gather of every rank's
+// error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
+// the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
+// "vocab-parallel: rank R: "). On a device communicator it synchronises `stream`.
+constexpr size_t kErrorBytes = 512;
+void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
+
+// Local stats -> all-gather (or all-reduce max, then sum) -> merge, with arguments that are
+// valid on this rank and agreed on every rank.
+void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
+             CollectiveForm form, const CrossEntropyOutputs& out, Communicator& comm,
+             Stream stream);
+
+}  // namespace fusedloss::vocab_parallel
