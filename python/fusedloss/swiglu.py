@@ -129,7 +129,7 @@ def _backward_inplace_fake(g, y, bias, weights, clamp_value):
 def _setup(ctx, inputs, output):
     y, bias, weights, clamp_value, fp8_input_store, inplace = inputs
     _, saved = output
-    ctx.clamp_value, ctx.fp8 = clamp_value, fp8_input_store
+    ctx.clamp_value, ctx.fp8, ctx.y_shape = clamp_value, fp8_input_store, y.shape
     ctx.inplace = inplace and not inplace_refused(y, _OP, "y", "inplace_backward")
     ctx.aux = [(None if t is None else (t.shape, t.dtype)) for t in (bias, weights)]
     # With the fp8 store only the e4m3 copy is kept, as in Megatron.
@@ -144,7 +144,7 @@ def _grads(ctx, grad_out, kernels):
     else:
         dy, gw, gb = kernels.bwd(grad_out, y if y is not None else saved, saved, bias, weights,
                                  ctx.clamp_value, ctx.fp8)
-        overwritten = None
+        dy, overwritten = dy.view(ctx.y_shape), None  # with the fp8 store, y's shape, not the copy's
     (bias_meta, w_meta) = ctx.aux
     d_bias = gb.view(bias_meta[0]).to(bias_meta[1]) if bias_meta else None
     d_w = gw.view(w_meta[0]).to(w_meta[1]) if w_meta else None
