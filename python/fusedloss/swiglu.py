@@ -20,38 +20,37 @@ from ._views import (as_float, inplace_refused, matrix, require_float_aux, requi
 _OP = "fusedloss.swiglu"
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_e4m3_saturates() -> bool:
     """Megatron's fp8 input store is torch's float8_e4m3fn cast, whose values past 448 are
     +-448 in newer torch and NaN in older: the e4m3 copy follows the torch in use."""
     return bool(torch.tensor([1e4]).to(torch.float8_e4m3fn).float().isfinite())
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_clamp_passes_at_bound() -> Tuple[bool, bool]:
     """Whether the running torch's clamp passes the gradient where the value equals the bound,
     for the gate's one-sided clamp(max=c) and the up half's clamp(min=-c, max=c) (Megatron's
     unfused clamped SwiGLU). The rule has changed between torch releases; bf16 values land on
-    the bound often, so the kernels follow whichever rule is running."""
+    the bound often, so the kernels follow whichever rule is running. Probed on first use, not
+    at import: a backward starts autograd's device threads, which counts the GPUs."""
     x = torch.tensor([1.0, 1.0, -1.0], requires_grad=True)
-    (x[:1].clamp(max=1.0).sum() + x[1:].clamp(min=-1.0, max=1.0).sum()).backward()
-    gate, up_hi, up_lo = (bool(v == 1) for v in x.grad)
+    with torch.enable_grad():
+        grad, = torch.autograd.grad(x[:1].clamp(max=1.0).sum() + x[1:].clamp(min=-1.0, max=1.0).sum(), x)
+    gate, up_hi, up_lo = (bool(v == 1) for v in grad)
     if up_hi != up_lo:
         warnings.warn("fusedloss.swiglu: this torch's clamp treats its two bounds differently; the "
                       "up half follows the upper bound's rule")
     return gate, up_hi
 
 
-_FP8_SATURATE = _torch_e4m3_saturates()
-_CLAMP_GATE_AT_BOUND, _CLAMP_UP_AT_BOUND = _torch_clamp_passes_at_bound()
-
-
 @functools.lru_cache(maxsize=64)
 def _options(clamp_value: Optional[float]):
     o = _C.SwigluOptions()  # read only by the C++ side: one per clamp value
-    o.fp8_saturate = _FP8_SATURATE
-    o.clamp_gate_grad_at_bound = _CLAMP_GATE_AT_BOUND
-    o.clamp_up_grad_at_bound = _CLAMP_UP_AT_BOUND
+    o.fp8_saturate = _torch_e4m3_saturates()
     if clamp_value is not None:
         o.clamp, o.clamp_value = True, float(clamp_value)
+        o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound = _torch_clamp_passes_at_bound()
     try:
         _C.validate_swiglu_options(o)
     except _C.Error as e:

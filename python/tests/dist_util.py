@@ -51,8 +51,20 @@ def run_world(world, fn, *args, backend="gloo", timeout_s=60):
     timeout_s bounds every collective, so a rank left waiting fails instead of hanging."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), backend, fn, args, errors, timeout_s), nprocs=world,
-                       join=True, start_method="spawn")
+    # A CPU world hides the GPUs from the start: unpickling fn imports modules in the child
+    # before _worker runs, and a GPU counted then stays counted (torch caches it).
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if backend == "gloo" else {}
+    saved = {k: os.environ.get(k) for k in hidden}
+    os.environ.update(hidden)
+    try:
+        mp.start_processes(_worker, args=(world, _free_port(), backend, fn, args, errors, timeout_s),
+                           nprocs=world, join=True, start_method="spawn")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     failures = []
     while not errors.empty():
         failures.append(errors.get())
