@@ -27,6 +27,9 @@ def skip_messages(text):
     return found
 
 
+FAILED = []  # "suite: test" for each failure, listed above the summary lines
+
+
 def why(reasons):
     """'reason' or 'n: reason; m: other' for the skip reasons seen."""
     if not reasons:
@@ -58,7 +61,7 @@ def ctest_lines(path, wheel_result):
     out.append(line("C++ single", len(ran), len(single) - len(ran), len(failed), reasons))
     bad |= bool(failed)
     for c in failed:
-        out.append(f"  failed: {c.get('name')}")
+        FAILED.append(f"C++ single: {c.get('name')}")
 
     # mpirun: each ctest test is one run of every multi-rank gtest case; counted as rank 0 reports
     if mpi:
@@ -78,6 +81,7 @@ def ctest_lines(path, wheel_result):
             if c.get("status") != "run":
                 bad = True
                 runs[-1] += " failed"
+                FAILED.append(f"C++ mpirun: {c.get('name')}")
         out.append(line("C++ mpirun", n_ran, n_skip, n_fail, reasons, f" (np {', '.join(runs)})"))
         bad |= n_fail > 0
     else:
@@ -95,6 +99,7 @@ def ctest_lines(path, wheel_result):
     reasons = [] if wheel_result is not None else ["wheel: the Python step did not reach it"]
     out.append(line("C++ install consumer", ran, len(reasons), len(failed), reasons, f" ({', '.join(what)})"))
     bad |= bool(failed) or wheel_result is None
+    FAILED.extend(f"C++ install consumer: {f}" for f in failed)
     return out, bad
 
 
@@ -104,8 +109,7 @@ def pytest_line(name, path):
     failed = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
     reasons = [re.sub(r"^Skipped: ", "", s.get("message", "")) for s in skipped]
     out = [line(name, len(cases) - len(skipped), len(skipped), len(failed), reasons)]
-    for c in failed:
-        out.append(f"  failed: {c.get('classname')}::{c.get('name')}")
+    FAILED.extend(f"{name}: {c.get('classname')}::{c.get('name')}" for c in failed)
     return out, bool(failed)
 
 
@@ -133,6 +137,8 @@ def main(reports):
     if not found:
         lines.append("Python pytest: did not run")
         bad = True
+    if FAILED:
+        print("failed tests:\n  " + "\n  ".join(FAILED))
     print("\n".join(lines))
     return 1 if bad else 0
 
