@@ -13,7 +13,7 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
   # torch (CPU wheels where there is no GPU, when reachable); megatron-core: the newest release
   # this Python supports
   fl_install_torch || exit 1
-  "$PY" -m pip install -q pybind11 "scikit-build-core>=0.10" pytest numpy megatron-core || exit 1
+  "$PY" -m pip install -q pybind11 "scikit-build-core>=0.10" pytest hypothesis numpy megatron-core || exit 1
 fi
 source launch/cuda_archs.sh
 "$PY" -m pip install -q --no-build-isolation --no-deps . || exit 1
