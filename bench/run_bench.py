@@ -156,6 +156,9 @@ def main():
     ap.add_argument("--build", required=True, help="CMake build dir holding bench/ce_bench etc.")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
+        return
     binary, size_name = (("ce_bench", "V") if args.kind == "cross-entropy" else ("swiglu_bench", "n"))
     ours, gpu, copy_gbs = run_ours(os.path.join(args.build, "bench", binary), size_name)
     floors = {(r["op"], r["size"]): r["floor_ms"] for r in ours}

@@ -89,6 +89,10 @@ def main():
                     help="largest relative loss difference accepted (default 5e-2 bf16, 1e-3 fp32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("megatron_gpt_patch.py needs a CUDA GPU (Megatron's GPTModel over NCCL); "
+              "none is usable here, nothing to do")
+        return
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

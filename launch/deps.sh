@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the system packages the build needs (Debian/Ubuntu): a C++ toolchain, CMake,
-# Ninja, Open MPI and GoogleTest. The CUDA toolkit and NCCL are used when present.
+# Ninja, Open MPI, GoogleTest, and Python's venv and headers (the launch scripts' .venv, the
+# extension's build). The CUDA toolkit and NCCL are used when present.
 set -euo pipefail
-pkgs=(build-essential cmake ninja-build libopenmpi-dev openmpi-bin libgtest-dev)
+pkgs=(build-essential cmake ninja-build libopenmpi-dev openmpi-bin libgtest-dev python3-venv python3-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -6,11 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 source launch/cuda_archs.sh
-python3 -c "import fusedloss" 2>/dev/null || python3 -m pip install -q --no-build-isolation --no-deps .
+source launch/python_env.sh
+"$PY" -c "import fusedloss" 2>/dev/null || "$PY" -m pip install -q --no-build-isolation --no-deps .
 status=0
 for dtype in bf16 fp32; do
   echo "== $dtype"
-  PYTHONUNBUFFERED=1 python3 examples/megatron_gpt_patch.py --steps "${STEPS:-50}" --dtype "$dtype" \
+  PYTHONUNBUFFERED=1 "$PY" examples/megatron_gpt_patch.py --steps "${STEPS:-50}" --dtype "$dtype" \
     --out "$OUT" || status=1
 done
 exit $status

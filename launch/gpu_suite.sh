@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PATH="$PATH:/usr/local/cuda/bin"
+source launch/python_env.sh
 status=0
 step() { echo "== $*"; }
 
@@ -39,7 +40,7 @@ step "python package (pip install ., pytest on CPU and CUDA)"
 FUSEDLOSS_OFFLINE=${FUSEDLOSS_OFFLINE:-1} launch/python.sh --collect-only -q > "$OUT/pytest.log" 2>&1 ||
   status=1
 for f in python/tests/test_*.py; do
-  (cd python/tests && python3 -m pytest -v -rs -p no:cacheprovider "$(basename "$f")") \
+  (cd python/tests && "$PY" -m pytest -v -rs -p no:cacheprovider "$(basename "$f")") \
     >> "$OUT/pytest.log" 2>&1 || status=1
 done
 grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
@@ -47,7 +48,7 @@ grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for kind in cross-entropy swiglu; do
     step "benchmark $kind"
-    PYTHONUNBUFFERED=1 python3 bench/run_bench.py $kind --build build-gpu --out "$OUT" \
+    PYTHONUNBUFFERED=1 "$PY" bench/run_bench.py $kind --build build-gpu --out "$OUT" \
       > "$OUT/bench-$kind.log" 2>&1 || status=1
     sed -n '/ on NVIDIA\| on .*copy bandwidth/,$p' "$OUT/bench-$kind.log" | grep -v "^\[rank"
   done

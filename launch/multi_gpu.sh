@@ -8,11 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-2}
 export NCCL_NVLS_ENABLE=0
+source launch/python_env.sh
 [ -x build/tests/multi_gpu/test_multi_gpu ] || launch/build.sh -DFUSEDLOSS_TESTS=ON
 echo "== mpirun -np $N: C++ vocab-parallel tests (MPI + CPU, NCCL + CUDA)"
 mpirun --allow-run-as-root --oversubscribe -np "$N" -x NCCL_NVLS_ENABLE build/tests/multi_gpu/test_multi_gpu
 echo "== torchrun --nproc-per-node $N: PyTorch vocab-parallel cross-entropy"
-torchrun --standalone --nproc-per-node "$N" examples/vocab_parallel.py  # checked in float64
+"$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" examples/vocab_parallel.py  # checked in float64
 echo "== TP scaling benchmark"
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -20,6 +21,6 @@ rm -f "$OUT/$(date +%F)"-*-tp.csv  # one fresh table per day and machine
 for n in 1 2 4 8; do
   [ "$n" -le "$N" ] || break
   # TP_BENCH_ARGS: e.g. "--vocab 4096 --rows 64" for a quick check of the script itself
-  torchrun --standalone --nproc-per-node "$n" bench/tp_bench.py --out "$OUT" ${TP_BENCH_ARGS:-}
+  "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" bench/tp_bench.py --out "$OUT" ${TP_BENCH_ARGS:-}
 done
-python3 bench/tp_bench.py --summarize "$(ls -t "$OUT"/*-tp.csv | head -1)"
+"$PY" bench/tp_bench.py --summarize "$(ls -t "$OUT"/*-tp.csv | head -1)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quickstart: install, build, run the C++ examples (cross-entropy at TP=1 and vocab-parallel over
 # 2 ranks, SwiGLU in place), then install the Python package and run the PyTorch example (GPU if
-# present, else CPU).
+# present, else CPU). Python: the active virtual environment, PYTHON=..., or .venv in the
+# repository (created when neither is given; see launch/python_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 launch/deps.sh
@@ -14,7 +15,9 @@ $MPIRUN -np 2 build/examples/tp_cross_entropy
 echo "== SwiGLU (C++) =="
 build/examples/swiglu_step
 echo "== Python API =="
-python3 -m pip install -q "torch>=2.4" pybind11 "scikit-build-core>=0.10"
+source launch/python_env.sh
+fl_install_torch
+"$PY" -m pip install -q numpy pybind11 "scikit-build-core>=0.10"
 source launch/cuda_archs.sh
-python3 -m pip install -q --no-build-isolation --no-deps .
-python3 examples/quickstart.py
+"$PY" -m pip install -q --no-build-isolation --no-deps .
+"$PY" examples/quickstart.py

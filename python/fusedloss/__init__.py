@@ -4,6 +4,8 @@
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
 """
+from os import path as _path
+
 import torch
 
 from . import _C
@@ -11,6 +13,9 @@ from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .swiglu import SwiGLU, swiglu
 
 __version__ = _C.__version__
+# The C++ SDK shipped inside this package (include/, lib/libfusedloss.a, lib/cmake/fusedloss):
+# cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
+cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "swiglu", "SwiGLU", "check_device_errors"]
 
 

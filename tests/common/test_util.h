@@ -53,13 +53,17 @@ inline float load_as(DType d, const void* base, int64_t i) {
 
 inline bool cuda_available(std::string* why) {
 #if FUSEDLOSS_HAS_CUDA
-  int n = 0;
+  int n = 0, driver = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess || n == 0) {
-    *why = std::string("no CUDA device (") + (e == cudaSuccess ? "0 devices" : cudaGetErrorString(e)) + ")";
-    return false;
-  }
-  return true;
+  if (e == cudaSuccess && n > 0) return true;
+  cudaDriverGetVersion(&driver);  // 0: no CUDA driver is loaded (no GPU on this machine)
+  if (driver == 0)
+    *why = "no usable GPU (no CUDA driver found)";
+  else if (e == cudaSuccess || e == cudaErrorNoDevice)
+    *why = "no usable GPU (the CUDA driver sees no device)";
+  else
+    *why = std::string("no usable GPU (") + cudaGetErrorString(e) + ")";
+  return false;
 #else
   *why = "this build has no CUDA backend";
   return false;
