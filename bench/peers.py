@@ -160,3 +160,30 @@ def available_swiglu():
 def time_unary(fn, pristine, iters=50, warmup=3):
     """SwiGLU provider y -> out: as time_provider."""
     return time_autograd(fn, pristine, iters, warmup)
+
+
+# ---- RMSNorm over [T, H] with a learnable weight (its gradient is part of the backward) ----
+
+def torch_rms_norm(weight, eps=1e-5):
+    return lambda x: F.rms_norm(x, (x.size(-1),), weight, eps)
+
+
+def torch_compile_rms_norm(weight, eps=1e-5):
+    fn = torch.compile(lambda x, w: F.rms_norm(x, (x.size(-1),), w, eps), dynamic=False)
+    return lambda x: fn(x, weight)
+
+
+def liger_rms_norm(weight, eps=1e-5):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    return lambda x: LigerRMSNormFunction.apply(x, weight, eps)
+
+
+def fusedloss_rms_norm(weight, eps=1e-5):
+    import fusedloss
+    return lambda x: fusedloss.rms_norm(x, weight, eps)
+
+
+def available_rms_norm(weight):
+    return collect({"torch": torch_rms_norm(weight)},
+                   {"torch-compile": torch_compile_rms_norm, "liger": liger_rms_norm}, weight)

@@ -2,11 +2,13 @@
 
   cross-entropy: bench/ce_bench (the C++ API) vs torch F.cross_entropy, Liger-Kernel, Megatron-core
   swiglu:        bench/swiglu_bench vs torch silu(a)*b, Liger's fused gate-up, Megatron bias_swiglu_impl
+  rms-norm:      bench/rms_norm_bench vs torch F.rms_norm (eager and torch.compile), Liger's
+                 RMSNorm; [T, H] from 16384 x 2048 to 8192 x 16384, H = 5120 / 6144, bf16 and fp32
 
 Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x each peer and
 peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
 
-usage: python3 bench/run_bench.py {cross-entropy,swiglu} --build build-gpu [--out DIR]
+usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm} --build build-gpu [--out DIR]
 """
 import argparse
 import csv
@@ -150,15 +152,103 @@ def report_overhead(ours, theirs, size_name):
         print(f"host time to enqueue forward+backward at {size_name}={small}: {hosts}")
 
 
+def rms_norm_main(build, out_dir):
+    """RMSNorm: the C++ API's rows (T, H, dtype) against the Python providers on the same shapes;
+    ratios over the floor (forward 4 B/element, forward+backward 10 B/element in bf16, twice
+    that in fp32) from the copy bandwidth the C++ binary measured."""
+    text = subprocess.check_output([os.path.join(build, "bench", "rms_norm_bench")], text=True)
+    rows = list(csv.DictReader(io.StringIO(text)))
+    gpu, copy_gbs = rows[0]["gpu"], float(rows[0]["copy_gbs"])
+    recs = [dict(provider="fusedloss", op=r["op"], T=int(r["T"]), H=int(r["H"]), dtype=r["dtype"],
+                 ms=float(r["ms"]), floor_ms=float(r["floor_ms"]), peak_mib=0.0, host_ms=None)
+            for r in rows]
+    floors = {(r["op"], r["T"], r["H"], r["dtype"]): r["floor_ms"] for r in recs}
+    names = ["fusedloss"]
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    for (T, H, dt) in sorted({(r["T"], r["H"], r["dtype"]) for r in recs}):
+        g = torch.Generator(device="cuda").manual_seed(H)
+        x = (torch.randn(T, H, device="cuda", generator=g)).to(dtypes[dt])
+        weight = (torch.rand(H, device="cuda", generator=g) + 0.5).to(dtypes[dt]).requires_grad_(True)
+        providers = {}
+        try:
+            providers["fusedloss-py"] = peers.fusedloss_rms_norm(weight)
+        except ImportError as e:
+            print(f"[bench] fusedloss Python package unavailable: {e}")
+        providers.update(peers.available_rms_norm(weight))
+        for name, fn in providers.items():
+            try:
+                f, b, fb, peak, host = peers.time_unary(fn, x, iters=30)
+            except Exception as e:
+                print(f"[bench] {name} failed at {T}x{H} {dt}: {type(e).__name__}: {e}")
+                continue
+            if name not in names:
+                names.append(name)
+            for op, ms in (("forward", f), ("backward", b), ("fwd+bwd", fb)):
+                recs.append(dict(provider=name, op=op, T=T, H=H, dtype=dt, ms=ms,
+                                 floor_ms=floors[(op, T, H, dt)], peak_mib=peak,
+                                 host_ms=host if op == "fwd+bwd" else None))
+        del x, weight
+        torch.cuda.empty_cache()
+    by = {(r["provider"], r["op"], r["T"], r["H"], r["dtype"]): r for r in recs}
+    shapes = sorted({(r["dtype"], r["T"], r["H"]) for r in recs})
+    print(f"\nrms-norm on {gpu}; copy bandwidth {copy_gbs:.0f} GB/s (read+write); commit {git_commit()}")
+    print(f"{'dtype':>5} {'T x H':>12} {'op':>9} {'floor':>7} " + " ".join(f"{n:>13}" for n in names)
+          + "   (ms, then x floor)")
+    for dt, T, H in shapes:
+        for op in ("forward", "backward", "fwd+bwd"):
+            cells = []
+            for n in names:
+                r = by.get((n, op, T, H, dt))
+                cells.append(f"{r['ms']:6.3f} {r['ms'] / r['floor_ms']:5.2f}x" if r else f"{'-':>13}")
+            print(f"{dt:>5} {f'{T}x{H}':>12} {op:>9} {floors[(op, T, H, dt)]:>7.3f} " + " ".join(cells))
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-rms-norm.csv")
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["provider", "op", "T", "H", "dtype", "ms", "floor_ms", "x_floor", "peak_extra_mib",
+                    "host_ms", "copy_gbs", "gpu", "commit", "date"])
+        for r in recs:
+            host = "" if r.get("host_ms") is None else f"{r['host_ms']:.4f}"
+            w.writerow([r["provider"], r["op"], r["T"], r["H"], r["dtype"], f"{r['ms']:.4f}",
+                        f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}", f"{r['peak_mib']:.1f}",
+                        host, f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
+    print(f"wrote {path}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"[bench] no plot: {e}")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, op in zip(axes, ("forward", "fwd+bwd")):
+        labels = [f"{dt} {T}x{H}" for dt, T, H in shapes]
+        for n in names:
+            ax.plot(labels, [by[(n, op, T, H, dt)]["ms"] / by[(n, op, T, H, dt)]["floor_ms"]
+                             if (n, op, T, H, dt) in by else float("nan") for dt, T, H in shapes],
+                    marker="o", label=n)
+        ax.axhline(1.0, color="k", linestyle="--", label="floor (copy bandwidth)")
+        ax.set_ylabel(f"{op} time / floor")
+        ax.set_title(f"rms-norm {op} on {gpu}")
+        ax.tick_params(axis="x", rotation=60)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.savefig(path.replace(".csv", ".png"), dpi=110, bbox_inches="tight")
+    print(f"wrote {path.replace('.csv', '.png')}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["cross-entropy", "swiglu"])
+    ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm"])
     ap.add_argument("--build", required=True, help="CMake build dir holding bench/ce_bench etc.")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
         return
+    if args.kind == "rms-norm":
+        return rms_norm_main(args.build, args.out)
     binary, size_name = (("ce_bench", "V") if args.kind == "cross-entropy" else ("swiglu_bench", "n"))
     ours, gpu, copy_gbs = run_ours(os.path.join(args.build, "bench", binary), size_name)
     floors = {(r["op"], r["size"]): r["floor_ms"] for r in ours}

@@ -46,7 +46,7 @@ done
 grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  for kind in cross-entropy swiglu; do
+  for kind in cross-entropy swiglu rms-norm; do
     step "benchmark $kind"
     PYTHONUNBUFFERED=1 "$PY" bench/run_bench.py $kind --build build-gpu --out "$OUT" \
       > "$OUT/bench-$kind.log" 2>&1 || status=1

@@ -4,5 +4,6 @@
 #include "fusedloss/communicator.h"
 #include "fusedloss/cross_entropy.h"
 #include "fusedloss/options.h"
+#include "fusedloss/rms_norm.h"
 #include "fusedloss/swiglu.h"
 #include "fusedloss/types.h"

@@ -2,6 +2,7 @@
 
     fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
+    fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
 """
 from os import path as _path
@@ -10,13 +11,15 @@ import torch
 
 from . import _C
 from .cross_entropy import CrossEntropyLoss, cross_entropy
+from .rms_norm import RMSNorm, rms_norm
 from .swiglu import SwiGLU, swiglu
 
 __version__ = _C.__version__
 # The C++ SDK shipped inside this package (include/, lib/libfusedloss.a, lib/cmake/fusedloss):
 # cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
 cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
-__all__ = ["cross_entropy", "CrossEntropyLoss", "swiglu", "SwiGLU", "check_device_errors"]
+__all__ = ["cross_entropy", "CrossEntropyLoss", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
+           "check_device_errors"]
 
 
 def check_device_errors(device=None):

@@ -39,10 +39,14 @@ def _guard(grad, op):
 
 
 class FusedOp:
-    def __init__(self, name, *, forward, forward_fake, kernels, setup, backward, inplace_flag):
-        """forward: the annotated forward implementation (its first output is what callers
-        get); kernels: {suffix: (implementation, fake, mutated argument names)}."""
+    def __init__(self, name, *, forward, forward_fake, kernels, setup, backward, inplace_flag,
+                 n_outputs=1):
+        """forward: the annotated forward implementation (its first n_outputs outputs are what
+        callers get: a tensor, or a tuple when n_outputs > 1, and backward() then receives a
+        tuple of their gradients, None or zeros where unused); kernels: {suffix:
+        (implementation, fake, mutated argument names)}."""
         self.name = f"fusedloss.{name}"
+        self._n = n_outputs
         self._inplace_flag = inplace_flag
         self._setup, self._op_backward = setup, backward
         self._forward = forward
@@ -59,7 +63,8 @@ class FusedOp:
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
-            return self.forward_op(*args)[0]
+            out = self.forward_op(*args)
+            return out[0] if self._n == 1 else tuple(out[:self._n])
         return self._function.apply(*args)
 
     def _eager_function(self):
@@ -73,16 +78,18 @@ class FusedOp:
             def forward(ctx, *inputs):
                 outputs = op._forward(*inputs)
                 op._setup(ctx, inputs, outputs)
-                return outputs[0]
+                return outputs[0] if op._n == 1 else tuple(outputs[:op._n])
 
             @staticmethod
-            def backward(ctx, grad):
-                return op._backward(ctx, grad, op._eager_kernels)
+            def backward(ctx, *grads):
+                return op._backward(ctx, grads[0] if op._n == 1 else grads, op._eager_kernels)
 
         Eager.__name__ = Eager.__qualname__ = f"{self.name}.Eager"
         return Eager
 
-    def _traced_backward(self, ctx, grad, *_other_output_grads):
+    def _traced_backward(self, ctx, grad, *other_output_grads):
+        if self._n > 1:
+            grad = (grad, *other_output_grads[:self._n - 1])
         return self._backward(ctx, grad, self._traced_kernels)
 
     def _backward(self, ctx, grad, kernels):

@@ -135,6 +135,34 @@ PYBIND11_MODULE(_C, m) {
            uintptr_t stream) {
           guarded([&] { swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream)); });
         });
+  py::class_<RmsNormOptions>(m, "RmsNormOptions")
+      .def(py::init<>())
+      .def_readwrite("eps", &RmsNormOptions::eps)
+      .def_readwrite("zero_centered_gamma", &RmsNormOptions::zero_centered_gamma);
+  m.def("validate_rms_norm_options",
+        [](const RmsNormOptions& o) { guarded([&] { validate_rms_norm_options(o); }); });
+  m.def("rms_norm_forward",
+        [](const MatrixView& x, const VectorView& w, const RmsNormOptions& o, const MatrixView& y,
+           uintptr_t rstd, const MatrixView& residual, const MatrixView& residual_out,
+           uintptr_t stream) {
+          guarded([&] {
+            rms_norm_forward(x, w, o, y, fptr(rstd), residual, residual_out, ptr(stream));
+          });
+        });
+  m.def("rms_norm_backward_workspace_bytes", [](int64_t rows, int64_t hidden, Device device) {
+    size_t bytes = 0;
+    guarded([&] { bytes = rms_norm_backward_workspace_bytes(rows, hidden, device); });
+    return bytes;
+  });
+  m.def("rms_norm_backward",
+        [](const MatrixView& gy, const MatrixView& x, const VectorView& w, uintptr_t rstd,
+           const RmsNormOptions& o, const MatrixView& gx, uintptr_t gw, uintptr_t workspace,
+           const MatrixView& gres, uintptr_t stream) {
+          guarded([&] {
+            rms_norm_backward(gy, x, w, fptr(rstd), o, gx, fptr(gw), ptr(workspace), gres,
+                              ptr(stream));
+          });
+        });
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));

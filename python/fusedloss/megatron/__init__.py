@@ -11,13 +11,15 @@ the functions by name):
   megatron.core.tensor_parallel.cross_entropy._VocabParallelCrossEntropy (unfused CE)
   megatron.core.fusions.fused_bias_swiglu.{SwiGLUFunction, BiasSwiGLUFunction,
                                            WeightedSwiGLUFunction}
+  megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__  (the local spec's norm, for
+      normalization="RMSNorm"; TransformerEngine's spec is left alone)
 
 Scope: tensor_model_parallel_size == 1. With TP > 1 the patch raises RuntimeError, at patch time
 (parallel_state) and at call time (the tp_group Megatron passes), unless allow_vocab_parallel=True,
 which runs the experimental vocab-parallel path (one all-gather per forward).
 """
 from .patch import apply_fusedloss_to_megatron, fusedloss_megatron, is_patched, unpatch_megatron
-from .modules import FusedLossSwiGLU, fused_language_model_loss
+from .modules import FusedLossRMSNorm, FusedLossSwiGLU, fused_language_model_loss
 
 __all__ = ["apply_fusedloss_to_megatron", "unpatch_megatron", "fusedloss_megatron", "is_patched",
-           "FusedLossSwiGLU", "fused_language_model_loss"]
+           "FusedLossSwiGLU", "FusedLossRMSNorm", "fused_language_model_loss"]

@@ -4,6 +4,8 @@
            # LanguageModule.compute_language_model_loss
     act = FusedLossSwiGLU()                                      # on linear_fc1's [s, b, 2n]
     h = act(fc1_out, fc1_bias)
+    norm = FusedLossRMSNorm(config, hidden_size, eps)            # what the patch builds for
+                                                                 # normalization="RMSNorm"
 """
 from typing import Optional
 
@@ -39,3 +41,18 @@ class FusedLossSwiGLU(torch.nn.Module):
     def forward(self, fc1_out, bias=None, per_token_scale=None):
         return fusedloss.swiglu(fc1_out, bias, per_token_scale=per_token_scale, clamp_value=self.clamp_value,
                                 fp8_input_store=self.fp8_input_store, inplace_backward=self.inplace_backward)
+
+
+class FusedLossRMSNorm(fusedloss.RMSNorm):
+    """fusedloss.RMSNorm built from a Megatron TransformerConfig, as WrappedTorchNorm is:
+    weight [hidden_size] (ones, or zeros with config.layernorm_zero_centered_gamma, gamma =
+    1 + weight), created like torch.nn.RMSNorm (default device and dtype; Megatron moves and
+    casts the model). Under sequence parallelism the weight carries `sequence_parallel = True`,
+    so Megatron all-reduces its gradient (a partial sum over this rank's tokens) across the
+    tensor-parallel group, as for its own fused norms."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps,
+                         zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)))
+        self.config = config
+        setattr(self.weight, "sequence_parallel", bool(getattr(config, "sequence_parallel", False)))

@@ -16,10 +16,15 @@ _CE_FUSED = ("megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEn
 _CE_UNFUSED = ("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy")
 _SWIGLU = [("megatron.core.fusions.fused_bias_swiglu", name)
            for name in ("SwiGLUFunction", "BiasSwiGLUFunction", "WeightedSwiGLUFunction")]
-# forward() parameters the stand-ins read by name; the rest are optional
+# The local spec's norm: every spec (LocalSpecProvider.layer_norm, gpt_layer_specs' LNImpl,
+# the transformer block's final norm) holds this one class object, whatever the import order,
+# so its __new__ is the narrowest point that covers them all.
+_NORM = ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__")
+# forward() parameters the stand-ins read by name (for the norm: __new__'s); the rest are optional
 _REQUIRED = {"_VocabParallelCrossEntropy": ("vocab_parallel_logits", "target"),
              "SwiGLUFunction": ("input",), "BiasSwiGLUFunction": ("input", "bias"),
-             "WeightedSwiGLUFunction": ("input", "weights")}
+             "WeightedSwiGLUFunction": ("input", "weights"),
+             "WrappedTorchNorm.__new__": ("config", "hidden_size", "eps")}
 
 _ORIGINALS = {}  # (module, name) -> the original object, while patched
 _CONFIG = {}
@@ -32,24 +37,42 @@ def _warn_once(key, message, category=UserWarning):
         warnings.warn(message, category, stacklevel=3)
 
 
+def _owner(module, attr):
+    """(object holding the last name of a dotted attr, that name): (module, "X") for "X",
+    (module.C, "__new__") for "C.__new__"."""
+    *path, name = attr.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
 def _resolve(module_name, attr):
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise RuntimeError(f"fusedloss.megatron: cannot import {module_name} ({e}); is megatron-core "
                            "installed?") from e
-    original = _ORIGINALS.get((module_name, attr), getattr(module, attr, None))
+    try:
+        owner, name = _owner(module, attr)
+        # the raw entry (a staticmethod for __new__), so that unpatching restores it exactly
+        found = inspect.getattr_static(owner, name, None)
+    except AttributeError:
+        owner, found = None, None
+    original = _ORIGINALS.get((module_name, attr), found)
     if original is None:
         raise RuntimeError(f"fusedloss.megatron: {module_name}.{attr} not found in megatron-core "
                            f"{_megatron_version()}; this version is not supported")
-    params = inspect.signature(original.forward).parameters
+    if isinstance(original, staticmethod):
+        fn, where = original.__func__, attr
+    else:
+        fn, where = original.forward, f"{attr}.forward"
+    params = inspect.signature(fn).parameters
     missing = [p for p in _REQUIRED[attr] if p not in params]
     if missing:
-        raise RuntimeError(f"fusedloss.megatron: {module_name}.{attr}.forward has no parameter "
+        raise RuntimeError(f"fusedloss.megatron: {module_name}.{where} has no parameter "
                            f"{', '.join(missing)} in megatron-core {_megatron_version()} (its "
-                           f"signature: {inspect.signature(original.forward)}); this version is "
-                           "not supported")
-    return module, original
+                           f"signature: {inspect.signature(fn)}); this version is not supported")
+    return owner, original
 
 
 def _megatron_version():
@@ -142,7 +165,23 @@ def _make_swiglu(original, name):
 
 
 
-def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, ignore_index: int = -100,
+def _make_norm(original):
+    """WrappedTorchNorm.__new__ that builds fusedloss's RMSNorm for normalization="RMSNorm"
+    (with zero-centred gamma and sequence parallelism, which the torch norm refuses) and
+    Megatron's own module for every other normalization."""
+    from .modules import FusedLossRMSNorm
+    new = original.__func__ if isinstance(original, staticmethod) else original
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if getattr(config, "normalization", None) == "RMSNorm":
+            return FusedLossRMSNorm(config, hidden_size, eps)
+        return new(cls, config, hidden_size, eps, *args, **kwargs)
+
+    __new__.__fusedloss_original__ = original
+    return staticmethod(__new__)
+
+
+def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, rms_norm: bool = True, ignore_index: int = -100,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
                                 check_shard_agreement: bool = True, swiglu_in_place=None) -> None:
@@ -157,6 +196,12 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
       own, logged once. `swiglu_inplace_backward` writes the input gradient into the fc1 output
       (`swiglu_in_place` is its deprecated spelling).
+    rms_norm: the norm Megatron's local spec builds for normalization="RMSNorm" (WrappedTorchNorm:
+      the transformer layers' input/pre-MLP norms, q/k norms and the final norm) becomes
+      fusedloss.RMSNorm, whichever module imported the spec and whether the model is built before
+      or after the patch; zero-centred gamma and sequence parallelism are supported (the weight
+      keeps its `sequence_parallel` attribute for Megatron's all-reduce). TransformerEngine's spec
+      (TENorm, and the norm fused into TELayerNormColumnParallelLinear) is left alone.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
@@ -182,22 +227,28 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                     (*_CE_UNFUSED, lambda original: _make_ce(original, "unfused"))]
     if swiglu:
         targets += [(m, a, lambda original, a=a: _make_swiglu(original, a)) for m, a in _SWIGLU]
+    if rms_norm:
+        targets += [(*_NORM, _make_norm)]
     # Every symbol is resolved and checked before anything changes: all or nothing.
     resolved = [(_resolve(m, a), m, a, make) for m, a, make in targets]
     _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
                    allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
                    swiglu_inplace_backward=bool(swiglu_inplace_backward),
                    check_shard_agreement=bool(check_shard_agreement))
-    for (module, original), module_name, attr, make in resolved:
+    for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
-        setattr(module, attr, make(original))
+        setattr(owner, attr.split(".")[-1], make(original))
     log.info("fusedloss.megatron: patched %s", ", ".join(f"{m}.{a}" for m, a in _ORIGINALS))
+    if rms_norm:
+        log.info("fusedloss.megatron: RMSNorm is replaced in Megatron's local spec only "
+                 "(WrappedTorchNorm); TransformerEngine's spec (TENorm, the norm fused into "
+                 "TELayerNormColumnParallelLinear) is left as it is")
 
 
 def unpatch_megatron() -> None:
     """Restore every original Megatron object exactly."""
     for (module_name, attr), original in list(_ORIGINALS.items()):
-        setattr(importlib.import_module(module_name), attr, original)
+        setattr(*_owner(importlib.import_module(module_name), attr), original)
         del _ORIGINALS[(module_name, attr)]
 
 

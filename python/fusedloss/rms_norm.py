@@ -1,0 +1,191 @@
+"""fusedloss.rms_norm: RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * gamma.
+
+Megatron's variants: eps, zero-centred gamma (the weight stores gamma - 1), a weight dtype that
+differs from the input's; and the fused residual add s = x + residual, y = rmsnorm(s) (returns
+both, as TransformerEngine's fused norm does). fp32 math in one kernel per pass; the weight
+gradient is deterministic (fixed-order fp32 partials, no atomics) and, under sequence
+parallelism, a partial sum over this rank's tokens that the caller all-reduces.
+"""
+import functools
+import math
+from typing import List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _C
+from ._op import FusedOp
+from ._views import (as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
+                     rows_of, stream_of, values_in, vector)
+
+_OP = "fusedloss.rms_norm"
+_ABSENT = _C.MatrixView(0, 0, 1, 1, _C.DType.F32, _C.Device.CPU)
+# weight dtypes the kernels read as they are, per input dtype; any other float weight is read in fp32
+_WEIGHT_AS_IS = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+                 torch.bfloat16: (torch.bfloat16, torch.float32),
+                 torch.float16: (torch.float16, torch.float32)}
+
+
+@functools.lru_cache(maxsize=64)
+def _options(eps: float, zero_centered_gamma: bool):
+    o = _C.RmsNormOptions()  # read only by the C++ side: one per setting
+    o.eps, o.zero_centered_gamma = float(eps), bool(zero_centered_gamma)
+    _C.validate_rms_norm_options(o)
+    return o
+
+
+def _weight_for(weight: Tensor, x_dtype: torch.dtype) -> Tensor:
+    """The weight as the kernels read it: contiguous, in its own dtype where the kernels take it
+    with x's dtype, else in fp32."""
+    return values_in(weight, weight.dtype if weight.dtype in _WEIGHT_AS_IS[x_dtype] else torch.float32)
+
+
+def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float,
+             zero_centered_gamma: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(y, s, rstd): s = x + residual (empty without a residual), rstd [T] fp32 for the backward."""
+    xr, _ = rows_of(x)
+    y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(xr.size(0), dtype=torch.float32, device=x.device)
+    if residual is not None:
+        rr = rows_of(residual)[0]
+        s = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+        r_view, s_view = matrix(rr), matrix(s)
+    else:
+        s = x.new_empty(0)
+        r_view = s_view = _ABSENT
+    w = _weight_for(weight, x.dtype)
+    _C.rms_norm_forward(matrix(xr), vector(w), _options(eps, zero_centered_gamma), matrix(y),
+                        rstd.data_ptr(), r_view, s_view, stream_of(x))
+    return y.view(x.shape), (s.view(x.shape) if residual is not None else s), rstd
+
+
+def _forward_fake(x, weight, residual, eps, zero_centered_gamma):
+    rows = x.numel() // x.size(-1)
+    return (x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,)),
+            x.new_empty(rows, dtype=torch.float32))
+
+
+def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Optional[Tensor],
+              eps: float, zero_centered_gamma: bool) -> List[Tensor]:
+    xr, _ = rows_of(x)
+    rows, hidden = xr.shape
+    gr = rows_of(g.to(x.dtype))[0]  # may arrive expanded (the gradient of a sum) or strided
+    gs = matrix(rows_of(grad_s.to(x.dtype))[0]) if grad_s is not None else _ABSENT
+    dx = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    dw = torch.empty(hidden, dtype=torch.float32, device=x.device)
+    # the weight gradient's partials through torch's allocator (CUDA graphs, the caching pool)
+    ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, _C.Device.CUDA if x.is_cuda else _C.Device.CPU)
+    ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device)
+    _C.rms_norm_backward(matrix(gr), matrix(xr), vector(weight), rstd.data_ptr(),
+                         _options(eps, zero_centered_gamma), matrix(dx), dw.data_ptr(),
+                         ws.data_ptr() if ws_bytes else 0, gs, stream_of(x))
+    return [dx.view(x.shape), dw]
+
+
+def _backward_fake(g, x, weight, rstd, grad_s, eps, zero_centered_gamma):
+    return [x.new_empty(x.shape), x.new_empty(x.size(-1), dtype=torch.float32)]
+
+
+def _setup(ctx, inputs, output):
+    x, weight, residual, eps, zc = inputs
+    _, s, rstd = output
+    ctx.eps, ctx.zc, ctx.residual = eps, zc, residual is not None
+    ctx.w_meta = (weight.shape, weight.dtype)
+    ctx.x_dtypes = (x.dtype, None if residual is None else residual.dtype)
+    # the backward reads what was normalised: x, or s = x + residual
+    ctx.save_for_backward(s if residual is not None else x, _weight_for(weight, x.dtype), rstd)
+
+
+def _grads(ctx, grads, kernels):
+    src, w, rstd = ctx.saved_tensors
+    g, grad_s = grads if ctx.residual else (grads, None)
+    if g is None:  # only s was used
+        g = torch.zeros_like(src)
+    dx, dw = kernels.bwd(g, src, w, rstd, grad_s, ctx.eps, ctx.zc)
+    d_weight = dw.view(ctx.w_meta[0]).to(ctx.w_meta[1])
+    # with the residual, x and residual both receive the gradient of s
+    return (dx, d_weight, dx if ctx.residual else None, None, None), None
+
+
+def _make(name, n_outputs):
+    return FusedOp(name, forward=_forward, forward_fake=_forward_fake, setup=_setup,
+                   backward=_grads, inplace_flag="inplace_backward", n_outputs=n_outputs,
+                   kernels={"bwd": (_backward, _backward_fake, ())})
+
+
+_rms_norm = _make("rms_norm", 1)
+_rms_norm_residual = _make("rms_norm_residual", 2)
+
+
+def _check(x, weight, eps, zero_centered_gamma, residual):
+    require_values(x, "x")
+    if x.dim() < 1 or x.size(-1) == 0:
+        raise ValueError(f"x: got shape {tuple(x.shape)}, expected [..., H] with H >= 1 "
+                         "([T, H] or [s, b, H])")
+    hidden = x.size(-1)
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight: got {type(weight).__name__}, expected a torch.Tensor")
+    require_float_aux(weight, "weight")
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected ({hidden},) = [H], "
+                         "one weight per column of x")
+    require_same_device(weight, "weight", x, "x")
+    eps = as_float(eps, "eps")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps: got {eps}, expected a finite value > 0")
+    if not isinstance(zero_centered_gamma, bool):
+        raise TypeError(f"zero_centered_gamma: got {zero_centered_gamma!r}, expected a bool")
+    if residual is not None:
+        require_values(residual, "residual")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual: got shape {tuple(residual.shape)} {residual.dtype}, expected "
+                             f"x's {tuple(x.shape)} {x.dtype}")
+        require_same_device(residual, "residual", x, "x")
+    return eps
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False,
+             residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """RMSNorm of x [..., H] (fp32/fp16/bf16, any strides; [T, H] or Megatron's [s, b, H]) with
+    weight [H] (any float dtype): y = x / sqrt(mean(x^2, -1) + eps) * gamma, gamma = weight, or
+    1 + weight with zero_centered_gamma. Returns y in x's dtype and shape.
+
+    With residual (x's shape and dtype): s = x + residual (rounded to x's dtype, as the unfused
+    sum is), y = rmsnorm(s); returns (y, s), both differentiable.
+    Gradients come back in each input's dtype and shape; the weight's is deterministic (the same
+    bits on every call on a given device). Math in fp32; no host synchronisation.
+    """
+    eps = _check(x, weight, eps, zero_centered_gamma, residual)
+    if residual is not None:
+        return _rms_norm_residual(x, weight, residual, eps, zero_centered_gamma)
+    return _rms_norm(x, weight, None, eps, zero_centered_gamma)
+
+
+class RMSNorm(torch.nn.Module):
+    """nn.Module form of fusedloss.rms_norm with a learnable weight [hidden_size], initialised
+    like torch.nn.RMSNorm's (ones), or zeros with zero_centered_gamma (gamma = 1 + weight)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        hidden_size = as_int(hidden_size, "hidden_size")
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size: got {hidden_size}, expected >= 1")
+        eps = as_float(eps, "eps")
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps: got {eps}, expected a finite value > 0")
+        self.hidden_size, self.eps = hidden_size, eps
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            (self.weight.zero_() if self.zero_centered_gamma else self.weight.fill_(1.0))
+
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        return rms_norm(x, self.weight, self.eps, self.zero_centered_gamma, residual)
+
+    def extra_repr(self):
+        return (f"{self.hidden_size}, eps={self.eps}"
+                + (", zero_centered_gamma=True" if self.zero_centered_gamma else ""))

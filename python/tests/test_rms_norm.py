@@ -1,0 +1,246 @@
+"""fusedloss.rms_norm / RMSNorm against a float64 reference written from the definition: every
+variant (eps, zero-centred gamma, weight dtypes, fused residual), every layout torch allows,
+torch.compile fullgraph, determinism, bad inputs with clear errors, and a property test."""
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import fusedloss
+from layouts import LAYOUTS, leaf
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(actual, expected, tol):
+    expected = expected.detach().double().cpu()
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.detach().double().cpu(), expected, rtol=tol, atol=tol * max(scale, 1e-6))
+
+
+def run(device, dtype=torch.float32, shape=(37, 256), wdtype=None, eps=1e-5, zc=False,
+        residual=False, layout="contiguous", use_s=False):
+    gen = torch.Generator().manual_seed(1234)
+    wdtype = wdtype or dtype
+    H = shape[-1]
+    xb, xview = leaf(layout, shape, dtype, device, gen, scale=2.0)
+    w0 = torch.randn(H, generator=gen, dtype=torch.float64) * 0.3 + (0.0 if zc else 1.0)
+    w = w0.to(wdtype).to(device).requires_grad_(True)
+    x = xview(xb)
+    r = None
+    if residual:
+        rb = (torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype).to(device).requires_grad_(True)
+        r = rb
+    out = fusedloss.rms_norm(x, w, eps=eps, zero_centered_gamma=zc, residual=r)
+    # reference: float64 from the same stored values; s rounded to the dtype like the kernels
+    x64b = xb.detach().double().requires_grad_(True)
+    x64 = xview(x64b)
+    w64 = w.detach().double().requires_grad_(True)
+    if residual:
+        r64 = r.detach().double().requires_grad_(True)
+        s_stored = (x.detach().float() + r.detach().float()).to(dtype).double()
+        # the gradient flows to x and r unchanged through the sum; the value is the stored one
+        s64 = x64 + r64 + (s_stored - (x64 + r64)).detach()
+    else:
+        s64 = x64
+    gamma = w64 + 1 if zc else w64
+    y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + eps) * gamma
+    tol = TOL[dtype]
+    y = out[0] if residual else out
+    assert y.dtype == dtype and y.shape == torch.Size(shape)
+    _close(y, y64, tol)
+    gy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    loss, loss64 = (y.double() * gy.to(device)).sum(), (y64 * gy).sum()
+    if residual:
+        s = out[1]
+        assert s.dtype == dtype and s.shape == torch.Size(shape)
+        _close(s, s_stored, 0)
+        if use_s:
+            gs = torch.randn(shape, generator=gen, dtype=torch.float64)
+            loss, loss64 = loss + (s.double() * gs.to(device)).sum(), loss64 + (s64 * gs).sum()
+    loss.backward()
+    loss64.backward()
+
+    def check_dx(actual, expected):
+        if H > 1:
+            return _close(actual, expected, tol)
+        # H = 1: dx = rstd dy gamma (1 - xhat^2) with xhat^2 ~ 1, measured against the terms
+        t = (torch.rsqrt(s64.detach().pow(2) + eps) * gy * gamma.detach()).abs()
+        terms = t.max().item() if t.numel() else 1.0
+        torch.testing.assert_close(actual.double().cpu(), expected, rtol=0, atol=tol * max(terms, 1e-6))
+
+    check_dx(xb.grad, x64b.grad)
+    assert xb.grad.dtype == dtype
+    assert w.grad.dtype == wdtype and w.grad.shape == w.shape
+    _close(w.grad, w64.grad, max(tol, TOL.get(wdtype, 2e-5)))  # returned in the weight's dtype
+    if residual:
+        check_dx(r.grad, r64.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_plain(device, dtype):
+    run(device, dtype)
+
+
+@pytest.mark.parametrize("dtype,wdtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                          (torch.float16, torch.float32), (torch.float32, torch.float16),
+                                          (torch.bfloat16, torch.float16), (torch.float32, torch.float64)])
+def test_weight_dtype_differs(device, dtype, wdtype):
+    run(device, dtype, wdtype=wdtype)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.25])
+@pytest.mark.parametrize("zc", [False, True])
+def test_eps_and_zero_centered_gamma(device, eps, zc):
+    run(device, eps=eps, zc=zc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_s", [False, True])
+def test_fused_residual(device, dtype, use_s):
+    run(device, dtype, residual=True, use_s=use_s)
+
+
+def test_megatron_3d_layout(device):
+    run(device, shape=(16, 2, 96))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(6, 40), (3, 2, 9)])
+def test_layouts(device, layout, shape):
+    run(device, shape=shape, layout=layout)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (5, 1), (1, 1)])
+def test_edge_shapes(device, shape):
+    run(device, shape=shape)
+
+
+def test_rows_of_zeros_are_finite(device):
+    x = torch.zeros(4, 64, device=device, requires_grad=True)
+    w = torch.ones(64, device=device, requires_grad=True)
+    y = fusedloss.rms_norm(x, w)
+    y.backward(torch.randn_like(y))
+    assert torch.equal(y, torch.zeros_like(y))
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_matches_torch_rms_norm(device):
+    x = torch.randn(33, 128, device=device)
+    w = torch.randn(128, device=device)
+    torch.testing.assert_close(fusedloss.rms_norm(x, w, eps=1e-6),
+                               torch.nn.functional.rms_norm(x, (128,), w, eps=1e-6), rtol=2e-5, atol=2e-5)
+
+
+def test_deterministic(device):
+    x = torch.randn(700, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(256, device=device, dtype=torch.float32)
+    g = torch.randn(700, 256, device=device, dtype=torch.bfloat16)
+    results = []
+    for _ in range(2):
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        fusedloss.rms_norm(xx, ww).backward(g)
+        results.append((xx.grad, ww.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_module(device):
+    m = fusedloss.RMSNorm(64, eps=1e-6, device=device)
+    assert torch.equal(m.weight, torch.ones(64, device=device))
+    mz = fusedloss.RMSNorm(64, zero_centered_gamma=True, device=device, dtype=torch.bfloat16)
+    assert torch.equal(mz.weight, torch.zeros(64, device=device, dtype=torch.bfloat16))
+    x = torch.randn(5, 64, device=device)
+    torch.testing.assert_close(m(x), torch.nn.RMSNorm(64, eps=1e-6, device=device)(x), rtol=2e-5, atol=2e-5)
+    xb = x.bfloat16()
+    torch.testing.assert_close(mz(xb).float(), torch.nn.RMSNorm(64, eps=1e-5, device=device)(xb.float()),
+                               rtol=2e-2, atol=2e-2)
+    y, s = m(x, residual=x)
+    torch.testing.assert_close(s, 2 * x)
+    assert "zero_centered_gamma=True" in repr(mz)
+
+
+def test_compile_fullgraph(device):
+    m = fusedloss.RMSNorm(96, device=device)
+    x = torch.randn(8, 96, device=device, requires_grad=True)
+
+    def f(x, r):
+        y, s = fusedloss.rms_norm(x, m.weight, 1e-5, False, r)
+        return (m(x) * 2).sum() + (y * s).sum()
+
+    r = torch.randn(8, 96, device=device, requires_grad=True)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(x, r)
+    out.backward()
+    gx, gw, gr = x.grad.clone(), m.weight.grad.clone(), r.grad.clone()
+    x.grad = m.weight.grad = r.grad = None
+    f(x, r).backward()
+    torch.testing.assert_close(out, f(x, r))
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, m.weight.grad)
+    torch.testing.assert_close(gr, r.grad)
+
+
+def test_double_backward_raises(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.ones(16, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(fusedloss.rms_norm(x, w).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x, w: fusedloss.rms_norm(x, w[:7]), ValueError, r"weight: got shape \(7,\), expected \(8,\)"),
+    (lambda x, w: fusedloss.rms_norm(x, w.view(2, 4)), ValueError, r"weight: got shape \(2, 4\)"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=0.0), ValueError, "eps: got 0.0, expected a finite value > 0"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=-1.0), ValueError, "eps: got -1.0"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=float("nan")), ValueError, "eps: got nan"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=float("inf")), ValueError, "eps: got inf"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps="1e-5"), TypeError, "eps"),
+    (lambda x, w: fusedloss.rms_norm(x.long(), w), ValueError, "x.dtype: got torch.int64"),
+    (lambda x, w: fusedloss.rms_norm(x, w.long()), ValueError, "weight.dtype: got torch.int64"),
+    (lambda x, w: fusedloss.rms_norm(x, [1.0] * 8), TypeError, "weight: got list"),
+    (lambda x, w: fusedloss.rms_norm(x[:, :0], w[:0]), ValueError, r"x: got shape \(4, 0\)"),
+    (lambda x, w: fusedloss.rms_norm(x, w, residual=x.half()), ValueError, "residual: got shape"),
+    (lambda x, w: fusedloss.rms_norm(x, w, residual=x[:2]), ValueError, "residual: got shape"),
+    (lambda x, w: fusedloss.rms_norm(x, w, zero_centered_gamma=1), TypeError, "zero_centered_gamma"),
+    (lambda x, w: fusedloss.RMSNorm(0), ValueError, "hidden_size: got 0"),
+    (lambda x, w: fusedloss.RMSNorm(8.0), TypeError, "hidden_size"),
+    (lambda x, w: fusedloss.RMSNorm(8, eps=0), ValueError, "eps: got 0.0"),
+])
+def test_bad_inputs(call, error, match):
+    x, w = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(error, match=match):
+        call(x, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch():
+    with pytest.raises(ValueError, match="weight.device"):
+        fusedloss.rms_norm(torch.randn(4, 8, device="cuda"), torch.ones(8))
+
+
+# ---- property test: shapes, layouts, dtypes, options ----
+
+DEVICE = os.environ.get("FUSEDLOSS_PROPERTY_DEVICE", "cpu")
+EXAMPLES = int(os.environ.get("FUSEDLOSS_PROPERTY_EXAMPLES", "40"))
+
+
+@settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_property(data):
+    draw = data.draw
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    wdtype = draw(st.sampled_from([dtype, torch.float32, torch.float64]))
+    cols = draw(st.integers(1, 70))
+    rows = draw(st.integers(0, 9))
+    shape = (rows, cols) if draw(st.booleans()) else (draw(st.integers(1, 3)), rows, cols)
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    layout = draw(st.sampled_from(LAYOUTS)) if n > 1 else "contiguous"
+    run(DEVICE, dtype, shape=shape, wdtype=wdtype, eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+        zc=draw(st.booleans()), residual=draw(st.booleans()) and layout == "contiguous",
+        layout=layout, use_s=draw(st.booleans()))
