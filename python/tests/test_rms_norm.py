@@ -34,12 +34,12 @@ def run(device, dtype=torch.float32, shape=(37, 256), wdtype=None, eps=1e-5, zc=
         r = rb
     out = fusedloss.rms_norm(x, w, eps=eps, zero_centered_gamma=zc, residual=r)
     # reference: float64 from the same stored values; s rounded to the dtype like the kernels
-    x64b = xb.detach().double().requires_grad_(True)
+    x64b = xb.detach().double().cpu().requires_grad_(True)  # the reference runs on the CPU
     x64 = xview(x64b)
-    w64 = w.detach().double().requires_grad_(True)
+    w64 = w.detach().double().cpu().requires_grad_(True)
     if residual:
-        r64 = r.detach().double().requires_grad_(True)
-        s_stored = (x.detach().float() + r.detach().float()).to(dtype).double()
+        r64 = r.detach().double().cpu().requires_grad_(True)
+        s_stored = (x.detach().float() + r.detach().float()).to(dtype).double().cpu()
         # the gradient flows to x and r unchanged through the sum; the value is the stored one
         s64 = x64 + r64 + (s_stored - (x64 + r64)).detach()
     else:
