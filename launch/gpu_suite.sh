@@ -2,11 +2,16 @@
 # On a GPU machine: build for the local GPU, run the whole test suite, the CUDA tests under
 # compute-sanitizer (memcheck, racecheck), the kernels' resource usage, and the benchmark.
 # Logs and result CSVs go to ${OUT:-gpu-out}. Set SKIP_BENCH=1 / SKIP_SANITIZER=1 to shorten.
+# Python: PYTHON, else the active environment, else python3 when it already has torch (GPU
+# machines ship one; they often have no network for a fresh .venv), else .venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PATH="$PATH:/usr/local/cuda/bin"
+if [ -z "${PYTHON:-}${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python3 -c "import torch" 2>/dev/null; then
+  export PYTHON=python3
+fi
 source launch/python_env.sh
 status=0
 step() { echo "== $*"; }
@@ -35,14 +40,19 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
 fi
 
 step "python package (pip install ., pytest on CPU and CUDA)"
-# Installs, then one pytest process per file with a line per test: a crash in one file keeps
-# every other file's report and this file's progress up to the crash.
+# Installs, then one pytest process per file with a line per test, all files at once (the
+# machine has cores to spare; the slowest file sets the time): a crash in one file keeps every
+# other file's report and this file's progress up to the crash.
 FUSEDLOSS_OFFLINE=${FUSEDLOSS_OFFLINE:-1} launch/python.sh --collect-only -q > "$OUT/pytest.log" 2>&1 ||
   status=1
+pids=()
 for f in python/tests/test_*.py; do
-  (cd python/tests && "$PY" -m pytest -v -rs -p no:cacheprovider "$(basename "$f")") \
-    >> "$OUT/pytest.log" 2>&1 || status=1
+  name=$(basename "$f" .py)
+  (cd python/tests && "$PY" -m pytest -v -rs -p no:cacheprovider "$name.py") > "$OUT/pytest-$name.log" 2>&1 &
+  pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+cat "$OUT"/pytest-test_*.log >> "$OUT/pytest.log" && rm -f "$OUT"/pytest-test_*.log
 grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
