@@ -53,7 +53,7 @@ def _worker(rank, world, port, backend, rows, v_local, iters, out):
     if world > 1:
         res["checked"] = _time_us(call(True), iters, sync)
         res["unchecked"] = _time_us(call(False), iters, sync)
-    res["exchange"] = _time_us(lambda: _distributed.agree(group, rows, v_local, None, "bench"), iters, sync)
+    res["exchange"] = _time_us(lambda: _distributed.agree(group, rows, v_local, 0, None, "bench"), iters, sync)
     if rank == 0:
         out.put(res)
     dist.barrier()

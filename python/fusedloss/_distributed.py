@@ -4,9 +4,9 @@ Custom-op schemas cannot carry process groups, so an op carries its group's name
 which torch.compile traces as a constant, and resolves it back at run time.
 
 Shard agreement: before any collective whose size depends on the arguments, every rank
-contributes a fixed-size header (its rows, its V_local and whether it rejected its own
-arguments), so a disagreement, or a rank whose arguments were bad, raises the same ValueError on
-every rank at the same call instead of leaving the others waiting in a collective (or merging
+contributes a fixed-size header (its rows, its V_local, a fingerprint of its options and whether
+it rejected its own arguments), so a disagreement, or a rank whose arguments were bad, raises the
+same ValueError on every rank at the same call instead of leaving the others waiting in a collective (or merging
 mismatched shards). The same guarantee as the C++ API's header exchange.
 """
 from typing import Optional
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _C
 
 _GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
-_HEADER = 3   # int64: rows, V_local, rejected (0/1)
+_HEADER = 4   # int64: rows, V_local, options fingerprint, rejected (0/1)
 _MESSAGE_BYTES = 512
 
 try:  # c10d's own name -> group map (what functional collectives use)
@@ -74,10 +74,12 @@ def _header_device(group):
     return torch.device("cpu")
 
 
-def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None:
-    """Every rank learns every rank's rows, V_local and rejection at the same call, and raises
-    the same ValueError when anything disagrees. Costs one all-gather of 24 B per rank and its
-    host sync (plus one of 512 B per rank when a rank rejected its arguments)."""
+def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str) -> None:
+    """Every rank learns every rank's rows, V_local, options fingerprint (any int the ranks must
+    share, e.g. hash() of the options: numbers hash the same in every process) and rejection at
+    the same call, and raises the same ValueError when anything disagrees. Costs one all-gather
+    of 32 B per rank and its host sync (plus one of 512 B per rank when a rank rejected its
+    arguments). rows = -1: the rank rejected its arguments before its shapes were known."""
     device = _header_device(group)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -85,12 +87,14 @@ def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, v_local, error is not None], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None], dtype=torch.int64,
+                        device=device)
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
-    rejected = [r for r, h in enumerate(headers) if h[2]]
-    if rejected:
+    rejected = [r for r, h in enumerate(headers) if h[3]]
+    reason = None
+    if rejected:  # every rank takes part in the second gather, whichever error is reported
         text = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
         msg = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
         msgs = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
@@ -98,13 +102,21 @@ def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None
         first = rejected[0]
         raw = bytes(msgs.view(world, _MESSAGE_BYTES)[first].cpu().tolist())
         others = f" (ranks {rejected} rejected their arguments)" if len(rejected) > 1 else ""
-        raise _C.Error(f"{op}: vocab-parallel rank {first}: "
-                       f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
-    rows0, v0, _ = headers[0]
-    for r, (rr, vv, _) in enumerate(headers):
+        reason = (f"{op}: vocab-parallel rank {first}: "
+                  f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
+        if any(headers[r][0] < 0 for r in rejected):  # before its shapes: nothing else to compare
+            raise _C.Error(reason)
+    rows0, v0, opt0, _ = headers[0]
+    for r, (rr, vv, oo, _) in enumerate(headers):
         if rr != rows0:
             raise _C.Error(f"{op}: vocab-parallel rows: rank {r} has {rr} rows, rank 0 has {rows0}; "
                            "expected the same rows on every rank")
         if vv != v0:
             raise _C.Error(f"{op}: vocab-parallel shard size: rank {r} has V_local {vv}, rank 0 has "
                            f"{v0}; expected equal shards on every rank")
+        if oo != opt0:
+            raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
+                           "the same options (ignore_index, label_smoothing, smoothing_formula, "
+                           "smoothing_scope, z_loss, reduction) on every rank")
+    if reason is not None:
+        raise _C.Error(reason)

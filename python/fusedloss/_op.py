@@ -1,12 +1,17 @@
-"""One scaffold for every fused op: torch custom ops (forward, backward, in-place backward) with
-fake implementations, autograd for the traced path and a lighter autograd.Function for eager
-calls, the in-place consumption rules and the double-backward guard on both paths.
+"""One scaffold for every fused op: torch custom ops (forward, backward) with fake
+implementations, autograd for the traced path and a lighter autograd.Function for eager calls,
+the in-place consumption rules and the double-backward guard on both paths.
 
 An op supplies its kernels and two functions:
   setup(ctx, inputs, outputs)        saves what the backward needs (both paths)
   backward(ctx, grad, kernels)       -> (input grads, the input it overwrote or None); `kernels`
                                      holds the backward kernels as plain functions (eager) or
                                      as the custom ops (traced), under the same names
+
+In-place backward kernels (given with fake None) run on the eager path only: a traced graph
+cannot tell whether an input's memory belongs to the caller (under AOTAutograd a graph input is
+written back to the caller's tensor, a parameter included), so setup sees ctx.traced = True
+there and ops take their out-of-place kernel (_views.inplace_refused decides).
 """
 from types import SimpleNamespace
 
@@ -17,11 +22,12 @@ from torch import Tensor
 class _NoSecondOrder(torch.autograd.Function):
     """The backward passes are kernels, not differentiable torch ops: under create_graph=True
     the gradients they return would act as constants and a second-order gradient through them
-    would be silently wrong. This node raises if anything differentiates through them (using
-    their values stays free)."""
+    would be silently wrong (or silently dropped). This node joins each gradient to the op's
+    differentiable inputs ("anchors") and raises if anything differentiates through it; using
+    the gradients' values stays free."""
 
     @staticmethod
-    def forward(ctx, grad, op):
+    def forward(ctx, grad, op, *anchors):
         ctx.op = op
         return grad.view_as(grad)
 
@@ -32,10 +38,12 @@ class _NoSecondOrder(torch.autograd.Function):
                            "kernel, not a differentiable op")
 
 
-def _guard(grad, op):
-    if not grad.requires_grad:
+def _guard(grad, op, anchors):
+    if not anchors and not grad.requires_grad:
         grad = grad.detach().requires_grad_()
-    return _NoSecondOrder.apply(grad, op)
+    return _NoSecondOrder.apply(grad, op, *anchors)
+
+
 
 
 class FusedOp:
@@ -44,7 +52,7 @@ class FusedOp:
         """forward: the annotated forward implementation (its first n_outputs outputs are what
         callers get: a tensor, or a tuple when n_outputs > 1, and backward() then receives a
         tuple of their gradients, None or zeros where unused); kernels: {suffix:
-        (implementation, fake, mutated argument names)}."""
+        (implementation, fake, mutated argument names)}, fake None for an eager-only kernel."""
         self.name = f"fusedloss.{name}"
         self._n = n_outputs
         self._inplace_flag = inplace_flag
@@ -54,18 +62,27 @@ class FusedOp:
         self.forward_op.register_fake(forward_fake)
         eager, traced = {}, {}
         for suffix, (impl, fake, mutates) in kernels.items():
-            op = torch.library.custom_op(f"fusedloss::{name}_{suffix}", mutates_args=mutates)(impl)
-            op.register_fake(fake)
-            eager[suffix], traced[suffix] = impl, op
+            eager[suffix] = impl
+            if fake is not None:
+                op = torch.library.custom_op(f"fusedloss::{name}_{suffix}", mutates_args=mutates)(impl)
+                op.register_fake(fake)
+                traced[suffix] = op
         self._eager_kernels, self._traced_kernels = SimpleNamespace(**eager), SimpleNamespace(**traced)
-        self.forward_op.register_autograd(self._traced_backward, setup_context=setup)
+        self.forward_op.register_autograd(self._traced_backward, setup_context=self._traced_setup)
         self._function = self._eager_function()
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             out = self.forward_op(*args)
-            return out[0] if self._n == 1 else tuple(out[:self._n])
-        return self._function.apply(*args)
+        elif torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+            return self._function.apply(*args)
+        else:  # nothing to differentiate (no_grad, inference_mode, constants): no node, nothing saved
+            out = self._forward(*args)
+        return out[0] if self._n == 1 else tuple(out[:self._n])
+
+    def _traced_setup(self, ctx, inputs, output):
+        ctx.traced = True
+        self._setup(ctx, inputs, output)
 
     def _eager_function(self):
         op = self
@@ -77,6 +94,7 @@ class FusedOp:
             @staticmethod
             def forward(ctx, *inputs):
                 outputs = op._forward(*inputs)
+                ctx.traced = False
                 op._setup(ctx, inputs, outputs)
                 return outputs[0] if op._n == 1 else tuple(outputs[:op._n])
 
@@ -101,12 +119,16 @@ class FusedOp:
                 "to backward twice (retain_graph=True).")
         if not torch.is_grad_enabled():  # a plain backward: nothing to guard
             grads, overwritten = self._op_backward(ctx, grad, kernels)
+            anchors = None
         else:
+            # read before the kernels run: an in-place kernel bumps the saved input's version
+            anchors = [t for t in ctx.saved_tensors if isinstance(t, Tensor) and t.requires_grad]
             with torch.no_grad():
                 grads, overwritten = self._op_backward(ctx, grad, kernels)
-            grads = tuple(_guard(g, self.name) if isinstance(g, Tensor) else g for g in grads)
         if overwritten is not None:
             ctx.consumed = True
             # The input now holds its gradient: any later reader trips autograd's version check.
             torch.autograd.graph.increment_version(overwritten)
+        if anchors is not None:
+            grads = tuple(_guard(g, self.name, anchors) if isinstance(g, Tensor) else g for g in grads)
         return grads

@@ -7,7 +7,10 @@ allows (expanded/stride-0 rows, transposes, step slices, overlapping `as_strided
 copied here first; auxiliary tensors (bias, scales, grad_output, targets) are small and always
 made contiguous in the dtype the kernel computes with.
 """
+import numbers
 import operator
+import os
+import sys
 import warnings
 
 import torch
@@ -53,28 +56,48 @@ def require_float_aux(t, name):
     return t
 
 
+def require_index_dtype(t, name):
+    """Class indices: any integer dtype whose values fit int64 (uint64's may not)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype in (torch.bool, torch.uint64):
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected an integer dtype (class indices; "
+                         "signed, or uint8/uint16/uint32)")
+    return t
+
+
 def require_same_device(t, name, ref, ref_name):
     if t.device != ref.device:
         raise ValueError(f"{name}.device: got {t.device}, expected {ref.device} ({ref_name}'s device)")
 
 
 def as_int(value, name):
-    """An integer argument: ints and integer-like objects (numpy, 0-d int tensors), never a
-    float or bool truncated silently."""
+    """An integer argument that fits int64: ints and integer-like objects (numpy, 0-d int
+    tensors), never a float or bool truncated silently."""
     if isinstance(value, bool):
         raise TypeError(f"{name}: got {value!r}, expected an int")
     try:
-        return operator.index(value)
+        v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected an int") from None
+    if not -2**63 <= v < 2**63:
+        raise ValueError(f"{name}: got {v}, expected an int64 value")
+    return v
 
 
 def as_float(value, name):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a float")
-    if isinstance(value, Tensor) and value.numel() != 1:
-        raise TypeError(f"{name}: got a tensor of shape {tuple(value.shape)}, expected a float")
+    """A real number (int, float, numpy scalar, 0-d real tensor), never a string, a bool or a
+    complex value losing its imaginary part."""
+    complex_like = (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)) or (
+        isinstance(value, Tensor) and (value.is_complex() or value.numel() != 1))
+    if isinstance(value, (bool, str)) or complex_like or not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a real number")
     return float(value)
+
+
+def as_bool(value, name):
+    """A flag: True or False (numpy's bool too), never a string or a number taken for one."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected True or False")
 
 
 def as_choice(value, name, allowed):
@@ -116,9 +139,12 @@ def storage_is_ours(t: Tensor) -> bool:
     return not t.is_leaf and not base.is_leaf and _rows_view(t) is not None
 
 
-def inplace_refused(t: Tensor, op: str, arg: str, flag: str) -> bool:
-    """True when the in-place gradient must go to a new buffer instead (with a warning, which
-    Python's filters show once per call site by default)."""
+def inplace_refused(ctx, t: Tensor, op: str, arg: str, flag: str) -> bool:
+    """True when the in-place gradient must go to a new buffer instead: always on the traced
+    path (ctx.traced, see _op.py), else when t's memory is not ours, with a warning pointing at
+    the caller's line."""
+    if ctx.traced:
+        return True
     if storage_is_ours(t):
         return False
     base = t._base if t._base is not None else t
@@ -126,8 +152,21 @@ def inplace_refused(t: Tensor, op: str, arg: str, flag: str) -> bool:
            if t.is_leaf or base.is_leaf else
            "its layout cannot be addressed in place (the kernels read a copy of it)")
     warnings.warn(f"{op}: {flag}=True, but {arg} is not overwritten: {why}; its gradient goes "
-                  "to a new buffer", stacklevel=5)
+                  "to a new buffer", stacklevel=_caller_stacklevel())
     return True
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel for the first frame outside fusedloss and torch, from the
+    function that calls warnings.warn: the caller's line, so Python's once-per-location filter
+    shows the warning once per call site."""
+    level, frame = 2, sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
 
 def values_in(t, dtype):
@@ -158,8 +197,7 @@ def matrix(t):
 def index(t, name):
     """Class indices as a contiguous int32/int64 vector (other integer dtypes are widened)."""
     if t.dtype not in _INDEX:
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise ValueError(f"{name}.dtype: got {t.dtype}, expected an integer dtype (class indices)")
+        require_index_dtype(t, name)
         t = t.to(torch.int64)
     t = t.reshape(-1).contiguous()
     return t, _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))

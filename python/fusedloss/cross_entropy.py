@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import agree, group_name, rank_and_size, resolve_group
 from ._op import FusedOp
-from ._views import (as_choice, as_float, as_int, index, inplace_refused, matrix, require_same_device,
+from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
@@ -86,7 +86,8 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
             raise
         error = str(e)
     if check_agreement:
-        agree(g, rows, v_local, error, _OP)
+        agree(g, rows, v_local, hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction)),
+              error, _OP)
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
@@ -141,7 +142,7 @@ def _setup(ctx, inputs, output):
     logits, target, *opts, _check, inplace = inputs
     _, lse, count = output
     ctx.opts = tuple(opts)
-    ctx.inplace = inplace and not inplace_refused(logits, _OP, "logits", "inplace_backward")
+    ctx.inplace = inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward")
     ctx.save_for_backward(logits, target, lse, count)
 
 
@@ -158,7 +159,7 @@ _cross_entropy = FusedOp(
     "cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_grads,
     inplace_flag="inplace_backward",
     kernels={"bwd": (_backward, _backward_fake, ()),
-             "bwd_": (_backward_inplace, lambda *args: None, ("logits",))})
+             "bwd_": (_backward_inplace, None, ("logits",))})  # eager only
 
 
 def _validate(logits, target):
@@ -170,8 +171,7 @@ def _validate(logits, target):
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(logits.shape[:-1])} "
                          "(the logits' shape without the vocab dim)")
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise ValueError(f"target.dtype: got {target.dtype}, expected an integer dtype (class indices)")
+    require_index_dtype(target, "target")
     require_same_device(target, "target", logits, "the logits")
 
 
@@ -202,30 +202,33 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
 
     tp_group of size > 1: the logits are this rank's contiguous vocab shard (rank r holds
     [r V_local, (r+1) V_local)) and targets are global ids. Every call first checks that all
-    ranks agree (same rows, equal V_local, no rank rejected its arguments) and raises the same
-    error on every rank otherwise; that costs one tiny all-gather and a host sync.
+    ranks agree (same rows, equal V_local, the same options, no rank rejected its arguments) and
+    raises the same error on every rank otherwise; that costs one tiny all-gather and a host sync.
     `check_shard_agreement=False` skips it (for CUDA-graph capture): the caller then guarantees
     agreement, and a disagreement is undefined behaviour of the collective.
 
     inplace_backward=True writes the gradient into the logits' memory (no [N, V] gradient
-    buffer); the logits are then consumed: reading them afterwards, or a second backward,
-    raises. Memory the caller owns is never written: when the logits are a leaf, a view of a
-    leaf, or a layout the kernels must copy, the gradient goes to a new buffer (warned once).
+    buffer); the logits are then consumed: they hold the gradient, autograd's version check
+    fails for any later autograd use of them, and a second backward raises. Memory the caller
+    owns is never written: when the logits are a leaf, a view of a leaf, or a layout the kernels
+    must copy, the gradient goes to a new buffer (with a warning). Under torch.compile the
+    gradient always goes to a new buffer (a traced graph cannot tell whose memory an input is).
 
     Never synchronises the host on CUDA at TP=1; an out-of-range target makes its row NaN and
     is raised by fusedloss.check_device_errors().
     """
-    opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
-                        z_loss)
     name = group_name(tp_group)
-    check = bool(check_shard_agreement)
-    try:
+    check = as_bool(check_shard_agreement, "check_shard_agreement")
+    try:  # at TP > 1 a rank's own mistake reaches every rank through the agreement
+        opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                            reduction, z_loss)
+        inplace = as_bool(inplace_backward, "inplace_backward")
         _validate(logits, target)
     except (TypeError, ValueError) as e:
         if not name or not check:
             raise
-        agree(resolve_group(name), -1, -1, str(e), _OP)  # raises on every rank
-    loss = _cross_entropy(logits, target, *opts, name, check, bool(inplace_backward))
+        agree(resolve_group(name), -1, -1, 0, str(e), _OP)  # raises on every rank
+    loss = _cross_entropy(logits, target, *opts, name, check, inplace)
     return loss.view(target.shape) if opts[-1] == _NONE else loss
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
+from ._views import (as_bool, as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
                      rows_of, stream_of, values_in, vector)
 
 _OP = "fusedloss.rms_norm"
@@ -70,7 +70,9 @@ def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Option
     xr, _ = rows_of(x)
     rows, hidden = xr.shape
     gr = rows_of(g.to(x.dtype))[0]  # may arrive expanded (the gradient of a sum) or strided
-    gs = matrix(rows_of(grad_s.to(x.dtype))[0]) if grad_s is not None else _ABSENT
+    # kept alive until the kernel has run: a view holds only the pointer
+    gsr = rows_of(grad_s.to(x.dtype))[0] if grad_s is not None else None
+    gs = matrix(gsr) if gsr is not None else _ABSENT
     dx = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty(hidden, dtype=torch.float32, device=x.device)
     # the weight gradient's partials through torch's allocator (CUDA graphs, the caching pool)
@@ -133,8 +135,7 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
     eps = as_float(eps, "eps")
     if not (math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps: got {eps}, expected a finite value > 0")
-    if not isinstance(zero_centered_gamma, bool):
-        raise TypeError(f"zero_centered_gamma: got {zero_centered_gamma!r}, expected a bool")
+    as_bool(zero_centered_gamma, "zero_centered_gamma")
     if residual is not None:
         require_values(residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -175,7 +176,9 @@ class RMSNorm(torch.nn.Module):
         if not (math.isfinite(eps) and eps > 0):
             raise ValueError(f"eps: got {eps}, expected a finite value > 0")
         self.hidden_size, self.eps = hidden_size, eps
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype: got {dtype}, expected a floating-point dtype for the weight")
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.reset_parameters()
 

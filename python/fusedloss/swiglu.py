@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (as_float, inplace_refused, matrix, require_float_aux, require_same_device,
+from ._views import (as_bool, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, values_in, vector)
 
 _OP = "fusedloss.swiglu"
@@ -34,8 +34,8 @@ def _torch_clamp_passes_at_bound() -> Tuple[bool, bool]:
     unfused clamped SwiGLU). The rule has changed between torch releases; bf16 values land on
     the bound often, so the kernels follow whichever rule is running. Probed on first use, not
     at import: a backward starts autograd's device threads, which counts the GPUs."""
-    x = torch.tensor([1.0, 1.0, -1.0], requires_grad=True)
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():  # whatever mode the first call runs in
+        x = torch.tensor([1.0, 1.0, -1.0], requires_grad=True)
         grad, = torch.autograd.grad(x[:1].clamp(max=1.0).sum() + x[1:].clamp(min=-1.0, max=1.0).sum(), x)
     gate, up_hi, up_lo = (bool(v == 1) for v in grad)
     if up_hi != up_lo:
@@ -121,15 +121,11 @@ def _backward_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Opt
     return _backward_into(g, x, bias, weights, clamp_value, x)
 
 
-def _backward_inplace_fake(g, y, bias, weights, clamp_value):
-    return _backward_fake(g, y, None, bias, weights, clamp_value, False)[1:]
-
-
 def _setup(ctx, inputs, output):
     y, bias, weights, clamp_value, fp8_input_store, inplace = inputs
     _, saved = output
     ctx.clamp_value, ctx.fp8, ctx.y_shape = clamp_value, fp8_input_store, y.shape
-    ctx.inplace = inplace and not inplace_refused(y, _OP, "y", "inplace_backward")
+    ctx.inplace = inplace and not inplace_refused(ctx, y, _OP, "y", "inplace_backward")
     ctx.aux = [(None if t is None else (t.shape, t.dtype)) for t in (bias, weights)]
     # With the fp8 store only the e4m3 copy is kept, as in Megatron.
     ctx.save_for_backward(y if not fp8_input_store else None, saved, bias, weights)
@@ -154,15 +150,15 @@ _swiglu = FusedOp(
     "swiglu", forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_grads,
     inplace_flag="inplace_backward",
     kernels={"bwd": (_backward, _backward_fake, ()),
-             "bwd_": (_backward_inplace, _backward_inplace_fake, ("y",))})
+             "bwd_": (_backward_inplace, None, ("y",))})  # eager only
 
 
 def _inplace_flag(inplace_backward, in_place):
     if in_place is None:
-        return bool(inplace_backward)
+        return as_bool(inplace_backward, "inplace_backward")
     warnings.warn("fusedloss.swiglu: in_place= is deprecated; use inplace_backward= (one spelling "
                   "for every op)", DeprecationWarning, stacklevel=3)
-    return bool(in_place)
+    return as_bool(in_place, "in_place")
 
 
 def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optional[Tensor] = None,
@@ -202,19 +198,36 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
         clamp_value = as_float(clamp_value, "clamp_value")
         if not (math.isfinite(clamp_value) and clamp_value > 0):
             raise ValueError(f"clamp_value: got {clamp_value}, expected a finite value > 0 or None")
+    fp8_input_store = as_bool(fp8_input_store, "fp8_input_store")
     if fp8_input_store and inplace:
         raise ValueError("inplace_backward=True with fp8_input_store=True: the fp8 store frees y for "
                          "an e4m3 copy, so there is no y left to write the gradient into; pick one")
-    return _swiglu(y, bias, per_token_scale, clamp_value, bool(fp8_input_store), inplace)
+    return _swiglu(y, bias, per_token_scale, clamp_value, fp8_input_store, inplace)
 
 
 class SwiGLU(torch.nn.Module):
-    """nn.Module form of fusedloss.swiglu (options fixed at construction)."""
+    """nn.Module form of fusedloss.swiglu (keyword options fixed and checked at construction)."""
+
+    _OPTIONS = ("clamp_value", "fp8_input_store", "inplace_backward", "in_place")
 
     def __init__(self, **options):
         super().__init__()
+        unknown = set(options) - set(self._OPTIONS)
+        if unknown:
+            raise TypeError(f"SwiGLU: unknown options {sorted(unknown)}; expected some of "
+                            f"{sorted(self._OPTIONS)}")
+        if options.get("clamp_value") is not None:
+            c = as_float(options["clamp_value"], "clamp_value")
+            if not (math.isfinite(c) and c > 0):
+                raise ValueError(f"clamp_value: got {c}, expected a finite value > 0 or None")
+        for flag in ("fp8_input_store", "inplace_backward", "in_place"):
+            if options.get(flag) is not None:
+                as_bool(options[flag], flag)
         self.options = options
 
     def forward(self, y: Tensor, bias: Optional[Tensor] = None,
                 per_token_scale: Optional[Tensor] = None) -> Tensor:
         return swiglu(y, bias, per_token_scale=per_token_scale, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

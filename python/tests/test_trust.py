@@ -246,3 +246,133 @@ def test_deprecated_in_place_spelling_still_works_and_warns(device):
         out = fusedloss.swiglu(y * 1, in_place=True)
     out.sum().backward()
     assert y.grad is not None
+
+
+# ---- found by probing the API as a new user would ----
+
+def test_rms_norm_residual_backward_with_an_expanded_gradient_of_s(device):
+    """The gradient of s arrives expanded (from s.sum()): its contiguous copy must live until
+    the kernel has run (it was freed at once: garbage gradients or a crash)."""
+    x = torch.randn(64, 96, device=device, requires_grad=True)
+    r = torch.randn(64, 96, device=device, requires_grad=True)
+    w = torch.randn(96, device=device)
+    for _ in range(3):  # allocations in between reuse freed memory
+        x.grad = r.grad = None
+        y, s = fusedloss.rms_norm(x, w, residual=r)
+        (y.sum() + s.sum()).backward()
+        s64 = x.detach().double() + r.detach().double()
+        s64.requires_grad_(True)
+        y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        (y64.sum() + s64.sum()).backward()
+        torch.testing.assert_close(x.grad.double(), s64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(r.grad.double(), s64.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "swiglu"])
+def test_compiled_inplace_never_writes_a_parameter(device, op):
+    p = torch.nn.Parameter(torch.randn(8, 10, device=device))
+    before = p.detach().clone()
+    t = torch.randint(0, 10, (8,), device=device)
+
+    def f(a):
+        if op == "cross_entropy":
+            return fusedloss.cross_entropy(a, t, inplace_backward=True)
+        return fusedloss.swiglu(a, inplace_backward=True).sum()
+
+    torch.compile(f, fullgraph=True, backend="aot_eager")(p).backward()
+    assert torch.equal(p.detach(), before)
+    ref = before.clone().requires_grad_(True)
+    (F.cross_entropy(ref, t) if op == "cross_entropy" else
+     (F.silu(ref[:, :5]) * ref[:, 5:]).sum()).backward()
+    torch.testing.assert_close(p.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_swiglu_inplace_on_an_intermediate(device):
+    y = torch.randn(8, 16, device=device, requires_grad=True)
+    f = torch.compile(lambda a: fusedloss.swiglu(a * 1.0, inplace_backward=True).sum(),
+                      fullgraph=True, backend="aot_eager")
+    f(y).backward()
+    ref = y.detach().clone().requires_grad_(True)
+    (F.silu(ref[:, :8]) * ref[:, 8:]).sum().backward()
+    torch.testing.assert_close(y.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "swiglu", "rms_norm"])
+def test_second_order_through_another_path_raises_instead_of_dropping(device, op):
+    """d/dh of (g(h)^2 + h^2) where g is the fused gradient: the fused part must raise, never be
+    silently treated as zero (the guard node was detached from h)."""
+    h = torch.randn(4, 6, device=device, requires_grad=True)
+    t = torch.randint(0, 6, (4,), device=device)
+    w = torch.randn(6, device=device)
+    out = {"cross_entropy": lambda: fusedloss.cross_entropy(h * 2, t),
+           "swiglu": lambda: fusedloss.swiglu(h * 2).sum(),
+           "rms_norm": lambda: fusedloss.rms_norm(h * 2, w).pow(2).sum()}[op]()
+    g, = torch.autograd.grad(out, h, create_graph=True)
+    with pytest.raises(RuntimeError, match=f"fusedloss.{op}: differentiating its gradient"):
+        torch.autograd.grad((g ** 2).sum() + (h ** 2).sum(), h)
+
+
+def test_inplace_with_create_graph_gives_usable_values(device):
+    h = torch.randn(4, 6, device=device, requires_grad=True)
+    t = torch.randint(0, 6, (4,), device=device)
+    g, = torch.autograd.grad(fusedloss.cross_entropy(h * 2, t, inplace_backward=True), h,
+                             create_graph=True)
+    ref = h.detach().clone().requires_grad_(True)
+    F.cross_entropy(ref * 2, t).backward()
+    torch.testing.assert_close(g.detach(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_clamped_swiglu_first_called_under_inference_mode():
+    """The clamp rule is probed on first use, whatever grad mode that call runs in."""
+    import subprocess
+    import sys
+    code = ("import torch, fusedloss\n"
+            "with torch.inference_mode():\n"
+            "    print(fusedloss.swiglu(torch.randn(8, 8), clamp_value=0.5).shape)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_no_inplace_warning_without_autograd(device):
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    t = torch.randint(0, 6, (4,), device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            fusedloss.cross_entropy(x, t, inplace_backward=True)
+        with torch.inference_mode():
+            fusedloss.swiglu(x, inplace_backward=True)
+
+
+def test_inplace_warning_points_at_the_callers_line(device):
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    with pytest.warns(UserWarning) as record:
+        fusedloss.cross_entropy(x, torch.randint(0, 6, (4,), device=device), inplace_backward=True)
+    assert record[0].filename == __file__
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),
+                                       ignore_index=2**63), ValueError, "ignore_index: got 9223372036854775808"),
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.uint64, device=d)),
+     ValueError, "target.dtype: got torch.uint64"),
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),
+                                       inplace_backward="no"), TypeError, "inplace_backward: got 'no'"),
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),
+                                       check_shard_agreement=1), TypeError, "check_shard_agreement: got 1"),
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),
+                                       label_smoothing=0.1 + 1j), TypeError, "label_smoothing: got"),
+    (lambda d: fusedloss.swiglu(torch.randn(4, 8, device=d), fp8_input_store="False"),
+     TypeError, "fp8_input_store: got 'False'"),
+    (lambda d: fusedloss.RMSNorm(8, zero_centered_gamma="no"), TypeError, "zero_centered_gamma: got 'no'"),
+    (lambda d: fusedloss.RMSNorm(8, dtype=torch.int32), ValueError, "dtype: got torch.int32"),
+    (lambda d: fusedloss.SwiGLU(bogus=1), TypeError, "unknown options"),
+    (lambda d: fusedloss.SwiGLU(clamp_value=-1), ValueError, "clamp_value: got -1"),
+])
+def test_clear_errors_for_types_and_ranges(device, call, error, match):
+    with pytest.raises(error, match=match):
+        call(device)
+
+
+def test_swiglu_module_repr_shows_its_options():
+    assert "clamp_value=0.5" in repr(fusedloss.SwiGLU(clamp_value=0.5))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import fusedloss
+from fusedloss._views import as_bool
 
 log = logging.getLogger("fusedloss.megatron")
 
@@ -185,7 +186,9 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
                                 check_shard_agreement: bool = True, swiglu_in_place=None) -> None:
-    """Swap Megatron-core's cross-entropy and SwiGLU for fusedloss's. Idempotent.
+    """Swap Megatron-core's cross-entropy, SwiGLU and RMSNorm for fusedloss's. Idempotent; a
+    later call sets the patch to exactly what it asks for (cross_entropy=False after a full
+    patch restores Megatron's cross-entropy).
 
     cross_entropy: both paths (fused 'native' and unfused); per-token fp32 loss as Megatron
       returns, Megatron's label-smoothing formula averaged over the local shard; positions whose
@@ -211,6 +214,11 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
         warnings.warn("apply_fusedloss_to_megatron: swiglu_in_place= is deprecated; use "
                       "swiglu_inplace_backward=", DeprecationWarning, stacklevel=2)
         swiglu_inplace_backward = swiglu_in_place
+    flags = dict(cross_entropy=cross_entropy, swiglu=swiglu, rms_norm=rms_norm,
+                 allow_vocab_parallel=allow_vocab_parallel, inplace_backward=inplace_backward,
+                 swiglu_inplace_backward=swiglu_inplace_backward,
+                 check_shard_agreement=check_shard_agreement)
+    flags = {k: as_bool(v, k) for k, v in flags.items()}
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
@@ -231,10 +239,13 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
         targets += [(*_NORM, _make_norm)]
     # Every symbol is resolved and checked before anything changes: all or nothing.
     resolved = [(_resolve(m, a), m, a, make) for m, a, make in targets]
+    wanted = {(m, a) for _, m, a, _ in resolved}
+    for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
+        setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
     _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
-                   allow_vocab_parallel=bool(allow_vocab_parallel), inplace_backward=bool(inplace_backward),
-                   swiglu_inplace_backward=bool(swiglu_inplace_backward),
-                   check_shard_agreement=bool(check_shard_agreement))
+                   options=dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing),
+                   **{k: flags[k] for k in ("allow_vocab_parallel", "inplace_backward",
+                                            "swiglu_inplace_backward", "check_shard_agreement")})
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))
@@ -258,9 +269,14 @@ def is_patched() -> bool:
 
 @contextlib.contextmanager
 def fusedloss_megatron(**options):
-    """Context manager form: patched inside the block, originals restored after."""
+    """Context manager form: patched as asked inside the block; after it, the patch is what it
+    was before (none, or an enclosing block's or an explicit call's), so blocks nest."""
+    before = dict(_CONFIG.get("options", {})) if is_patched() else None
     apply_fusedloss_to_megatron(**options)
     try:
         yield
     finally:
-        unpatch_megatron()
+        if before is None:
+            unpatch_megatron()
+        else:
+            apply_fusedloss_to_megatron(**before)
