@@ -56,6 +56,19 @@ void gather_to_host(Communicator& comm, const void* mine, void* all, size_t byte
 
 }  // namespace
 
+void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device) {
+  const int64_t world = comm.size(), rank = comm.rank();
+  detail::require(comm.device() == device, "comm: a ", to_string(comm.device()),
+                  " communicator was given for ", to_string(device),
+                  " logits; expected the same device");
+  detail::require(p.vocab_global == world * p.vocab_local, "options.vocab_global: got ",
+                  p.vocab_global, ", expected communicator size (", world, ") x V_local (",
+                  p.vocab_local, ") = ", world * p.vocab_local);
+  detail::require(p.vocab_start == rank * p.vocab_local, "options.vocab_start: got ",
+                  p.vocab_start, ", expected rank (", rank, ") x V_local (", p.vocab_local,
+                  ") = ", rank * p.vocab_local);
+}
+
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
   const Header header{mine.rows, mine.vocab_local, mine.error.empty() ? 0 : 1};

@@ -30,6 +30,10 @@ class Scratch {
   void* ptr_ = nullptr;
 };
 
+// Equal contiguous shards in rank order, on the communicator's device. Local facts only (this
+// rank's options, rank and size), so callers check them before the agreement.
+void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device);
+
 // What this rank brings to the agreement: its shape and, when its own arguments were
 // rejected, the error it would have thrown (empty when none).
 struct ShardClaim {

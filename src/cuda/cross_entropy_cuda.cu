@@ -88,13 +88,17 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
   visit_row<T, kFwdThreads, kFwdUnroll>(
       row, p.vocab_local, true,
       [&](int64_t j) {
-        float v = S::load(row[j]);
+        float v = core::cap_logit(S::load(row[j]), p.softcap);
         core::online_add(m, s, v);
         if (kSumLogits) sx += v;
       },
       [&](int64_t, const uint4& raw) {
         float v[VEC];
         unpack<S>(raw, v);
+        if (p.softcap > 0.0f) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) v[k] = core::cap_logit(v[k], p.softcap);
+        }
         core::online_add_chunk<VEC>(m, s, v);
         if (kSumLogits) {
 #pragma unroll
@@ -106,7 +110,8 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
     int64_t t;
     TargetKind kind = classify(target, r, p, &t);
     if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
-    float tl = kind == TargetKind::Local ? S::load(row[t - p.vocab_start]) : -INFINITY;
+    float tl = kind == TargetKind::Local ? core::cap_logit(S::load(row[t - p.vocab_start]), p.softcap)
+                                          : -INFINITY;
     if constexpr (kFinish) {
       core::finish_row(RowStats{m, s, tl, sx}, sx, kind, p, lse_out[r], row_loss_out[r]);
     } else {
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   long long cnt = 0;
   for (int64_t r = threadIdx.x; r < p.rows; r += kReduceThreads) {
     if (int64_t(target[r]) == p.ignore_index) continue;
-    sum += row_loss[r];
+    sum += row_loss ? row_loss[r] : 0.0f;
     ++cnt;
   }
   sm_sum[threadIdx.x] = sum;
@@ -207,14 +212,17 @@ __global__ void __launch_bounds__(kBwdThreads)
   visit_row<T, kBwdThreads, kBwdUnroll>(
       xr, p.vocab_local, same_alignment,
       [&](int64_t j) {
-        gr[j] = S::store(constant ? fill : core::grad_element(gr_c, S::load(xr[j]), j == local_t));
+        gr[j] = S::store(constant ? fill
+                                  : core::capped_grad_element(gr_c, S::load(xr[j]), j == local_t,
+                                                              p.softcap));
       },
       [&](int64_t j, const uint4& raw) {
         float v[VEC];
         unpack<S>(raw, v);
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
-          v[k] = constant ? fill : core::grad_element(gr_c, v[k], j + k == local_t);
+          v[k] = constant ? fill
+                           : core::capped_grad_element(gr_c, v[k], j + k == local_t, p.softcap);
         *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
       });
 }
@@ -321,6 +329,14 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
     if (reduce || out.valid_count) launch_reduce(row_losses, t, p, out, stream);
   });
   if (reduce) free_async(row_losses, stream);
+}
+
+void ce_reduce(const float* row_losses, const IndexView& target, const CeParams& p,
+               const CrossEntropyOutputs& out, Stream stream) {
+  core::dispatch_index(target.type, [&](auto idx) {
+    using Index = decltype(idx);
+    launch_reduce(row_losses, static_cast<const Index*>(target.data), p, out, stream);
+  });
 }
 
 void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
