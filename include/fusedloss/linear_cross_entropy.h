@@ -114,6 +114,16 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
                                   const LinearCrossEntropyOutputs& out,
                                   Communicator* comm = nullptr, Stream stream = nullptr);
 
+// The split form, for trainers that run their own collective (e.g. a torch.distributed group):
+// this rank's RowStats of every row ([N], the cross-entropy's pass 1 over each chunk's
+// soft-capped logits, one GEMM per chunk). Then all-gather them across the TP group,
+// cross_entropy_merge (same `ce`) for loss, lse and valid_count, and the Recompute backward.
+// No collective runs here.
+void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
+                                      const IndexView& target, const CrossEntropyOptions& ce,
+                                      const LinearCrossEntropyOptions& options, RowStats* stats,
+                                      Stream stream = nullptr);
+
 // Backward. Same inputs and options as the forward (resolved to the same mode).
 //   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),
 //              elementwise on the device; hidden, weight, lse and valid_count are not read.

@@ -163,6 +163,59 @@ PYBIND11_MODULE(_C, m) {
                               ptr(stream));
           });
         });
+  py::enum_<LinearCeBackward>(m, "LinearCeBackward")
+      .value("AUTO", LinearCeBackward::Auto).value("IN_FORWARD", LinearCeBackward::InForward)
+      .value("RECOMPUTE", LinearCeBackward::Recompute);
+  py::class_<LinearCrossEntropyOptions>(m, "LinearCrossEntropyOptions")
+      .def(py::init<>())
+      .def_readwrite("workspace_bytes", &LinearCrossEntropyOptions::workspace_bytes)
+      .def_readwrite("chunk_rows", &LinearCrossEntropyOptions::chunk_rows)
+      .def_readwrite("allow_tf32", &LinearCrossEntropyOptions::allow_tf32)
+      .def_readwrite("logit_softcap", &LinearCrossEntropyOptions::logit_softcap)
+      .def_readwrite("backward_mode", &LinearCrossEntropyOptions::backward_mode);
+  m.def("validate_linear_cross_entropy_options",
+        [](const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, int64_t rows,
+           int64_t vocab_local, int64_t hidden) {
+          guarded([&] { validate_linear_cross_entropy_options(ce, o, rows, vocab_local, hidden); });
+        });
+  m.def("linear_cross_entropy_forward",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t,
+           const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
+           uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
+           uintptr_t stream) {
+          guarded([&] {
+            LinearCrossEntropyOutputs out;
+            out.loss = fptr(loss);
+            out.lse = fptr(lse);
+            out.valid_count = fptr(count);
+            out.dhidden = dh;
+            out.dweight = dw;
+            linear_cross_entropy_forward(h, w, t, ce, o, out, nullptr, ptr(stream));
+          });
+        });
+  m.def("linear_cross_entropy_local_stats",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t,
+           const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,
+           uintptr_t stream) {
+          guarded([&] {
+            linear_cross_entropy_local_stats(h, w, t, ce, o, static_cast<RowStats*>(ptr(stats)),
+                                             ptr(stream));
+          });
+        });
+  m.def("linear_cross_entropy_backward",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t, uintptr_t lse,
+           uintptr_t grad_loss, uintptr_t count, const CrossEntropyOptions& ce,
+           const LinearCrossEntropyOptions& o, const MatrixView& saved_dh,
+           const MatrixView& saved_dw, const MatrixView& dh, const MatrixView& dw,
+           bool accumulate_dweight, uintptr_t stream) {
+          guarded([&] {
+            LinearCrossEntropyOutputs saved;
+            saved.dhidden = saved_dh;
+            saved.dweight = saved_dw;
+            linear_cross_entropy_backward(h, w, t, fptr(lse), fptr(grad_loss), fptr(count), ce, o,
+                                          saved, {dh, dw, accumulate_dweight}, ptr(stream));
+          });
+        });
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));

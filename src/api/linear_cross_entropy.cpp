@@ -271,6 +271,26 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     reduce(dev, kFn, nullptr, target, p, nullptr, out.valid_count, stream);
 }
 
+void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
+                                      const IndexView& target, const CrossEntropyOptions& ce,
+                                      const LinearCrossEntropyOptions& options, RowStats* stats,
+                                      Stream stream) {
+  constexpr const char* kFn = "linear_cross_entropy_local_stats";
+  const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
+  require(stats != nullptr || hidden.rows == 0, "stats: got null, expected ", hidden.rows,
+          " RowStats");
+  check_targets_on_host(target, p);
+  core::LceSteps steps;
+  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const core::CeParams pc = chunk_params(p, logits.rows);
+    const IndexView tc = target_rows(target, row0, logits.rows);
+    FL_DISPATCH(logits.device, kFn, cpu::ce_local_stats(logits, tc, pc, stats + row0),
+                cuda::ce_local_stats(logits, tc, pc, stats + row0, s));
+  };
+  run_loop(hidden.device, kFn, make_plan(hidden, weight, options), hidden, weight, steps, {},
+           stream);
+}
+
 void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& weight,
                                    const IndexView& target, const float* lse,
                                    const float* grad_loss, const float* valid_count,
