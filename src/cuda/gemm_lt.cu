@@ -36,11 +36,13 @@ cudaDataType_t cuda_type(DType d) {
   detail::fail("gemm: dtype ", to_string(d), ", expected fp32, fp16 or bf16");
 }
 
-// Largest power of two (<= 256) dividing the address: the alignment cuBLASLt may assume.
-uint32_t alignment(const void* p) {
-  auto a = reinterpret_cast<uintptr_t>(p);
+// Largest power of two (<= 256) dividing both the address and the row pitch in bytes: the
+// alignment every row of the operand has, which is what cuBLASLt may assume.
+uint32_t alignment(const MatrixView& m, int64_t ld) {
+  const auto a = reinterpret_cast<uintptr_t>(m.data);
+  const auto pitch = uint64_t(ld) * uint64_t(detail::element_size(m.dtype));
   uint32_t al = 256;
-  while (al > 1 && a % al) al >>= 1;
+  while (al > 1 && (a % al || pitch % al)) al >>= 1;
   return al;
 }
 
@@ -111,7 +113,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, cuda_type(C.dtype), uint64_t(C.cols),
                                              uint64_t(C.rows), ld(C)));
 
-  const uint32_t al_a = alignment(B.data), al_b = alignment(A.data), al_c = alignment(C.data);
+  const uint32_t al_a = alignment(B, ld(B)), al_b = alignment(A, ld(A)), al_c = alignment(C, ld(C));
   const Key key{device, m, n, k, ld(A), ld(B), ld(C), int64_t(op1), int64_t(op2),
                 int64_t(A.dtype), int64_t(C.dtype), int64_t(compute), al_a, al_b, al_c,
                 accumulate};
