@@ -1,17 +1,21 @@
 // CUDA linear cross-entropy: the chunk loop.
 //
 // Two streams: the caller's stream S runs every GEMM, a side stream X (cached per device and
-// caller stream) runs the cross-entropy steps. Two chunk buffers alternate. For chunk i in
-// buffer b = i % 2, with L = logits GEMM, CE = the steps, G = the two gradient GEMMs:
+// caller stream) runs the cross-entropy steps. Two chunk buffers, adjacent in memory, take the
+// chunks in pairs (2j in the first, 2j + 1 in the second). With L = logits GEMM, CE = the
+// steps, dh = dhidden GEMM, dW = dweight GEMM:
 //
-//   S:  L0  L1  [wait CE0] G0  [wait CE0] L2  [wait CE1] G1  L3 ...
-//   X:     [wait L0] CE0  [wait L1] CE1  [wait L2] CE2 ...
+//   S:  L0  L1  [wait CE0] dh0  [wait CE1] dh1  dW(0,1)  L2  L3  [wait CE2] dh2 ...
+//   X:     [wait L0] CE0   [wait L1] CE1             [wait L2] CE2  [wait L3] CE3 ...
 //
-// CE(i + 1) runs on X while G(i) runs on S. A buffer is refilled only after the steps that
-// read it (the event CE[b]) and, in stream order on S, after its gradient GEMMs. dweight is
-// accumulated by the G GEMMs (beta = 1 after the first chunk), all on S, so in chunk order.
-// Memory: one stream-ordered allocation of the two buffers plus the cuBLASLt workspace,
-// released on S after X has joined it.
+// CE0 runs under L1, CE1 under dh0, and so on. dW takes both chunks of a pair at once (the
+// buffers are one [2 chunk, V_local] matrix, the hidden rows are contiguous too): its K is two
+// chunks, which halves the read-modify-write of the [V_local, H] accumulator (fp32: 8 bytes per
+// element per dW GEMM, which at one chunk of K would rival the GEMM's own time). A buffer is
+// refilled only after its pair's dW (stream order on S) and, without gradients, after the
+// steps that read it (the event CE[b]). dweight accumulates in pair order on S (beta = 1 after
+// the first pair). Memory: one stream-ordered allocation of the two buffers plus the cuBLASLt
+// workspace, released on S after X has joined it.
 #include "cuda/linear_ce_cuda.h"
 
 #include <algorithm>
@@ -132,14 +136,15 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   const cudaStream_t X = pl.side;
   const int64_t es = detail::element_size(plan.dtype);
   const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
-  const size_t buffer_pad = (buffer_bytes + 255) / 256 * 256;
-  AsyncBuffer mem(2 * buffer_pad + kGemmWorkspaceBytes, stream);
+  // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).
+  const size_t workspace_at = (2 * buffer_bytes + 255) / 256 * 256;
+  AsyncBuffer mem(workspace_at + kGemmWorkspaceBytes, stream);
   char* base = static_cast<char*>(mem.ptr);
-  void* workspace = base + 2 * buffer_pad;
+  void* workspace = base + workspace_at;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
   auto rows_in = [&](int64_t i) { return std::min(plan.chunk, plan.rows - i * plan.chunk); };
   auto buffer = [&](int64_t i) {
-    return MatrixView{base + (i % 2) * buffer_pad, rows_in(i), plan.vocab_local, plan.stride,
+    return MatrixView{base + (i % 2) * buffer_bytes, rows_in(i), plan.vocab_local, plan.stride,
                       plan.dtype, Device::CUDA};
   };
   // L(i) on S, then CE(i) on X.
@@ -165,17 +170,21 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
       if (cudaEventRecord(pl.join, pl.side) == cudaSuccess) (void)cudaStreamWaitEvent(S, pl.join, 0);
     }
   } join{pl, S};
-  logits_and_steps(0);
-  for (int64_t i = 0; i < chunks; ++i) {
-    if (i + 1 < chunks) logits_and_steps(i + 1);
+  for (int64_t j = 0; j < chunks; j += 2) {
+    const bool pair = j + 1 < chunks;
+    logits_and_steps(j);
+    if (pair) logits_and_steps(j + 1);
     if (!with_grads) continue;
-    const MatrixView g = buffer(i);
-    const int64_t row0 = i * plan.chunk;
-    FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % 2], 0));
-    gemm(g, false, weight, false, rows_of(grads.dhidden, row0, g.rows), false, plan.tf32,
-         workspace, stream);  // dhidden_c = G @ W
-    gemm(g, true, rows_of(hidden, row0, g.rows), false, grads.dweight,
-         grads.accumulate_dweight || i > 0, plan.tf32, workspace, stream);  // dW (+)= G^T @ h
+    for (int64_t i = j; i < j + (pair ? 2 : 1); ++i) {
+      const MatrixView g = buffer(i);
+      FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % 2], 0));
+      gemm(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows), false,
+           plan.tf32, workspace, stream);  // dhidden_c = G @ W
+    }
+    MatrixView both = buffer(j);  // G of the pair: [rows(j) + rows(j + 1), V_local]
+    if (pair) both.rows += rows_in(j + 1);
+    gemm(both, true, rows_of(hidden, j * plan.chunk, both.rows), false, grads.dweight,
+         grads.accumulate_dweight || j > 0, plan.tf32, workspace, stream);  // dW (+)= G^T @ h
   }
 }
 

@@ -438,6 +438,81 @@ TEST(LinearCrossEntropyCuda, PeakExtraMemoryIsTheWorkspace) {
                            << N * V * 2 << " B";
   }
 }
+
+// One forward + backward on a caller's stream, eagerly and replayed from a CUDA graph captured
+// on that stream (after a warm-up call, which creates the cached side stream and events): the
+// side stream joins the capture through the fork event and leaves it through the join.
+TEST(LinearCrossEntropyCuda, CallersStreamAndGraphCaptureMatchTheDefaultStream) {
+  std::string why;
+  if (!cuda_available(&why)) GTEST_SKIP() << why;
+  for (auto red : {Reduction::Mean, Reduction::None}) {
+    LceCase c;
+    c.N = 100;
+    c.H = 64;
+    c.V = 777;
+    c.dtype = DType::BF16;
+    c.lo.chunk_rows = 16;  // 7 chunks: three pairs and a single one
+    c.ce.reduction = red;
+    SCOPED_TRACE(c.describe());
+    const LceProblem p = make_lce_problem(c, rng());
+    const LceResult eager = run_lce(Device::CUDA, c, p);  // default stream
+    const Device dev = Device::CUDA;
+    Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), target(dev, c.N * 8),
+        loss(dev, c.N * 4), lse(dev, c.N * 4), count(dev, 4), gl(dev, c.N * 4),
+        sdh(dev, c.N * c.H * 4), sdw(dev, c.V * c.H * 4), dh(dev, c.N * c.H * 4),
+        dw(dev, c.V * c.H * 4);
+    for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
+    for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
+    std::memcpy(target.host(), p.target.data(), c.N * 8);
+    for (int64_t r = 0; r < c.N; ++r)
+      gl.host_as<float>()[r] = red == Reduction::None ? p.grad_rows[r] : p.grad_scale;
+    hidden.upload(); weight.upload(); target.upload(); gl.upload();
+    MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
+    MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
+    IndexView tv{target.data(), c.N, IndexType::I64, dev};
+    LinearCrossEntropyOutputs out;
+    out.loss = loss.data_as<float>();
+    out.lse = lse.data_as<float>();
+    out.valid_count = count.data_as<float>();
+    out.dhidden = {sdh.data(), c.N, c.H, c.H, DType::F32, dev};
+    out.dweight = {sdw.data(), c.V, c.H, c.H, DType::F32, dev};
+    LinearCrossEntropyGrads g{{dh.data(), c.N, c.H, c.H, DType::F32, dev},
+                              {dw.data(), c.V, c.H, c.H, DType::F32, dev}, false};
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    auto step = [&] {
+      linear_cross_entropy_forward(hv, wv, tv, c.ce, c.lo, out, nullptr, s);
+      linear_cross_entropy_backward(hv, wv, tv, lse.data_as<float>(), gl.data_as<float>(),
+                                    count.data_as<float>(), c.ce, c.lo, out, g, s);
+    };
+    auto compare = [&](const char* what) {
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;
+      loss.download(); dh.download(); dw.download();
+      const int64_t nloss = red == Reduction::None ? c.N : 1;
+      for (int64_t i = 0; i < nloss; ++i)
+        EXPECT_NEAR(loss.host_as<float>()[i], eager.loss[i], 1e-5 * (1 + std::fabs(eager.loss[i])))
+            << what << " loss " << i;
+      std::vector<double> h(dh.host_as<float>(), dh.host_as<float>() + c.N * c.H);
+      std::vector<double> w(dw.host_as<float>(), dw.host_as<float>() + c.V * c.H);
+      EXPECT_LE(rel_l2(h, eager.dhidden), 1e-5) << what << " dhidden";
+      EXPECT_LE(rel_l2(w, eager.dweight), 1e-5) << what << " dweight";
+    };
+    step();  // eager on the caller's stream (and the warm-up of the capture)
+    compare("caller's stream");
+    loss.poison(); dh.poison(); dw.poison();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    step();
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    compare("graph replay");
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearCrossEntropy,
