@@ -3,15 +3,19 @@ without a [tokens, V] logits buffer (logits exist one token chunk at a time in a
 workspace; see include/fusedloss/linear_cross_entropy.h).
 
 backward modes (chosen here, both exact):
-  in_forward  reduction sum/mean at TP=1: the forward also computes the gradients of the loss
-              for an upstream gradient of 1 (3 GEMMs in all); the backward scales them by the
-              upstream scalar on the device. Saved: dhidden [N, H] (hidden's dtype) and dweight
-              [V, H] (fp32).
-  recompute   reduction none, or a tp_group of size > 1: the forward keeps lse (4 B/row); the
-              backward recomputes each chunk's logits (4 GEMMs in all).
-tp_group of size > 1: this rank's stats of every row, one all_gather_into_tensor of 16 B/row,
-the merge; the hidden gradient is this rank's partial sum unless dhidden_reduction="all_reduce".
+  in_forward  reduction sum/mean: the forward also computes the gradients of the loss for an
+              upstream gradient of 1 (3 GEMMs in all); the backward scales them by the upstream
+              scalar on the device. Saved: dhidden [N, H] (hidden's dtype) and dweight [V, H]
+              (fp32).
+  recompute   reduction none (or asked for): the forward keeps lse (4 B/row); the backward
+              recomputes each chunk's logits (4 GEMMs in all).
+tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
+stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
+of every row and merges them after one all-gather. The hidden gradient is this rank's partial
+sum unless dhidden_reduction="all_reduce".
 """
+import contextlib
+import ctypes
 import functools
 from typing import Optional, Tuple
 
@@ -47,6 +51,7 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     if world > 1:
         o.vocab_start = rank * v_local
         o.vocab_global = world * v_local
+        o.check_shard_agreement = False  # _forward runs the agreement over the group itself
     lo = _C.LinearCrossEntropyOptions()
     lo.logit_softcap = softcap
     if workspace_bytes > 0:
@@ -58,6 +63,55 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     except _C.Error as e:  # the C++ message names the field; callers know the keyword
         raise _C.Error(str(e).replace("options.", "", 1)) from None
     return o, lo
+
+
+class _DeviceBytes:
+    """Raw device memory as a uint8 tensor (torch.as_tensor reads __cuda_array_interface__)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 2}
+
+
+def _callback_communicator(group, device):
+    """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
+    torch.distributed call on the stream the C++ side names. Device memory is staged through
+    tensors of torch's allocator (16 B/row), so the process group only sees its own tensors."""
+    rank, world = rank_and_size(group)
+
+    def view(ptr, nbytes):
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+
+    def on(stream):
+        if device.type == "cpu":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
+
+    def gather(send, recv, nbytes, stream):
+        with on(stream):
+            mine, every = view(send, nbytes), view(recv, nbytes * world)
+            if device.type == "cpu":
+                dist.all_gather_into_tensor(every, mine, group=group)
+            else:
+                staged = torch.empty_like(every)
+                dist.all_gather_into_tensor(staged, mine.clone(), group=group)
+                every.copy_(staged)
+
+    def reduce(data, count, op, stream):
+        with on(stream):
+            values = view(data, count * 4).view(torch.float32)
+            red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            staged = values if device.type == "cpu" else values.clone()
+            dist.all_reduce(staged, op=red, group=group)
+            if staged is not values:
+                values.copy_(staged)
+
+    dev = _C.Device.CUDA if device.type == "cuda" else _C.Device.CPU
+    return _C.CallbackCommunicator(rank, world, dev, gather, reduce)
 
 
 def _absent(device):
@@ -106,6 +160,13 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         error = str(e)
     if check_agreement:
         agree(g, rows, v_local, error, _OP)
+    if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
+        dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
+        dw = torch.empty(v_local, h.size(1), **f32)
+        _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
+                                        lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
+                                        stream, _callback_communicator(g, dev))
+        return loss, lse, count, dh, dw
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
     _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
     gathered = torch.empty(world * rows, _C.ROW_STATS_FLOATS, **f32)
@@ -225,12 +286,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     torch.backends.cuda.matmul.allow_tf32. workspace_bytes bounds the two logits chunk buffers
     (default 256 MiB).
 
-    backward_mode "auto": "in_forward" for sum/mean at TP=1 (the forward computes the gradients,
-    the backward scales them: 3 GEMMs), else "recompute" (4 GEMMs, any upstream gradient).
+    backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
+    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient).
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
-    [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with one
-    all-gather of 16 B/row after the shard agreement (see fusedloss.cross_entropy). The hidden
+    [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
+    all-gather of 16 B/row (per token chunk in_forward, once in recompute) after the shard
+    agreement (see fusedloss.cross_entropy). The hidden
     gradient is this rank's partial sum (dhidden_reduction="partial": Megatron's
     copy_to_tensor_model_parallel_region all-reduces it, its sequence-parallel gather
     reduce-scatters it) or summed here ("all_reduce").
@@ -250,10 +312,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
     name = group_name(tp_group)
     if mode == -1:
-        mode = _RECOMPUTE if name or opts[5] == _NONE else _IN_FORWARD
-    elif mode == _IN_FORWARD and name:
-        raise ValueError("backward_mode: got 'in_forward' with a tp_group of size > 1, expected "
-                         "'recompute' or 'auto' (the vocab-parallel PyTorch path recomputes)")
+        mode = _RECOMPUTE if opts[5] == _NONE else _IN_FORWARD
     tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*opts, mode, tf32, 0, 1, 2, 1)

@@ -27,6 +27,34 @@ void guarded(Body&& body) {
   }
 }
 
+// A Communicator whose collectives are Python callables (a torch.distributed group, in
+// fusedloss/_distributed.py): gather(send, recv, bytes_per_rank, stream) and
+// reduce(data, count, "max" | "sum", stream) over raw addresses. The GIL is held throughout
+// (see below), and a Python exception propagates through the C++ call as it unwinds.
+class CallbackCommunicator : public Communicator {
+ public:
+  CallbackCommunicator(int rank, int size, Device device, py::function gather,
+                       py::function reduce)
+      : rank_(rank), size_(size), device_(device), gather_(std::move(gather)),
+        reduce_(std::move(reduce)) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return device_; }
+  void all_gather(const void* send, void* recv, size_t bytes_per_rank, Stream stream) override {
+    gather_(reinterpret_cast<uintptr_t>(send), reinterpret_cast<uintptr_t>(recv), bytes_per_rank,
+            reinterpret_cast<uintptr_t>(stream));
+  }
+  void all_reduce(float* data, size_t count, ReduceOp op, Stream stream) override {
+    reduce_(reinterpret_cast<uintptr_t>(data), count, op == ReduceOp::Max ? "max" : "sum",
+            reinterpret_cast<uintptr_t>(stream));
+  }
+
+ private:
+  int rank_, size_;
+  Device device_;
+  py::function gather_, reduce_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -178,11 +206,14 @@ PYBIND11_MODULE(_C, m) {
            int64_t vocab_local, int64_t hidden) {
           guarded([&] { validate_linear_cross_entropy_options(ce, o, rows, vocab_local, hidden); });
         });
+  py::class_<CallbackCommunicator>(m, "CallbackCommunicator")
+      .def(py::init<int, int, Device, py::function, py::function>(), py::arg("rank"),
+           py::arg("size"), py::arg("device"), py::arg("gather"), py::arg("reduce"));
   m.def("linear_cross_entropy_forward",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
-           uintptr_t stream) {
+           uintptr_t stream, CallbackCommunicator* comm) {
           guarded([&] {
             LinearCrossEntropyOutputs out;
             out.loss = fptr(loss);
@@ -190,9 +221,12 @@ PYBIND11_MODULE(_C, m) {
             out.valid_count = fptr(count);
             out.dhidden = dh;
             out.dweight = dw;
-            linear_cross_entropy_forward(h, w, t, ce, o, out, nullptr, ptr(stream));
+            linear_cross_entropy_forward(h, w, t, ce, o, out, comm, ptr(stream));
           });
-        });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"), py::arg("options"),
+        py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
+        py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr);
   m.def("linear_cross_entropy_local_stats",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,

@@ -221,7 +221,8 @@ def _check_tp(rank, world, reduction, options, dh_reduction):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("reduction, options, dh_reduction", [
     ("mean", {}, "partial"), ("none", dict(label_smoothing=0.1, z_loss=1e-3), "all_reduce"),
-    ("sum", dict(logit_softcap=3.0, workspace_bytes=1), "partial")])
+    ("sum", dict(logit_softcap=3.0, workspace_bytes=1), "partial"),
+    ("mean", dict(backward_mode="recompute", label_smoothing=0.1), "all_reduce")])
 def test_gloo_tp(world, reduction, options, dh_reduction):
     run_world(world, _check_tp, reduction, options, dh_reduction)
 
