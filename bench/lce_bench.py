@@ -9,7 +9,11 @@ Providers (fn(hidden, weight, target) -> mean loss; hidden and weight are fresh 
   linear+fusedloss-ce  F.linear + fusedloss.cross_entropy(inplace_backward=True)
   liger                Liger-Kernel's fused linear cross-entropy (if importable)
   cce                  Apple's cut-cross-entropy, its default (gradient filtering) (if importable)
-  fusedloss-in_forward / fusedloss-recompute   fusedloss.linear_cross_entropy in both modes
+  fusedloss-in_forward / fusedloss-recompute   fusedloss.linear_cross_entropy in both modes, the
+                       weight gradient accumulated over token chunks in fp32 (exact; in_forward
+                       keeps an fp32 [V, H] until the backward)
+  fusedloss-*-wdt      the same, accumulated in the weight's dtype (bf16: the gradients' memory
+                       alone, one rounding per pair of chunks)
 
 Device time: CUDA events behind a GPU-side wait (peers.py), median of the runs. Peak extra:
 torch's allocator high-water mark above the inputs, including the gradients dhidden [N, H] and
@@ -66,10 +70,11 @@ def cce():
     return lambda h, w, t: linear_cross_entropy(h, w, t)
 
 
-def fusedloss_lce(mode):
+def fusedloss_lce(mode, accumulation):
     def make():
         import fusedloss
-        return lambda h, w, t: fusedloss.linear_cross_entropy(h, w, t, backward_mode=mode)
+        return lambda h, w, t: fusedloss.linear_cross_entropy(
+            h, w, t, backward_mode=mode, dweight_accumulation=accumulation)
     return make
 
 
@@ -77,8 +82,10 @@ def providers():
     found = {"3-gemm": gemms(3), "4-gemm": gemms(4), "torch": torch_lce,
              "linear+fusedloss-ce": linear_fusedloss_ce}
     return peers.collect(found, {"liger": liger, "cce": cce,
-                                 "fusedloss-in_forward": fusedloss_lce("in_forward"),
-                                 "fusedloss-recompute": fusedloss_lce("recompute")})
+                                 "fusedloss-in_forward": fusedloss_lce("in_forward", "fp32"),
+                                 "fusedloss-recompute": fusedloss_lce("recompute", "fp32"),
+                                 "fusedloss-in_forward-wdt": fusedloss_lce("in_forward", "weight_dtype"),
+                                 "fusedloss-recompute-wdt": fusedloss_lce("recompute", "weight_dtype")})
 
 
 # ---- measurement ----

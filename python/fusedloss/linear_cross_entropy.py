@@ -34,6 +34,7 @@ _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
 _MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
+_ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
 
 
@@ -120,9 +121,10 @@ def _absent(device):
 
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
-             softcap: float, workspace_bytes: int, mode: int, tf32: bool, group: str,
-             check_agreement: bool, dhidden_reduction: int
+             softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+             check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mode = lce_mode  # ("mode" would clash with torch's functionalization of the ops)
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -135,13 +137,14 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
     lse = torch.empty(rows, **f32)
     count = torch.empty((), **f32)
     stream = stream_of(h)
+    unit_dw = dict(dtype=torch.float32 if acc32 else w.dtype, device=dev)
     args = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
             workspace_bytes, mode, tf32)
     if g is None:
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
         if mode == _IN_FORWARD:
             dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
-            dw = torch.empty(v_local, h.size(1), **f32)
+            dw = torch.empty(v_local, h.size(1), **unit_dw)
             dhv, dwv = matrix(dh), matrix(dw)
         else:
             dh, dw = torch.empty(0, **f32), torch.empty(0, **f32)  # distinct: outputs never alias
@@ -162,7 +165,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         agree(g, rows, v_local, error, _OP)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
-        dw = torch.empty(v_local, h.size(1), **f32)
+        dw = torch.empty(v_local, h.size(1), **unit_dw)
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
                                         stream, _callback_communicator(g, dev))
@@ -177,24 +180,23 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
 
 
 def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
-                  reduction, softcap, workspace_bytes, mode, tf32, group, check_agreement,
-                  dhidden_reduction):
+                  reduction, softcap, workspace_bytes, lce_mode, tf32, group, check_agreement,
+                  dhidden_reduction, acc32, inplace):
     rows, H = target.numel(), hidden.size(-1)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss = hidden.new_empty(rows if reduction == _NONE else (), **f32)
-    if mode == _IN_FORWARD:
+    if lce_mode == _IN_FORWARD:
         dh = hidden.new_empty(rows, H, dtype=hidden.dtype)
-        dw = hidden.new_empty(weight.size(0), H, **f32)
+        dw = hidden.new_empty(weight.size(0), H, dtype=torch.float32 if acc32 else weight.dtype)
     else:
         dh, dw = hidden.new_empty(0, **f32), hidden.new_empty(0, **f32)
     return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw
 
 
-def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
-              count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
-              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
-              softcap: float, workspace_bytes: int, mode: int, tf32: bool, group: str,
-              check_agreement: bool, dhidden_reduction: int) -> Tuple[Tensor, Tensor]:
+def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw):
+    """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones)."""
+    (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
+     mode, tf32, group, _check, dhidden_reduction, _acc32, _inplace) = opts
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -203,11 +205,6 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                      workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1))
     gl = grad_loss.to(torch.float32).reshape(-1).contiguous()  # may arrive expanded
-    dh = torch.empty(h.shape, dtype=hidden.dtype, device=h.device)
-    # dweight accumulates over the token chunks: in fp32 unless the weight is fp32 already
-    # (in_forward: the saved fp32 unit gradient, scaled straight into the weight's dtype).
-    acc32 = weight.dtype != torch.float32 and mode != _IN_FORWARD
-    dw = torch.empty(w.shape, dtype=torch.float32 if acc32 else weight.dtype, device=w.device)
     if mode == _IN_FORWARD:
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
@@ -215,11 +212,40 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
     _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                      count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
                                      False, stream_of(h))
-    if acc32:
-        dw = dw.to(weight.dtype)
     if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
         dist.all_reduce(dh, group=g)
-    return dh.view(hidden.shape), dw.view(weight.shape)
+
+
+def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
+              count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
+              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+              check_agreement: bool, dhidden_reduction: int, acc32: bool,
+              inplace: bool) -> Tuple[Tensor, Tensor]:
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    N, H = target.numel(), hidden.size(-1)
+    dh = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
+    # recompute: dweight accumulates over the token chunks, in fp32 (acc32) then rounded once,
+    # or in the weight's dtype. in_forward: the saved unit gradient, scaled into the weight's dtype.
+    wide = acc32 and weight.dtype != torch.float32 and lce_mode != _IN_FORWARD
+    dw = torch.empty(weight.shape, dtype=torch.float32 if wide else weight.dtype,
+                     device=weight.device)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw)
+    return dh.view(hidden.shape), (dw.to(weight.dtype) if wide else dw)
+
+
+def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
+                   count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+                   label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
+                   softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+                   check_agreement: bool, dhidden_reduction: int, acc32: bool,
+                   inplace: bool) -> None:
+    """in_forward with saved gradients in the inputs' dtypes: scaled where they are."""
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts,
+                  saved_dh, saved_dw)
 
 
 def _backward_fake(grad_loss, hidden, weight, *rest):
@@ -230,19 +256,28 @@ def _setup(ctx, inputs, output):
     hidden, weight, target, *opts = inputs
     _, lse, count, dh, dw = output
     ctx.opts = tuple(opts)
+    # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
+    # owned here alone); the second backward this rules out raises (the scaffold's guard).
+    ctx.inplace = (opts[-1] and opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
+                   and dw.dtype == weight.dtype)
     ctx.save_for_backward(hidden, weight, target, lse, count, dh, dw)
 
 
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
+    nones = (None,) * (len(ctx.opts) + 1)
+    if ctx.inplace:
+        kernels.scale_(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
+        return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
     dh, dw = kernels.bwd(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
-    return (dh, dw) + (None,) * (len(ctx.opts) + 1), None
+    return (dh, dw) + nones, None
 
 
 _linear_cross_entropy = FusedOp(
     "linear_cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup,
     backward=_grads, inplace_flag="inplace_backward",
-    kernels={"bwd": (_backward, _backward_fake, ())})
+    kernels={"bwd": (_backward, _backward_fake, ()),
+             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw"))})
 
 
 def _validate(hidden, weight, target):
@@ -275,7 +310,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          check_shard_agreement: bool = True,
                          workspace_bytes: Optional[int] = None,
                          backward_mode: str = "auto",
-                         dhidden_reduction: str = "partial") -> Tensor:
+                         dhidden_reduction: str = "partial",
+                         dweight_accumulation: str = "fp32",
+                         inplace_backward: bool = True) -> Tensor:
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -297,6 +334,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     copy_to_tensor_model_parallel_region all-reduces it, its sequence-parallel gather
     reduce-scatters it) or summed here ("all_reduce").
 
+    dweight_accumulation: the weight gradient sums over token chunks (two per GEMM) in "fp32"
+    (default: as exact as one GEMM over all tokens; in_forward keeps an fp32 [V, H] between
+    forward and backward) or in the weight's dtype ("weight_dtype": no fp32 copy, so the peak is
+    the gradients plus the workspace; a 16-bit weight's gradient then carries one rounding per
+    pair of chunks). inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
+    backward scales the saved gradients where they are and returns them; a second backward
+    through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
+
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
     """
@@ -310,6 +355,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
     mode = as_choice(backward_mode, "backward_mode", _MODES)
     dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
+    acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
     name = group_name(tp_group)
     if mode == -1:
         mode = _RECOMPUTE if opts[5] == _NONE else _IN_FORWARD
@@ -323,5 +369,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         if not name or not check:
             raise
         agree(resolve_group(name), -1, -1, str(e), _OP)  # raises on every rank
-    loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red)
+    loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
+                                 acc32, bool(inplace_backward))
     return loss.view(target.shape) if opts[5] == _NONE else loss

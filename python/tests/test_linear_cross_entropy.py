@@ -9,7 +9,8 @@ import fusedloss
 from dist_util import run_world
 
 
-def reference(h, w, t, *, smoothing_scope="global", workspace_bytes=None, backward_mode=None, ignore_index=-100, label_smoothing=0.0, smoothing_formula="pytorch",
+def reference(h, w, t, *, smoothing_scope="global", workspace_bytes=None, backward_mode=None,
+              dweight_accumulation=None, inplace_backward=None, ignore_index=-100, label_smoothing=0.0, smoothing_formula="pytorch",
               reduction="mean", z_loss=0.0, logit_softcap=None):
     """Float64 loss of hidden/weight leaves (gradients through autograd); at TP=1 the partition
     smoothing scope is the global one."""
@@ -54,7 +55,8 @@ def _check(device, dtype, *, shape=(37,), V=203, upstream=None, weight_view=None
     hh = h.clone().requires_grad_(True)
     ww = (w if weight_view is None else weight_view(w)).detach().requires_grad_(True)
     loss = fusedloss.linear_cross_entropy(hh, ww, t, **options)
-    ref_opts = {k: v for k, v in options.items() if k not in ("workspace_bytes", "backward_mode")}
+    ref_opts = {k: v for k, v in options.items()
+                if k not in ("workspace_bytes", "backward_mode", "dweight_accumulation", "inplace_backward")}
     h64 = h.double().cpu().requires_grad_(True)
     w64 = ww.detach().double().cpu().requires_grad_(True)
     ref = reference(h64, w64, t.cpu(), **ref_opts)
@@ -109,6 +111,31 @@ def test_upstream_gradients(device):
     # in_forward: the saved unit gradients scaled by a non-unit scalar
     _check(device, torch.float32, upstream=lambda l: torch.tensor(3.0, device=l.device))
     _check(device, torch.float32, reduction="none", upstream=lambda l: torch.randn_like(l))
+
+
+@pytest.mark.parametrize("mode", ["in_forward", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dweight_accumulation_and_inplace(device, mode, dtype):
+    # the weight's own dtype: one rounding per pair of chunks (here 12 pairs of 3 tokens)
+    _check(device, dtype, backward_mode=mode, dweight_accumulation="weight_dtype",
+           workspace_bytes=2 * 3 * 208 * 4, upstream=lambda l: torch.tensor(0.7, device=l.device))
+    _check(device, dtype, backward_mode=mode, inplace_backward=False)
+
+
+def test_second_backward(device):
+    h, w, t = _problem(device, torch.float32)
+    for inplace in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, inplace_backward=inplace)
+        loss.backward(retain_graph=True)
+        first = (hh.grad.clone(), ww.grad.clone())
+        if inplace:  # the saved gradients were scaled where they are: a second pass raises
+            with pytest.raises(RuntimeError, match="second backward"):
+                loss.backward()
+        else:
+            loss.backward()
+            torch.testing.assert_close(hh.grad, 2 * first[0])
+            torch.testing.assert_close(ww.grad, 2 * first[1])
 
 
 def test_all_ignored_and_zero_rows(device):
@@ -178,6 +205,8 @@ def test_bad_inputs(device):
         fusedloss.linear_cross_entropy(h, w, t, workspace_bytes=1.5)
     with pytest.raises(ValueError, match="backward_mode"):
         fusedloss.linear_cross_entropy(h, w, t, backward_mode="sometimes")
+    with pytest.raises(ValueError, match="dweight_accumulation"):
+        fusedloss.linear_cross_entropy(h, w, t, dweight_accumulation="bf16")
     if device == "cpu":
         bad = t.clone()
         bad[2] = 203
