@@ -222,29 +222,29 @@ def test_bad_inputs(device):
 
 # ---- vocab-parallel over gloo ----
 
-def _check_tp(rank, world, reduction, options, dh_reduction):
-    h, w, t = _problem("cpu", torch.float32, shape=(13,), V=192)
+def _check_tp(rank, world, reduction, options, dh_reduction, device="cpu"):
+    h, w, t = _problem(device, torch.float32, shape=(13,), V=192)
     V_local = w.size(0) // world
     shard = w[rank * V_local:(rank + 1) * V_local].clone().requires_grad_(True)
     hh = h.clone().requires_grad_(True)
     loss = fusedloss.linear_cross_entropy(hh, shard, t, tp_group=dist.group.WORLD, reduction=reduction,
                                           dhidden_reduction=dh_reduction, **options)
-    h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
-    ref = reference(h64, w64, t, reduction=reduction, **options)
-    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    h64, w64 = h.double().cpu().requires_grad_(True), w.double().cpu().requires_grad_(True)
+    ref = reference(h64, w64, t.cpu(), reduction=reduction, **options)
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-6)
     every = [torch.empty_like(loss) for _ in range(world)]
     dist.all_gather(every, loss.contiguous())
     assert all(torch.equal(e, every[0]) for e in every)  # the same bits on every rank
     g = torch.rand_like(loss) + 0.5
     dist.broadcast(g, 0)
     loss.backward(g)
-    ref.backward(g.double())
-    torch.testing.assert_close(shard.grad.double(), w64.grad[rank * V_local:(rank + 1) * V_local],
-                               rtol=1e-5, atol=1e-7)
+    ref.backward(g.double().cpu())
+    torch.testing.assert_close(shard.grad.double().cpu(),
+                               w64.grad[rank * V_local:(rank + 1) * V_local], rtol=1e-5, atol=1e-7)
     dh = hh.grad.clone()
     if dh_reduction == "partial":
         dist.all_reduce(dh)
-    torch.testing.assert_close(dh.double(), h64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dh.double().cpu(), h64.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -254,6 +254,15 @@ def _check_tp(rank, world, reduction, options, dh_reduction):
     ("mean", dict(backward_mode="recompute", label_smoothing=0.1), "all_reduce")])
 def test_gloo_tp(world, reduction, options, dh_reduction):
     run_world(world, _check_tp, reduction, options, dh_reduction)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
+@pytest.mark.parametrize("reduction, options", [("mean", {}), ("none", dict(label_smoothing=0.1)),
+                                                ("sum", dict(workspace_bytes=1, logit_softcap=3.0))])
+def test_gloo_tp_cuda(reduction, options):
+    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop with the per-chunk
+    # hook calling back into the group (in_forward) and the split form (recompute).
+    run_world(2, _check_tp, reduction, options, "partial", "cuda", backend="gloo-cuda")
 
 
 def _check_tp_mismatch(rank, world):
