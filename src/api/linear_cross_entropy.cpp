@@ -193,9 +193,10 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   LinearCeBackward mode = LinearCeBackward::Recompute;
   // At TP > 1 this rank's argument errors travel to every rank through the agreement, as in
   // cross_entropy_forward.
-  vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}};
+  vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}, 0};
   try {
     p = check_inputs(hidden, weight, target, ce, options);
+    mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
     mode = resolve_linear_ce_backward(options.backward_mode, p.reduction);
     const int64_t nloss = p.reduction == Reduction::None ? N : 1;
     require(out.loss != nullptr || nloss == 0, "out.loss: got null, expected a float buffer of ",

@@ -39,6 +39,9 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 struct ShardClaim {
   int64_t rows = 0, vocab_local = 0;
   std::string error;
+  // Tokens per chunk of a chunked caller (the linear cross-entropy runs one collective per
+  // chunk, so the chunking must agree too); 0 for an unchunked call.
+  int64_t chunk_rows = 0;
 };
 
 // Collective over `comm` (every rank calls it, whatever its arguments): one all-gather of a

@@ -111,7 +111,7 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   ce.vocab_start = rank * Vl;
   ce.vocab_global = Vl * world;
   IndexView tv{target.data(), N, IndexType::I64, dev};
-  auto call = [&](int64_t vl, int64_t wcols) {
+  auto call = [&](int64_t vl, int64_t wcols, LinearCrossEntropyOptions lo = {}) {
     LinearCrossEntropyOutputs out;
     out.loss = loss.data_as<float>();
     out.lse = lse.data_as<float>();
@@ -119,13 +119,17 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
     out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
     out.dweight = {dw.data(), vl, H, H, DType::F32, dev};
     linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
-                                 {weight.data(), vl, wcols, wcols, DType::F32, dev}, tv, ce, {},
+                                 {weight.data(), vl, wcols, wcols, DType::F32, dev}, tv, ce, lo,
                                  out, &comm);
   };
   // Rank 1 holds one vocabulary row more.
   expect_error_everywhere([&] { call(Vl + (rank == 1), H); }, "V_local");
   // The last rank's weight has another H: its own error, raised on every rank.
   expect_error_everywhere([&] { call(Vl, H + (rank == world - 1)); }, "weight");
+  // Rank 1 chunks differently: its collectives would not pair with the others'.
+  LinearCrossEntropyOptions lo;
+  lo.chunk_rows = rank == 1 ? 3 : 4;
+  expect_error_everywhere([&] { call(Vl, H, lo); }, "chunking");
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {
     if (rank == 0) target.host_as<int64_t>()[3] = Vl * world;
