@@ -61,6 +61,12 @@ struct LinearCrossEntropyOptions {
   // > 0: the loss sees c * tanh(logit / c) (Gemma-2's final logit soft-capping); 0: off.
   float logit_softcap = 0.0f;
   LinearCeBackward backward_mode = LinearCeBackward::Auto;
+  // Recompute backward only. > 0: the vocabulary in blocks of this many columns (outer loop)
+  // and the tokens in chunks (inner loop): each block's dweight sums over all tokens in fp32
+  // before its one rounding (as exact as one GEMM over all tokens, into any dweight dtype),
+  // dhidden sums over the blocks in fp32. Scratch: fp32 [N, H] + fp32 [block, H] beside the
+  // workspace. 0: tokens outer; dweight accumulates chunk pair by chunk pair in its own dtype.
+  int64_t vocab_block = 0;
   DHiddenForm dhidden_form = DHiddenForm::Partial;
 };
 

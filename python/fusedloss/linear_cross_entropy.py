@@ -40,7 +40,7 @@ _OP = "fusedloss.linear_cross_entropy"
 
 @functools.lru_cache(maxsize=256)
 def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
-             workspace_bytes, mode, tf32, rank, world, v_local, hidden):
+             workspace_bytes, mode, tf32, rank, world, v_local, hidden, vocab_block=0):
     """(CrossEntropyOptions, LinearCrossEntropyOptions), validated, one per distinct call."""
     o = _C.CrossEntropyOptions()
     o.ignore_index = ignore_index
@@ -59,6 +59,7 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
         lo.workspace_bytes = workspace_bytes
     lo.allow_tf32 = tf32
     lo.backward_mode = _C.LinearCeBackward(mode)
+    lo.vocab_block = vocab_block
     try:
         _C.validate_linear_cross_entropy_options(o, lo, 1, v_local, hidden)
     except _C.Error as e:  # the C++ message names the field; callers know the keyword
@@ -202,8 +203,13 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
     t, tv = index(target, "target")
     g = resolve_group(group)
     rank, world = rank_and_size(g)
+    # recompute into a 16-bit weight, exactly: vocabulary blocks outside (each block's dweight
+    # sums over all tokens in a 128 MiB fp32 buffer), dhidden summed over blocks in fp32.
+    block = 0
+    if mode != _IN_FORWARD and _acc32 and weight.dtype != torch.float32:
+        block = max(64, (128 << 20) // (4 * h.size(1)) // 64 * 64)
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
-                     workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1))
+                     workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
     gl = grad_loss.to(torch.float32).reshape(-1).contiguous()  # may arrive expanded
     if mode == _IN_FORWARD:
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
@@ -226,13 +232,11 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
             workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
     N, H = target.numel(), hidden.size(-1)
     dh = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
-    # recompute: dweight accumulates over the token chunks, in fp32 (acc32) then rounded once,
-    # or in the weight's dtype. in_forward: the saved unit gradient, scaled into the weight's dtype.
-    wide = acc32 and weight.dtype != torch.float32 and lce_mode != _IN_FORWARD
-    dw = torch.empty(weight.shape, dtype=torch.float32 if wide else weight.dtype,
-                     device=weight.device)
+    # recompute: dweight sums over all tokens in fp32 per vocabulary block (acc32), or chunk pair
+    # by chunk pair in the weight's dtype. in_forward: the saved unit gradient, scaled.
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw)
-    return dh.view(hidden.shape), (dw.to(weight.dtype) if wide else dw)
+    return dh.view(hidden.shape), dw
 
 
 def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
@@ -334,11 +338,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     copy_to_tensor_model_parallel_region all-reduces it, its sequence-parallel gather
     reduce-scatters it) or summed here ("all_reduce").
 
-    dweight_accumulation: the weight gradient sums over token chunks (two per GEMM) in "fp32"
-    (default: as exact as one GEMM over all tokens; in_forward keeps an fp32 [V, H] between
-    forward and backward) or in the weight's dtype ("weight_dtype": no fp32 copy, so the peak is
-    the gradients plus the workspace; a 16-bit weight's gradient then carries one rounding per
-    pair of chunks). inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
+    dweight_accumulation: how the weight gradient sums over tokens. "fp32" (default): as exact as
+    one GEMM over all tokens; in_forward keeps an fp32 [V, H] between forward and backward,
+    recompute loops over vocabulary blocks outside the token chunks (fp32 scratch: [N, H] plus a
+    128 MiB block). "weight_dtype": chunk pair by chunk pair in the weight's dtype, no fp32 copy,
+    so the peak is the gradients plus the workspace; a 16-bit weight's gradient then carries one
+    rounding per pair of chunks. inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
     backward scales the saved gradients where they are and returns them; a second backward
     through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
 

@@ -200,7 +200,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("chunk_rows", &LinearCrossEntropyOptions::chunk_rows)
       .def_readwrite("allow_tf32", &LinearCrossEntropyOptions::allow_tf32)
       .def_readwrite("logit_softcap", &LinearCrossEntropyOptions::logit_softcap)
-      .def_readwrite("backward_mode", &LinearCrossEntropyOptions::backward_mode);
+      .def_readwrite("backward_mode", &LinearCrossEntropyOptions::backward_mode)
+      .def_readwrite("vocab_block", &LinearCrossEntropyOptions::vocab_block);
   m.def("validate_linear_cross_entropy_options",
         [](const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, int64_t rows,
            int64_t vocab_local, int64_t hidden) {

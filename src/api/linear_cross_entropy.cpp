@@ -42,6 +42,8 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
           ", expected 0 (from workspace_bytes) or >= 1");
   require(o.chunk_rows > 0 || o.workspace_bytes > 0,
           "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
+  require(o.vocab_block >= 0, "options.vocab_block: got ", o.vocab_block,
+          ", expected 0 (off) or >= 1 columns");
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
           int(o.dhidden_form), ", expected Partial");
   resolve_linear_ce_backward(o.backward_mode, p.reduction);
@@ -263,7 +265,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     reduce(dev, kFn, nullptr, target, count_only, nullptr, count, stream);
     FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
     steps.gradient = gradient_step(target, p, out.lse, one, count);
-    grads = core::LceGrads{out.dhidden, out.dweight, false};
+    grads = core::LceGrads{out.dhidden, out.dweight, false, false};
   }
   run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream);
   if (reduced)
@@ -336,9 +338,43 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
           "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
   check_targets_on_host(target, p);
   core::LceSteps steps;
-  steps.gradient = gradient_step(target, p, lse, grad_loss, valid_count);
-  run_loop(dev, kFn, make_plan(hidden, weight, options), hidden, weight, steps,
-           core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight}, stream);
+  if (options.vocab_block == 0) {
+    steps.gradient = gradient_step(target, p, lse, grad_loss, valid_count);
+    run_loop(dev, kFn, make_plan(hidden, weight, options), hidden, weight, steps,
+             core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},
+             stream);
+    return;
+  }
+  // Vocabulary blocks outside, token chunks inside: a block is a shard of this rank's shard
+  // (its columns start at vocab_start + b0), so the cross-entropy's gradient pass runs on it
+  // as is. fp32 accumulators: dhidden over the blocks, each block's dweight over all tokens.
+  const int64_t H = hidden.cols, V = weight.rows, block = std::min(options.vocab_block, V);
+  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block * H + 1), stream);
+  const MatrixView dh32{acc.as<float>(), N, H, H, DType::F32, dev};
+  float* one = acc.as<float>(size_t(N * H + block * H));
+  FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
+  for (int64_t b0 = 0; b0 < V; b0 += block) {
+    const int64_t nb = std::min(block, V - b0);
+    MatrixView wb = weight;
+    wb.data = static_cast<char*>(weight.data) +
+              b0 * weight.row_stride * detail::element_size(weight.dtype);
+    wb.rows = nb;
+    core::CeParams pb = p;
+    pb.vocab_start = p.vocab_start + b0;
+    pb.vocab_local = nb;
+    const MatrixView dwb{acc.as<float>(size_t(N * H)), nb, H, H, DType::F32, dev};
+    steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
+    run_loop(dev, kFn, make_plan(hidden, wb, options), hidden, wb, steps,
+             core::LceGrads{dh32, dwb, false, b0 > 0}, stream);
+    MatrixView dw_rows = grads.dweight;
+    dw_rows.data = static_cast<char*>(grads.dweight.data) +
+                   b0 * grads.dweight.row_stride * detail::element_size(grads.dweight.dtype);
+    dw_rows.rows = nb;
+    FL_DISPATCH(dev, kFn, cpu::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight),
+                cuda::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight, stream));
+  }
+  FL_DISPATCH(dev, kFn, cpu::lce_scale(dh32, grads.dhidden, one, false),
+              cuda::lce_scale(dh32, grads.dhidden, one, false, stream));
 }
 
 }  // namespace fusedloss

@@ -33,6 +33,7 @@ struct LceGrads {
   MatrixView dhidden;  // [N, H]
   MatrixView dweight;  // [V_local, H]
   bool accumulate_dweight = false;
+  bool accumulate_dhidden = false;  // dhidden += (beta = 1) instead of =
 };
 
 }  // namespace fusedloss::core

@@ -82,7 +82,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     if (steps.forward) steps.forward(logits, row0, nullptr);
     if (!with_grads) continue;
     steps.gradient(logits, row0, nullptr);
-    gemm(logits, false, weight, false, rows_of(grads.dhidden, row0, n), false);  // G @ W
+    gemm(logits, false, weight, false, rows_of(grads.dhidden, row0, n),
+         grads.accumulate_dhidden);                                           // G @ W
     gemm(logits, true, h, false, grads.dweight, true);                           // G^T @ h
   }
 }

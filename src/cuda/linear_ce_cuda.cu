@@ -178,8 +178,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     for (int64_t i = j; i < j + (pair ? 2 : 1); ++i) {
       const MatrixView g = buffer(i);
       FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % 2], 0));
-      gemm(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows), false,
-           plan.tf32, workspace, stream);  // dhidden_c = G @ W
+      gemm(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows),
+           grads.accumulate_dhidden, plan.tf32, workspace, stream);  // dhidden_c (+)= G @ W
     }
     MatrixView both = buffer(j);  // G of the pair: [rows(j) + rows(j + 1), V_local]
     if (pair) both.rows += rows_in(j + 1);

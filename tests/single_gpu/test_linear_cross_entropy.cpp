@@ -128,6 +128,31 @@ TEST_P(LinearCrossEntropy, GradientDtypesAccumulationInPlace) {
   }
 }
 
+TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
+  // Vocabulary blocks outside, token chunks inside: blocks of 1 column, odd blocks, one block,
+  // a block wider than V_local; every option that reads the column index.
+  for (int64_t block : {1, 7, 64, 203, 500})
+    for (auto red : {Reduction::Mean, Reduction::None}) {
+      LceCase c;
+      c.lo.backward_mode = LinearCeBackward::Recompute;
+      c.lo.vocab_block = block;
+      c.ce.reduction = red;
+      c.ce.label_smoothing = 0.1f;
+      c.ce.z_loss = 1e-3f;
+      c.lo.logit_softcap = block == 7 ? 2.0f : 0.0f;
+      c.dtype = block % 2 ? DType::BF16 : DType::F32;
+      c.grad_dtype = c.dtype;
+      c.accumulate_dweight = block == 64;
+      check(c);
+    }
+  LceCase zero;
+  zero.N = 0;
+  zero.lo.backward_mode = LinearCeBackward::Recompute;
+  zero.lo.vocab_block = 50;
+  LceProblem p = make_lce_problem(zero, rng());
+  for (double g : run_lce(GetParam(), zero, p).dweight) ASSERT_EQ(g, 0.0);
+}
+
 TEST_P(LinearCrossEntropy, StridedHiddenAndTf32) {
   for (int64_t pad : {1, 8}) {
     LceCase c;
@@ -315,6 +340,9 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
   lo = {};
   lo.chunk_rows = -2;
   expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"chunk_rows", "-2"});
+  lo = {};
+  lo.vocab_block = -1;
+  expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"vocab_block", "-1"});
   lo = {};
   lo.chunk_rows = 0;
   lo.workspace_bytes = 0;
