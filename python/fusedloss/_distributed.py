@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _C
 
 _GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
-_HEADER = 3   # int64: rows, V_local, rejected (0/1)
+_HEADER = 4   # int64: rows, V_local, rejected (0/1), tokens per chunk (0: unchunked)
 _MESSAGE_BYTES = 512
 
 try:  # c10d's own name -> group map (what functional collectives use)
@@ -74,9 +74,10 @@ def _header_device(group):
     return torch.device("cpu")
 
 
-def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None:
+def agree(group, rows: int, v_local: int, error: Optional[str], op: str,
+          chunk_rows: int = 0) -> None:
     """Every rank learns every rank's rows, V_local and rejection at the same call, and raises
-    the same ValueError when anything disagrees. Costs one all-gather of 24 B per rank and its
+    the same ValueError when anything disagrees. Costs one all-gather of 32 B per rank and its
     host sync (plus one of 512 B per rank when a rank rejected its arguments)."""
     device = _header_device(group)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -85,7 +86,8 @@ def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, v_local, error is not None], dtype=torch.int64, device=device)
+    mine = torch.tensor([rows, v_local, error is not None, chunk_rows], dtype=torch.int64,
+                        device=device)
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
@@ -100,11 +102,14 @@ def agree(group, rows: int, v_local: int, error: Optional[str], op: str) -> None
         others = f" (ranks {rejected} rejected their arguments)" if len(rejected) > 1 else ""
         raise _C.Error(f"{op}: vocab-parallel rank {first}: "
                        f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
-    rows0, v0, _ = headers[0]
-    for r, (rr, vv, _) in enumerate(headers):
+    rows0, v0, _, chunk0 = headers[0]
+    for r, (rr, vv, _, cc) in enumerate(headers):
         if rr != rows0:
             raise _C.Error(f"{op}: vocab-parallel rows: rank {r} has {rr} rows, rank 0 has {rows0}; "
                            "expected the same rows on every rank")
         if vv != v0:
             raise _C.Error(f"{op}: vocab-parallel shard size: rank {r} has V_local {vv}, rank 0 has "
                            f"{v0}; expected equal shards on every rank")
+        if cc != chunk0:  # a chunked op runs one collective per chunk
+            raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
+                           f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")

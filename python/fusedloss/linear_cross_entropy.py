@@ -26,7 +26,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import agree, group_name, rank_and_size, resolve_group
 from ._op import FusedOp
-from ._views import (as_choice, as_float, as_int, index, matrix, require_same_device,
+from ._views import (_DTYPES, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, _bad_target_on_host
 
@@ -153,9 +153,11 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), dhv, dwv, stream)
         return loss, lse, count, dh, dw
-    error = None
+    error, chunk = None, 0
     try:
         o, lo = _options(*args, rank, world, v_local, h.size(1))
+        if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
+            chunk = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
         if check_agreement and not t.is_cuda:
             error = _bad_target_on_host(t, o)
     except ValueError as e:
@@ -163,7 +165,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
             raise
         error = str(e)
     if check_agreement:
-        agree(g, rows, v_local, error, _OP)
+        agree(g, rows, v_local, error, _OP, chunk)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
         dw = torch.empty(v_local, h.size(1), **unit_dw)

@@ -210,6 +210,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<CallbackCommunicator>(m, "CallbackCommunicator")
       .def(py::init<int, int, Device, py::function, py::function>(), py::arg("rank"),
            py::arg("size"), py::arg("device"), py::arg("gather"), py::arg("reduce"));
+  m.def("linear_cross_entropy_chunk_rows",
+        [](const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local, DType dtype) {
+          int64_t chunk = 0;
+          guarded([&] { chunk = linear_cross_entropy_chunk_rows(o, rows, vocab_local, dtype); });
+          return chunk;
+        });
   m.def("linear_cross_entropy_forward",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,

@@ -270,6 +270,10 @@ def _check_tp_mismatch(rank, world):
     V_local = 64 + (1 if rank == 1 else 0)
     with pytest.raises(ValueError, match="V_local"):
         fusedloss.linear_cross_entropy(h, torch.randn(V_local, h.size(1)), t, tp_group=dist.group.WORLD)
+    # one rank chunks differently (its per-chunk collectives would not pair with the others')
+    with pytest.raises(ValueError, match="chunking"):
+        fusedloss.linear_cross_entropy(h, torch.randn(64, h.size(1)), t, tp_group=dist.group.WORLD,
+                                       workspace_bytes=2 * 64 * 4 * (3 if rank else 4))
     # one rank's own bad argument raises on every rank
     ww = torch.randn(64, h.size(1) - (1 if rank == 0 else 0))
     with pytest.raises(ValueError, match="rank 0"):
