@@ -1,5 +1,5 @@
 """Host cost of the vocab-parallel shard agreement in the PyTorch API (one all-gather of a
-24-byte header per rank and its host sync, every call).
+32-byte header per rank and its host sync, every call).
 
     python bench/agreement_bench.py            # gloo on CPU, 2 ranks (spawned here)
     python bench/agreement_bench.py --nccl     # NCCL, one rank per visible GPU (1 is enough)

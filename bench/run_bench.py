@@ -4,11 +4,13 @@
   swiglu:        bench/swiglu_bench vs torch silu(a)*b, Liger's fused gate-up, Megatron bias_swiglu_impl
   rms-norm:      bench/rms_norm_bench vs torch F.rms_norm (eager and torch.compile), Liger's
                  RMSNorm; [T, H] from 16384 x 2048 to 8192 x 16384, H = 5120 / 6144, bf16 and fp32
+  linear-cross-entropy: fusedloss.linear_cross_entropy (both modes) vs the GEMMs alone, torch,
+                 linear + fusedloss CE, Liger, cut-cross-entropy (bench/lce_bench.py)
 
 Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x each peer and
 peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
 
-usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm} --build build-gpu [--out DIR]
+usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm,linear-cross-entropy} --build build-gpu [--out DIR]
 """
 import argparse
 import csv
@@ -240,13 +242,20 @@ def rms_norm_main(build, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm"])
-    ap.add_argument("--build", required=True, help="CMake build dir holding bench/ce_bench etc.")
+    ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm", "linear-cross-entropy"])
+    ap.add_argument("--build", help="CMake build dir holding bench/ce_bench etc. (not needed for "
+                    "linear-cross-entropy, which runs through the Python package)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
         return
+    if args.kind == "linear-cross-entropy":
+        import lce_bench
+        lce_bench.run(args.out, git_commit())
+        return
+    if not args.build:
+        ap.error("--build is required for " + args.kind)
     if args.kind == "rms-norm":
         return rms_norm_main(args.build, args.out)
     binary, size_name = (("ce_bench", "V") if args.kind == "cross-entropy" else ("swiglu_bench", "n"))

@@ -56,7 +56,7 @@ cat "$OUT"/pytest-test_*.log >> "$OUT/pytest.log" && rm -f "$OUT"/pytest-test_*.
 grep -E "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$OUT/pytest.log" | tail -20
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  for kind in cross-entropy swiglu rms-norm; do
+  for kind in cross-entropy swiglu rms-norm linear-cross-entropy; do
     step "benchmark $kind"
     PYTHONUNBUFFERED=1 "$PY" bench/run_bench.py $kind --build build-gpu --out "$OUT" \
       > "$OUT/bench-$kind.log" 2>&1 || status=1

@@ -3,6 +3,7 @@
 #include "fusedloss/config.h"
 #include "fusedloss/communicator.h"
 #include "fusedloss/cross_entropy.h"
+#include "fusedloss/linear_cross_entropy.h"
 #include "fusedloss/options.h"
 #include "fusedloss/rms_norm.h"
 #include "fusedloss/swiglu.h"

@@ -1,6 +1,7 @@
 """fusedloss: fused, tensor-parallel-aware cross-entropy and SwiGLU kernels (CUDA C++).
 
     fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
+    fusedloss.linear_cross_entropy(hidden, weight, target, ...)   LM head + loss, no [N, V] logits
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
@@ -11,6 +12,7 @@ import torch
 
 from . import _C
 from .cross_entropy import CrossEntropyLoss, cross_entropy
+from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import RMSNorm, rms_norm
 from .swiglu import SwiGLU, swiglu
 
@@ -18,7 +20,7 @@ __version__ = _C.__version__
 # The C++ SDK shipped inside this package (include/, lib/libfusedloss.a, lib/cmake/fusedloss):
 # cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
 cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
-__all__ = ["cross_entropy", "CrossEntropyLoss", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
+__all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
            "check_device_errors"]
 
 

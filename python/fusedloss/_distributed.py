@@ -17,7 +17,7 @@ import torch.distributed as dist
 from . import _C
 
 _GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
-_HEADER = 4   # int64: rows, V_local, options fingerprint, rejected (0/1)
+_HEADER = 5   # int64: rows, V_local, options fingerprint, rejected (0/1), tokens per chunk (0: unchunked)
 _MESSAGE_BYTES = 512
 
 try:  # c10d's own name -> group map (what functional collectives use)
@@ -74,12 +74,14 @@ def _header_device(group):
     return torch.device("cpu")
 
 
-def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str) -> None:
+def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,
+          chunk_rows: int = 0) -> None:
     """Every rank learns every rank's rows, V_local, options fingerprint (any int the ranks must
-    share, e.g. hash() of the options: numbers hash the same in every process) and rejection at
-    the same call, and raises the same ValueError when anything disagrees. Costs one all-gather
-    of 32 B per rank and its host sync (plus one of 512 B per rank when a rank rejected its
-    arguments). rows = -1: the rank rejected its arguments before its shapes were known."""
+    share, e.g. hash() of the options: numbers hash the same in every process), rejection and
+    tokens per chunk (a chunked op runs one collective per chunk) at the same call, and raises
+    the same ValueError when anything disagrees. Costs one all-gather of 40 B per rank and its
+    host sync (plus one of 512 B per rank when a rank rejected its arguments). rows = -1: the
+    rank rejected its arguments before its shapes were known."""
     device = _header_device(group)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -87,8 +89,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None], dtype=torch.int64,
-                        device=device)
+    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None, chunk_rows],
+                        dtype=torch.int64, device=device)
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
@@ -106,8 +108,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                   f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
         if any(headers[r][0] < 0 for r in rejected):  # before its shapes: nothing else to compare
             raise _C.Error(reason)
-    rows0, v0, opt0, _ = headers[0]
-    for r, (rr, vv, oo, _) in enumerate(headers):
+    rows0, v0, opt0, _, chunk0 = headers[0]
+    for r, (rr, vv, oo, _, cc) in enumerate(headers):
         if rr != rows0:
             raise _C.Error(f"{op}: vocab-parallel rows: rank {r} has {rr} rows, rank 0 has {rows0}; "
                            "expected the same rows on every rank")
@@ -117,6 +119,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         if oo != opt0:
             raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
                            "the same options (ignore_index, label_smoothing, smoothing_formula, "
-                           "smoothing_scope, z_loss, reduction) on every rank")
+                           "smoothing_scope, z_loss, reduction, ...) on every rank")
+        if cc != chunk0:  # a chunked op runs one collective per chunk
+            raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
+                           f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")
     if reason is not None:
         raise _C.Error(reason)

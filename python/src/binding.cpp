@@ -27,6 +27,34 @@ void guarded(Body&& body) {
   }
 }
 
+// A Communicator whose collectives are Python callables (a torch.distributed group, in
+// fusedloss/_distributed.py): gather(send, recv, bytes_per_rank, stream) and
+// reduce(data, count, "max" | "sum", stream) over raw addresses. The GIL is held throughout
+// (see below), and a Python exception propagates through the C++ call as it unwinds.
+class CallbackCommunicator : public Communicator {
+ public:
+  CallbackCommunicator(int rank, int size, Device device, py::function gather,
+                       py::function reduce)
+      : rank_(rank), size_(size), device_(device), gather_(std::move(gather)),
+        reduce_(std::move(reduce)) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return device_; }
+  void all_gather(const void* send, void* recv, size_t bytes_per_rank, Stream stream) override {
+    gather_(reinterpret_cast<uintptr_t>(send), reinterpret_cast<uintptr_t>(recv), bytes_per_rank,
+            reinterpret_cast<uintptr_t>(stream));
+  }
+  void all_reduce(float* data, size_t count, ReduceOp op, Stream stream) override {
+    reduce_(reinterpret_cast<uintptr_t>(data), count, op == ReduceOp::Max ? "max" : "sum",
+            reinterpret_cast<uintptr_t>(stream));
+  }
+
+ private:
+  int rank_, size_;
+  Device device_;
+  py::function gather_, reduce_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -161,6 +189,72 @@ PYBIND11_MODULE(_C, m) {
           guarded([&] {
             rms_norm_backward(gy, x, w, fptr(rstd), o, gx, fptr(gw), ptr(workspace), gres,
                               ptr(stream));
+          });
+        });
+  py::enum_<LinearCeBackward>(m, "LinearCeBackward")
+      .value("AUTO", LinearCeBackward::Auto).value("IN_FORWARD", LinearCeBackward::InForward)
+      .value("RECOMPUTE", LinearCeBackward::Recompute);
+  py::class_<LinearCrossEntropyOptions>(m, "LinearCrossEntropyOptions")
+      .def(py::init<>())
+      .def_readwrite("workspace_bytes", &LinearCrossEntropyOptions::workspace_bytes)
+      .def_readwrite("chunk_rows", &LinearCrossEntropyOptions::chunk_rows)
+      .def_readwrite("allow_tf32", &LinearCrossEntropyOptions::allow_tf32)
+      .def_readwrite("logit_softcap", &LinearCrossEntropyOptions::logit_softcap)
+      .def_readwrite("backward_mode", &LinearCrossEntropyOptions::backward_mode)
+      .def_readwrite("vocab_block", &LinearCrossEntropyOptions::vocab_block);
+  m.def("validate_linear_cross_entropy_options",
+        [](const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, int64_t rows,
+           int64_t vocab_local, int64_t hidden) {
+          guarded([&] { validate_linear_cross_entropy_options(ce, o, rows, vocab_local, hidden); });
+        });
+  py::class_<CallbackCommunicator>(m, "CallbackCommunicator")
+      .def(py::init<int, int, Device, py::function, py::function>(), py::arg("rank"),
+           py::arg("size"), py::arg("device"), py::arg("gather"), py::arg("reduce"));
+  m.def("linear_cross_entropy_chunk_rows",
+        [](const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local, DType dtype) {
+          int64_t chunk = 0;
+          guarded([&] { chunk = linear_cross_entropy_chunk_rows(o, rows, vocab_local, dtype); });
+          return chunk;
+        });
+  m.def("linear_cross_entropy_forward",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t,
+           const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
+           uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
+           uintptr_t stream, CallbackCommunicator* comm) {
+          guarded([&] {
+            LinearCrossEntropyOutputs out;
+            out.loss = fptr(loss);
+            out.lse = fptr(lse);
+            out.valid_count = fptr(count);
+            out.dhidden = dh;
+            out.dweight = dw;
+            linear_cross_entropy_forward(h, w, t, ce, o, out, comm, ptr(stream));
+          });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"), py::arg("options"),
+        py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
+        py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr);
+  m.def("linear_cross_entropy_local_stats",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t,
+           const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,
+           uintptr_t stream) {
+          guarded([&] {
+            linear_cross_entropy_local_stats(h, w, t, ce, o, static_cast<RowStats*>(ptr(stats)),
+                                             ptr(stream));
+          });
+        });
+  m.def("linear_cross_entropy_backward",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t, uintptr_t lse,
+           uintptr_t grad_loss, uintptr_t count, const CrossEntropyOptions& ce,
+           const LinearCrossEntropyOptions& o, const MatrixView& saved_dh,
+           const MatrixView& saved_dw, const MatrixView& dh, const MatrixView& dw,
+           bool accumulate_dweight, uintptr_t stream) {
+          guarded([&] {
+            LinearCrossEntropyOutputs saved;
+            saved.dhidden = saved_dh;
+            saved.dweight = saved_dw;
+            linear_cross_entropy_backward(h, w, t, fptr(lse), fptr(grad_loss), fptr(count), ce, o,
+                                          saved, {dh, dw, accumulate_dweight}, ptr(stream));
           });
         });
   m.def("check_device_errors",

@@ -1,4 +1,6 @@
-"""Run a function on N processes of a gloo (CPU) or NCCL (one GPU per rank) world."""
+"""Run a function on N processes of a gloo (CPU) or NCCL (one GPU per rank) world, or of a gloo
+world whose ranks keep the GPUs ("gloo-cuda": CUDA tensors through gloo, every rank on one GPU
+when there is one; how TP > 1 runs on a one-GPU machine)."""
 import datetime
 import os
 import socket
@@ -19,11 +21,12 @@ def _worker(rank, world, port, backend, fn, args, errors, timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "gloo":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU world: keep the GPUs out of it
-    else:
+    else:  # nccl, gloo-cuda
         import torch
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
+        dist.init_process_group("gloo" if backend == "gloo-cuda" else backend, rank=rank,
+                                world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         fn(rank, world, *args)
     except BaseException:
@@ -33,7 +36,7 @@ def _worker(rank, world, port, backend, fn, args, errors, timeout_s):
             # No rank may leave while a peer still talks to it (gloo aborts on a closed peer);
             # bounded, so a rank that died early cannot hang the others.
             try:
-                if backend == "gloo":
+                if backend.startswith("gloo"):
                     dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
                 else:
                     dist.barrier()

@@ -42,19 +42,6 @@ core::CeParams forward_params(const MatrixView& logits, const IndexView& target,
   return p;
 }
 
-// Vocab-parallel: equal contiguous shards in rank order, on the communicator's device. Local
-// facts only (this rank's options, rank and size), so they are checked before the agreement.
-void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device) {
-  const int64_t world = comm.size(), rank = comm.rank();
-  require(comm.device() == device, "comm: a ", to_string(comm.device()),
-          " communicator was given for ", to_string(device), " logits; expected the same device");
-  require(p.vocab_global == world * p.vocab_local, "options.vocab_global: got ", p.vocab_global,
-          ", expected communicator size (", world, ") x V_local (", p.vocab_local, ") = ",
-          world * p.vocab_local);
-  require(p.vocab_start == rank * p.vocab_local, "options.vocab_start: got ", p.vocab_start,
-          ", expected rank (", rank, ") x V_local (", p.vocab_local, ") = ", rank * p.vocab_local);
-}
-
 }  // namespace
 
 void validate_cross_entropy_options(const CrossEntropyOptions& options, int64_t rows,
@@ -132,7 +119,7 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
   core::CeParams p;
   try {
     p = forward_params(logits, target, options, out);
-    check_shard_position(p, *comm, logits.device);
+    vocab_parallel::check_shard_position(p, *comm, logits.device);
   } catch (const Error& e) {
     mine.error = e.what();
   }

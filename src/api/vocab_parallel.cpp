@@ -31,7 +31,7 @@ namespace {
 // The fixed-size part every rank contributes. Sizes that differ here would make the
 // size-dependent collectives that follow mismatch, so they are compared before any of them.
 struct Header {
-  int64_t rows, vocab_local, has_error;
+  int64_t rows, vocab_local, has_error, chunk_rows;
 };
 
 // all[r * bytes, (r + 1) * bytes) on the host receives rank r's `mine`, whatever memory the
@@ -56,9 +56,22 @@ void gather_to_host(Communicator& comm, const void* mine, void* all, size_t byte
 
 }  // namespace
 
+void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device) {
+  const int64_t world = comm.size(), rank = comm.rank();
+  detail::require(comm.device() == device, "comm: a ", to_string(comm.device()),
+                  " communicator was given for ", to_string(device),
+                  " logits; expected the same device");
+  detail::require(p.vocab_global == world * p.vocab_local, "options.vocab_global: got ",
+                  p.vocab_global, ", expected communicator size (", world, ") x V_local (",
+                  p.vocab_local, ") = ", world * p.vocab_local);
+  detail::require(p.vocab_start == rank * p.vocab_local, "options.vocab_start: got ",
+                  p.vocab_start, ", expected rank (", rank, ") x V_local (", p.vocab_local,
+                  ") = ", rank * p.vocab_local);
+}
+
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
-  const Header header{mine.rows, mine.vocab_local, mine.error.empty() ? 0 : 1};
+  const Header header{mine.rows, mine.vocab_local, mine.error.empty() ? 0 : 1, mine.chunk_rows};
   std::vector<Header> all(world);
   gather_to_host(comm, &header, all.data(), sizeof(Header), stream);
 
@@ -77,7 +90,15 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const bool any_error = std::any_of(all.begin(), all.end(), [](const Header& h) {
     return h.has_error != 0;
   });
-  if (!any_error) return;
+  if (!any_error) {
+    // Ranks whose arguments were valid: a chunked caller's collectives follow its chunking.
+    for (int r = 0; r < world; ++r)
+      detail::require(all[r].chunk_rows == h0.chunk_rows, "vocab-parallel chunking: rank ", r,
+                      " computes ", all[r].chunk_rows, " tokens per chunk, rank 0 ",
+                      h0.chunk_rows,
+                      "; expected the same workspace_bytes / chunk_rows and dtype on every rank");
+    return;
+  }
 
   // Second round, only on the error path: each rank's text, truncated to a fixed size so the
   // collective matches on every rank.

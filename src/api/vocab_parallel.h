@@ -30,11 +30,18 @@ class Scratch {
   void* ptr_ = nullptr;
 };
 
+// Equal contiguous shards in rank order, on the communicator's device. Local facts only (this
+// rank's options, rank and size), so callers check them before the agreement.
+void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device);
+
 // What this rank brings to the agreement: its shape and, when its own arguments were
 // rejected, the error it would have thrown (empty when none).
 struct ShardClaim {
   int64_t rows = 0, vocab_local = 0;
   std::string error;
+  // Tokens per chunk of a chunked caller (the linear cross-entropy runs one collective per
+  // chunk, so the chunking must agree too); 0 for an unchunked call.
+  int64_t chunk_rows = 0;
 };
 
 // Collective over `comm` (every rank calls it, whatever its arguments): one all-gather of a

@@ -118,6 +118,18 @@ FL_HD float grad_element(const GradRow& g, float x, bool is_target) {
   return is_target ? v - g.target_weight : v;
 }
 
+// Logit soft-capping (Gemma-2): the loss sees z = c tanh(x / c) for a cap c > 0; c == 0 is
+// off. Linear cross-entropy sets it; the logits-level entry points leave it 0.
+FL_HD float cap_logit(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
+
+// The gradient with respect to the uncapped logit x: dL/dz at z = cap_logit(x), times
+// dz/dx = 1 - (z / c)^2.
+FL_HD float capped_grad_element(const GradRow& g, float x, bool is_target, float cap) {
+  if (cap <= 0.0f) return grad_element(g, x, is_target);
+  const float z = cap * tanhf(x / cap), t = z / cap;
+  return grad_element(g, z, is_target) * (1.0f - t * t);
+}
+
 // Target classification shared by every pass.
 enum class TargetKind { Ignored, Local, Remote, OutOfRange };
 

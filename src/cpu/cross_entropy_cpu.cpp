@@ -39,17 +39,17 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
     int64_t j = 0;
     for (; j + kChunk <= x.cols; j += kChunk) {
       float v[kChunk];
-      for (int i = 0; i < kChunk; ++i) sx += (v[i] = S::load(row[j + i]));
+      for (int i = 0; i < kChunk; ++i) sx += (v[i] = core::cap_logit(S::load(row[j + i]), p.softcap));
       core::online_add_chunk<kChunk>(m, s, v);
     }
     for (; j < x.cols; ++j) {
-      float v = S::load(row[j]);
+      float v = core::cap_logit(S::load(row[j]), p.softcap);
       core::online_add(m, s, v);
       sx += v;
     }
     int64_t t = load_target(target, r);
     bool local = classify(target, r, p) == TargetKind::Local;
-    stats[r] = RowStats{m, s, local ? S::load(row[t - p.vocab_start]) : -INFINITY,
+    stats[r] = RowStats{m, s, local ? core::cap_logit(S::load(row[t - p.vocab_start]), p.softcap) : -INFINITY,
                         p.need_sum_logits ? sx : 0.0f};
   }
 }
@@ -77,7 +77,7 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
     core::GradRow g = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
     int64_t local_target = kind == TargetKind::Local ? load_target(target, r) - p.vocab_start : -1;
     for (int64_t j = 0; j < x.cols; ++j)
-      gr[j] = S::store(core::grad_element(g, S::load(xr[j]), j == local_target));
+      gr[j] = S::store(core::capped_grad_element(g, S::load(xr[j]), j == local_target, p.softcap));
   }
 }
 
@@ -118,13 +118,18 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
     core::finish_row(core::merge_row(combined, parts, rows, r), core::own_sum_logits(local, r, p),
                      classify(target, r, p), p, out.lse[r], row_losses[r]);
   }
+  ce_reduce(row_losses, target, p, out);
+}
+
+void ce_reduce(const float* row_losses, const IndexView& target, const core::CeParams& p,
+               const CrossEntropyOutputs& out) {
   // Deterministic reductions: a fixed-order sum in double.
   double total = 0.0;
   int64_t valid = 0;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < p.rows; ++r) {
     if (classify(target, r, p) == TargetKind::Ignored) continue;
     ++valid;
-    total += row_losses[r];
+    total += row_losses ? row_losses[r] : 0.0f;
   }
   if (out.valid_count) out.valid_count[0] = float(valid);
   if (p.reduction == Reduction::Sum) out.loss[0] = float(total);

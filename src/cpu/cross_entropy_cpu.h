@@ -12,6 +12,10 @@ void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexV
                     const core::CeParams& p, int rank, RowStats* summable);
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
               const core::CeParams& p, const CrossEntropyOutputs& out);
+// The reduction of per-row losses (Sum / Mean into out.loss[0]) and the non-ignored count
+// (into out.valid_count when not null). row_losses may be null: the count alone.
+void ce_reduce(const float* row_losses, const IndexView& target, const core::CeParams& p,
+               const CrossEntropyOutputs& out);
 void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                  const float* grad_loss, const float* valid_count, const core::CeParams& p,
                  const MatrixView& grad);

@@ -74,7 +74,18 @@ __device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
 // Pass 1: per-row max, sum-exp, target logit and (with smoothing) sum of logits.
 // kFinish (TP=1): the stats are already global, so the row's lse and loss are written here
 // and no merge pass follows.
-template <StorageKind K, class Index, bool kSumLogits, bool kFinish>
+// The logit soft-cap (linear cross-entropy) as a compile-time choice: the plain cross-entropy's
+// kernels keep their registers (a runtime branch cost ~10 per thread and an occupancy step).
+template <bool kCap>
+__device__ __forceinline__ float capped(float x, float cap) {
+  if constexpr (kCap) {
+    return core::cap_logit(x, cap);
+  } else {
+    return x;
+  }
+}
+
+template <StorageKind K, class Index, bool kSumLogits, bool kFinish, bool kCap>
 __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core::Storage<K>::type* x,
                                                          int64_t row_stride, const Index* target,
                                                          CeParams p, RowStats* stats,
@@ -88,13 +99,17 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
   visit_row<T, kFwdThreads, kFwdUnroll>(
       row, p.vocab_local, true,
       [&](int64_t j) {
-        float v = S::load(row[j]);
+        float v = capped<kCap>(S::load(row[j]), p.softcap);
         core::online_add(m, s, v);
         if (kSumLogits) sx += v;
       },
       [&](int64_t, const uint4& raw) {
         float v[VEC];
         unpack<S>(raw, v);
+        if constexpr (kCap) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) v[k] = core::cap_logit(v[k], p.softcap);
+        }
         core::online_add_chunk<VEC>(m, s, v);
         if (kSumLogits) {
 #pragma unroll
@@ -106,7 +121,8 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
     int64_t t;
     TargetKind kind = classify(target, r, p, &t);
     if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
-    float tl = kind == TargetKind::Local ? S::load(row[t - p.vocab_start]) : -INFINITY;
+    float tl = kind == TargetKind::Local ? capped<kCap>(S::load(row[t - p.vocab_start]), p.softcap)
+                                          : -INFINITY;
     if constexpr (kFinish) {
       core::finish_row(RowStats{m, s, tl, sx}, sx, kind, p, lse_out[r], row_loss_out[r]);
     } else {
@@ -158,7 +174,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   long long cnt = 0;
   for (int64_t r = threadIdx.x; r < p.rows; r += kReduceThreads) {
     if (int64_t(target[r]) == p.ignore_index) continue;
-    sum += row_loss[r];
+    sum += row_loss ? row_loss[r] : 0.0f;
     ++cnt;
   }
   sm_sum[threadIdx.x] = sum;
@@ -180,7 +196,17 @@ __global__ void __launch_bounds__(kReduceThreads)
 }
 
 // Backward: g_j = dL (p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K), one read, one write.
-template <StorageKind K, class Index>
+template <bool kCap>
+__device__ __forceinline__ float grad_at(const core::GradRow& g, float x, bool is_target,
+                                         float cap) {
+  if constexpr (kCap) {
+    return core::capped_grad_element(g, x, is_target, cap);
+  } else {
+    return core::grad_element(g, x, is_target);
+  }
+}
+
+template <StorageKind K, class Index, bool kCap>
 __global__ void __launch_bounds__(kBwdThreads)
     backward_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
                     typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
@@ -207,14 +233,14 @@ __global__ void __launch_bounds__(kBwdThreads)
   visit_row<T, kBwdThreads, kBwdUnroll>(
       xr, p.vocab_local, same_alignment,
       [&](int64_t j) {
-        gr[j] = S::store(constant ? fill : core::grad_element(gr_c, S::load(xr[j]), j == local_t));
+        gr[j] = S::store(constant ? fill : grad_at<kCap>(gr_c, S::load(xr[j]), j == local_t, p.softcap));
       },
       [&](int64_t j, const uint4& raw) {
         float v[VEC];
         unpack<S>(raw, v);
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
-          v[k] = constant ? fill : core::grad_element(gr_c, v[k], j + k == local_t);
+          v[k] = constant ? fill : grad_at<kCap>(gr_c, v[k], j + k == local_t, p.softcap);
         *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
       });
 }
@@ -244,12 +270,18 @@ void launch_stats(const MatrixView& logits, const IndexView& target, const CePar
     auto* x = static_cast<const T*>(logits.data);
     auto* t = static_cast<const Index*>(target.data);
     auto grid = unsigned(logits.rows);
+    auto launch = [&](auto sum_logits, auto cap) {
+      stats_kernel<K, Index, decltype(sum_logits)::value, kFinish, decltype(cap)::value>
+          <<<grid, kFwdThreads, 0, as_cuda(stream)>>>(x, logits.row_stride, t, p, stats, lse,
+                                                      row_loss);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    const bool cap = p.softcap > 0.0f;
     if (p.need_sum_logits)
-      stats_kernel<K, Index, true, kFinish><<<grid, kFwdThreads, 0, as_cuda(stream)>>>(
-          x, logits.row_stride, t, p, stats, lse, row_loss);
+      cap ? launch(Yes{}, Yes{}) : launch(Yes{}, No{});
     else
-      stats_kernel<K, Index, false, kFinish><<<grid, kFwdThreads, 0, as_cuda(stream)>>>(
-          x, logits.row_stride, t, p, stats, lse, row_loss);
+      cap ? launch(No{}, Yes{}) : launch(No{}, No{});
     FL_CUDA_CHECK_LAUNCH();
   });
 }
@@ -323,6 +355,14 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
   if (reduce) free_async(row_losses, stream);
 }
 
+void ce_reduce(const float* row_losses, const IndexView& target, const CeParams& p,
+               const CrossEntropyOutputs& out, Stream stream) {
+  core::dispatch_index(target.type, [&](auto idx) {
+    using Index = decltype(idx);
+    launch_reduce(row_losses, static_cast<const Index*>(target.data), p, out, stream);
+  });
+}
+
 void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                  const float* grad_loss, const float* valid_count, const CeParams& p,
                  const MatrixView& grad, Stream stream) {
@@ -332,9 +372,17 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
     constexpr StorageKind K = decltype(k)::value;
     using Index = decltype(idx);
     using T = typename core::Storage<K>::type;
-    backward_kernel<K, Index><<<unsigned(logits.rows), kBwdThreads, 0, as_cuda(stream)>>>(
-        static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
-        grad.row_stride, static_cast<const Index*>(target.data), lse, grad_loss, valid_count, p);
+    auto launch = [&](auto cap) {
+      backward_kernel<K, Index, decltype(cap)::value>
+          <<<unsigned(logits.rows), kBwdThreads, 0, as_cuda(stream)>>>(
+              static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
+              grad.row_stride, static_cast<const Index*>(target.data), lse, grad_loss,
+              valid_count, p);
+    };
+    if (p.softcap > 0.0f)
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
     FL_CUDA_CHECK_LAUNCH();
   });
 }

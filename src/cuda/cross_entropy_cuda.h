@@ -16,6 +16,10 @@ void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexV
                     const core::CeParams& p, int rank, RowStats* summable, Stream stream);
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
               const core::CeParams& p, const CrossEntropyOutputs& out, Stream stream);
+// As cpu::ce_reduce: Sum / Mean of row_losses into out.loss, the count into out.valid_count
+// (when not null); row_losses may be null (the count alone).
+void ce_reduce(const float* row_losses, const IndexView& target, const core::CeParams& p,
+               const CrossEntropyOutputs& out, Stream stream);
 void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                  const float* grad_loss, const float* valid_count, const core::CeParams& p,
                  const MatrixView& grad, Stream stream);

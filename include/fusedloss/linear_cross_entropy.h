@@ -1,0 +1,148 @@
+// fusedloss: linear cross-entropy, the LM head's projection fused with the loss.
+//
+//   logits = hidden @ weight^T            hidden [N, H], weight [V_local, H] (a vocab shard)
+//   loss   = cross_entropy(softcap(logits), target)   (every CrossEntropyOptions option)
+//
+// The logits never exist whole: they are computed one token chunk at a time into a bounded
+// workspace (two chunk buffers of [chunk, V_local] in the inputs' dtype), and each chunk's
+// cross-entropy (local stats, the vocab-parallel hook, merge, gradient) runs on it before the
+// buffer is reused. GEMMs: cuBLASLt on CUDA (fp32 accumulation), plain loops on the CPU.
+//
+// Two backward modes, both exact:
+//   InForward  (Sum/Mean reductions) the forward also computes the gradients of the reduced
+//              loss for an upstream gradient of 1 (3 GEMMs in all); the backward only scales
+//              them by the upstream scalar, read on the device.
+//   Recompute  (any reduction, any per-row upstream gradient) the forward keeps lse (4 B/row);
+//              the backward recomputes each chunk's logits (4 GEMMs in all).
+//
+// Vocab-parallel (a communicator of size > 1): per chunk, the local stats of this shard, one
+// all-gather of 16 B/row, the merge; the shard agreement of the cross-entropy runs once per
+// call before any collective. dhidden is this rank's partial sum over its vocab shard: the
+// caller all-reduces it over the TP group, or reduce-scatters it along tokens (sequence
+// parallel). dweight is this rank's own shard, complete.
+//
+// Memory beside the caller's buffers: the two chunk buffers (bounded by workspace_bytes),
+// O(N) floats, and on CUDA a 32 MiB cuBLASLt workspace cached per (device, stream).
+// CUDA calls enqueue on `stream` (plus a cached side stream joined back before returning) and
+// never synchronise the host at TP=1; they are CUDA-graph capturable with
+// check_shard_agreement = false at TP>1.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include "fusedloss/communicator.h"
+#include "fusedloss/cross_entropy.h"
+#include "fusedloss/options.h"
+#include "fusedloss/types.h"
+
+namespace fusedloss {
+
+enum class LinearCeBackward {
+  Auto,       // InForward for Reduction::Sum / Mean, Recompute for Reduction::None
+  InForward,  // Sum / Mean only
+  Recompute,
+};
+
+// What linear_cross_entropy_* write into dhidden at TP > 1. Partial: this rank's
+// contribution, sum it over the TP group yourself (all-reduce, or reduce-scatter along tokens).
+enum class DHiddenForm { Partial };
+
+struct LinearCrossEntropyOptions {
+  // Bound on the two chunk buffers together (bytes). With chunk_rows == 0 the chunk is the
+  // most tokens whose two [chunk, V_local] buffers fit (rounded down to a multiple of 64 when
+  // that is >= 64; never less than 1 token).
+  size_t workspace_bytes = size_t(256) << 20;
+  // > 0: exactly this many tokens per chunk (the last chunk takes the remainder), whatever
+  // workspace_bytes says. Mostly for tests; 0 derives it from workspace_bytes.
+  int64_t chunk_rows = 0;
+  // fp32 inputs only: the GEMMs may use TF32 tensor cores (torch's
+  // torch.backends.cuda.matmul.allow_tf32). bf16/fp16 inputs always accumulate in fp32.
+  // The CPU backend computes in fp32 either way.
+  bool allow_tf32 = false;
+  // > 0: the loss sees c * tanh(logit / c) (Gemma-2's final logit soft-capping); 0: off.
+  float logit_softcap = 0.0f;
+  LinearCeBackward backward_mode = LinearCeBackward::Auto;
+  // Recompute backward only. > 0: the vocabulary in blocks of this many columns (outer loop)
+  // and the tokens in chunks (inner loop): each block's dweight sums over all tokens in fp32
+  // before its one rounding (as exact as one GEMM over all tokens, into any dweight dtype),
+  // dhidden sums over the blocks in fp32. Scratch: fp32 [N, H] + fp32 [block, H] beside the
+  // workspace. 0: tokens outer; dweight accumulates chunk pair by chunk pair in its own dtype.
+  int64_t vocab_block = 0;
+  DHiddenForm dhidden_form = DHiddenForm::Partial;
+};
+
+// The mode `Auto` resolves to for `reduction` (and checks InForward against it).
+LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction);
+
+// Forward outputs, in the inputs' memory space (host or device).
+struct LinearCrossEntropyOutputs {
+  float* loss = nullptr;         // [N] for Reduction::None, else [1]
+  float* lse = nullptr;          // [N]: log-sum-exp over the global vocabulary (for Recompute)
+  float* valid_count = nullptr;  // [1]: rows whose target != ignore_index (Mean's divisor);
+                                 // required for Reduction::Mean, optional otherwise
+  // InForward only (ignored for Recompute): the gradients of the reduced loss for an upstream
+  // gradient of 1. dhidden [N, H] (at TP > 1 this rank's partial), dweight [V_local, H]; each
+  // fp32, or the inputs' dtype (bf16/fp16 inputs). An fp32 dweight is the exact choice: it
+  // accumulates over the token chunks in fp32.
+  MatrixView dhidden;
+  MatrixView dweight;
+};
+
+// The gradients a backward writes.
+struct LinearCrossEntropyGrads {
+  MatrixView dhidden;  // [N, H], fp32 or the inputs' dtype; written (at TP > 1: partial)
+  MatrixView dweight;  // [V_local, H], fp32 or the inputs' dtype
+  // true: dweight += the gradient (beta = 1; e.g. Megatron's fp32 main_grad under gradient-
+  // accumulation fusion); false: dweight = the gradient.
+  bool accumulate_dweight = false;
+};
+
+// Checks everything about the options that needs no data (shapes: N rows, V_local, H).
+// Throws Error with the same messages as the entry points.
+void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
+                                           const LinearCrossEntropyOptions& options, int64_t rows,
+                                           int64_t vocab_local, int64_t hidden);
+
+// The chunk (tokens) a call with these sizes uses, and the workspace bytes it allocates.
+int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& options, int64_t rows,
+                                        int64_t vocab_local, DType dtype);
+
+// hidden  [N, H]       fp32/fp16/bf16, columns contiguous, any row stride, CPU or CUDA
+// weight  [V_local, H] same dtype and device as hidden (rank r's rows [r V_local, (r+1) V_local)
+//                      of the full [V_global, H] weight at TP > 1)
+// target  [N]          int32/int64 global class ids (or ignore_index), same device
+// ce                   the cross-entropy options; vocab_start / vocab_global as for
+//                      cross_entropy_forward (defaults: the whole vocabulary on one rank)
+// comm                 null or the TP group's communicator (size 1: no communication)
+// stream               a cudaStream_t for CUDA views (null: the legacy default stream)
+void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& weight,
+                                  const IndexView& target, const CrossEntropyOptions& ce,
+                                  const LinearCrossEntropyOptions& options,
+                                  const LinearCrossEntropyOutputs& out,
+                                  Communicator* comm = nullptr, Stream stream = nullptr);
+
+// The split form, for trainers that run their own collective (e.g. a torch.distributed group):
+// this rank's RowStats of every row ([N], the cross-entropy's pass 1 over each chunk's
+// soft-capped logits, one GEMM per chunk). Then all-gather them across the TP group,
+// cross_entropy_merge (same `ce`) for loss, lse and valid_count, and the Recompute backward.
+// No collective runs here.
+void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
+                                      const IndexView& target, const CrossEntropyOptions& ce,
+                                      const LinearCrossEntropyOptions& options, RowStats* stats,
+                                      Stream stream = nullptr);
+
+// Backward. Same inputs and options as the forward (resolved to the same mode).
+//   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),
+//              elementwise on the device; hidden, weight, lse and valid_count are not read.
+//              grads may be the saved buffers themselves (scaled in place).
+//   Recompute: grad_loss is [N] for Reduction::None, else [1]; lse and valid_count (Mean) are
+//              the forward's; each chunk's logits are recomputed (no communication).
+// grad_loss lives with the inputs (host or device) and is read there, never copied to the host.
+void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& weight,
+                                   const IndexView& target, const float* lse,
+                                   const float* grad_loss, const float* valid_count,
+                                   const CrossEntropyOptions& ce,
+                                   const LinearCrossEntropyOptions& options,
+                                   const LinearCrossEntropyOutputs& saved,
+                                   const LinearCrossEntropyGrads& grads, Stream stream = nullptr);
+
+}  // namespace fusedloss

@@ -1,0 +1,382 @@
+"""fusedloss.linear_cross_entropy: the LM head's projection and the cross-entropy in one op,
+without a [tokens, V] logits buffer (logits exist one token chunk at a time in a bounded
+workspace; see include/fusedloss/linear_cross_entropy.h).
+
+backward modes (chosen here, both exact):
+  in_forward  reduction sum/mean: the forward also computes the gradients of the loss for an
+              upstream gradient of 1 (3 GEMMs in all); the backward scales them by the upstream
+              scalar on the device. Saved: dhidden [N, H] (hidden's dtype) and dweight [V, H]
+              (fp32).
+  recompute   reduction none (or asked for): the forward keeps lse (4 B/row); the backward
+              recomputes each chunk's logits (4 GEMMs in all).
+tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
+stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
+of every row and merges them after one all-gather. The hidden gradient is this rank's partial
+sum unless dhidden_reduction="all_reduce".
+"""
+import contextlib
+import ctypes
+import functools
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _C
+from ._distributed import agree, group_name, rank_and_size, resolve_group
+from ._op import FusedOp
+from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+                     require_tensor, require_values, rows_of, stream_of)
+from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, _bad_target_on_host
+
+_NONE = _REDUCTIONS["none"]
+_IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
+_MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
+_DHIDDEN = {"partial": 0, "all_reduce": 1}
+_ACCUMULATION = {"fp32": True, "weight_dtype": False}
+_OP = "fusedloss.linear_cross_entropy"
+
+
+@functools.lru_cache(maxsize=256)
+def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+             workspace_bytes, mode, tf32, rank, world, v_local, hidden, vocab_block=0):
+    """(CrossEntropyOptions, LinearCrossEntropyOptions), validated, one per distinct call."""
+    o = _C.CrossEntropyOptions()
+    o.ignore_index = ignore_index
+    o.label_smoothing = label_smoothing
+    o.smoothing_formula = _C.SmoothingFormula(formula)
+    o.smoothing_scope = _C.SmoothingScope(scope)
+    o.z_loss = z_loss
+    o.reduction = _C.Reduction(reduction)
+    if world > 1:
+        o.vocab_start = rank * v_local
+        o.vocab_global = world * v_local
+        o.check_shard_agreement = False  # _forward runs the agreement over the group itself
+    lo = _C.LinearCrossEntropyOptions()
+    lo.logit_softcap = softcap
+    if workspace_bytes > 0:
+        lo.workspace_bytes = workspace_bytes
+    lo.allow_tf32 = tf32
+    lo.backward_mode = _C.LinearCeBackward(mode)
+    lo.vocab_block = vocab_block
+    try:
+        _C.validate_linear_cross_entropy_options(o, lo, 1, v_local, hidden)
+    except _C.Error as e:  # the C++ message names the field; callers know the keyword
+        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    return o, lo
+
+
+class _DeviceBytes:
+    """Raw device memory as a uint8 tensor (torch.as_tensor reads __cuda_array_interface__)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 2}
+
+
+def _callback_communicator(group, device):
+    """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
+    torch.distributed call on the stream the C++ side names. Device memory is staged through
+    tensors of torch's allocator (16 B/row), so the process group only sees its own tensors."""
+    rank, world = rank_and_size(group)
+
+    def view(ptr, nbytes):
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+
+    def on(stream):
+        if device.type == "cpu":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
+
+    def gather(send, recv, nbytes, stream):
+        with on(stream):
+            mine, every = view(send, nbytes), view(recv, nbytes * world)
+            if device.type == "cpu":
+                dist.all_gather_into_tensor(every, mine, group=group)
+            else:
+                staged = torch.empty_like(every)
+                dist.all_gather_into_tensor(staged, mine.clone(), group=group)
+                every.copy_(staged)
+
+    def reduce(data, count, op, stream):
+        with on(stream):
+            values = view(data, count * 4).view(torch.float32)
+            red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            staged = values if device.type == "cpu" else values.clone()
+            dist.all_reduce(staged, op=red, group=group)
+            if staged is not values:
+                values.copy_(staged)
+
+    dev = _C.Device.CUDA if device.type == "cuda" else _C.Device.CPU
+    return _C.CallbackCommunicator(rank, world, dev, gather, reduce)
+
+
+def _absent(device):
+    return _C.MatrixView(0, 0, 1, 1, _C.DType.F32, device)
+
+
+def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+             label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
+             softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+             check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mode = lce_mode  # ("mode" would clash with torch's functionalization of the ops)
+    h, _ = rows_of(hidden)
+    w, _ = rows_of(weight)
+    t, tv = index(target, "target")
+    rows, v_local = h.size(0), w.size(0)
+    g = resolve_group(group)
+    rank, world = rank_and_size(g)
+    dev = h.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    loss = torch.empty(rows if reduction == _NONE else (), **f32)
+    lse = torch.empty(rows, **f32)
+    count = torch.empty((), **f32)
+    stream = stream_of(h)
+    unit_dw = dict(dtype=torch.float32 if acc32 else w.dtype, device=dev)
+    args = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+            workspace_bytes, mode, tf32)
+    if g is None:
+        o, lo = _options(*args, 0, 1, v_local, h.size(1))
+        if mode == _IN_FORWARD:
+            dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
+            dw = torch.empty(v_local, h.size(1), **unit_dw)
+            dhv, dwv = matrix(dh), matrix(dw)
+        else:
+            dh, dw = torch.empty(0, **f32), torch.empty(0, **f32)  # distinct: outputs never alias
+            dhv = dwv = _absent(_C.Device.CUDA if h.is_cuda else _C.Device.CPU)
+        _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
+                                        lse.data_ptr(), count.data_ptr(), dhv, dwv, stream)
+        return loss, lse, count, dh, dw
+    error, chunk = None, 0
+    try:
+        o, lo = _options(*args, rank, world, v_local, h.size(1))
+        if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
+            chunk = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
+        if check_agreement and not t.is_cuda:
+            error = _bad_target_on_host(t, o)
+    except ValueError as e:
+        if not check_agreement:
+            raise
+        error = str(e)
+    if check_agreement:
+        agree(g, rows, v_local, hash(args), error, _OP, chunk)
+    if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
+        dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
+        dw = torch.empty(v_local, h.size(1), **unit_dw)
+        _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
+                                        lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
+                                        stream, _callback_communicator(g, dev))
+        return loss, lse, count, dh, dw
+    stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
+    _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
+    gathered = torch.empty(world * rows, _C.ROW_STATS_FLOATS, **f32)
+    dist.all_gather_into_tensor(gathered, stats, group=g)  # the hook: 16 B/row, once
+    _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), tv, o, v_local,
+                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+    return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
+
+
+def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
+                  reduction, softcap, workspace_bytes, lce_mode, tf32, group, check_agreement,
+                  dhidden_reduction, acc32, inplace):
+    rows, H = target.numel(), hidden.size(-1)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    loss = hidden.new_empty(rows if reduction == _NONE else (), **f32)
+    if lce_mode == _IN_FORWARD:
+        dh = hidden.new_empty(rows, H, dtype=hidden.dtype)
+        dw = hidden.new_empty(weight.size(0), H, dtype=torch.float32 if acc32 else weight.dtype)
+    else:
+        dh, dw = hidden.new_empty(0, **f32), hidden.new_empty(0, **f32)
+    return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw
+
+
+def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw):
+    """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones)."""
+    (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
+     mode, tf32, group, _check, dhidden_reduction, _acc32, _inplace) = opts
+    h, _ = rows_of(hidden)
+    w, _ = rows_of(weight)
+    t, tv = index(target, "target")
+    g = resolve_group(group)
+    rank, world = rank_and_size(g)
+    # recompute into a 16-bit weight, exactly: vocabulary blocks outside (each block's dweight
+    # sums over all tokens in a 128 MiB fp32 buffer), dhidden summed over blocks in fp32.
+    block = 0
+    if mode != _IN_FORWARD and _acc32 and weight.dtype != torch.float32:
+        block = max(64, (128 << 20) // (4 * h.size(1)) // 64 * 64)
+    o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+                     workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
+    gl = grad_loss.to(torch.float32).reshape(-1).contiguous()  # may arrive expanded
+    if mode == _IN_FORWARD:
+        sdh, sdw = matrix(saved_dh), matrix(saved_dw)
+    else:
+        sdh = sdw = _absent(_C.Device.CUDA if h.is_cuda else _C.Device.CPU)
+    _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
+                                     count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
+                                     False, stream_of(h))
+    if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
+        dist.all_reduce(dh, group=g)
+
+
+def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
+              count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
+              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+              check_agreement: bool, dhidden_reduction: int, acc32: bool,
+              inplace: bool) -> Tuple[Tensor, Tensor]:
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    N, H = target.numel(), hidden.size(-1)
+    dh = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
+    # recompute: dweight sums over all tokens in fp32 per vocabulary block (acc32), or chunk pair
+    # by chunk pair in the weight's dtype. in_forward: the saved unit gradient, scaled.
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw)
+    return dh.view(hidden.shape), dw
+
+
+def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
+                   count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+                   label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
+                   softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
+                   check_agreement: bool, dhidden_reduction: int, acc32: bool,
+                   inplace: bool) -> None:
+    """in_forward with saved gradients in the inputs' dtypes: scaled where they are."""
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts,
+                  saved_dh, saved_dw)
+
+
+def _backward_fake(grad_loss, hidden, weight, *rest):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, target, *opts = inputs
+    _, lse, count, dh, dw = output
+    ctx.opts = tuple(opts)
+    # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
+    # owned here alone); the second backward this rules out raises (the scaffold's guard).
+    ctx.inplace = (opts[-1] and opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
+                   and dw.dtype == weight.dtype)
+    ctx.save_for_backward(hidden, weight, target, lse, count, dh, dw)
+
+
+def _grads(ctx, grad_loss, kernels):
+    hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
+    nones = (None,) * (len(ctx.opts) + 1)
+    if ctx.inplace:
+        kernels.scale_(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
+        return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
+    dh, dw = kernels.bwd(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
+    return (dh, dw) + nones, None
+
+
+_linear_cross_entropy = FusedOp(
+    "linear_cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup,
+    backward=_grads, inplace_flag="inplace_backward",
+    kernels={"bwd": (_backward, _backward_fake, ()),
+             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw"))})
+
+
+def _validate(hidden, weight, target):
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    require_tensor(target, "target")
+    if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
+    require_same_device(weight, "weight", hidden, "hidden")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target: got shape {tuple(target.shape)}, expected "
+                         f"{tuple(hidden.shape[:-1])} (hidden's shape without the hidden dim)")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise ValueError(f"target.dtype: got {target.dtype}, expected an integer dtype (class indices)")
+    require_same_device(target, "target", hidden, "hidden")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0,
+                         smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
+                         reduction: str = "mean", z_loss: float = 0.0,
+                         logit_softcap: Optional[float] = None,
+                         tp_group: Optional["dist.ProcessGroup"] = None,
+                         check_shard_agreement: bool = True,
+                         workspace_bytes: Optional[int] = None,
+                         backward_mode: str = "auto",
+                         dhidden_reduction: str = "partial",
+                         dweight_accumulation: str = "fp32",
+                         inplace_backward: bool = True) -> Tensor:
+    """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
+
+    hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
+    target: integer class ids of hidden's shape without H. The options are those of
+    fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
+    (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
+    accumulates over token chunks in fp32. fp32 inputs follow
+    torch.backends.cuda.matmul.allow_tf32. workspace_bytes bounds the two logits chunk buffers
+    (default 256 MiB).
+
+    backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
+    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient).
+
+    tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
+    [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
+    all-gather of 16 B/row (per token chunk in_forward, once in recompute) after the shard
+    agreement (see fusedloss.cross_entropy). The hidden
+    gradient is this rank's partial sum (dhidden_reduction="partial": Megatron's
+    copy_to_tensor_model_parallel_region all-reduces it, its sequence-parallel gather
+    reduce-scatters it) or summed here ("all_reduce").
+
+    dweight_accumulation: how the weight gradient sums over tokens. "fp32" (default): as exact as
+    one GEMM over all tokens; in_forward keeps an fp32 [V, H] between forward and backward,
+    recompute loops over vocabulary blocks outside the token chunks (fp32 scratch: [N, H] plus a
+    128 MiB block). "weight_dtype": chunk pair by chunk pair in the weight's dtype, no fp32 copy,
+    so the peak is the gradients plus the workspace; a 16-bit weight's gradient then carries one
+    rounding per pair of chunks. inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
+    backward scales the saved gradients where they are and returns them; a second backward
+    through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
+
+    No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
+    raised by fusedloss.check_device_errors().
+    """
+    name = group_name(tp_group)
+    check = as_bool(check_shard_agreement, "check_shard_agreement")
+    try:  # at TP > 1 a rank's own mistake reaches every rank through the agreement
+        opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+                as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
+                as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
+                as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
+                0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
+                0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
+        if opts[-1] < 0 or workspace_bytes is not None and opts[-1] == 0:
+            raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
+        mode = as_choice(backward_mode, "backward_mode", _MODES)
+        dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
+        acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
+        inplace = as_bool(inplace_backward, "inplace_backward")
+        if mode == -1:
+            mode = _RECOMPUTE if opts[5] == _NONE else _IN_FORWARD
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
+            _options(*opts, mode, tf32, 0, 1, 2, 1)
+        _validate(hidden, weight, target)
+    except (TypeError, ValueError) as e:
+        if not name or not check:
+            raise
+        agree(resolve_group(name), -1, -1, 0, str(e), _OP)  # raises on every rank
+    loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
+                                 acc32, inplace)
+    return loss.view(target.shape) if opts[5] == _NONE else loss

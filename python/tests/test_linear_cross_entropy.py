@@ -1,0 +1,284 @@
+"""fusedloss.linear_cross_entropy against float64 torch (F.linear + the cross-entropy written
+from its definition): every option, both backward modes, chunking, layouts, torch.compile,
+gloo TP 2 and 4, bad inputs."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedloss
+from dist_util import run_world
+
+
+def reference(h, w, t, *, smoothing_scope="global", workspace_bytes=None, backward_mode=None,
+              dweight_accumulation=None, inplace_backward=None, ignore_index=-100, label_smoothing=0.0, smoothing_formula="pytorch",
+              reduction="mean", z_loss=0.0, logit_softcap=None):
+    """Float64 loss of hidden/weight leaves (gradients through autograd); at TP=1 the partition
+    smoothing scope is the global one."""
+    x = torch.nn.functional.linear(h.reshape(-1, h.size(-1)), w)
+    if logit_softcap:
+        x = logit_softcap * torch.tanh(x / logit_softcap)
+    t = t.reshape(-1)
+    V = x.size(1)
+    a = label_smoothing
+    if smoothing_formula == "megatron" and a > 0:
+        a = a * V / (V - 1)
+    lse = torch.logsumexp(x, -1)
+    valid = t != ignore_index
+    zt = x.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+    row = (1 - a) * (lse - zt) + a * (lse - x.mean(-1)) + z_loss * lse * lse
+    row = torch.where(valid, row, torch.zeros_like(row))
+    if reduction == "none":
+        return row.view(h.shape[:-1])
+    if reduction == "sum":
+        return row.sum()
+    return row.sum() / valid.sum().clamp(min=1)
+
+
+_TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _problem(device, dtype, shape=(37,), H=24, V=203, ignore_index=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, H, generator=g)
+    w = torch.randn(V, H, generator=g) * (2.0 / H ** 0.5)
+    t = torch.randint(0, V, shape, generator=g)
+    t.view(-1)[::5] = ignore_index
+    return h.to(device, dtype), w.to(device, dtype), t.to(device)
+
+
+def _check(device, dtype, *, shape=(37,), V=203, upstream=None, weight_view=None, **options):
+    h, w, t = _problem(device, dtype, shape=shape, V=V, ignore_index=options.get("ignore_index", -100))
+    hh = h.clone().requires_grad_(True)
+    ww = (w if weight_view is None else weight_view(w)).detach().requires_grad_(True)
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, **options)
+    ref_opts = {k: v for k, v in options.items()
+                if k not in ("workspace_bytes", "backward_mode", "dweight_accumulation", "inplace_backward")}
+    h64 = h.double().cpu().requires_grad_(True)
+    w64 = ww.detach().double().cpu().requires_grad_(True)
+    ref = reference(h64, w64, t.cpu(), **ref_opts)
+    assert loss.shape == ref.shape and loss.dtype == torch.float32
+    tol = _TOL[dtype]
+    assert _rel(loss.detach().cpu(), ref.detach()) <= max(tol, 1e-5), (loss, ref)
+    g = upstream(loss) if upstream else torch.rand_like(loss) + 0.5
+    loss.backward(g)
+    ref.backward(g.double().cpu())
+    assert hh.grad.dtype == dtype and ww.grad.dtype == dtype
+    assert hh.grad.shape == hh.shape and ww.grad.shape == ww.shape
+    assert _rel(hh.grad.cpu(), h64.grad) <= tol
+    assert _rel(ww.grad.cpu(), w64.grad) <= tol
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("reduction, mode", [("mean", "auto"), ("sum", "auto"), ("mean", "recompute"),
+                                             ("sum", "in_forward"), ("none", "auto")])
+def test_matches_float64(device, dtype, reduction, mode):
+    _check(device, dtype, reduction=reduction, backward_mode=mode, shape=(9, 4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", [
+    dict(label_smoothing=0.1), dict(label_smoothing=0.2, smoothing_formula="megatron"),
+    dict(label_smoothing=0.1, smoothing_scope="partition"), dict(z_loss=1e-3),
+    dict(logit_softcap=2.0), dict(logit_softcap=30.0, z_loss=1e-4, label_smoothing=0.05),
+    dict(ignore_index=3), dict(workspace_bytes=2 * 3 * 208 * 4),  # 3 tokens per chunk
+])
+def test_every_option(device, reduction, options):
+    _check(device, torch.float32, reduction=reduction, **options)
+
+
+def test_chunk_of_one_token_and_odd_vocab(device):
+    _check(device, torch.bfloat16, V=17, workspace_bytes=1, shape=(11,))
+    _check(device, torch.float32, V=1, shape=(5,), reduction="none")
+
+
+def test_layouts(device):
+    # a weight slice with a row stride, a transposed weight (copied), expanded hidden rows
+    _check(device, torch.float32, weight_view=lambda w: torch.cat([w, w], 1)[:, : w.size(1)])
+    _check(device, torch.float32, weight_view=lambda w: w.t().contiguous().t())
+    h, w, t = _problem(device, torch.float32, shape=(6,))
+    hh = h[:1].expand(6, -1).requires_grad_(False)
+    loss = fusedloss.linear_cross_entropy(hh, w, t)
+    ref = reference(hh.double().cpu(), w.double().cpu(), t.cpu())
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+
+
+def test_upstream_gradients(device):
+    # in_forward: the saved unit gradients scaled by a non-unit scalar
+    _check(device, torch.float32, upstream=lambda l: torch.tensor(3.0, device=l.device))
+    _check(device, torch.float32, reduction="none", upstream=lambda l: torch.randn_like(l))
+
+
+@pytest.mark.parametrize("mode", ["in_forward", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dweight_accumulation_and_inplace(device, mode, dtype):
+    # the weight's own dtype: one rounding per pair of chunks (here 12 pairs of 3 tokens)
+    _check(device, dtype, backward_mode=mode, dweight_accumulation="weight_dtype",
+           workspace_bytes=2 * 3 * 208 * 4, upstream=lambda l: torch.tensor(0.7, device=l.device))
+    _check(device, dtype, backward_mode=mode, inplace_backward=False)
+
+
+def test_second_backward(device):
+    h, w, t = _problem(device, torch.float32)
+    for inplace in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, inplace_backward=inplace)
+        loss.backward(retain_graph=True)
+        first = (hh.grad.clone(), ww.grad.clone())
+        if inplace:  # the saved gradients were scaled where they are: a second pass raises
+            with pytest.raises(RuntimeError, match="second backward"):
+                loss.backward()
+        else:
+            loss.backward()
+            torch.testing.assert_close(hh.grad, 2 * first[0])
+            torch.testing.assert_close(ww.grad, 2 * first[1])
+
+
+def test_all_ignored_and_zero_rows(device):
+    h, w, t = _problem(device, torch.float32, shape=(4,))
+    t.fill_(-100)
+    hh, ww = h.requires_grad_(), w.requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert hh.grad.abs().max().item() == 0 and ww.grad.abs().max().item() == 0
+    z = torch.zeros(0, 8, device=device, requires_grad=True)
+    w2 = torch.randn(5, 8, device=device, requires_grad=True)
+    loss = fusedloss.linear_cross_entropy(z, w2, torch.zeros(0, dtype=torch.long, device=device))
+    loss.backward()
+    assert loss.item() == 0.0 and w2.grad.abs().max().item() == 0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph(device, reduction):
+    h, w, t = _problem(device, torch.float32)
+
+    def step(h, w):
+        return fusedloss.linear_cross_entropy(h, w, t, reduction=reduction, z_loss=1e-4).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (step, compiled):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(hh, ww)
+        out.backward()
+        grads.append((out.detach(), hh.grad, ww.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_tf32_follows_torch(device):
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        h, w, t = _problem(device, torch.float32)
+        loss = fusedloss.linear_cross_entropy(h, w, t)
+        ref = reference(h.double().cpu(), w.double().cpu(), t.cpu())
+        assert abs(loss.item() - ref.item()) <= 5e-3 * abs(ref.item())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_bad_inputs(device):
+    h, w, t = _problem(device, torch.float32)
+    with pytest.raises(ValueError, match=r"weight: got shape \(203, 23\), expected \[V_local, 24\]"):
+        fusedloss.linear_cross_entropy(h, w[:, :23], t)
+    with pytest.raises(ValueError, match="weight.dtype: got torch.bfloat16, expected torch.float32"):
+        fusedloss.linear_cross_entropy(h, w.bfloat16(), t)
+    with pytest.raises(ValueError, match="hidden.dtype"):
+        fusedloss.linear_cross_entropy(h.double(), w.double(), t)
+    with pytest.raises(ValueError, match="target: got shape"):
+        fusedloss.linear_cross_entropy(h, w, t[:-1])
+    with pytest.raises(ValueError, match="target.dtype"):
+        fusedloss.linear_cross_entropy(h, w, t.float())
+    with pytest.raises(ValueError, match="backward_mode.*None"):
+        fusedloss.linear_cross_entropy(h, w, t, reduction="none", backward_mode="in_forward")
+    with pytest.raises(ValueError, match="logit_softcap: got -1"):
+        fusedloss.linear_cross_entropy(h, w, t, logit_softcap=-1.0)
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        fusedloss.linear_cross_entropy(h, w, t, workspace_bytes=0)
+    with pytest.raises(TypeError, match="workspace_bytes"):
+        fusedloss.linear_cross_entropy(h, w, t, workspace_bytes=1.5)
+    with pytest.raises(ValueError, match="backward_mode"):
+        fusedloss.linear_cross_entropy(h, w, t, backward_mode="sometimes")
+    with pytest.raises(ValueError, match="dweight_accumulation"):
+        fusedloss.linear_cross_entropy(h, w, t, dweight_accumulation="bf16")
+    if device == "cpu":
+        bad = t.clone()
+        bad[2] = 203
+        with pytest.raises(ValueError, match=r"target\[2\]: got 203"):
+            fusedloss.linear_cross_entropy(h, w, bad)
+    if torch.cuda.is_available():
+        other = "cuda" if device == "cpu" else "cpu"
+        with pytest.raises(ValueError, match="weight.device"):
+            fusedloss.linear_cross_entropy(h, w.to(other), t)
+        with pytest.raises(ValueError, match="target.device"):
+            fusedloss.linear_cross_entropy(h, w, t.to(other))
+
+
+# ---- vocab-parallel over gloo ----
+
+def _check_tp(rank, world, reduction, options, dh_reduction, device="cpu"):
+    h, w, t = _problem(device, torch.float32, shape=(13,), V=192)
+    V_local = w.size(0) // world
+    shard = w[rank * V_local:(rank + 1) * V_local].clone().requires_grad_(True)
+    hh = h.clone().requires_grad_(True)
+    loss = fusedloss.linear_cross_entropy(hh, shard, t, tp_group=dist.group.WORLD, reduction=reduction,
+                                          dhidden_reduction=dh_reduction, **options)
+    h64, w64 = h.double().cpu().requires_grad_(True), w.double().cpu().requires_grad_(True)
+    ref = reference(h64, w64, t.cpu(), reduction=reduction, **options)
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-6)
+    every = [torch.empty_like(loss) for _ in range(world)]
+    dist.all_gather(every, loss.contiguous())
+    assert all(torch.equal(e, every[0]) for e in every)  # the same bits on every rank
+    g = torch.rand_like(loss) + 0.5
+    dist.broadcast(g, 0)
+    loss.backward(g)
+    ref.backward(g.double().cpu())
+    torch.testing.assert_close(shard.grad.double().cpu(),
+                               w64.grad[rank * V_local:(rank + 1) * V_local], rtol=1e-5, atol=1e-7)
+    dh = hh.grad.clone()
+    if dh_reduction == "partial":
+        dist.all_reduce(dh)
+    torch.testing.assert_close(dh.double().cpu(), h64.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("reduction, options, dh_reduction", [
+    ("mean", {}, "partial"), ("none", dict(label_smoothing=0.1, z_loss=1e-3), "all_reduce"),
+    ("sum", dict(logit_softcap=3.0, workspace_bytes=1), "partial"),
+    ("mean", dict(backward_mode="recompute", label_smoothing=0.1), "all_reduce")])
+def test_gloo_tp(world, reduction, options, dh_reduction):
+    run_world(world, _check_tp, reduction, options, dh_reduction)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
+@pytest.mark.parametrize("reduction, options", [("mean", {}), ("none", dict(label_smoothing=0.1)),
+                                                ("sum", dict(workspace_bytes=1, logit_softcap=3.0))])
+def test_gloo_tp_cuda(reduction, options):
+    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop with the per-chunk
+    # hook calling back into the group (in_forward) and the split form (recompute).
+    run_world(2, _check_tp, reduction, options, "partial", "cuda", backend="gloo-cuda")
+
+
+def _check_tp_mismatch(rank, world):
+    h, w, t = _problem("cpu", torch.float32, shape=(8,), V=64 * world)
+    V_local = 64 + (1 if rank == 1 else 0)
+    with pytest.raises(ValueError, match="V_local"):
+        fusedloss.linear_cross_entropy(h, torch.randn(V_local, h.size(1)), t, tp_group=dist.group.WORLD)
+    # one rank chunks differently (its per-chunk collectives would not pair with the others')
+    with pytest.raises(ValueError, match="chunking"):
+        fusedloss.linear_cross_entropy(h, torch.randn(64, h.size(1)), t, tp_group=dist.group.WORLD,
+                                       workspace_bytes=2 * 64 * 4 * (3 if rank else 4))
+    # one rank's own bad argument raises on every rank
+    ww = torch.randn(64, h.size(1) - (1 if rank == 0 else 0))
+    with pytest.raises(ValueError, match="rank 0"):
+        fusedloss.linear_cross_entropy(h, ww, t, tp_group=dist.group.WORLD)
+
+
+def test_gloo_tp_mismatch():
+    run_world(2, _check_tp_mismatch)

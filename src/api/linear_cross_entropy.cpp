@@ -1,0 +1,380 @@
+// Public linear cross-entropy entry points: validate, plan the chunks, hand the backend's chunk
+// loop the cross-entropy's own passes (and the vocab-parallel hook) as per-chunk steps.
+#include "fusedloss/linear_cross_entropy.h"
+
+#include <algorithm>
+#include <cmath>
+#include "api/check.h"
+#include "api/vocab_parallel.h"
+#include "core/linear_ce_plan.h"
+#include "cpu/cross_entropy_cpu.h"
+#include "cpu/linear_ce_cpu.h"
+#ifdef FUSEDLOSS_WITH_CUDA
+#include "cuda/cross_entropy_cuda.h"
+#include "cuda/linear_ce_cuda.h"
+#endif
+
+namespace fusedloss {
+
+namespace {
+
+using detail::require;
+
+const char* mode_name(LinearCeBackward m) {
+  switch (m) {
+    case LinearCeBackward::Auto: return "Auto";
+    case LinearCeBackward::InForward: return "InForward";
+    case LinearCeBackward::Recompute: return "Recompute";
+  }
+  return "unknown";
+}
+
+int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+// The options' own checks, shape-only.
+core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o,
+                       int64_t rows, int64_t vocab_local, int64_t hidden) {
+  require(hidden >= 1, "hidden.cols: got ", hidden, ", expected H >= 1");
+  core::CeParams p = core::resolve_params(ce, rows, vocab_local);
+  require(std::isfinite(o.logit_softcap) && o.logit_softcap >= 0.0f,
+          "options.logit_softcap: got ", o.logit_softcap, ", expected 0 (off) or a finite value > 0");
+  require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
+          ", expected 0 (from workspace_bytes) or >= 1");
+  require(o.chunk_rows > 0 || o.workspace_bytes > 0,
+          "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
+  require(o.vocab_block >= 0, "options.vocab_block: got ", o.vocab_block,
+          ", expected 0 (off) or >= 1 columns");
+  require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
+          int(o.dhidden_form), ", expected Partial");
+  resolve_linear_ce_backward(o.backward_mode, p.reduction);
+  p.softcap = o.logit_softcap;
+  return p;
+}
+
+// A gradient buffer: [rows, cols], fp32 or the inputs' dtype (fp32 inputs: fp32 only), on the
+// inputs' device, not overlapping the inputs.
+void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_t cols,
+                     const MatrixView& hidden, const MatrixView& weight) {
+  detail::check_matrix(g, name);
+  require(g.rows == rows && g.cols == cols, name, ": got shape [", g.rows, ", ", g.cols,
+          "], expected [", rows, ", ", cols, "]");
+  require(g.dtype == DType::F32 || g.dtype == hidden.dtype, name, ".dtype: got ",
+          to_string(g.dtype), ", expected fp32",
+          hidden.dtype == DType::F32 ? " (fp32 inputs)"
+                                     : (std::string(" or ") + to_string(hidden.dtype) +
+                                        " (the inputs' dtype)").c_str());
+  require(g.device == hidden.device, name, ".device: got ", to_string(g.device), ", expected ",
+          to_string(hidden.device), " (the inputs' device)");
+  require(!detail::overlaps(g, hidden) && !detail::overlaps(g, weight), name,
+          ": overlaps hidden or weight; expected a separate buffer");
+}
+
+void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
+  if (target.device != Device::CPU) return;
+  int64_t value = 0;
+  int64_t row = cpu::first_bad_target(target, p, &value);
+  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
+          ") or ignore_index (", p.ignore_index, ")");
+}
+
+// The inputs' checks, shared by forward and backward.
+core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
+                            const IndexView& target, const CrossEntropyOptions& ce,
+                            const LinearCrossEntropyOptions& o) {
+  detail::check_matrix(hidden, "hidden");
+  detail::check_matrix(weight, "weight");
+  require(weight.cols == hidden.cols, "weight: got shape [", weight.rows, ", ", weight.cols,
+          "], expected [V_local, ", hidden.cols, "] (H = hidden.cols = ", hidden.cols, ")");
+  require(weight.rows >= 1, "weight.rows: got ", weight.rows, ", expected V_local >= 1");
+  require(weight.dtype == hidden.dtype, "weight.dtype: got ", to_string(weight.dtype),
+          ", expected ", to_string(hidden.dtype), " (hidden's dtype)");
+  require(weight.device == hidden.device, "weight.device: got ", to_string(weight.device),
+          ", expected ", to_string(hidden.device), " (hidden's device)");
+  detail::check_index(target, "target", hidden.rows, hidden.device);
+  return resolve(ce, o, hidden.rows, weight.rows, hidden.cols);
+}
+
+core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
+                        const LinearCrossEntropyOptions& o) {
+  core::LcePlan plan;
+  plan.rows = hidden.rows;
+  plan.hidden = hidden.cols;
+  plan.vocab_local = weight.rows;
+  plan.dtype = hidden.dtype;
+  plan.tf32 = o.allow_tf32;
+  plan.chunk = linear_cross_entropy_chunk_rows(o, hidden.rows, weight.rows, hidden.dtype);
+  plan.stride = round_up(weight.rows, 16 / detail::element_size(hidden.dtype));
+  return plan;
+}
+
+IndexView target_rows(const IndexView& t, int64_t row0, int64_t rows) {
+  IndexView v = t;
+  v.data = static_cast<const char*>(t.data) + row0 * (t.type == IndexType::I32 ? 4 : 8);
+  v.size = rows;
+  return v;
+}
+
+core::CeParams chunk_params(core::CeParams p, int64_t rows) {
+  p.rows = rows;
+  return p;
+}
+
+void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const MatrixView& hidden,
+              const MatrixView& weight, const core::LceSteps& steps, const core::LceGrads& grads,
+              [[maybe_unused]] Stream stream) {
+  FL_DISPATCH(dev, fn, cpu::lce_run(plan, hidden, weight, steps, grads),
+              cuda::lce_run(plan, hidden, weight, steps, grads, stream));
+}
+
+// Reduction (Sum / Mean of row_loss, or null) and count into out; the count alone when
+// p.reduction is None.
+void reduce(Device dev, const char* fn, const float* row_loss, const IndexView& target,
+            const core::CeParams& p, float* loss, float* count, [[maybe_unused]] Stream stream) {
+  CrossEntropyOutputs o{loss, nullptr, count};
+  FL_DISPATCH(dev, fn, cpu::ce_reduce(row_loss, target, p, o),
+              cuda::ce_reduce(row_loss, target, p, o, stream));
+}
+
+// The chunk's gradient over its logits, in place: dL/dlogits for the upstream gradient
+// `grad_loss` ([N] for None, else [1]) and the count (Mean).
+core::LceStep gradient_step(const IndexView& target, const core::CeParams& p, const float* lse,
+                            const float* grad_loss, const float* count) {
+  return [=](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const core::CeParams pc = chunk_params(p, logits.rows);
+    const IndexView tc = target_rows(target, row0, logits.rows);
+    const float* gl = p.reduction == Reduction::None ? grad_loss + row0 : grad_loss;
+    FL_DISPATCH(logits.device, "linear_cross_entropy",
+                cpu::ce_backward(logits, tc, lse + row0, gl, count, pc, logits),
+                cuda::ce_backward(logits, tc, lse + row0, gl, count, pc, logits, s));
+  };
+}
+
+}  // namespace
+
+LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction) {
+  require(mode == LinearCeBackward::Auto || mode == LinearCeBackward::InForward ||
+              mode == LinearCeBackward::Recompute,
+          "options.backward_mode: got ", int(mode), ", expected Auto, InForward or Recompute");
+  if (mode == LinearCeBackward::Auto)
+    return reduction == Reduction::None ? LinearCeBackward::Recompute : LinearCeBackward::InForward;
+  require(mode != LinearCeBackward::InForward || reduction != Reduction::None,
+          "options.backward_mode: got ", mode_name(mode),
+          " with reduction None, expected Recompute or Auto (the in-forward gradients are those "
+          "of a Sum or Mean loss)");
+  return mode;
+}
+
+void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
+                                           const LinearCrossEntropyOptions& options, int64_t rows,
+                                           int64_t vocab_local, int64_t hidden) {
+  resolve(ce, options, rows, vocab_local, hidden);
+}
+
+int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int64_t rows,
+                                        int64_t vocab_local, DType dtype) {
+  const int64_t es = detail::element_size(dtype);
+  const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
+  int64_t chunk = o.chunk_rows;
+  if (chunk <= 0) {
+    chunk = int64_t(o.workspace_bytes / size_t(2 * stride * es));
+    if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
+  }
+  return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
+}
+
+void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& weight,
+                                  const IndexView& target, const CrossEntropyOptions& ce,
+                                  const LinearCrossEntropyOptions& options,
+                                  const LinearCrossEntropyOutputs& out, Communicator* comm,
+                                  Stream stream) {
+  constexpr const char* kFn = "linear_cross_entropy_forward";
+  const bool parallel = comm && comm->size() > 1;
+  const Device dev = hidden.device;
+  const int64_t N = hidden.rows;
+  core::CeParams p;
+  LinearCeBackward mode = LinearCeBackward::Recompute;
+  // At TP > 1 this rank's argument errors travel to every rank through the agreement, as in
+  // cross_entropy_forward.
+  vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}, 0};
+  try {
+    p = check_inputs(hidden, weight, target, ce, options);
+    mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
+    mode = resolve_linear_ce_backward(options.backward_mode, p.reduction);
+    const int64_t nloss = p.reduction == Reduction::None ? N : 1;
+    require(out.loss != nullptr || nloss == 0, "out.loss: got null, expected a float buffer of ",
+            nloss, " elements");
+    require(out.lse != nullptr || N == 0, "out.lse: got null, expected a float buffer of ", N,
+            " elements");
+    if (mode == LinearCeBackward::InForward) {
+      check_grad_view(out.dhidden, "out.dhidden", N, hidden.cols, hidden, weight);
+      check_grad_view(out.dweight, "out.dweight", weight.rows, hidden.cols, hidden, weight);
+      require(!detail::overlaps(out.dhidden, out.dweight),
+              "out.dhidden: overlaps out.dweight; expected separate buffers");
+    }
+    check_targets_on_host(target, p);
+    if (parallel) {
+      vocab_parallel::check_shard_position(p, *comm, dev);
+    } else {
+      require(p.vocab_start == 0 && p.vocab_global == weight.rows,
+              "options.vocab_global/start: got ", p.vocab_global, "/", p.vocab_start,
+              " without a communicator of size > 1, expected ", weight.rows,
+              "/0 (the whole vocabulary on one rank)");
+    }
+  } catch (const Error& e) {
+    if (!parallel) throw;
+    mine.error = e.what();
+  }
+  if (parallel) {
+    if (ce.check_shard_agreement)
+      vocab_parallel::agree(*comm, mine, stream);
+    else if (!mine.error.empty())
+      throw Error(mine.error);
+  }
+
+  const core::LcePlan plan = make_plan(hidden, weight, options);
+  const bool in_forward = mode == LinearCeBackward::InForward;
+  // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
+  // upstream gradient of the in-forward mode.
+  const bool reduced = p.reduction != Reduction::None;
+  vocab_parallel::Scratch scratch(dev, sizeof(float) * size_t((reduced ? N : 0) + 2), stream);
+  float* row_loss = reduced ? scratch.as<float>() : out.loss;
+  float* count = out.valid_count ? out.valid_count : scratch.as<float>(reduced ? N : 0);
+  float* one = scratch.as<float>((reduced ? N : 0) + 1);
+
+  core::LceSteps steps;
+  steps.forward = [&, parallel](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    core::CeParams pc = chunk_params(p, logits.rows);
+    pc.reduction = Reduction::None;  // per-row losses; reduced once after the loop
+    const IndexView tc = target_rows(target, row0, logits.rows);
+    const CrossEntropyOutputs oc{row_loss + row0, out.lse + row0, nullptr};
+    if (parallel) {
+      vocab_parallel::forward(logits, tc, pc, ce.collective, oc, *comm, s);
+      return;
+    }
+    std::vector<RowStats> stats(logits.device == Device::CPU ? size_t(logits.rows) : 0);
+    FL_DISPATCH(logits.device, kFn,
+                cpu::ce_local_stats(logits, tc, pc, stats.data());
+                cpu::ce_merge(stats.data(), 1, stats.data(), tc, pc, oc),
+                cuda::ce_forward_tp1(logits, tc, pc, oc, s));
+  };
+  core::LceGrads grads;
+  if (in_forward) {
+    // The count (Mean's divisor) is known from the targets alone, before any gradient.
+    core::CeParams count_only = p;
+    count_only.reduction = Reduction::None;
+    reduce(dev, kFn, nullptr, target, count_only, nullptr, count, stream);
+    FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
+    steps.gradient = gradient_step(target, p, out.lse, one, count);
+    grads = core::LceGrads{out.dhidden, out.dweight, false, false};
+  }
+  run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream);
+  if (reduced)
+    reduce(dev, kFn, row_loss, target, p, out.loss, out.valid_count, stream);
+  else if (out.valid_count)  // None: the count alone
+    reduce(dev, kFn, nullptr, target, p, nullptr, out.valid_count, stream);
+}
+
+void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
+                                      const IndexView& target, const CrossEntropyOptions& ce,
+                                      const LinearCrossEntropyOptions& options, RowStats* stats,
+                                      Stream stream) {
+  constexpr const char* kFn = "linear_cross_entropy_local_stats";
+  const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
+  require(stats != nullptr || hidden.rows == 0, "stats: got null, expected ", hidden.rows,
+          " RowStats");
+  check_targets_on_host(target, p);
+  core::LceSteps steps;
+  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const core::CeParams pc = chunk_params(p, logits.rows);
+    const IndexView tc = target_rows(target, row0, logits.rows);
+    FL_DISPATCH(logits.device, kFn, cpu::ce_local_stats(logits, tc, pc, stats + row0),
+                cuda::ce_local_stats(logits, tc, pc, stats + row0, s));
+  };
+  run_loop(hidden.device, kFn, make_plan(hidden, weight, options), hidden, weight, steps, {},
+           stream);
+}
+
+void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& weight,
+                                   const IndexView& target, const float* lse,
+                                   const float* grad_loss, const float* valid_count,
+                                   const CrossEntropyOptions& ce,
+                                   const LinearCrossEntropyOptions& options,
+                                   const LinearCrossEntropyOutputs& saved,
+                                   const LinearCrossEntropyGrads& grads, Stream stream) {
+  constexpr const char* kFn = "linear_cross_entropy_backward";
+  const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
+  const LinearCeBackward mode = resolve_linear_ce_backward(options.backward_mode, p.reduction);
+  const Device dev = hidden.device;
+  const int64_t N = hidden.rows;
+  check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight);
+  check_grad_view(grads.dweight, "grads.dweight", weight.rows, hidden.cols, hidden, weight);
+  require(!detail::overlaps(grads.dhidden, grads.dweight),
+          "grads.dhidden: overlaps grads.dweight; expected separate buffers");
+  require(grad_loss != nullptr || (p.reduction == Reduction::None && N == 0),
+          "grad_loss: got null, expected ", p.reduction == Reduction::None ? N : 1, " floats");
+
+  if (mode == LinearCeBackward::InForward) {
+    check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight);
+    check_grad_view(saved.dweight, "saved.dweight", weight.rows, hidden.cols, hidden, weight);
+    auto same_or_apart = [](const MatrixView& dst, const MatrixView& src, const char* name) {
+      const bool same = dst.data == src.data && dst.row_stride == src.row_stride &&
+                        dst.dtype == src.dtype;
+      require(same || !detail::overlaps(dst, src), name,
+              ": overlaps the saved gradient without being the same view; expected the saved "
+              "buffer itself (scaled in place) or a separate one");
+    };
+    same_or_apart(grads.dhidden, saved.dhidden, "grads.dhidden");
+    same_or_apart(grads.dweight, saved.dweight, "grads.dweight");
+    FL_DISPATCH(dev, kFn,
+                cpu::lce_scale(saved.dhidden, grads.dhidden, grad_loss, false);
+                cpu::lce_scale(saved.dweight, grads.dweight, grad_loss, grads.accumulate_dweight),
+                cuda::lce_scale(saved.dhidden, grads.dhidden, grad_loss, false, stream);
+                cuda::lce_scale(saved.dweight, grads.dweight, grad_loss,
+                                grads.accumulate_dweight, stream));
+    return;
+  }
+  require(lse != nullptr || N == 0, "lse: got null, expected the forward's lse");
+  require(valid_count != nullptr || p.reduction != Reduction::Mean || N == 0,
+          "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
+  check_targets_on_host(target, p);
+  core::LceSteps steps;
+  if (options.vocab_block == 0) {
+    steps.gradient = gradient_step(target, p, lse, grad_loss, valid_count);
+    run_loop(dev, kFn, make_plan(hidden, weight, options), hidden, weight, steps,
+             core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},
+             stream);
+    return;
+  }
+  // Vocabulary blocks outside, token chunks inside: a block is a shard of this rank's shard
+  // (its columns start at vocab_start + b0), so the cross-entropy's gradient pass runs on it
+  // as is. fp32 accumulators: dhidden over the blocks, each block's dweight over all tokens.
+  const int64_t H = hidden.cols, V = weight.rows, block = std::min(options.vocab_block, V);
+  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block * H + 1), stream);
+  const MatrixView dh32{acc.as<float>(), N, H, H, DType::F32, dev};
+  float* one = acc.as<float>(size_t(N * H + block * H));
+  FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
+  for (int64_t b0 = 0; b0 < V; b0 += block) {
+    const int64_t nb = std::min(block, V - b0);
+    MatrixView wb = weight;
+    wb.data = static_cast<char*>(weight.data) +
+              b0 * weight.row_stride * detail::element_size(weight.dtype);
+    wb.rows = nb;
+    core::CeParams pb = p;
+    pb.vocab_start = p.vocab_start + b0;
+    pb.vocab_local = nb;
+    const MatrixView dwb{acc.as<float>(size_t(N * H)), nb, H, H, DType::F32, dev};
+    steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
+    run_loop(dev, kFn, make_plan(hidden, wb, options), hidden, wb, steps,
+             core::LceGrads{dh32, dwb, false, b0 > 0}, stream);
+    MatrixView dw_rows = grads.dweight;
+    dw_rows.data = static_cast<char*>(grads.dweight.data) +
+                   b0 * grads.dweight.row_stride * detail::element_size(grads.dweight.dtype);
+    dw_rows.rows = nb;
+    FL_DISPATCH(dev, kFn, cpu::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight),
+                cuda::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight, stream));
+  }
+  FL_DISPATCH(dev, kFn, cpu::lce_scale(dh32, grads.dhidden, one, false),
+              cuda::lce_scale(dh32, grads.dhidden, one, false, stream));
+}
+
+}  // namespace fusedloss

@@ -1,0 +1,159 @@
+// Row-major GEMMs through cuBLASLt.
+//
+// cuBLASLt is column-major: the row-major C[m, n] = op(A) op(B) is the column-major
+// C^T[n, m] = op(B)^T op(A)^T, and a row-major matrix's storage read column-major is its
+// transpose. So the call passes B's storage first (transposed when tb), A's second
+// (transposed when ta), with m and n swapped; no data moves.
+#include "cuda/gemm_lt.h"
+
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <mutex>
+#include "cuda/cuda_check.h"
+
+#define FL_CUBLAS_CHECK(call)                                                              \
+  do {                                                                                     \
+    cublasStatus_t fl_st_ = (call);                                                        \
+    if (fl_st_ != CUBLAS_STATUS_SUCCESS)                                                   \
+      ::fusedloss::detail::fail(#call, " failed: ", cublasLtGetStatusName(fl_st_), ": ",   \
+                                cublasLtGetStatusString(fl_st_), " (", __FILE__, ":", __LINE__, \
+                                ")");                                                      \
+  } while (0)
+
+namespace fusedloss::cuda {
+namespace {
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::F16: return CUDA_R_16F;
+    case DType::BF16: return CUDA_R_16BF;
+    default: break;
+  }
+  detail::fail("gemm: dtype ", to_string(d), ", expected fp32, fp16 or bf16");
+}
+
+// Largest power of two (<= 256) dividing both the address and the row pitch in bytes: the
+// alignment every row of the operand has, which is what cuBLASLt may assume.
+uint32_t alignment(const MatrixView& m, int64_t ld) {
+  const auto a = reinterpret_cast<uintptr_t>(m.data);
+  const auto pitch = uint64_t(ld) * uint64_t(detail::element_size(m.dtype));
+  uint32_t al = 256;
+  while (al > 1 && (a % al || pitch % al)) al >>= 1;
+  return al;
+}
+
+int current_device() {
+  int dev = 0;
+  FL_CUDA_CHECK(cudaGetDevice(&dev));
+  return dev;
+}
+
+cublasLtHandle_t handle_for(int device) {
+  static std::mutex mu;
+  static std::map<int, cublasLtHandle_t> handles;  // one per device, for the process
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  FL_CUBLAS_CHECK(cublasLtCreate(&h));
+  handles.emplace(device, h);
+  return h;
+}
+
+// Everything the heuristic's choice depends on.
+using Key = std::array<int64_t, 16>;
+
+// RAII for the descriptors of one call.
+struct Descs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
+          bool accumulate, bool tf32, void* workspace, Stream stream) {
+  const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
+  detail::require((tb ? B.cols : B.rows) == k && (ta ? A.cols : A.rows) == m &&
+                      (tb ? B.rows : B.cols) == n,
+                  "gemm: inner shapes disagree (internal)");
+  if (m == 0 || n == 0) return;
+  const bool fp32_in = A.dtype == DType::F32;
+  const cublasComputeType_t compute =
+      fp32_in && tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  // Column-major operands: X1 = B's storage ([B.cols, B.rows]), X2 = A's storage.
+  auto ld = [](const MatrixView& v) { return std::max<int64_t>(v.row_stride, v.cols); };
+  const cublasOperation_t op1 = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op2 = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int device = current_device();
+  cublasLtHandle_t h = handle_for(device);
+
+  Descs d;
+  FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F));
+  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op1,
+                                                 sizeof(op1)));
+  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op2,
+                                                 sizeof(op2)));
+  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, cuda_type(B.dtype), uint64_t(B.cols),
+                                             uint64_t(B.rows), ld(B)));
+  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, cuda_type(A.dtype), uint64_t(A.cols),
+                                             uint64_t(A.rows), ld(A)));
+  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, cuda_type(C.dtype), uint64_t(C.cols),
+                                             uint64_t(C.rows), ld(C)));
+
+  const uint32_t al_a = alignment(B, ld(B)), al_b = alignment(A, ld(A)), al_c = alignment(C, ld(C));
+  const Key key{device, m, n, k, ld(A), ld(B), ld(C), int64_t(op1), int64_t(op2),
+                int64_t(A.dtype), int64_t(C.dtype), int64_t(compute), al_a, al_b, al_c,
+                accumulate};
+  static std::mutex mu;
+  static std::map<Key, cublasLtMatmulAlgo_t> algos;
+  cublasLtMatmulAlgo_t algo{};
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = algos.find(key);
+    if (it != algos.end()) algo = it->second, cached = true;
+  }
+  if (!cached) {
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+    const uint64_t ws = kGemmWorkspaceBytes;
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    FL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(h, d.op, d.a, d.b, d.c, d.c, d.pref, 1,
+                                                   &result, &found));
+    detail::require(found > 0, "cublasLtMatmulAlgoGetHeuristic: no algorithm for the GEMM [", m,
+                    ", ", k, "] x [", k, ", ", n, "] (", to_string(A.dtype), " -> ",
+                    to_string(C.dtype), ")");
+    algo = result.algo;
+    std::lock_guard<std::mutex> lock(mu);
+    algos.emplace(key, algo);
+  }
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  FL_CUBLAS_CHECK(cublasLtMatmul(h, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C.data, d.c,
+                                 C.data, d.c, &algo, workspace, kGemmWorkspaceBytes,
+                                 as_cuda(stream)));
+}
+
+}  // namespace fusedloss::cuda

@@ -1,0 +1,18 @@
+// Row-major GEMMs through cuBLASLt, for the linear cross-entropy (src/cuda/gemm_lt.cu).
+#pragma once
+#include <cstddef>
+#include "fusedloss/types.h"
+
+namespace fusedloss::cuda {
+
+// The cuBLASLt workspace each gemm() call may use (bytes); callers pass a buffer this large.
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+// C[m, n] = op(A)[m, k] @ op(B)[k, n] (+ C when accumulate), row-major views on the current
+// device; op transposes when ta / tb. A and B: one dtype (fp32/fp16/bf16); C: that dtype or
+// fp32. fp32 accumulation (TF32 tensor cores for fp32 inputs when tf32). Every cuBLASLt status
+// is checked; the algorithm is chosen by cuBLASLt's heuristic once per shape and cached.
+void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
+          bool accumulate, bool tf32, void* workspace, Stream stream);
+
+}  // namespace fusedloss::cuda

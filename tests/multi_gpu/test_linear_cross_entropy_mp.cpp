@@ -1,0 +1,191 @@
+// Vocab-parallel linear cross-entropy under mpirun: each rank holds V/world rows of the weight.
+// The sharded loss equals the TP=1 loss on every rank (the same bits on every rank), each
+// rank's dweight is its rows of the TP=1 dweight, and the partial dhidden summed over the
+// ranks is the TP=1 dhidden. Mismatched shards or one rank's bad argument: the same error on
+// every rank, no hang. MPI + CPU always; NCCL + CUDA when every rank has a GPU of its own.
+#include <mpi.h>
+
+#include "common/lce_harness.h"
+#include "fusedloss/comm_mpi.h"
+#if FUSEDLOSS_HAS_NCCL
+#include "fusedloss/comm_nccl.h"
+#include "fusedloss/nccl_bootstrap.h"
+#endif
+
+namespace fusedloss::test {
+namespace {
+
+int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
+int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
+
+// The same global problem on every rank, from rank 0's seed.
+LceProblem shared_problem(const LceCase& global) {
+  uint64_t seed = rng()();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  std::mt19937_64 gen(seed);
+  return make_lce_problem(global, gen);
+}
+
+void expect_matches_tp1(Device dev, Communicator& comm) {
+  const int world = comm.size(), rank = comm.rank();
+  const std::pair<LinearCeBackward, Reduction> modes[] = {
+      {LinearCeBackward::InForward, Reduction::Mean},
+      {LinearCeBackward::Recompute, Reduction::Sum},
+      {LinearCeBackward::Recompute, Reduction::None}};
+  for (auto [mode, red] : modes)
+    for (float ls : {0.0f, 0.1f})
+      for (int64_t chunk : {1, 5, 64}) {
+        LceCase global;
+        global.N = 23;
+        global.H = 16;
+        global.V = 6 * 37;  // V_local 111 (odd) at np 2, 74 at np 3
+        global.lo.chunk_rows = chunk;
+        global.lo.backward_mode = mode;
+        global.lo.logit_softcap = ls > 0 ? 4.0f : 0.0f;
+        global.ce.reduction = red;
+        global.ce.label_smoothing = ls;
+        global.ce.z_loss = ls > 0 ? 1e-3f : 0.0f;
+        global.ce.collective = chunk == 5 ? CollectiveForm::AllReduce : CollectiveForm::AllGather;
+        SCOPED_TRACE("world " + std::to_string(world) + " " + global.describe());
+        const LceProblem p = shared_problem(global);
+        const LceResult tp1 = run_lce(dev, global, p);
+        LceCase local = global;
+        local.V = global.V / world;
+        local.ce.vocab_start = rank * local.V;
+        local.ce.vocab_global = global.V;
+        const LceResult tpn = run_lce(dev, local, p, &comm, rank * local.V);
+
+        EXPECT_LE(rel_l2(tpn.loss, tp1.loss), 1e-6) << "loss";
+        EXPECT_LE(rel_l2(tpn.lse, tp1.lse), 1e-6) << "lse";
+        EXPECT_EQ(tpn.valid_count, tp1.valid_count);
+        // The same loss bits on every rank.
+        std::vector<float> mine(tpn.loss.begin(), tpn.loss.end());
+        std::vector<float> all(mine.size() * world);
+        MPI_Allgather(mine.data(), int(mine.size()), MPI_FLOAT, all.data(), int(mine.size()),
+                      MPI_FLOAT, MPI_COMM_WORLD);
+        for (int q = 0; q < world; ++q)
+          EXPECT_EQ(0, std::memcmp(&all[q * mine.size()], mine.data(), mine.size() * 4))
+              << "rank " << q << " loss bits differ";
+        // dweight: this rank's rows of the TP=1 gradient.
+        std::vector<double> ref_rows(tp1.dweight.begin() + rank * local.V * global.H,
+                                     tp1.dweight.begin() + (rank + 1) * local.V * global.H);
+        EXPECT_LE(rel_l2(tpn.dweight, ref_rows), 1e-5) << "dweight shard of rank " << rank;
+        // dhidden: the partials sum to the TP=1 gradient.
+        std::vector<double> sum(tpn.dhidden.size());
+        MPI_Allreduce(tpn.dhidden.data(), sum.data(), int(sum.size()), MPI_DOUBLE, MPI_SUM,
+                      MPI_COMM_WORLD);
+        EXPECT_LE(rel_l2(sum, tp1.dhidden), 1e-5) << "sum of partial dhidden";
+        // And the whole thing against float64.
+        expect_lce_close(global, tp1, reference_lce(global, p));
+      }
+}
+
+// Every rank throws an error holding `fragment`; none hangs.
+template <class F>
+void expect_error_everywhere(F&& f, const char* fragment) {
+  int ok = 0;
+  try {
+    f();
+  } catch (const Error& e) {
+    ok = std::string(e.what()).find(fragment) != std::string::npos;
+    if (!ok) ADD_FAILURE() << "message '" << e.what() << "' lacks '" << fragment << "'";
+  }
+  EXPECT_EQ(ok, 1) << "rank " << world_rank() << " did not raise";
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  EXPECT_EQ(all, world_size()) << "not every rank raised";
+}
+
+void expect_mismatch_errors(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  const int rank = comm.rank(), world = comm.size();
+  const int64_t N = 8, H = 4, Vl = 16;
+  Buffer hidden(dev, N * (H + 1) * 4), weight(dev, (Vl + 1) * (H + 1) * 4), target(dev, N * 8),
+      loss(dev, N * 4), lse(dev, N * 4), count(dev, 4), dh(dev, N * H * 4),
+      dw(dev, (Vl + 1) * (H + 1) * 4);
+  std::memset(hidden.host(), 0, hidden.bytes());
+  std::memset(weight.host(), 0, weight.bytes());
+  for (int64_t r = 0; r < N; ++r) target.host_as<int64_t>()[r] = r;
+  hidden.upload(); weight.upload(); target.upload();
+  CrossEntropyOptions ce;
+  ce.vocab_start = rank * Vl;
+  ce.vocab_global = Vl * world;
+  IndexView tv{target.data(), N, IndexType::I64, dev};
+  auto call = [&](int64_t vl, int64_t wcols, LinearCrossEntropyOptions lo = {}) {
+    LinearCrossEntropyOutputs out;
+    out.loss = loss.data_as<float>();
+    out.lse = lse.data_as<float>();
+    out.valid_count = count.data_as<float>();
+    out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
+    out.dweight = {dw.data(), vl, H, H, DType::F32, dev};
+    linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
+                                 {weight.data(), vl, wcols, wcols, DType::F32, dev}, tv, ce, lo,
+                                 out, &comm);
+  };
+  // Rank 1 holds one vocabulary row more.
+  expect_error_everywhere([&] { call(Vl + (rank == 1), H); }, "V_local");
+  // The last rank's weight has another H: its own error, raised on every rank.
+  expect_error_everywhere([&] { call(Vl, H + (rank == world - 1)); }, "weight");
+  // Rank 1 chunks differently: its collectives would not pair with the others'.
+  LinearCrossEntropyOptions lo;
+  lo.chunk_rows = rank == 1 ? 3 : 4;
+  expect_error_everywhere([&] { call(Vl, H, lo); }, "chunking");
+  // A bad target on rank 0 only (CPU: found before the collective).
+  if (dev == Device::CPU) {
+    if (rank == 0) target.host_as<int64_t>()[3] = Vl * world;
+    target.upload();
+    expect_error_everywhere([&] { call(Vl, H); }, "target[3]");
+  }
+}
+
+TEST(LinearCrossEntropyMpi, MatchesTp1) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_matches_tp1(Device::CPU, *comm);
+}
+
+TEST(LinearCrossEntropyMpi, MismatchedShardsFailOnEveryRank) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_mismatch_errors(Device::CPU, *comm);
+}
+
+#if FUSEDLOSS_HAS_NCCL
+bool nccl_ready(std::string* why) {
+  std::string reason;
+  int ok = cuda_available(&reason) ? 1 : 0, devices = 0;
+  if (ok) cudaGetDeviceCount(&devices);
+  if (ok && devices < world_size()) {
+    ok = 0;
+    reason = std::to_string(devices) + " GPU(s) for " + std::to_string(world_size()) + " ranks";
+  }
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  *why = all ? "" : (reason.empty() ? "another rank has no GPU" : reason);
+  return all;
+}
+
+TEST(LinearCrossEntropyNccl, MatchesTp1AndFailsTogether) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  cudaSetDevice(world_rank());
+  ncclComm_t nccl = make_nccl_comm_from_mpi(MPI_COMM_WORLD);
+  {
+    auto comm = make_nccl_communicator(nccl);
+    expect_matches_tp1(Device::CUDA, *comm);
+    expect_mismatch_errors(Device::CUDA, *comm);
+  }
+  ncclCommDestroy(nccl);
+}
+#endif
+
+}  // namespace
+}  // namespace fusedloss::test
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  int failed = RUN_ALL_TESTS();
+  int any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}

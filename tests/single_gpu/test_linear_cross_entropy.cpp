@@ -1,0 +1,558 @@
+// Linear cross-entropy on one process, every backend (CPU always; CUDA when a GPU is present),
+// against the float64 reference: every option, both backward modes, chunk boundaries, gradient
+// dtypes, accumulation, and the bad inputs of BAD_INPUTS.md.
+#include "common/lce_harness.h"
+#if FUSEDLOSS_HAS_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace fusedloss::test {
+namespace {
+
+class LinearCrossEntropy : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+  void check(const LceCase& c) { expect_lce_matches_reference(GetParam(), c); }
+};
+
+// The (mode, reduction) pairs a case can run in.
+const std::pair<LinearCeBackward, Reduction> kModes[] = {
+    {LinearCeBackward::Auto, Reduction::Mean},      {LinearCeBackward::InForward, Reduction::Sum},
+    {LinearCeBackward::Recompute, Reduction::Mean}, {LinearCeBackward::Recompute, Reduction::Sum},
+    {LinearCeBackward::Auto, Reduction::None},
+};
+
+TEST_P(LinearCrossEntropy, EveryDtypeModeAndReduction) {
+  for (DType d : {DType::F32, DType::F16, DType::BF16})
+    for (auto [mode, red] : kModes) {
+      LceCase c;
+      c.dtype = d;
+      c.lo.backward_mode = mode;
+      c.ce.reduction = red;
+      check(c);
+    }
+}
+
+TEST_P(LinearCrossEntropy, IndexTypesAndIgnoreIndex) {
+  for (IndexType it : {IndexType::I32, IndexType::I64})
+    for (int64_t ignore : {int64_t(-100), int64_t(5)}) {
+      LceCase c;
+      c.itype = it;
+      c.ce.ignore_index = ignore;
+      c.ignore_fraction = 0.4;
+      check(c);
+    }
+}
+
+TEST_P(LinearCrossEntropy, ChunkBoundaries) {
+  // N not a multiple of the chunk, a chunk of one token, one chunk, a chunk larger than N.
+  for (int64_t chunk : {1, 3, 7, 49, 50, 64})
+    for (auto [mode, red] : {kModes[0], kModes[2], kModes[4]}) {
+      LceCase c;
+      c.lo.chunk_rows = chunk;
+      c.lo.backward_mode = mode;
+      c.ce.reduction = red;
+      c.dtype = chunk % 2 ? DType::BF16 : DType::F32;
+      check(c);
+    }
+  // The chunk derived from the workspace bound: 2 buffers x 5 rows x V_local (rounded to 8).
+  LceCase c;
+  c.lo.chunk_rows = 0;
+  c.lo.workspace_bytes = 2 * 5 * 208 * 2;
+  c.dtype = DType::BF16;
+  ASSERT_EQ(linear_cross_entropy_chunk_rows(c.lo, c.N, c.V, c.dtype), 5);
+  check(c);
+}
+
+TEST_P(LinearCrossEntropy, OddShapes) {
+  for (int64_t V : {1, 2, 3, 17, 257})
+    for (int64_t H : {1, 5, 64}) {
+      LceCase c;
+      c.V = V;
+      c.H = H;
+      c.N = 13;
+      c.lo.chunk_rows = 4;
+      c.dtype = V % 2 ? DType::F16 : DType::F32;
+      check(c);
+    }
+}
+
+TEST_P(LinearCrossEntropy, LabelSmoothingBothFormulasAndScopes) {
+  for (auto formula : {SmoothingFormula::PyTorch, SmoothingFormula::Megatron})
+    for (auto scope : {SmoothingScope::Global, SmoothingScope::Partition})
+      for (auto [mode, red] : {kModes[0], kModes[4]}) {
+        LceCase c;
+        c.ce.label_smoothing = 0.1f;
+        c.ce.smoothing_formula = formula;
+        c.ce.smoothing_scope = scope;  // V_local == V_global at TP=1: the same
+        c.lo.backward_mode = mode;
+        c.ce.reduction = red;
+        check(c);
+      }
+}
+
+TEST_P(LinearCrossEntropy, ZLossAndSoftcap) {
+  for (float z : {0.0f, 1e-3f})
+    for (float cap : {0.0f, 1.5f, 30.0f})
+      for (auto [mode, red] : {kModes[1], kModes[3], kModes[4]}) {
+        LceCase c;
+        c.ce.z_loss = z;
+        c.ce.label_smoothing = z > 0 ? 0.05f : 0.0f;
+        c.lo.logit_softcap = cap;
+        c.lo.backward_mode = mode;
+        c.ce.reduction = red;
+        c.dtype = cap == 1.5f ? DType::BF16 : DType::F32;
+        check(c);
+      }
+}
+
+TEST_P(LinearCrossEntropy, GradientDtypesAccumulationInPlace) {
+  for (DType d : {DType::BF16, DType::F16})
+    for (DType gd : {DType::F32, d})
+      for (auto [mode, red] : {kModes[0], kModes[2], kModes[4]})
+        for (bool acc : {false, true}) {
+          LceCase c;
+          c.dtype = d;
+          c.grad_dtype = gd;
+          c.lo.backward_mode = mode;
+          c.ce.reduction = red;
+          c.accumulate_dweight = acc;
+          check(c);
+        }
+  for (DType gd : {DType::F32, DType::BF16}) {
+    LceCase c;
+    c.dtype = gd;
+    c.grad_dtype = gd;
+    c.in_place_scale = true;
+    check(c);
+  }
+}
+
+TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
+  // Vocabulary blocks outside, token chunks inside: blocks of 1 column, odd blocks, one block,
+  // a block wider than V_local; every option that reads the column index.
+  for (int64_t block : {1, 7, 64, 203, 500})
+    for (auto red : {Reduction::Mean, Reduction::None}) {
+      LceCase c;
+      c.lo.backward_mode = LinearCeBackward::Recompute;
+      c.lo.vocab_block = block;
+      c.ce.reduction = red;
+      c.ce.label_smoothing = 0.1f;
+      c.ce.z_loss = 1e-3f;
+      c.lo.logit_softcap = block == 7 ? 2.0f : 0.0f;
+      c.dtype = block % 2 ? DType::BF16 : DType::F32;
+      c.grad_dtype = c.dtype;
+      c.accumulate_dweight = block == 64;
+      check(c);
+    }
+  LceCase zero;
+  zero.N = 0;
+  zero.lo.backward_mode = LinearCeBackward::Recompute;
+  zero.lo.vocab_block = 50;
+  LceProblem p = make_lce_problem(zero, rng());
+  for (double g : run_lce(GetParam(), zero, p).dweight) ASSERT_EQ(g, 0.0);
+}
+
+TEST_P(LinearCrossEntropy, StridedHiddenAndTf32) {
+  for (int64_t pad : {1, 8}) {
+    LceCase c;
+    c.hidden_pad = pad;
+    c.dtype = pad == 1 ? DType::F16 : DType::BF16;
+    check(c);
+  }
+  for (auto [mode, red] : {kModes[0], kModes[4]}) {
+    LceCase c;
+    c.lo.allow_tf32 = true;
+    c.lo.backward_mode = mode;
+    c.ce.reduction = red;
+    check(c);
+  }
+}
+
+TEST_P(LinearCrossEntropy, ZeroRowsAndAllIgnored) {
+  for (auto [mode, red] : kModes) {
+    LceCase c;
+    c.N = 0;
+    c.lo.backward_mode = mode;
+    c.ce.reduction = red;
+    LceProblem p = make_lce_problem(c, rng());
+    LceResult got = run_lce(GetParam(), c, p);
+    if (red != Reduction::None) EXPECT_EQ(got.loss[0], 0.0f);
+    EXPECT_EQ(got.valid_count, 0.0f);
+    for (double g : got.dweight) ASSERT_EQ(g, 0.0);
+  }
+  for (auto [mode, red] : kModes) {
+    LceCase c;
+    c.ignore_fraction = 1.0;
+    c.lo.backward_mode = mode;
+    c.ce.reduction = red;
+    LceProblem p = make_lce_problem(c, rng());
+    LceResult got = run_lce(GetParam(), c, p);
+    for (double l : got.loss) EXPECT_EQ(l, 0.0);  // Mean over no rows: 0, not NaN
+    for (double g : got.dhidden) ASSERT_EQ(g, 0.0);
+    for (double g : got.dweight) ASSERT_EQ(g, 0.0);
+  }
+}
+
+TEST_P(LinearCrossEntropy, LargerProblemManyChunks) {
+  // Many chunks through the two-buffer pipeline, with the default chunking on a small bound.
+  LceCase c;
+  c.N = 300;
+  c.H = 96;
+  c.V = 1001;
+  c.dtype = DType::BF16;
+  c.lo.chunk_rows = 0;
+  c.lo.workspace_bytes = 2 * 16 * 1008 * 2;  // 16 tokens per chunk, 19 chunks
+  for (auto [mode, red] : {kModes[0], kModes[4]}) {
+    c.lo.backward_mode = mode;
+    c.ce.reduction = red;
+    check(c);
+  }
+}
+
+TEST_P(LinearCrossEntropy, SplitFormMatchesTheForward) {
+  // linear_cross_entropy_local_stats + cross_entropy_merge (one part) == the forward.
+  const Device dev = GetParam();
+  for (float cap : {0.0f, 2.0f}) {
+    LceCase c;
+    c.dtype = DType::BF16;
+    c.lo.logit_softcap = cap;
+    c.ce.reduction = Reduction::None;
+    c.ce.label_smoothing = 0.1f;
+    LceProblem p = make_lce_problem(c, rng());
+    const LceResult whole = run_lce(dev, c, p);
+    Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), target(dev, c.N * 8),
+        stats(dev, c.N * sizeof(RowStats)), loss(dev, c.N * 4), lse(dev, c.N * 4), count(dev, 4);
+    for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
+    for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
+    std::memcpy(target.host(), p.target.data(), c.N * 8);
+    hidden.upload(); weight.upload(); target.upload();
+    MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
+    MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
+    IndexView tv{target.data(), c.N, IndexType::I64, dev};
+    linear_cross_entropy_local_stats(hv, wv, tv, c.ce, c.lo, stats.data_as<RowStats>());
+    cross_entropy_merge(stats.data_as<RowStats>(), 1, stats.data_as<RowStats>(), tv, c.ce, c.V,
+                        {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()});
+    loss.download(); lse.download();
+    for (int64_t r = 0; r < c.N; ++r) {
+      EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
+      EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
+    }
+  }
+}
+
+TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
+  LinearCrossEntropyOptions o;
+  for (int64_t V : {int64_t(32000), int64_t(128256), int64_t(151936), int64_t(262144)})
+    for (DType d : {DType::BF16, DType::F32}) {
+      const int64_t chunk = linear_cross_entropy_chunk_rows(o, 1 << 20, V, d);
+      const int64_t es = d == DType::F32 ? 4 : 2, stride = (V + 16 / es - 1) / (16 / es) * (16 / es);
+      EXPECT_LE(2 * chunk * stride * es, int64_t(256) << 20) << "V " << V;
+      EXPECT_GE(chunk, 64) << "V " << V;
+      EXPECT_EQ(chunk % 64, 0) << "V " << V;
+    }
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 10, 128256, DType::BF16), 10);  // <= N
+  o.workspace_bytes = 1;
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 10, 128256, DType::BF16), 1);  // at least 1
+}
+
+// ---- bad inputs ----
+
+template <class F>
+void expect_error(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "expected fusedloss::Error";
+  } catch (const Error& e) {
+    for (const char* frag : fragments)
+      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << frag << "'";
+  }
+}
+
+struct BadFixture {
+  static constexpr int64_t N = 6, H = 8, V = 10;
+  Device dev;
+  Buffer hidden, weight, target, loss, lse, count, dh, dw, gl;
+  explicit BadFixture(Device d)
+      : dev(d), hidden(d, N * H * 4), weight(d, V * H * 4), target(d, N * 8), loss(d, N * 4),
+        lse(d, N * 4), count(d, 4), dh(d, N * H * 4), dw(d, V * H * 4), gl(d, N * 4) {
+    for (int64_t i = 0; i < N * H; ++i) hidden.host_as<float>()[i] = float(i % 5) * 0.1f;
+    for (int64_t i = 0; i < V * H; ++i) weight.host_as<float>()[i] = float(i % 3) * 0.1f;
+    for (int64_t r = 0; r < N; ++r) target.host_as<int64_t>()[r] = r;
+    for (int64_t r = 0; r < N; ++r) gl.host_as<float>()[r] = 1.0f;
+    hidden.upload(); weight.upload(); target.upload(); gl.upload();
+    loss.poison(); lse.poison();
+  }
+  MatrixView hv(DType dt = DType::F32) { return {hidden.data(), N, H, H, dt, dev}; }
+  MatrixView wv(int64_t cols = H, DType dt = DType::F32) {
+    return {weight.data(), V, cols, cols, dt, dev};
+  }
+  IndexView tv() { return {target.data(), N, IndexType::I64, dev}; }
+  LinearCrossEntropyOutputs out() {
+    LinearCrossEntropyOutputs o;
+    o.loss = loss.data_as<float>();
+    o.lse = lse.data_as<float>();
+    o.valid_count = count.data_as<float>();
+    o.dhidden = {dh.data(), N, H, H, DType::F32, dev};
+    o.dweight = {dw.data(), V, H, H, DType::F32, dev};
+    return o;
+  }
+  void forward(const MatrixView& h, const MatrixView& w, const CrossEntropyOptions& ce = {},
+               const LinearCrossEntropyOptions& lo = {}) {
+    linear_cross_entropy_forward(h, w, tv(), ce, lo, out());
+  }
+};
+
+class LinearCrossEntropyBadInputs : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+};
+
+TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
+  BadFixture f(GetParam());
+  const Device other = GetParam() == Device::CPU ? Device::CUDA : Device::CPU;
+  // H mismatch: weight [V, H - 1]
+  expect_error([&] { f.forward(f.hv(), f.wv(BadFixture::H - 1)); },
+               {"weight", "expected [V_local, 8]", "7"});
+  // dtype mismatch
+  expect_error([&] { f.forward(f.hv(), f.wv(BadFixture::H, DType::BF16)); },
+               {"weight.dtype", "bf16", "fp32"});
+  expect_error([&] { f.forward(f.hv(DType::FP8_E4M3), f.wv()); }, {"hidden.dtype", "fp8"});
+  // device mismatch
+  MatrixView w_other = f.wv();
+  w_other.device = other;
+  expect_error([&] { f.forward(f.hv(), w_other); }, {"weight.device"});
+  IndexView t_other = f.tv();
+  t_other.device = other;
+  expect_error([&] {
+    linear_cross_entropy_forward(f.hv(), f.wv(), t_other, {}, {}, f.out());
+  }, {"target.device"});
+  // targets of another length
+  IndexView t_short = f.tv();
+  t_short.size = 5;
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), t_short, {}, {}, f.out()); },
+               {"target.size", "5", "6"});
+  // options
+  LinearCrossEntropyOptions lo;
+  lo.logit_softcap = -1.0f;
+  expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"logit_softcap", "-1"});
+  lo = {};
+  lo.chunk_rows = -2;
+  expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"chunk_rows", "-2"});
+  lo = {};
+  lo.vocab_block = -1;
+  expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"vocab_block", "-1"});
+  lo = {};
+  lo.chunk_rows = 0;
+  lo.workspace_bytes = 0;
+  expect_error([&] { f.forward(f.hv(), f.wv(), {}, lo); }, {"workspace_bytes"});
+  lo = {};
+  lo.backward_mode = LinearCeBackward::InForward;
+  CrossEntropyOptions none;
+  none.reduction = Reduction::None;
+  expect_error([&] { f.forward(f.hv(), f.wv(), none, lo); }, {"backward_mode", "InForward", "None"});
+  CrossEntropyOptions ls;
+  ls.label_smoothing = 1.5f;
+  expect_error([&] { f.forward(f.hv(), f.wv(), ls); }, {"label_smoothing", "1.5"});
+  // in-forward gradient buffers of the wrong shape / dtype
+  LinearCrossEntropyOutputs o = f.out();
+  o.dweight.rows = BadFixture::V - 1;
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.dweight", "[9, 8]", "[10, 8]"});
+  o = f.out();
+  o.dhidden.dtype = DType::BF16;
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.dhidden.dtype", "bf16", "fp32"});
+  o = f.out();
+  o.dhidden.data = f.hidden.data();
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.dhidden", "overlaps"});
+  // Nothing was written by any rejected call.
+  f.loss.download();
+  EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
+  // backward: a null grad_loss, the wrong gradient shape
+  LinearCrossEntropyGrads g;
+  g.dhidden = {f.dh.data(), BadFixture::N, BadFixture::H, BadFixture::H, DType::F32, f.dev};
+  g.dweight = {f.dw.data(), BadFixture::V, BadFixture::H, BadFixture::H, DType::F32, f.dev};
+  expect_error([&] {
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(), nullptr,
+                                  f.count.data_as<float>(), {}, {}, f.out(), g);
+  }, {"grad_loss", "null"});
+  LinearCrossEntropyGrads g2 = g;
+  g2.dhidden.cols = BadFixture::H + 1;
+  g2.dhidden.row_stride = BadFixture::H + 1;
+  expect_error([&] {
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, f.out(),
+                                  g2);
+  }, {"grads.dhidden", "[6, 9]", "[6, 8]"});
+  LinearCrossEntropyOptions rec;
+  rec.backward_mode = LinearCeBackward::Recompute;
+  expect_error([&] {
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), nullptr, {}, rec, f.out(), g);
+  }, {"valid_count", "Mean"});
+}
+
+TEST_P(LinearCrossEntropyBadInputs, OutOfRangeTarget) {
+  BadFixture f(GetParam());
+  f.target.host_as<int64_t>()[3] = BadFixture::V;
+  f.target.upload();
+  if (GetParam() == Device::CPU) {
+    expect_error([&] { f.forward(f.hv(), f.wv()); }, {"target[3]", "10", "[0, 10)"});
+    f.loss.download();
+    EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));  // checked before any write
+  } else {
+    CrossEntropyOptions o;
+    o.reduction = Reduction::None;
+    f.forward(f.hv(), f.wv(), o);
+    expect_error([&] { check_device_errors(); }, {"target[3]", "10"});
+    f.loss.download();
+    EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[3]));
+    EXPECT_TRUE(std::isfinite(f.loss.host_as<float>()[2]));
+  }
+}
+
+#if FUSEDLOSS_HAS_CUDA
+// The peak of stream-ordered allocations during a call: the two chunk buffers, the cuBLASLt
+// workspace and O(N) floats; never [N, V].
+TEST(LinearCrossEntropyCuda, PeakExtraMemoryIsTheWorkspace) {
+  std::string why;
+  if (!cuda_available(&why)) GTEST_SKIP() << why;
+  const int64_t N = 4096, H = 256, V = 32000;
+  LceCase c;
+  c.N = N;
+  c.H = H;
+  c.V = V;
+  c.dtype = DType::BF16;
+  c.grad_dtype = DType::BF16;
+  c.lo.chunk_rows = 0;
+  c.lo.workspace_bytes = size_t(8) << 20;
+  Buffer hidden(Device::CUDA, N * H * 2), weight(Device::CUDA, V * H * 2), target(Device::CUDA, N * 8),
+      loss(Device::CUDA, N * 4), lse(Device::CUDA, N * 4), count(Device::CUDA, 4),
+      dh(Device::CUDA, N * H * 2), dw(Device::CUDA, V * H * 2), gl(Device::CUDA, N * 4);
+  std::memset(hidden.host(), 0, hidden.bytes());
+  std::memset(weight.host(), 0, weight.bytes());
+  for (int64_t r = 0; r < N; ++r) target.host_as<int64_t>()[r] = r % V, gl.host_as<float>()[r] = 1;
+  hidden.upload(); weight.upload(); target.upload(); gl.upload();
+  MatrixView hv{hidden.data(), N, H, H, DType::BF16, Device::CUDA};
+  MatrixView wv{weight.data(), V, H, H, DType::BF16, Device::CUDA};
+  IndexView tv{target.data(), N, IndexType::I64, Device::CUDA};
+  for (int variant = 0; variant < 3; ++variant) {
+    const Reduction red = variant == 0 ? Reduction::Mean : Reduction::None;
+    c.lo.vocab_block = variant == 2 ? 1024 : 0;  // + fp32 [N, H] and [1024, H] accumulators
+    CrossEntropyOptions ce;
+    ce.reduction = red;
+    LinearCrossEntropyOutputs out;
+    out.loss = loss.data_as<float>();
+    out.lse = lse.data_as<float>();
+    out.valid_count = count.data_as<float>();
+    out.dhidden = {dh.data(), N, H, H, DType::BF16, Device::CUDA};
+    out.dweight = {dw.data(), V, H, H, DType::BF16, Device::CUDA};
+    cudaMemPool_t pool;
+    ASSERT_EQ(cudaDeviceGetDefaultMemPool(&pool, 0), cudaSuccess);
+    linear_cross_entropy_forward(hv, wv, tv, ce, c.lo, out);  // warm-up
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    uint64_t zero = 0;
+    ASSERT_EQ(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero), cudaSuccess);
+    linear_cross_entropy_forward(hv, wv, tv, ce, c.lo, out);
+    LinearCrossEntropyGrads g{out.dhidden, out.dweight, false};
+    linear_cross_entropy_backward(hv, wv, tv, lse.data_as<float>(), gl.data_as<float>(),
+                                  count.data_as<float>(), ce, c.lo, out, g);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    uint64_t high = 0;
+    ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
+    const uint64_t blocked = c.lo.vocab_block ? 4 * uint64_t(N + c.lo.vocab_block) * H : 0;
+    const uint64_t bound =
+        c.lo.workspace_bytes + (uint64_t(32) << 20) + 64 * uint64_t(N) + (1 << 20) + blocked;
+    EXPECT_LE(high, bound) << "variant " << variant << ": peak " << high
+                           << " B, logits would be " << N * V * 2 << " B";
+  }
+}
+
+// One forward + backward on a caller's stream, eagerly and replayed from a CUDA graph captured
+// on that stream (after a warm-up call, which creates the cached side stream and events): the
+// side stream joins the capture through the fork event and leaves it through the join.
+TEST(LinearCrossEntropyCuda, CallersStreamAndGraphCaptureMatchTheDefaultStream) {
+  std::string why;
+  if (!cuda_available(&why)) GTEST_SKIP() << why;
+  for (auto red : {Reduction::Mean, Reduction::None}) {
+    LceCase c;
+    c.N = 100;
+    c.H = 64;
+    c.V = 777;
+    c.dtype = DType::BF16;
+    c.lo.chunk_rows = 16;  // 7 chunks: three pairs and a single one
+    c.ce.reduction = red;
+    SCOPED_TRACE(c.describe());
+    const LceProblem p = make_lce_problem(c, rng());
+    const LceResult eager = run_lce(Device::CUDA, c, p);  // default stream
+    const Device dev = Device::CUDA;
+    Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), target(dev, c.N * 8),
+        loss(dev, c.N * 4), lse(dev, c.N * 4), count(dev, 4), gl(dev, c.N * 4),
+        sdh(dev, c.N * c.H * 4), sdw(dev, c.V * c.H * 4), dh(dev, c.N * c.H * 4),
+        dw(dev, c.V * c.H * 4);
+    for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
+    for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
+    std::memcpy(target.host(), p.target.data(), c.N * 8);
+    for (int64_t r = 0; r < c.N; ++r)
+      gl.host_as<float>()[r] = red == Reduction::None ? p.grad_rows[r] : p.grad_scale;
+    hidden.upload(); weight.upload(); target.upload(); gl.upload();
+    MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
+    MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
+    IndexView tv{target.data(), c.N, IndexType::I64, dev};
+    LinearCrossEntropyOutputs out;
+    out.loss = loss.data_as<float>();
+    out.lse = lse.data_as<float>();
+    out.valid_count = count.data_as<float>();
+    out.dhidden = {sdh.data(), c.N, c.H, c.H, DType::F32, dev};
+    out.dweight = {sdw.data(), c.V, c.H, c.H, DType::F32, dev};
+    LinearCrossEntropyGrads g{{dh.data(), c.N, c.H, c.H, DType::F32, dev},
+                              {dw.data(), c.V, c.H, c.H, DType::F32, dev}, false};
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    auto step = [&] {
+      linear_cross_entropy_forward(hv, wv, tv, c.ce, c.lo, out, nullptr, s);
+      linear_cross_entropy_backward(hv, wv, tv, lse.data_as<float>(), gl.data_as<float>(),
+                                    count.data_as<float>(), c.ce, c.lo, out, g, s);
+    };
+    auto compare = [&](const char* what) {
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;
+      loss.download(); dh.download(); dw.download();
+      const int64_t nloss = red == Reduction::None ? c.N : 1;
+      for (int64_t i = 0; i < nloss; ++i)
+        EXPECT_NEAR(loss.host_as<float>()[i], eager.loss[i], 1e-5 * (1 + std::fabs(eager.loss[i])))
+            << what << " loss " << i;
+      std::vector<double> h(dh.host_as<float>(), dh.host_as<float>() + c.N * c.H);
+      std::vector<double> w(dw.host_as<float>(), dw.host_as<float>() + c.V * c.H);
+      EXPECT_LE(rel_l2(h, eager.dhidden), 1e-5) << what << " dhidden";
+      EXPECT_LE(rel_l2(w, eager.dweight), 1e-5) << what << " dweight";
+    };
+    step();  // eager on the caller's stream (and the warm-up of the capture)
+    compare("caller's stream");
+    loss.poison(); dh.poison(); dw.poison();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+    step();
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    compare("graph replay");
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+  }
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Backends, LinearCrossEntropy,
+                         ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Backends, LinearCrossEntropyBadInputs,
+                         ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+}  // namespace
+}  // namespace fusedloss::test
