@@ -44,6 +44,25 @@ def test_patch_replaces_every_symbol_idempotently_and_unpatch_restores():
     assert all(_objects()[k] is before[k] for k in before)
 
 
+def test_a_later_apply_sets_exactly_what_it_asks_and_blocks_nest():
+    before = _objects()
+    apply_fusedloss_to_megatron()
+    apply_fusedloss_to_megatron(cross_entropy=False)  # the cross-entropy goes back to Megatron's
+    assert _objects()[PATCHED[0]] is before[PATCHED[0]]
+    assert _objects()[PATCHED[2]] is not before[PATCHED[2]]
+    apply_fusedloss_to_megatron()
+    with fusedloss_megatron(swiglu=False):
+        with fusedloss_megatron(cross_entropy=False):
+            assert _objects()[PATCHED[0]] is before[PATCHED[0]]
+            assert _objects()[PATCHED[2]] is not before[PATCHED[2]]
+        # the enclosing block's patch again, not none
+        assert _objects()[PATCHED[0]] is not before[PATCHED[0]]
+        assert _objects()[PATCHED[2]] is before[PATCHED[2]]
+    assert all(_objects()[k] is not before[k] for k in before)  # the explicit patch stays
+    with pytest.raises(TypeError, match="inplace_backward: got 'no'"):
+        apply_fusedloss_to_megatron(inplace_backward="no")
+
+
 def test_unsupported_megatron_fails_clearly_and_patches_nothing(monkeypatch):
     from megatron.core.fusions import fused_bias_swiglu
     before = _objects()

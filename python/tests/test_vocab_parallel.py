@@ -115,13 +115,28 @@ def _check_later_disagreement(rank, world, what):
     elif what == "dtype":  # a rank whose own arguments are rejected before the op
         x = torch.randn(rows, V_local, dtype=torch.float64 if rank == 0 else torch.float32)
         _same_error_everywhere(lambda: _ce(x, t), "vocab-parallel rank 0: logits.dtype: got torch.float64")
+    elif what == "options":  # another smoothing on one rank: different losses, silently, before
+        ls = 0.2 if rank == 1 else 0.0
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
+                               "vocab-parallel options: rank 1's differ from rank 0's")
+    elif what == "bad_option":  # raised on that rank alone while the others waited
+        ii = 1.5 if rank == 1 else -100
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, ignore_index=ii),
+                               "vocab-parallel rank 1: ignore_index: got 1.5")
+    elif what == "V_local_and_target":  # the smaller shard's targets are out of its range too
+        v = V_local - 1 if rank == 1 else V_local
+        big = t.clone()
+        big[0] = V_local * world - 1
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, v), big), "shard size",
+                               f"rank 1 has V_local {V_local - 1}")
     # and the group is still usable afterwards: a good call agrees again
     loss = _ce(torch.randn(rows, V_local), t)
     assert torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype"])
+@pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype", "options", "bad_option",
+                                  "V_local_and_target"])
 def test_gloo_disagreement_raises_everywhere(world, what):
     run_world(world, _check_later_disagreement, what, timeout_s=30)
 
