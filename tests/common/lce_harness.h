@@ -209,10 +209,12 @@ inline LceResult reference_lce(const LceCase& c, const LceProblem& p) {
 
 // Tolerances: fp32 math throughout, results rounded to their dtypes; bf16/fp16 logits (and
 // their gradient) are rounded in the chunk buffer, which the reference repeats for the logits
-// only. TF32 GEMMs carry ~1e-3 relative error.
+// only. The GEMM sums in another order than the reference, so a logit near a rounding boundary
+// can land one 16-bit ulp away (bf16 2^-8, fp16 2^-11 relative): the loss tolerance allows a
+// few such flips. TF32 GEMMs carry ~1e-3 relative error.
 inline double lce_loss_tolerance(const LceCase& c) {
   if (c.dtype == DType::F32) return c.lo.allow_tf32 ? 5e-3 : 2e-5;
-  return 1e-3;
+  return c.dtype == DType::BF16 ? 4e-3 : 1e-3;
 }
 inline double lce_grad_tolerance(const LceCase& c) {
   double t = c.dtype == DType::F32 ? (c.lo.allow_tf32 ? 5e-3 : 1e-5) : c.dtype == DType::F16 ? 5e-3 : 2e-2;
