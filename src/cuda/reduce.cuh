@@ -30,30 +30,6 @@ __device__ __forceinline__ float group_sum(float v, int group_threads, float* sc
   return s;
 }
 
-// Barrier over `threads` threads (a multiple of 32: whole warps) that all pass the same id
-// (1..15; 0 is __syncthreads'). Orders shared memory among them like __syncthreads.
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// group_sum for groups that walk their rows independently: a group synchronises only its own
-// warps (barrier 1 + its index), so the other groups of the block are never held. At most 15
-// groups of more than one warp per block. Only the threads of a group need to call it
-// (together); same order and bits as group_sum.
-__device__ __forceinline__ float group_sum_local(float v, int group_threads, float* scratch) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_sum(v);
-  if (group_threads == 32) return v;
-  const int id = 1 + threadIdx.x / group_threads;
-  if (lane == 0) scratch[warp] = v;
-  named_barrier(id, group_threads);
-  const int warps = group_threads / 32, first = (threadIdx.x / group_threads) * warps;
-  float s = 0.0f;
-  for (int w = 0; w < warps; ++w) s += scratch[first + w];
-  named_barrier(id, group_threads);  // the scratch may be reused right after
-  return s;
-}
-
 // Sum over the whole block; `scratch` holds blockDim.x / 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return group_sum(v, blockDim.x, scratch);

@@ -5,25 +5,19 @@
 // warp's loads are contiguous), sums their squares, the group sums in a fixed order
 // (reduce.cuh), and the thread scales its own vectors and stores them: x is read once, y
 // written once, rstd 4 bytes per row. A block holds several groups when rows are short (small
-// H: one or two warps per row). The grid is persistent (the blocks that fit on the device at
-// once) and every group walks its own rows: it synchronises only its own warps (a named
-// barrier per group), so one group's reduction never holds another's loads, and as it starts a
-// row it prefetches its next row into L2 (one bulk prefetch per tensor, sm_90), so HBM keeps
-// streaming while the group reduces and stores.
+// H: one warp per row).
 //
-// Backward ("rows" kernels): the same row-in-registers walk, group-local barriers and next-row
-// prefetch over x (or s) and dy, on a fixed grid of at most 2 blocks per SM (occupancy
-// permitting), each group walking a strided set of rows. A thread owns the same columns in
-// every row, so it accumulates dy * xhat for them across its rows: in registers, or, for rows
-// too long for that (fp32 rows of 2049..4096 vectors), in its own slots of shared memory, which
-// leaves the registers to 8 vectors of x and dy. At the end the block's groups add their
-// accumulators in group order and the block writes one fp32 row of partials [grid, H]. A
-// second small kernel adds the partial rows of each column in a fixed order. No float atomics
-// anywhere: the weight gradient has the same bits on every call on a given device (the grid
-// depends on the device's SM count and on H, never on timing).
+// Backward ("rows" kernels): the same row-in-registers walk over x (or s) and dy, on a fixed
+// grid of about 2 blocks per SM (occupancy permitting), each block walking a strided set of
+// rows. A thread owns the same columns in every row, so it accumulates dy * xhat for them in
+// registers across its rows; at the end the block's groups add their accumulators in group
+// order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
+// kernel adds the partial rows of each column in a fixed order. No float atomics anywhere: the
+// weight gradient has the same bits on every call on a given device (the grid depends on the
+// device's SM count and on H, never on timing).
 //
 // Views that cannot be walked in 16-byte vectors (odd H, offset pointers, strides that are not
-// a multiple of 16 bytes) and rows too long for either go through the "any" kernels: one
+// a multiple of 16 bytes) and rows too long for registers go through the "any" kernels: one
 // block per row, single elements, the row read twice (the second read mostly hits L1/L2), and
 // in the backward the partial row of the block accumulated in global memory by the thread that
 // owns each column.
@@ -56,18 +50,15 @@ using St = core::Storage<K>;
 
 // Build-time knobs (defaults are the shipped kernels). A row gets tpr = ceil(vectors / NP)
 // threads, NP the smallest power of two up to the maximum with tpr <= the target; blocks
-// gather rows up to the block target (15 groups at most when a group is several warps). The
-// target of 64 gives short rows (bf16 H = 2048: 256 vectors) 4 vectors a thread in groups of
-// two warps rather than 2 vectors in groups of four: twice the bytes in flight per load
-// instruction and cheaper group barriers; rows of 512 vectors and more are unaffected.
+// gather rows up to the block target.
 #ifndef FUSEDLOSS_RMS_FWD_TPR
-#define FUSEDLOSS_RMS_FWD_TPR 64
+#define FUSEDLOSS_RMS_FWD_TPR 128
 #endif
 #ifndef FUSEDLOSS_RMS_FWD_BLOCK
 #define FUSEDLOSS_RMS_FWD_BLOCK 256
 #endif
 #ifndef FUSEDLOSS_RMS_BWD_TPR
-#define FUSEDLOSS_RMS_BWD_TPR 64
+#define FUSEDLOSS_RMS_BWD_TPR 128
 #endif
 #ifndef FUSEDLOSS_RMS_BWD_BLOCK
 #define FUSEDLOSS_RMS_BWD_BLOCK 512
@@ -75,10 +66,6 @@ using St = core::Storage<K>;
 // Backward blocks per SM at most (the grid, and the partial rows: the workspace size).
 #ifndef FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM
 #define FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM 2
-#endif
-// Prefetch each group's next row into L2 (sm_90) while it works on the current one.
-#ifndef FUSEDLOSS_RMS_PREFETCH
-#define FUSEDLOSS_RMS_PREFETCH 1
 #endif
 constexpr int kFwdMaxThreads = 1024;  // launch bound: <= 64 registers a thread
 constexpr int kBwdMaxThreads = 512;   // launch bound: <= 128 (the accumulators live in registers)
@@ -95,10 +82,6 @@ template <class T>
 constexpr int bwd_max_np() {
   return 4;
 }
-// Rows too long for the register accumulators (more than 4 vectors a thread at the block's
-// 512 threads) keep them in shared memory and hold 8 vectors of x and dy a thread: 4096
-// vectors (fp32 16384, bf16 32768) at most, 64 or 128 KiB of shared memory a block.
-constexpr int kBwdLongNp = 8;
 constexpr int kAnyThreads = 256;
 constexpr int kBwdBlocksPerSm = FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM;
 static_assert(FUSEDLOSS_RMS_BWD_BLOCK <= kBwdMaxThreads, "backward block within its launch bound");
@@ -147,26 +130,22 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
   __shared__ float scratch[kFwdMaxThreads / 32];
   const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
   const int64_t nvec = a.hidden / VEC;
-  const int64_t step = int64_t(gridDim.x) * groups;
-  const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
-  // Each group walks its own rows and synchronises only itself: while one group reduces,
-  // the others' loads are in flight. Its next row is prefetched into L2 as it starts a row.
-  for (int64_t r = int64_t(blockIdx.x) * groups + g; r < a.rows; r += step) {
-    if (FUSEDLOSS_RMS_PREFETCH && t == 0 && r + step < a.rows) {
-      prefetch_l2(a.x + (r + step) * a.xs, row_bytes);
-      if (a.res) prefetch_l2(a.res + (r + step) * a.rs, row_bytes);
-    }
+  // The loop bounds are the block's, not the group's: every thread reaches every group_sum.
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows;
+       base += int64_t(gridDim.x) * groups) {
+    const int64_t r = base + g;
+    const bool live = r < a.rows;
     Vec16 v[NP] = {};  // zero bits are 0.0 in every storage kind: absent vectors add nothing
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) v[k] = load_vec(a.x + r * a.xs + p * VEC);
+      if (live && p < nvec) v[k] = load_vec(a.x + r * a.xs + p * VEC);
     }
     if (a.res) {
 #pragma unroll
       for (int k = 0; k < NP; ++k) {
         const int64_t p = t + int64_t(k) * a.tpr;
-        if (p < nvec) {
+        if (live && p < nvec) {
           float xf[VEC], rf[VEC];
           to_floats<X>(v[k], xf);
           to_floats<X>(load_vec(a.res + r * a.rs + p * VEC), rf);
@@ -185,13 +164,13 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
         const float f = get<X>(v[k], e);
         sq += f * f;
       }
-    sq = group_sum_local(sq, a.tpr, scratch);
+    sq = group_sum(sq, a.tpr, scratch);
     const float rstd = core::rms_rstd(sq, a.hidden, a.eps);
-    if (t == 0) a.rstd[r] = rstd;
+    if (live && t == 0) a.rstd[r] = rstd;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) {
+      if (live && p < nvec) {
         float w[VEC], o[VEC];
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
 #pragma unroll
@@ -231,78 +210,48 @@ __global__ void __launch_bounds__(kAnyThreads) forward_any_kernel(FwdArgs<X, W> 
 
 // ---- backward ----
 
-// SMEM_DG: the per-column accumulators live in dynamic shared memory (blockDim.x * NP * VEC
-// floats, each thread's own slots: no barrier until the end) instead of registers, which
-// leaves the registers to x and dy: rows up to twice as long stay on the vector path.
-template <StorageKind X, StorageKind W, int NP, bool SMEM_DG>
+template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
-  constexpr int Q = VEC / 4;  // float4s of accumulators per vector
   __shared__ float scratch[kBwdMaxThreads / 32];
-  extern __shared__ float4 acc[];  // SMEM_DG: [groups][NP][Q][tpr]
+  __shared__ float exchange[kBwdMaxThreads * VEC];
   const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
   const int64_t nvec = a.hidden / VEC;
-  const int64_t step = int64_t(gridDim.x) * groups;
-  const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
-  auto slot = [&](int h, int k, int q) -> float4& { return acc[((h * NP + k) * Q + q) * a.tpr + t]; };
-  float dg[SMEM_DG ? 1 : NP][VEC] = {};
-  if constexpr (SMEM_DG) {
-#pragma unroll
-    for (int k = 0; k < NP; ++k)
-#pragma unroll
-      for (int q = 0; q < Q; ++q) slot(g, k, q) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  // Each group walks its own rows (the same rows, in the same order, as a block-wide walk)
-  // and synchronises only itself; its next row is prefetched into L2 as it starts a row, so
-  // HBM keeps streaming while the group reduces and stores.
-  for (int64_t r = int64_t(blockIdx.x) * groups + g; r < a.rows; r += step) {
-    if (FUSEDLOSS_RMS_PREFETCH && t == 0 && r + step < a.rows) {
-      prefetch_l2(a.x + (r + step) * a.xs, row_bytes);
-      prefetch_l2(a.dy + (r + step) * a.dys, row_bytes);
-      if (a.gres) prefetch_l2(a.gres + (r + step) * a.gs, row_bytes);
-    }
-    const float rstd = a.rstd[r];
+  float dg[NP][VEC] = {};
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows;
+       base += int64_t(gridDim.x) * groups) {
+    const int64_t r = base + g;
+    const bool live = r < a.rows;
     Vec16 xv[NP] = {}, gv[NP] = {};
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) {
+      if (live && p < nvec) {
         xv[k] = load_vec(a.x + r * a.xs + p * VEC);
         gv[k] = load_vec(a.dy + r * a.dys + p * VEC);
       }
     }
+    const float rstd = live ? a.rstd[r] : 0.0f;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) {
-        float w[VEC], d[VEC];
+      if (p < nvec) {  // a dead row's vectors are zeros: they add nothing
+        float w[VEC];
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float xhat = get<X>(xv[k], e) * rstd, dy = get<X>(gv[k], e);
           dot += dy * core::rms_gamma(w[e], a.zc) * xhat;
-          d[e] = dy * xhat;
-        }
-        if constexpr (SMEM_DG) {
-#pragma unroll
-          for (int q = 0; q < Q; ++q) {
-            float4& s4 = slot(g, k, q);
-            float4 v4 = s4;
-            v4.x += d[4 * q], v4.y += d[4 * q + 1], v4.z += d[4 * q + 2], v4.w += d[4 * q + 3];
-            s4 = v4;
-          }
-        } else {
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) dg[SMEM_DG ? 0 : k][e] += d[e];
+          dg[k][e] += dy * xhat;
         }
       }
     }
-    const float c = core::rms_dot_mean(group_sum_local(dot, a.tpr, scratch), a.hidden);
+    const float c = core::rms_dot_mean(group_sum(dot, a.tpr, scratch), a.hidden);
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
       const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) {
+      if (live && p < nvec) {
         float w[VEC], o[VEC], gr[VEC] = {};
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
         if (a.gres) to_floats<X>(load_vec(a.gres + r * a.gs + p * VEC), gr);
@@ -314,48 +263,27 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       }
     }
   }
-  if constexpr (SMEM_DG) {
-    // The groups' accumulators, added in group order by group 0.
-    __syncthreads();
-    if (g == 0)
+  // The groups' accumulators, added in group order into group 0's, one vector slot at a time.
 #pragma unroll
-      for (int k = 0; k < NP; ++k) {
-        const int64_t p = t + int64_t(k) * a.tpr;
-        if (p < nvec)
+  for (int k = 0; k < NP; ++k) {
+    if (groups > 1) {  // uniform over the block
+      __syncthreads();
+      if (g > 0)
 #pragma unroll
-          for (int q = 0; q < Q; ++q) {
-            float4 s4 = slot(0, k, q);
-            for (int h = 1; h < groups; ++h) {
-              const float4 o4 = slot(h, k, q);
-              s4.x += o4.x, s4.y += o4.y, s4.z += o4.z, s4.w += o4.w;
-            }
-            reinterpret_cast<float4*>(a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC)[q] = s4;
-          }
-      }
-  } else {
-    __shared__ float exchange[kBwdMaxThreads * VEC];
-    // The groups' accumulators, added in group order into group 0's, one vector slot at a time.
+        for (int e = 0; e < VEC; ++e) exchange[((g - 1) * VEC + e) * a.tpr + t] = dg[k][e];
+      __syncthreads();
+      if (g == 0)
+        for (int h = 1; h < groups; ++h)
 #pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      if (groups > 1) {  // uniform over the block
-        __syncthreads();
-        if (g > 0)
+          for (int e = 0; e < VEC; ++e) dg[k][e] += exchange[((h - 1) * VEC + e) * a.tpr + t];
+    }
+    const int64_t p = t + int64_t(k) * a.tpr;
+    if (g == 0 && p < nvec) {
+      float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) exchange[((g - 1) * VEC + e) * a.tpr + t] = dg[k][e];
-        __syncthreads();
-        if (g == 0)
-          for (int h = 1; h < groups; ++h)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) dg[k][e] += exchange[((h - 1) * VEC + e) * a.tpr + t];
-      }
-      const int64_t p = t + int64_t(k) * a.tpr;
-      if (g == 0 && p < nvec) {
-        float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
-#pragma unroll
-        for (int q = 0; q < VEC; q += 4) {
-          float4 f4 = make_float4(dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]);
-          *reinterpret_cast<float4*>(out + q) = f4;
-        }
+      for (int q = 0; q < VEC; q += 4) {
+        float4 f4 = make_float4(dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]);
+        *reinterpret_cast<float4*>(out + q) = f4;
       }
     }
   }
@@ -408,19 +336,18 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
 
 // ---- host side ----
 
-// Per-device facts, queried once: the SM count, blocks per SM of a kernel at a block size and
-// dynamic shared memory, and the dynamic shared memory a kernel was allowed.
+// Per-device facts, queried once: the SM count, and blocks per SM of a kernel at a block size.
 std::mutex g_cache_mutex;
-std::map<std::tuple<int, const void*, int, int>, int> g_cache;
+std::map<std::tuple<int, const void*, int>, int> g_cache;
 
-int cached(const void* key, int a, int b, int (*query)(int device, const void* key, int a, int b)) {
+int cached(const void* key, int threads, int (*query)(int device, const void* key, int threads)) {
   int device = 0;
   FL_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(g_cache_mutex);
-  auto [it, fresh] = g_cache.try_emplace({device, key, a, b}, 0);
+  auto [it, fresh] = g_cache.try_emplace({device, key, threads}, 0);
   if (fresh) {
     try {
-      it->second = query(device, key, a, b);
+      it->second = query(device, key, threads);
     } catch (...) {
       g_cache.erase(it);
       throw;
@@ -430,32 +357,18 @@ int cached(const void* key, int a, int b, int (*query)(int device, const void* k
 }
 
 int sm_count() {
-  return cached(nullptr, 0, 0, [](int device, const void*, int, int) {
+  return cached(nullptr, 0, [](int device, const void*, int) {
     int n = 0;
     FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return std::max(n, 1);
   });
 }
 
-int blocks_per_sm(const void* kernel, int threads, int smem = 0) {
-  return cached(kernel, threads, smem, [](int, const void* k, int n, int bytes) {
+int blocks_per_sm(const void* kernel, int threads) {
+  return cached(kernel, threads, [](int, const void* k, int n) {
     int blocks = 0;
-    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, size_t(bytes)));
+    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, 0));
     return std::max(blocks, 1);
-  });
-}
-
-// Raises the kernel's dynamic shared memory limit to all the device allows a block (once per
-// device) and returns it: a launch asking for more takes another path.
-int dynamic_smem_limit(const void* kernel) {
-  return cached(kernel, -1, 0, [](int device, const void* k, int, int) {
-    int optin = 0;
-    FL_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cudaFuncAttributes attr{};
-    FL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-    const int room = std::max(optin - int(attr.sharedSizeBytes), 0);
-    FL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, room));
-    return room;
   });
 }
 
@@ -476,9 +389,7 @@ RowLayout row_layout(int64_t nvec, int max_np, int target_tpr, int block_target,
   const int64_t tpr = ((nvec + np - 1) / np + 31) / 32 * 32;
   if (tpr > max_block) return {};
   const int t = int(tpr);
-  // Groups of several warps synchronise on named barriers 1..15.
-  const int groups = std::max(1, block_target / t);
-  return {np, t, t > 32 ? std::min(groups, 15) : groups};
+  return {np, t, std::max(1, block_target / t)};
 }
 
 template <class F>
@@ -505,27 +416,6 @@ void dispatch_np(int np, F&& f) {
     if (np < kMax) return dispatch_np<kMax / 2>(np, f);
   }
   f(std::integral_constant<int, kMax>{});
-}
-
-// Rows too long for the register accumulators: the shared-memory ones, 8 vectors a thread,
-// when the device gives a block that much shared memory. fp32 only: with 16-bit elements the
-// 8 vectors of x and dy spill at the launch bound's 128 registers. Returns whether it launched.
-template <StorageKind X, StorageKind W, class Launch>
-bool launch_long_backward(bool vec, int64_t nvec, RowLayout& l, Launch&& launch) {
-  constexpr int VEC = vector_width<Elem<X>>();
-  if constexpr (VEC != 4) {
-    return false;
-  } else {
-    if (!vec) return false;
-    const RowLayout ll = row_layout(nvec, kBwdLongNp, kBwdMaxThreads, kBwdMaxThreads, kBwdMaxThreads);
-    if (ll.np != kBwdLongNp) return false;
-    auto* kernel = backward_rows_kernel<X, W, kBwdLongNp, true>;
-    const int smem = ll.tpr * ll.groups * kBwdLongNp * VEC * int(sizeof(float));
-    if (smem > dynamic_smem_limit((const void*)kernel)) return false;
-    l = ll;
-    launch(kernel, smem);
-    return true;
-  }
 }
 
 bool vectorisable(const MatrixView& m) {
@@ -563,13 +453,9 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     if (l.np) {
       a.tpr = l.tpr;
       dispatch_np<fwd_max_np<Elem<X>>()>(l.np, [&](auto np) {
-        // A persistent grid (every block resident, each group walking rows): no block
-        // launches or tails per row, and each group prefetches its next row.
-        auto* kernel = forward_rows_kernel<X, W, decltype(np)::value>;
-        const int threads = l.tpr * l.groups;
-        const int64_t resident = int64_t(blocks_per_sm((const void*)kernel, threads)) * sm_count();
-        kernel<<<grid_of(std::min<int64_t>(resident, (p.rows + l.groups - 1) / l.groups)), threads,
-                 0, as_cuda(stream)>>>(a);
+        forward_rows_kernel<X, W, decltype(np)::value>
+            <<<grid_of((p.rows + l.groups - 1) / l.groups), l.tpr * l.groups, 0,
+               as_cuda(stream)>>>(a);
       });
     } else {
       a.tpr = kAnyThreads;
@@ -607,23 +493,20 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     const bool vec = vectorisable(grad_y) && vectorisable(x_or_s) && vectorisable(grad_x) &&
                      vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    RowLayout l = vec ? row_layout(p.hidden / VEC, bwd_max_np<Elem<X>>(), FUSEDLOSS_RMS_BWD_TPR,
-                                   FUSEDLOSS_RMS_BWD_BLOCK, kBwdMaxThreads)
-                      : RowLayout{};
-    auto launch = [&](auto* kernel, int smem) {
-      const int threads = l.tpr * l.groups;
-      const int per_sm =
-          std::min(kBwdBlocksPerSm, blocks_per_sm((const void*)kernel, threads, smem));
-      parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
-                                     (p.rows + l.groups - 1) / l.groups}));
-      a.tpr = l.tpr;
-      kernel<<<unsigned(parts), threads, size_t(smem), as_cuda(stream)>>>(a);
-    };
+    const RowLayout l = vec ? row_layout(p.hidden / VEC, bwd_max_np<Elem<X>>(), FUSEDLOSS_RMS_BWD_TPR,
+                                         FUSEDLOSS_RMS_BWD_BLOCK, kBwdMaxThreads)
+                            : RowLayout{};
     if (l.np) {
+      a.tpr = l.tpr;
       dispatch_np<bwd_max_np<Elem<X>>()>(l.np, [&](auto np) {
-        launch(backward_rows_kernel<X, W, decltype(np)::value, false>, 0);
+        auto* kernel = backward_rows_kernel<X, W, decltype(np)::value>;
+        const int threads = l.tpr * l.groups;
+        const int per_sm = std::min(kBwdBlocksPerSm, blocks_per_sm((const void*)kernel, threads));
+        parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
+                                       (p.rows + l.groups - 1) / l.groups}));
+        kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
       });
-    } else if (!launch_long_backward<X, W>(vec, p.hidden / VEC, l, launch)) {
+    } else {
       a.tpr = kAnyThreads;
       parts = int(max_parts);
       backward_any_kernel<X, W><<<unsigned(parts), kAnyThreads, 0, as_cuda(stream)>>>(a);

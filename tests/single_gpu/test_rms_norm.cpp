@@ -355,24 +355,6 @@ TEST_P(RmsNorm, ModelShapesAndLongRows) {
   }
 }
 
-// fp32 rows of 2049..4096 vectors: the backward's shared-memory accumulators. More rows than
-// the grid has groups (each thread accumulates across several rows), a padded stride, a bf16
-// weight, the fused residual and its gradient, and the gradient written in place.
-TEST_P(RmsNorm, LongFp32RowsSharedAccumulators) {
-  for (int variant = 0; variant < 3; ++variant) {
-    RmsCase c;
-    c.rows = 300;
-    c.H = variant == 2 ? 12288 : 16384;
-    c.dtype = DType::F32;
-    c.pad = variant == 1 ? 4 : 0;
-    c.weight_dtype = variant == 1 ? DType::BF16 : DType::F32;
-    c.residual = c.grad_residual = variant == 1;
-    c.in_place = variant == 2;
-    c.zero_centered = variant == 0;
-    check(c);
-  }
-}
-
 TEST_P(RmsNorm, CallerWorkspace) {
   for (int64_t H : {256, 100}) {
     RmsCase c;
