@@ -26,10 +26,9 @@ _NONE = _REDUCTIONS["none"]
 _OP = "fusedloss.cross_entropy"
 
 
-@functools.lru_cache(maxsize=256)
-def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local):
-    """One validated options object per distinct call (the C++ side only reads it; building
-    and checking it field by field costs more host time than the rest of a small call)."""
+def make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
+                 v_local):
+    """The C++ CrossEntropyOptions of a call (unchecked), shard fields from the rank's place."""
     o = _C.CrossEntropyOptions()
     o.ignore_index = ignore_index
     o.label_smoothing = label_smoothing
@@ -40,6 +39,15 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, r
     if world > 1:
         o.vocab_start = rank * v_local
         o.vocab_global = world * v_local
+    return o
+
+
+@functools.lru_cache(maxsize=256)
+def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local):
+    """One validated options object per distinct call (the C++ side only reads it; building
+    and checking it field by field costs more host time than the rest of a small call)."""
+    o = make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
+                     v_local)
     try:
         _C.validate_cross_entropy_options(o, 1, v_local)
     except _C.Error as e:  # the C++ message names the field; callers know the keyword

@@ -28,7 +28,7 @@ from ._distributed import agree, group_name, rank_and_size, resolve_group
 from ._op import FusedOp
 from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
-from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, _bad_target_on_host
+from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, _bad_target_on_host, make_options
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -42,16 +42,9 @@ _OP = "fusedloss.linear_cross_entropy"
 def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
              workspace_bytes, mode, tf32, rank, world, v_local, hidden, vocab_block=0):
     """(CrossEntropyOptions, LinearCrossEntropyOptions), validated, one per distinct call."""
-    o = _C.CrossEntropyOptions()
-    o.ignore_index = ignore_index
-    o.label_smoothing = label_smoothing
-    o.smoothing_formula = _C.SmoothingFormula(formula)
-    o.smoothing_scope = _C.SmoothingScope(scope)
-    o.z_loss = z_loss
-    o.reduction = _C.Reduction(reduction)
+    o = make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
+                     v_local)
     if world > 1:
-        o.vocab_start = rank * v_local
-        o.vocab_global = world * v_local
         o.check_shard_agreement = False  # _forward runs the agreement over the group itself
     lo = _C.LinearCrossEntropyOptions()
     lo.logit_softcap = softcap

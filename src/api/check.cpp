@@ -1,5 +1,7 @@
 #include "api/check.h"
 
+#include "cpu/cross_entropy_cpu.h"
+
 namespace fusedloss::detail {
 
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
@@ -35,6 +37,14 @@ bool overlaps(const MatrixView& a, const MatrixView& b) {
   auto [alo, ahi] = span(a);
   auto [blo, bhi] = span(b);
   return alo < bhi && blo < ahi;
+}
+
+void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
+  if (target.device != Device::CPU) return;
+  int64_t value = 0;
+  int64_t row = cpu::first_bad_target(target, p, &value);
+  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
+          ") or ignore_index (", p.ignore_index, ")");
 }
 
 }  // namespace fusedloss::detail

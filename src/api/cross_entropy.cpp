@@ -15,16 +15,8 @@ namespace fusedloss {
 
 namespace {
 
+using detail::check_targets_on_host;
 using detail::require;
-
-// CPU targets are checked before anything is written; CUDA kernels check them in flight.
-void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
-  if (target.device != Device::CPU) return;
-  int64_t value = 0;
-  int64_t row = cpu::first_bad_target(target, p, &value);
-  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
-          ") or ignore_index (", p.ignore_index, ")");
-}
 
 // The forward's checks, before anything is written: the logits view first (so a bad view is
 // named as such), then the options against its shape, then the outputs and the targets.

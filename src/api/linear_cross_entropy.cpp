@@ -18,6 +18,7 @@ namespace fusedloss {
 
 namespace {
 
+using detail::check_targets_on_host;
 using detail::require;
 
 const char* mode_name(LinearCeBackward m) {
@@ -67,14 +68,6 @@ void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_
           to_string(hidden.device), " (the inputs' device)");
   require(!detail::overlaps(g, hidden) && !detail::overlaps(g, weight), name,
           ": overlaps hidden or weight; expected a separate buffer");
-}
-
-void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
-  if (target.device != Device::CPU) return;
-  int64_t value = 0;
-  int64_t row = cpu::first_bad_target(target, p, &value);
-  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
-          ") or ignore_index (", p.ignore_index, ")");
 }
 
 // The inputs' checks, shared by forward and backward.

@@ -127,4 +127,10 @@ template <> struct Storage<StorageKind::E4M3> {
   static FL_HD float load(uint8_t v) { return e4m3_to_float(v); }
 };
 
+// The element type of a storage kind, and the kind's load/store, by the kind.
+template <StorageKind K>
+using Elem = typename Storage<K>::type;
+template <StorageKind K>
+using St = Storage<K>;
+
 }  // namespace fusedloss::core

@@ -9,10 +9,8 @@ namespace fusedloss::cpu {
 namespace {
 
 using core::StorageKind;
-template <StorageKind K>
-using Elem = typename core::Storage<K>::type;
-template <StorageKind K>
-using St = core::Storage<K>;
+using core::Elem;
+using core::St;
 
 // gamma of every column in fp32 (the weight in any allowed dtype).
 std::vector<float> gammas(const core::RmsNormParams& p) {

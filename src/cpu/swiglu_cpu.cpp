@@ -9,8 +9,7 @@ namespace {
 
 using core::StorageKind;
 
-template <StorageKind K>
-using Elem = typename core::Storage<K>::type;
+using core::Elem;
 
 // Bias column c in fp32, stored as fp32 or as V.
 template <StorageKind V>

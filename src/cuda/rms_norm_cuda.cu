@@ -43,10 +43,8 @@ namespace fusedloss::cuda {
 namespace {
 
 using core::StorageKind;
-template <StorageKind K>
-using Elem = typename core::Storage<K>::type;
-template <StorageKind K>
-using St = core::Storage<K>;
+using core::Elem;
+using core::St;
 
 // Build-time knobs (defaults are the shipped kernels). A row gets tpr = ceil(vectors / NP)
 // threads, NP the smallest power of two up to the maximum with tpr <= the target; blocks

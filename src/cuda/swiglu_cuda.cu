@@ -13,10 +13,8 @@ namespace fusedloss::cuda {
 namespace {
 
 using core::StorageKind;
-template <StorageKind K>
-using Elem = typename core::Storage<K>::type;
-template <StorageKind K>
-using St = core::Storage<K>;
+using core::Elem;
+using core::St;
 
 // Build-time knobs for bench/swiglu_variants.sh; the defaults are the shipped kernels.
 #ifndef FUSEDLOSS_SWIGLU_THREADS
