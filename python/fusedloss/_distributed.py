@@ -125,3 +125,31 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")
     if reason is not None:
         raise _C.Error(reason)
+
+
+class rank_checks:
+    """The local checks of one vocab-parallel call, as a with-block. With the agreement on
+    (check) and a group of size > 1, a ValueError or TypeError raised inside does not leave
+    this rank alone: it becomes this rank's rejection in agree(), which every rank then raises
+    at the same call; a block that passes takes part in agree() with its shapes (unless
+    only_on_error: the op's forward agrees later). Otherwise errors propagate as they are.
+    chunk_rows may be set inside the block."""
+
+    def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False):
+        self.group, self.check, self.op = group, check, op
+        self.rows, self.v_local, self.options = rows, v_local, options
+        self.only_on_error, self.chunk_rows = only_on_error, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, _traceback):
+        if self.group is None or not self.check:
+            return False
+        if kind is not None and not issubclass(kind, (ValueError, TypeError)):
+            return False
+        if kind is None and self.only_on_error:
+            return False
+        agree(self.group, self.rows, self.v_local, self.options,
+              None if error is None else str(error), self.op, self.chunk_rows)
+        return False  # a rejection raised in agree(); a passing block has nothing to suppress

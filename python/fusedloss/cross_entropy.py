@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._distributed import agree, group_name, rank_and_size, resolve_group
+from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
@@ -55,16 +55,18 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, r
     return o
 
 
-def _bad_target_on_host(t: Tensor, o) -> Optional[str]:
-    """The first target outside [0, V_global) that is not ignore_index, for CPU targets: a rank
-    reports it in the shard agreement instead of raising alone (CUDA kernels flag it in flight)."""
+def check_targets_on_host(t: Tensor, o) -> None:
+    """Raises for the first target outside [0, V_global) that is not ignore_index, for CPU
+    targets, before any collective (inside rank_checks, so every rank raises it); CUDA kernels
+    flag bad targets in flight."""
+    if t.is_cuda:
+        return
     v_global = o.vocab_global
     bad = (t != o.ignore_index) & ((t < 0) | (t >= v_global))
-    if not bool(bad.any()):
-        return None
-    row = int(bad.nonzero()[0, 0])
-    return (f"target[{row}]: got {int(t[row])}, expected in [0, {v_global}) or ignore_index "
-            f"({o.ignore_index})")
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{row}]: got {int(t[row])}, expected in [0, {v_global}) or "
+                         f"ignore_index ({o.ignore_index})")
 
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
@@ -84,18 +86,11 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, 0, 1, v_local)
         _C.cross_entropy_forward(matrix(x), tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
-    error = None
-    try:
+    fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction))
+    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint):
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
-        if check_agreement and not t.is_cuda:
-            error = _bad_target_on_host(t, o)
-    except ValueError as e:
-        if not check_agreement:
-            raise
-        error = str(e)
-    if check_agreement:
-        agree(g, rows, v_local, hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction)),
-              error, _OP)
+        if check_agreement:  # without it, the C++ pass raises on this rank
+            check_targets_on_host(t, o)
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
@@ -227,15 +222,11 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     """
     name = group_name(tp_group)
     check = as_bool(check_shard_agreement, "check_shard_agreement")
-    try:  # at TP > 1 a rank's own mistake reaches every rank through the agreement
+    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
         opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                             reduction, z_loss)
         inplace = as_bool(inplace_backward, "inplace_backward")
         _validate(logits, target)
-    except (TypeError, ValueError) as e:
-        if not name or not check:
-            raise
-        agree(resolve_group(name), -1, -1, 0, str(e), _OP)  # raises on every rank
     loss = _cross_entropy(logits, target, *opts, name, check, inplace)
     return loss.view(target.shape) if opts[-1] == _NONE else loss
 

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._distributed import agree, group_name, rank_and_size, resolve_group
+from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
-from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, _bad_target_on_host, make_options
+from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -146,19 +146,13 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), dhv, dwv, stream)
         return loss, lse, count, dh, dw
-    error, chunk = None, 0
-    try:
+    # the fingerprint leaves the workspace out: the chunking it sets is its own field
+    with rank_checks(g, check_agreement, _OP, rows, v_local, hash(args[:7] + args[8:])) as checks:
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
-            chunk = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
-        if check_agreement and not t.is_cuda:
-            error = _bad_target_on_host(t, o)
-    except ValueError as e:
-        if not check_agreement:
-            raise
-        error = str(e)
-    if check_agreement:
-        agree(g, rows, v_local, hash(args[:7] + args[8:]), error, _OP, chunk)  # the chunking: its own field
+            checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
+        if check_agreement:
+            check_targets_on_host(t, o)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
         dw = torch.empty(v_local, h.size(1), **unit_dw)
@@ -347,7 +341,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     """
     name = group_name(tp_group)
     check = as_bool(check_shard_agreement, "check_shard_agreement")
-    try:  # at TP > 1 a rank's own mistake reaches every rank through the agreement
+    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
         opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
                 as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
                 as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
@@ -366,10 +360,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, mode, tf32, 0, 1, 2, 1)
         _validate(hidden, weight, target)
-    except (TypeError, ValueError) as e:
-        if not name or not check:
-            raise
-        agree(resolve_group(name), -1, -1, 0, str(e), _OP)  # raises on every rank
     loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
                                  acc32, inplace)
     return loss.view(target.shape) if opts[5] == _NONE else loss
