@@ -20,9 +20,6 @@ torch's allocator high-water mark above the inputs, including the gradients dhid
 dweight [V, H] every provider must produce. Gradient error: relative L2 error of dhidden and
 dweight against a float64 reference computed from the same bf16 inputs.
 """
-import csv
-import datetime
-import os
 import statistics
 import time
 
@@ -197,29 +194,20 @@ def report(records, names, gpu, commit, out_dir):
             print(f"{f'{N}, {H}, {V}':>20} {n:>22} {r['fwd']:8.2f} {r['bwd']:8.2f} {r['both']:8.2f} "
                   f"{x3:8.3f} {x4:8.3f} {r['peak'] / 1024:9.2f} {r['err_h']:9.2e} {r['err_w']:9.2e} "
                   f"{r['host']:8.2f}")
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-linear-cross-entropy.csv")
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["provider", "N", "H", "V", "dtype", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
-                    "x_3gemm", "x_4gemm", "peak_extra_mib", "dhidden_rel_err", "dweight_rel_err",
-                    "host_ms", "gpu", "commit", "date"])
-        for r in records:
-            g3, g4 = by.get(("3-gemm", r["N"], r["V"])), by.get(("4-gemm", r["N"], r["V"]))
-            w.writerow([r["provider"], r["N"], r["H"], r["V"], "bf16", f"{r['fwd']:.4f}",
-                        f"{r['bwd']:.4f}", f"{r['both']:.4f}",
-                        f"{r['both'] / g3['both']:.4f}" if g3 else "",
-                        f"{r['both'] / g4['both']:.4f}" if g4 else "", f"{r['peak']:.1f}",
-                        f"{r['err_h']:.3e}", f"{r['err_w']:.3e}", f"{r['host']:.3f}", gpu, commit,
-                        stamp])
-    print(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"[bench] no plot: {e}")
+    def row(r):
+        g3, g4 = by.get(("3-gemm", r["N"], r["V"])), by.get(("4-gemm", r["N"], r["V"]))
+        return [r["provider"], r["N"], r["H"], r["V"], "bf16", f"{r['fwd']:.4f}", f"{r['bwd']:.4f}",
+                f"{r['both']:.4f}", f"{r['both'] / g3['both']:.4f}" if g3 else "",
+                f"{r['both'] / g4['both']:.4f}" if g4 else "", f"{r['peak']:.1f}",
+                f"{r['err_h']:.3e}", f"{r['err_w']:.3e}", f"{r['host']:.3f}", gpu, commit, peers.today()]
+
+    path = peers.write_csv(out_dir, gpu, "linear-cross-entropy",
+                           ["provider", "N", "H", "V", "dtype", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
+                            "x_3gemm", "x_4gemm", "peak_extra_mib", "dhidden_rel_err",
+                            "dweight_rel_err", "host_ms", "gpu", "commit", "date"],
+                           [row(r) for r in records])
+    plt = peers.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(len(names), 1)

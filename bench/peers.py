@@ -6,6 +6,8 @@ host enqueues), median of many runs, fresh leaf tensors prepared outside the tim
 host's enqueue time is reported beside it. Peak extra memory: torch's allocator high-water mark above
 what the inputs already hold.
 """
+import csv
+import datetime
 import os
 import statistics
 import time
@@ -187,3 +189,34 @@ def fusedloss_rms_norm(weight, eps=1e-5):
 def available_rms_norm(weight):
     return collect({"torch": torch_rms_norm(weight)},
                    {"torch-compile": torch_compile_rms_norm, "liger": liger_rms_norm}, weight)
+
+
+# ---- results ----
+
+def write_csv(out_dir, gpu, kind, header, rows):
+    """bench/results-style CSV <date>-<gpu>-<kind>.csv in out_dir; returns its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-{kind}.csv")
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+    print(f"wrote {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said once) where it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"[bench] no plot: {e}")
+        return None
+    return plt
+
+
+def today():
+    return datetime.date.today().isoformat()

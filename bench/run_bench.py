@@ -14,7 +14,6 @@ usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm,linear-cross-en
 """
 import argparse
 import csv
-import datetime
 import io
 import os
 import subprocess
@@ -34,6 +33,16 @@ def git_commit():
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
+
+
+_TIMING = ["ms", "floor_ms", "x_floor", "peak_extra_mib", "host_ms", "copy_gbs", "gpu", "commit", "date"]
+
+
+def _timing(r, copy_gbs, gpu):
+    """The _TIMING columns of one measurement."""
+    host = "" if r.get("host_ms") is None else f"{r['host_ms']:.4f}"
+    return [f"{r['ms']:.4f}", f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}",
+            f"{r['peak_mib']:.1f}", host, f"{copy_gbs:.1f}", gpu, git_commit(), peers.today()]
 
 
 def run_ours(binary, size_key):
@@ -104,25 +113,11 @@ def report(kind, size_name, records, names, gpu, copy_gbs, out_dir):
             peaks = "/".join(cell(n, op, s, lambda r: "%.0f" % r["peak_mib"]) for n in names)
             print(f"{s:>7} {op:>9} {ours['floor_ms']:>7.3f} {times}  "
                   f"{ours['ms'] / ours['floor_ms']:>7.2f} {ratios}  {peaks}")
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-{kind}.csv")
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["provider", "op", size_name, "rows", "dtype", "ms", "floor_ms", "x_floor",
-                    "peak_extra_mib", "host_ms", "copy_gbs", "gpu", "commit", "date"])
-        for r in records:
-            host = "" if r.get("host_ms") is None else f"{r['host_ms']:.4f}"
-            w.writerow([r["provider"], r["op"], r["size"], ROWS, "bf16", f"{r['ms']:.4f}",
-                        f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}", f"{r['peak_mib']:.1f}",
-                        host, f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
-    print(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"[bench] no plot: {e}")
+    path = peers.write_csv(out_dir, gpu, kind, ["provider", "op", size_name, "rows", "dtype"] + _TIMING,
+                           [[r["provider"], r["op"], r["size"], ROWS, "bf16"] + _timing(r, copy_gbs, gpu)
+                            for r in records])
+    plt = peers.pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for n in names:
@@ -203,25 +198,11 @@ def rms_norm_main(build, out_dir):
                 r = by.get((n, op, T, H, dt))
                 cells.append(f"{r['ms']:6.3f} {r['ms'] / r['floor_ms']:5.2f}x" if r else f"{'-':>13}")
             print(f"{dt:>5} {f'{T}x{H}':>12} {op:>9} {floors[(op, T, H, dt)]:>7.3f} " + " ".join(cells))
-    os.makedirs(out_dir, exist_ok=True)
-    stamp = datetime.date.today().isoformat()
-    path = os.path.join(out_dir, f"{stamp}-{gpu.replace(' ', '-')}-rms-norm.csv")
-    with open(path, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["provider", "op", "T", "H", "dtype", "ms", "floor_ms", "x_floor", "peak_extra_mib",
-                    "host_ms", "copy_gbs", "gpu", "commit", "date"])
-        for r in recs:
-            host = "" if r.get("host_ms") is None else f"{r['host_ms']:.4f}"
-            w.writerow([r["provider"], r["op"], r["T"], r["H"], r["dtype"], f"{r['ms']:.4f}",
-                        f"{r['floor_ms']:.4f}", f"{r['ms'] / r['floor_ms']:.3f}", f"{r['peak_mib']:.1f}",
-                        host, f"{copy_gbs:.1f}", gpu, git_commit(), stamp])
-    print(f"wrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"[bench] no plot: {e}")
+    path = peers.write_csv(out_dir, gpu, "rms-norm", ["provider", "op", "T", "H", "dtype"] + _TIMING,
+                           [[r["provider"], r["op"], r["T"], r["H"], r["dtype"]] + _timing(r, copy_gbs, gpu)
+                            for r in recs])
+    plt = peers.pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, op in zip(axes, ("forward", "fwd+bwd")):
