@@ -232,3 +232,64 @@ def test_swiglu_any_layout(run):
                 _close(t.grad, t64.grad, max(tol, TOL.get(t.dtype, 2e-5)), gmax * max(shape) + 1e-6)
 
     check()
+
+
+@st.composite
+def _lce_case(draw):
+    H = draw(st.integers(1, 24))
+    shape = _shape(draw, H)
+    V = draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    ls = draw(st.sampled_from([0.0, 0.1])) if V > 1 else 0.0
+    reduction = draw(st.sampled_from(["none", "sum", "mean"]))
+    opts = dict(label_smoothing=ls, smoothing_formula=draw(st.sampled_from(["pytorch", "megatron"])),
+                reduction=reduction, z_loss=draw(st.sampled_from([0.0, 1e-3])),
+                logit_softcap=draw(st.sampled_from([None, 3.0])),
+                backward_mode=draw(st.sampled_from(["auto", "recompute"] +
+                                                   ([] if reduction == "none" else ["in_forward"]))),
+                inplace_backward=draw(st.booleans()),
+                # a few tokens per chunk (chunk boundaries) or the default workspace
+                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])))
+    return draw, shape, V, dtype, gen, opts
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_linear_cross_entropy_any_layout(run):
+    from test_linear_cross_entropy import reference
+
+    @RUNS[run]
+    @given(_lce_case())
+    def check(case):
+        draw, shape, V, dtype, gen, opts = case
+        base_h, h, base_h64, h64, layout_h = _input(draw, shape, dtype, gen, 1.0)
+        H = shape[-1]
+        base_w, w, base_w64, w64, layout_w = _input(draw, (V, H), dtype, gen, 2.0 / H ** 0.5)
+        t = torch.randint(0, V, shape[:-1], generator=gen)
+        t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
+        t = t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+        if draw(st.booleans()) and t.numel():  # strided targets
+            t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+        owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = fusedloss.linear_cross_entropy(h, w, t, **opts)
+        ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
+        assert loss.dtype == torch.float32 and loss.shape == ref.shape
+        tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        up, up64 = _upstream(draw, loss, gen)
+        up(loss).backward()
+        up64(ref).backward()
+        for x, before in owned:
+            assert torch.equal(x.detach(), before), "the caller's tensor was written"
+        # a gradient's natural scale is the other operand's (softmax weights are at most 1): its
+        # entries can cancel to ~0 where fp32 still leaves that scale's rounding
+        for base, base64, layout, shp, other in ((base_h, base_h64, layout_h, shape, w64),
+                                                 (base_w, base_w64, layout_w, (V, H), h64)):
+            assert base.grad.dtype == dtype and base.grad.shape == base.shape
+            scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
+                        other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
+            _close(base.grad, base64.grad, tol, scale * _multiplicity(layout, shp) * max(shp))
+
+    check()

@@ -19,26 +19,36 @@ def _close(actual, expected, tol):
     torch.testing.assert_close(actual.detach().double().cpu(), expected, rtol=tol, atol=tol * max(scale, 1e-6))
 
 
+# weight layouts: (elements of the base per weight element, 0: one value expanded to all)
+_WEIGHT_VIEWS = {"contiguous": 1, "sliced": 2, "expanded": 0}
+
+
 def run(device, dtype=torch.float32, shape=(37, 256), wdtype=None, eps=1e-5, zc=False,
-        residual=False, layout="contiguous", use_s=False):
+        residual=False, layout="contiguous", use_s=False, w_layout="contiguous", r_layout="contiguous"):
     gen = torch.Generator().manual_seed(1234)
     wdtype = wdtype or dtype
     H = shape[-1]
     xb, xview = leaf(layout, shape, dtype, device, gen, scale=2.0)
-    w0 = torch.randn(H, generator=gen, dtype=torch.float64) * 0.3 + (0.0 if zc else 1.0)
-    w = w0.to(wdtype).to(device).requires_grad_(True)
+    # the weight: contiguous, every other element of a longer vector, or one value expanded
+    per = _WEIGHT_VIEWS[w_layout]
+    wview = {1: lambda b: b, 2: lambda b: b[::2], 0: lambda b: b.expand(H)}[per]
+    w0 = torch.randn(max(H * per, 1), generator=gen, dtype=torch.float64) * 0.3 + (0.0 if zc else 1.0)
+    wb = w0.to(wdtype).to(device).requires_grad_(True)
+    w = wview(wb)
     x = xview(xb)
     r = None
     if residual:
-        rb = (torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype).to(device).requires_grad_(True)
-        r = rb
+        rb, rview = leaf(r_layout, shape, dtype, device, gen)
+        r = rview(rb)
     out = fusedloss.rms_norm(x, w, eps=eps, zero_centered_gamma=zc, residual=r)
     # reference: float64 from the same stored values; s rounded to the dtype like the kernels
     x64b = xb.detach().double().cpu().requires_grad_(True)  # the reference runs on the CPU
     x64 = xview(x64b)
-    w64 = w.detach().double().cpu().requires_grad_(True)
+    w64b = wb.detach().double().cpu().requires_grad_(True)
+    w64 = wview(w64b)
     if residual:
-        r64 = r.detach().double().cpu().requires_grad_(True)
+        r64b = rb.detach().double().cpu().requires_grad_(True)
+        r64 = rview(r64b)
         s_stored = (x.detach().float() + r.detach().float()).to(dtype).double().cpu()
         # the gradient flows to x and r unchanged through the sum; the value is the stored one
         s64 = x64 + r64 + (s_stored - (x64 + r64)).detach()
@@ -72,10 +82,11 @@ def run(device, dtype=torch.float32, shape=(37, 256), wdtype=None, eps=1e-5, zc=
 
     check_dx(xb.grad, x64b.grad)
     assert xb.grad.dtype == dtype
-    assert w.grad.dtype == wdtype and w.grad.shape == w.shape
-    _close(w.grad, w64.grad, max(tol, TOL.get(wdtype, 2e-5)))  # returned in the weight's dtype
+    assert wb.grad.dtype == wdtype and wb.grad.shape == wb.shape
+    # returned in the weight's dtype; an expanded weight's H entries are then summed in it
+    _close(wb.grad, w64b.grad, max(tol, TOL.get(wdtype, 2e-5)) * (H if per == 0 else 1))
     if residual:
-        check_dx(r.grad, r64.grad)
+        check_dx(rb.grad, r64b.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -241,6 +252,8 @@ def test_property(data):
     for d in shape[:-1]:
         n *= d
     layout = draw(st.sampled_from(LAYOUTS)) if n > 1 else "contiguous"
+    residual = draw(st.booleans())
     run(DEVICE, dtype, shape=shape, wdtype=wdtype, eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
-        zc=draw(st.booleans()), residual=draw(st.booleans()) and layout == "contiguous",
-        layout=layout, use_s=draw(st.booleans()))
+        zc=draw(st.booleans()), residual=residual, layout=layout, use_s=draw(st.booleans()),
+        w_layout=draw(st.sampled_from(sorted(_WEIGHT_VIEWS))),
+        r_layout=draw(st.sampled_from(LAYOUTS)) if residual and n > 1 else "contiguous")
