@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <string>
+#include <utility>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -147,5 +150,23 @@ inline double rel_l2(const std::vector<double>& a, const std::vector<double>& b)
 // Tolerances for results stored in a dtype (fp32 math inside).
 inline double grad_tolerance(DType d) { return d == DType::F32 ? 2e-5 : d == DType::F16 ? 2e-3 : 1e-2; }
 constexpr double kLossTolerance = 2e-5;  // losses are fp32 whatever the logits' dtype
+
+
+// Expects fusedloss::Error whose message contains every fragment.
+template <class F>
+void expect_error(F&& f, std::initializer_list<const char*> fragments) {
+  try {
+    f();
+    ADD_FAILURE() << "expected fusedloss::Error";
+  } catch (const Error& e) {
+    for (const char* frag : fragments)
+      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
+          << "message '" << e.what() << "' lacks '" << frag << "'";
+  }
+}
+template <class F>
+void expect_error(F&& f, const char* a, const char* b) {
+  expect_error(std::forward<F>(f), {a, b});
+}
 
 }  // namespace fusedloss::test

@@ -4,6 +4,8 @@
 // MPI + CPU always; NCCL + CUDA when every rank has a GPU of its own.
 #include <mpi.h>
 
+#include "multi_gpu/mpi_util.h"
+
 #include "common/ce_harness.h"
 #include "fusedloss/comm_mpi.h"
 #if FUSEDLOSS_HAS_NCCL
@@ -14,8 +16,6 @@
 namespace fusedloss::test {
 namespace {
 
-int world_rank() { int r; MPI_Comm_rank(MPI_COMM_WORLD, &r); return r; }
-int world_size() { int s; MPI_Comm_size(MPI_COMM_WORLD, &s); return s; }
 
 // Every rank draws the same global problem from rank 0's seed.
 using Problem = DenseProblem;
@@ -96,21 +96,6 @@ void expect_matches_tp1(Device dev, Communicator& comm) {
       }
 }
 
-// Each rank must throw, none may hang.
-template <class F>
-void expect_error_everywhere(F&& f, const char* fragment) {
-  int threw = 0;
-  try {
-    f();
-  } catch (const Error& e) {
-    threw = std::string(e.what()).find(fragment) != std::string::npos;
-    if (!threw) ADD_FAILURE() << "message '" << e.what() << "' lacks '" << fragment << "'";
-  }
-  EXPECT_EQ(threw, 1) << "rank " << world_rank() << " did not raise";
-  int all = 0;
-  MPI_Allreduce(&threw, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-  EXPECT_EQ(all, world_size()) << "not every rank raised";
-}
 
 void expect_mismatch_errors(Device dev, Communicator& comm) {
   if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";

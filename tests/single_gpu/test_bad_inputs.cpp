@@ -6,19 +6,6 @@
 namespace fusedloss::test {
 namespace {
 
-// Expects fusedloss::Error whose message contains every fragment.
-template <class F>
-void expect_error(F&& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "expected fusedloss::Error";
-  } catch (const Error& e) {
-    for (const char* frag : fragments)
-      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
-          << "message '" << e.what() << "' lacks '" << frag << "'";
-  }
-}
-
 struct Fixture {
   static constexpr int64_t rows = 4, V = 10;
   Device dev;

@@ -258,18 +258,6 @@ TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
 
 // ---- bad inputs ----
 
-template <class F>
-void expect_error(F&& f, std::initializer_list<const char*> fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "expected fusedloss::Error";
-  } catch (const Error& e) {
-    for (const char* frag : fragments)
-      EXPECT_NE(std::string(e.what()).find(frag), std::string::npos)
-          << "message '" << e.what() << "' lacks '" << frag << "'";
-  }
-}
-
 struct BadFixture {
   static constexpr int64_t N = 6, H = 8, V = 10;
   Device dev;

@@ -369,18 +369,6 @@ TEST_P(RmsNorm, CallerWorkspace) {
 INSTANTIATE_TEST_SUITE_P(Backends, RmsNorm, ::testing::Values(Device::CPU, Device::CUDA),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-template <class F>
-void expect_error(F&& f, const char* a, const char* b) {
-  try {
-    f();
-    ADD_FAILURE() << "expected fusedloss::Error";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find(a), std::string::npos) << m;
-    EXPECT_NE(m.find(b), std::string::npos) << m;
-  }
-}
-
 TEST(RmsNormBadInputs, ClearErrors) {
   constexpr auto C = Device::CPU;
   std::vector<float> x(4 * 8), y(4 * 8), w(8), rstd(4), r(4 * 8), s(4 * 8), g(4 * 8), gx(4 * 8),

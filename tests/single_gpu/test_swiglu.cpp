@@ -321,18 +321,6 @@ TEST(Fp8E4M3, KnownEncodings) {
 }
 
 // Bad inputs: odd last dim, bias / scale shapes, dtype and device mismatches, missing grads.
-template <class F>
-void expect_error(F&& f, const char* a, const char* b) {
-  try {
-    f();
-    ADD_FAILURE() << "expected fusedloss::Error";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find(a), std::string::npos) << m;
-    EXPECT_NE(m.find(b), std::string::npos) << m;
-  }
-}
-
 TEST(SwigluBadInputs, ClearErrors) {
   std::vector<float> y(4 * 8), out(4 * 4), bias(8), w(4), g(4 * 4), gy(4 * 8);
   MatrixView yv{y.data(), 4, 8, 8, DType::F32, Device::CPU}, ov{out.data(), 4, 4, 4, DType::F32, Device::CPU};
