@@ -11,67 +11,12 @@
 #include <random>
 #include <vector>
 
+#include "example_buffer.h"
 #include "fusedloss/fusedloss.h"
-#if FUSEDLOSS_HAS_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace fl = fusedloss;
-
-namespace {
-
-#if FUSEDLOSS_HAS_CUDA
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-#endif
-
-// Raw bytes on the device when `on_gpu` (copied back by fetch), else host memory.
-template <class T>
-struct Buffer {
-  std::vector<T> host;
-  void* data = nullptr;
-  bool on_gpu = false;
-  Buffer(std::vector<T> v, bool gpu) : host(std::move(v)), on_gpu(gpu) {
-    data = host.data();
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu) {
-      check(cudaMalloc(&data, host.size() * sizeof(T)), "cudaMalloc");
-      check(cudaMemcpy(data, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-            "cudaMemcpy");
-    }
-#endif
-  }
-  const std::vector<T>& fetch() {
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu)
-      check(cudaMemcpy(host.data(), data, host.size() * sizeof(T), cudaMemcpyDeviceToHost),
-            "cudaMemcpy");
-#endif
-    return host;
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() {
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu) check(cudaFree(data), "cudaFree");
-#endif
-  }
-};
-
-bool have_gpu() {
-#if FUSEDLOSS_HAS_CUDA
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
+using example::Buffer;
+using example::have_gpu;
 
 int main() {
   const int64_t N = 100, H = 64, V = 5000;

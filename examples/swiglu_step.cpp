@@ -8,66 +8,12 @@
 #include <random>
 #include <vector>
 
+#include "example_buffer.h"
 #include "fusedloss/fusedloss.h"
-#if FUSEDLOSS_HAS_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace fl = fusedloss;
-
-namespace {
-
-#if FUSEDLOSS_HAS_CUDA
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "%s failed: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
-#endif
-
-// Copies to the device when `on_gpu` (and back with `fetch`); the CPU backend uses host memory.
-struct Buffer {
-  std::vector<float> host;
-  void* data = nullptr;
-  bool on_gpu = false;
-  Buffer(std::vector<float> v, bool gpu) : host(std::move(v)), on_gpu(gpu) {
-    data = host.data();
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu) {
-      check(cudaMalloc(&data, host.size() * sizeof(float)), "cudaMalloc");
-      check(cudaMemcpy(data, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
-            "cudaMemcpy");
-    }
-#endif
-  }
-  const std::vector<float>& fetch() {
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu)
-      check(cudaMemcpy(host.data(), data, host.size() * sizeof(float), cudaMemcpyDeviceToHost),
-            "cudaMemcpy");
-#endif
-    return host;
-  }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() {
-#if FUSEDLOSS_HAS_CUDA
-    if (on_gpu) check(cudaFree(data), "cudaFree");
-#endif
-  }
-};
-
-bool have_gpu() {
-#if FUSEDLOSS_HAS_CUDA
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
+using example::have_gpu;
+using Buffer = example::Buffer<float>;
 
 int main() {
   const int64_t T = 256, n = 1000;
