@@ -20,8 +20,6 @@ torch's allocator high-water mark above the inputs, including the gradients dhid
 dweight [V, H] every provider must produce. Gradient error: relative L2 error of dhidden and
 dweight against a float64 reference computed from the same bf16 inputs.
 """
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -88,38 +86,13 @@ def providers():
 # ---- measurement ----
 
 def time_provider(name, fn, h0, w0, t, iters, warmup):
-    """Median device ms of forward, backward, both; peak extra MiB; median host ms; and the
-    gradients of the last run."""
-    fwd, bwd, both, host = [], [], [], []
-    peak, grads = 0, None
+    """peers.time_step of one provider (the GEMM floors without a backward); its numbers and
+    the gradients of the last run."""
     raw = name.endswith("gemm")
-    for i in range(iters + warmup):
-        h = h0.detach().requires_grad_(not raw)
-        w = w0.detach().requires_grad_(not raw)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        torch.cuda._sleep(peers._BUSY_CYCLES)
-        t0 = time.perf_counter()
-        e[0].record()
-        out = fn(h, w, t)
-        e[1].record()
-        if not raw:
-            out.backward()
-        e[2].record()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            fwd.append(e[0].elapsed_time(e[1]))
-            bwd.append(e[1].elapsed_time(e[2]))
-            both.append(e[0].elapsed_time(e[2]))
-            host.append((t1 - t0) * 1e3)
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        grads = out if raw else (h.grad, w.grad)
-        del h, w, out
-    med = statistics.median
-    return med(fwd), med(bwd), med(both), peak / 2**20, med(host), (None if raw else grads)
+    f, b, fb, peak, host, (_, (h, w)) = peers.time_step(
+        lambda: (h0.detach().requires_grad_(not raw), w0.detach().requires_grad_(not raw)),
+        lambda h, w: fn(h, w, t), None if raw else (lambda out, h, w: out.backward()), iters, warmup)
+    return f, b, fb, peak, host, (None if raw else (h.grad, w.grad))
 
 
 def reference_grads(h, w, t, chunk=4096):

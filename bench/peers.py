@@ -98,31 +98,28 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
 _BUSY_CYCLES = 4_000_000
 
 
-def time_autograd(forward, pristine, iters, warmup):
-    """Times forward(x) and its backward on a fresh copy of `pristine` each run (the copy
-    outside the timed region), with CUDA events. x is an autograd intermediate (a clone of a
-    leaf), as logits and fc1 outputs are in training, so in-place providers may write into it; the upstream gradient is random, drawn once.
-    Returns median device ms of forward, backward and both, peak extra MiB, and the median host
-    ms to enqueue forward+backward (a provider that syncs the host pays for it in both)."""
+def time_step(prepare, forward, backward, iters, warmup):
+    """Times out = forward(*inputs) and backward(out, *inputs) (None: no backward) with CUDA
+    events, on fresh inputs = prepare() each run made outside the timed region, behind the
+    GPU-side wait. Returns median device ms of forward, backward and both, peak extra MiB, the
+    median host ms to enqueue both (a provider that syncs the host pays for it in both), and
+    (out, inputs) of the last run."""
     fwd, bwd, both, host = [], [], [], []
-    peak = 0
-    grad = None
+    peak, last = 0, None
     for i in range(iters + warmup):
-        leaf = pristine.detach().requires_grad_(True)
-        x = leaf.clone()
+        last = None  # the previous run's tensors are not part of this run's memory
+        inputs = prepare()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        if grad is None:
-            with torch.no_grad():
-                grad = torch.rand_like(forward(x.detach())) + 0.5
         torch.cuda._sleep(_BUSY_CYCLES)
         t0 = time.perf_counter()
         e[0].record()
-        out = forward(x)
+        out = forward(*inputs)
         e[1].record()
-        out.backward(grad)
+        if backward is not None:
+            backward(out, *inputs)
         e[2].record()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
@@ -132,9 +129,22 @@ def time_autograd(forward, pristine, iters, warmup):
             both.append(e[0].elapsed_time(e[2]))
             host.append((t1 - t0) * 1e3)
             peak = max(peak, torch.cuda.max_memory_allocated() - base)
-        del leaf, x, out
+        last = (out, inputs)
+        del out, inputs
     med = statistics.median
-    return med(fwd), med(bwd), med(both), peak / 2**20, med(host)
+    return med(fwd), med(bwd), med(both), peak / 2**20, med(host), last
+
+
+def time_autograd(forward, pristine, iters, warmup):
+    """time_step of forward(x) and its backward, x a fresh autograd intermediate (a clone of a
+    leaf), as logits and fc1 outputs are in training, so in-place providers may write into it;
+    the upstream gradient is random, drawn once. Returns time_step's numbers without the last
+    run."""
+    with torch.no_grad():
+        grad = torch.rand_like(forward(pristine.detach().clone())) + 0.5
+    *numbers, _ = time_step(lambda: (pristine.detach().requires_grad_(True).clone(),), forward,
+                            lambda out, x: out.backward(grad), iters, warmup)
+    return tuple(numbers)
 
 # ---- SwiGLU over the fused gate-up buffer y [T, 2n] ----
 
