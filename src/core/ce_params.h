@@ -28,9 +28,10 @@ struct CeParams {
 // partition smoothing scope averages instead of the merged one.
 FL_HD void finish_row(const RowStats& merged, float local_sum_logits, TargetKind kind,
                       const CeParams& p, float& lse, float& loss) {
-  lse = log_sum_exp(merged.max, merged.sum_exp);
+  const float log_s = logf(merged.sum_exp);
+  lse = merged.max + log_s;
   float sx = p.partition_scope ? local_sum_logits : merged.sum_logits;
-  loss = reported_loss(kind, lse, merged.target_logit, sx, p.smoothing, p.z_loss);
+  loss = reported_loss(kind, merged.max, log_s, merged.target_logit, sx, p.smoothing, p.z_loss);
 }
 
 // This rank's own sum of logits for row r, which only the partition scope reads: `local` may be

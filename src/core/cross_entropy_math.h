@@ -84,11 +84,18 @@ FL_HD Smoothing make_smoothing(float label_smoothing, bool megatron_formula, int
   return sm;
 }
 
-// Per-row loss from merged statistics.
-FL_HD float row_loss(float lse, float target_logit, float sum_logits, Smoothing sm, float z_loss) {
-  float loss = (1.0f - sm.alpha) * (lse - target_logit);
-  if (sm.alpha != 0.0f) loss += sm.alpha * (lse - sum_logits * sm.inv_count);
-  if (z_loss != 0.0f) loss += z_loss * lse * lse;
+// Per-row loss from merged statistics (max m, log s). Each difference is taken before log s is
+// added, as (m - T) + log s rather than lse - T: with logits near a large offset C, lse and T
+// are both ~C and their fp32 difference would carry C * 2^-24 of rounding, more than the loss
+// itself for C ~ 1e4 and a confident row.
+FL_HD float row_loss(float max, float log_s, float target_logit, float sum_logits, Smoothing sm,
+                     float z_loss) {
+  float loss = (1.0f - sm.alpha) * ((max - target_logit) + log_s);
+  if (sm.alpha != 0.0f) loss += sm.alpha * ((max - sum_logits * sm.inv_count) + log_s);
+  if (z_loss != 0.0f) {
+    const float lse = max + log_s;
+    loss += z_loss * lse * lse;
+  }
   return loss;
 }
 
@@ -168,11 +175,11 @@ FL_HD RowStats summable_row(const RowStats& local, float global_max, bool owner,
 }
 
 // The loss a row reports: 0 when ignored, NaN for an out-of-range target, else row_loss.
-FL_HD float reported_loss(TargetKind kind, float lse, float target_logit, float sum_logits,
-                          Smoothing sm, float z_loss) {
+FL_HD float reported_loss(TargetKind kind, float max, float log_s, float target_logit,
+                          float sum_logits, Smoothing sm, float z_loss) {
   if (kind == TargetKind::Ignored) return 0.0f;
   if (kind == TargetKind::OutOfRange) return NAN;
-  return row_loss(lse, target_logit, sum_logits, sm, z_loss);
+  return row_loss(max, log_s, target_logit, sum_logits, sm, z_loss);
 }
 
 }  // namespace fusedloss::core

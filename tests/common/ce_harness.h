@@ -21,7 +21,8 @@ struct CeCase {
   CrossEntropyOptions opt{};
   bool in_place = false;
   double ignore_fraction = 0.0;
-  float scale = 3.0f;  // logits ~ N(0, scale)
+  float scale = 3.0f;  // logits ~ N(shift, scale)
+  float shift = 0.0f;
 
   std::string describe() const {
     std::ostringstream os;
@@ -71,7 +72,7 @@ inline CeRun run_case(Device device, const CeCase& c) {
   const int64_t stride = c.V + c.pad, es = dtype_size(c.dtype);
   const int64_t elems = c.base_offset + (c.rows > 0 ? (c.rows - 1) * stride + c.V + c.pad : 0);
   Buffer logits(device, size_t(std::max<int64_t>(elems, 1) * es));
-  std::normal_distribution<float> normal(0.0f, c.scale);
+  std::normal_distribution<float> normal(c.shift, c.scale);
   const float limit = c.dtype == DType::F16 ? 6e4f : 1e30f;  // stay inside fp16's range
   for (int64_t i = 0; i < elems; ++i)
     store_as(c.dtype, logits.host(), i, std::clamp(normal(rng()), -limit, limit));

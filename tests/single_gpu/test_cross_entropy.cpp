@@ -144,6 +144,24 @@ TEST_P(CrossEntropy, LargeLogitsStayFinite) {
   }
 }
 
+TEST_P(CrossEntropy, LogitsNearALargeOffsetKeepTheLossExact) {
+  // Logits C + N(0, 3) with C = 1e4: lse and the target logit are both ~C, so lse - T would
+  // carry C * 2^-24 ~ 6e-4 of rounding; (max - T) + log s keeps the loss to fp32 precision of
+  // its own size (the rows' losses here are ~5-10).
+  for (float shift : {1e4f, -1e4f}) {
+    CeCase c;
+    c.shift = shift;
+    c.rows = 64;
+    c.opt.reduction = Reduction::None;
+    c.opt.label_smoothing = 0.1f;
+    SCOPED_TRACE(c.describe());
+    CeRun run = run_case(GetParam(), c);
+    RefResult ref = reference_for(c, run);
+    for (int64_t r = 0; r < c.rows; ++r)
+      EXPECT_NEAR(run.loss[r], ref.loss[r], 2e-5 * std::fabs(ref.loss[r])) << "row " << r;
+  }
+}
+
 TEST_P(CrossEntropy, NonFiniteLogitsStayInTheirRow) {
   const Device dev = GetParam();
   const int64_t rows = 4, V = 300;
