@@ -1,9 +1,17 @@
-// Cross-entropy benchmark of the C++ API: forward, backward (in place) and forward+backward
-// for bf16 logits [rows, V], reduction none; the device copy bandwidth measured in the same
-// run and the 3-pass floor. Median of many runs with CUDA events; the logits are restored from
-// a pristine copy outside the timed region (the in-place backward overwrites them).
+// Cross-entropy benchmark of the C++ API: forward, backward and forward+backward for bf16
+// logits [rows, V], reduction none; the device copy bandwidth measured in the same run and the
+// 3-pass floor. Median of many runs with CUDA events; the logits are restored from a pristine
+// copy outside the timed region (the in-place backward overwrites them).
 // Output: CSV on stdout (provider,op,V,ms,...), one line per measurement.
+//
+// usage: ce_bench [rows] [V,V,...] [inplace|separate]
+//   rows 8192, V 32768,131072,151936,262144 by default; the backward writes the gradient into
+//   the logits (inplace, the default) or into a buffer of its own (separate). V = 50257 (rows
+//   that start off the 16-byte boundary) against 50304 measures the unaligned row walk.
+#include <cstring>
 #include <random>
+#include <sstream>
+#include <string>
 
 #include "bench_util.cuh"
 
@@ -14,6 +22,16 @@ namespace fl = fusedloss;
 int main(int argc, char** argv) {
   const int64_t rows = argc > 1 ? std::atoll(argv[1]) : 8192;
   std::vector<int64_t> vocab = {32768, 131072, 151936, 262144};
+  if (argc > 2) {
+    vocab.clear();
+    std::stringstream list(argv[2]);
+    for (std::string v; std::getline(list, v, ',');) vocab.push_back(std::atoll(v.c_str()));
+  }
+  const bool separate = argc > 3 && std::strcmp(argv[3], "separate") == 0;
+  if (argc > 3 && !separate && std::strcmp(argv[3], "inplace") != 0) {
+    std::fprintf(stderr, "ce_bench: third argument: got %s, expected inplace or separate\n", argv[3]);
+    return 2;
+  }
   const int iters = 30;
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -23,11 +41,12 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
   for (int64_t V : vocab) {
     const size_t n = size_t(rows) * V, bytes = n * 2;
-    uint16_t *x, *pristine;
+    uint16_t *x, *pristine, *grad = nullptr;
     int64_t* target;
     float *loss, *lse, *grad_loss;
     CHECK(cudaMalloc(&x, bytes));
     CHECK(cudaMalloc(&pristine, bytes));
+    if (separate) CHECK(cudaMalloc(&grad, bytes));
     CHECK(cudaMalloc(&target, rows * 8));
     CHECK(cudaMalloc(&loss, rows * 4));
     CHECK(cudaMalloc(&lse, rows * 4));
@@ -46,7 +65,9 @@ int main(int argc, char** argv) {
     fl::CrossEntropyOutputs out{loss, lse, nullptr};
     auto restore = [&] { CHECK(cudaMemcpyAsync(x, pristine, bytes, cudaMemcpyDeviceToDevice)); };
     auto fwd = [&] { fl::cross_entropy_forward(xv, tv, opt, out); };
-    auto bwd = [&] { fl::cross_entropy_backward(xv, tv, lse, grad_loss, nullptr, opt, xv); };
+    fl::MatrixView gv = xv;
+    if (separate) gv.data = grad;
+    auto bwd = [&] { fl::cross_entropy_backward(xv, tv, lse, grad_loss, nullptr, opt, gv); };
     // The library allocates only from the stream-ordered pool (the scratch RowStats); lse
     // (4 B/row) is the caller's saved state, added here.
     const double pass_ms = double(bytes) / (bw * 1e9) * 1e3;
@@ -63,6 +84,7 @@ int main(int argc, char** argv) {
                    (double(high) + rows * 4.0) / (1 << 20), prop.name);
     for (void* p : {(void*)x, (void*)pristine, (void*)target, (void*)loss, (void*)lse, (void*)grad_loss})
       CHECK(cudaFree(p));
+    if (grad) CHECK(cudaFree(grad));
   }
   return 0;
 }

@@ -1,4 +1,5 @@
-// CUDA cross-entropy: the passes of src/core/cross_entropy_math.h, one block per row.
+// CUDA cross-entropy: the passes of src/core/cross_entropy_math.h. The row passes (stats,
+// backward) run under the RowPerBlock launch policy, the O(rows) passes under RowPerThread.
 //
 // Bytes: the stats pass reads the logits once, the backward reads once and writes once:
 // 3 passes over [rows, V_local], the floor. Everything else is O(rows).
@@ -7,7 +8,8 @@
 #include "core/dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
-#include "cuda/row_visit.cuh"
+#include "cuda/reduce.cuh"
+#include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
 namespace {
@@ -16,7 +18,7 @@ using core::CeParams;
 using core::StorageKind;
 using core::TargetKind;
 
-// One row per block. Tunable at build time to compare variants (bench/ce_variants.sh); the
+// The row passes' tuning knobs, at build time to compare variants (bench/ce_variants.sh); the
 // defaults are the best measured on an H200 (bench/NOTES.md): the read-only stats pass likes
 // more, smaller blocks; the read+write backward likes 8 loads in flight per thread.
 #ifndef FUSEDLOSS_CE_FWD_THREADS
@@ -31,10 +33,38 @@ using core::TargetKind;
 #ifndef FUSEDLOSS_CE_BWD_UNROLL
 #define FUSEDLOSS_CE_BWD_UNROLL 8
 #endif
-constexpr int kFwdThreads = FUSEDLOSS_CE_FWD_THREADS;
-constexpr int kFwdUnroll = FUSEDLOSS_CE_FWD_UNROLL;  // 16-byte loads in flight per thread
-constexpr int kBwdThreads = FUSEDLOSS_CE_BWD_THREADS;
-constexpr int kBwdUnroll = FUSEDLOSS_CE_BWD_UNROLL;
+// Two 512-thread backward blocks per SM (64 registers a thread): without the cap the row
+// walk's last step (every load of it in flight) costs some variants an occupancy step.
+#ifndef FUSEDLOSS_CE_BWD_MIN_BLOCKS
+#define FUSEDLOSS_CE_BWD_MIN_BLOCKS 2
+#endif
+
+// Launch policy of the row passes: one block of kThreads threads per row (the grid is the
+// rows), walking it with walk_row, kUnroll 16-byte loads in flight per thread. A row's
+// statistics are then one block reduction, with no second pass over blocks.
+template <int kThreads_, int kUnroll_, int kMinBlocks_ = 1>
+struct RowPerBlock {
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kUnroll = kUnroll_;
+  static constexpr int kMinBlocks = kMinBlocks_;  // resident blocks per SM: a register cap
+  static_assert(kThreads % 32 == 0, "whole warps");
+  __device__ static int64_t row() { return blockIdx.x; }
+  static dim3 grid(int64_t rows) {
+    detail::require(rows <= int64_t(INT32_MAX), "logits.rows: got ", rows, ", expected <= ",
+                    INT32_MAX, " (one CUDA block per row)");
+    return dim3(unsigned(rows));
+  }
+};
+using FwdRows = RowPerBlock<FUSEDLOSS_CE_FWD_THREADS, FUSEDLOSS_CE_FWD_UNROLL>;
+using BwdRows = RowPerBlock<FUSEDLOSS_CE_BWD_THREADS, FUSEDLOSS_CE_BWD_UNROLL,
+                            FUSEDLOSS_CE_BWD_MIN_BLOCKS>;
+
+// Launch policy of the O(rows) passes (merge, all-reduce preparation): one thread per row.
+struct RowPerThread {
+  static constexpr int kThreads = 256;
+  __device__ static int64_t row() { return blockIdx.x * int64_t(blockDim.x) + threadIdx.x; }
+  static dim3 grid(int64_t rows) { return dim3(unsigned((rows + kThreads - 1) / kThreads)); }
+};
 
 template <class Index>
 __device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, const CeParams& p,
@@ -43,33 +73,17 @@ __device__ __forceinline__ TargetKind classify(const Index* target, int64_t r, c
   return core::classify_target(*t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
 }
 
-// Warp-wide merge of (m, s, sx): a butterfly in a fixed order, deterministic.
-__device__ __forceinline__ void warp_merge(float& m, float& s, float& sx) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-    float s2 = __shfl_xor_sync(0xffffffffu, s, off);
-    sx += __shfl_xor_sync(0xffffffffu, sx, off);
-    core::online_merge(m, s, m2, s2);
+// A thread's share of a row: max, sum of exp(x - max), sum of x; merged in a block reduction.
+struct RowPart {
+  float m, s, sx;
+};
+struct MergeParts {
+  __device__ __forceinline__ RowPart operator()(RowPart a, const RowPart& b) const {
+    core::online_merge(a.m, a.s, b.m, b.s);
+    a.sx += b.sx;
+    return a;
   }
-}
-
-// Block-wide merge: every warp, then warp 0 over the warps' results.
-template <int kThreads>
-__device__ __forceinline__ void block_merge(float& m, float& s, float& sx) {
-  constexpr int kWarps = kThreads / 32;
-  __shared__ float sm_m[kWarps], sm_s[kWarps], sm_x[kWarps];
-  warp_merge(m, s, sx);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) sm_m[warp] = m, sm_s[warp] = s, sm_x[warp] = sx;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < kWarps ? sm_m[lane] : -INFINITY;
-    s = lane < kWarps ? sm_s[lane] : 0.0f;
-    sx = lane < kWarps ? sm_x[lane] : 0.0f;
-    warp_merge(m, s, sx);
-  }
-}
+};
 
 // Pass 1: per-row max, sum-exp, target logit and (with smoothing) sum of logits.
 // kFinish (TP=1): the stats are already global, so the row's lse and loss are written here
@@ -86,26 +100,27 @@ __device__ __forceinline__ float capped(float x, float cap) {
 }
 
 template <StorageKind K, class Index, bool kSumLogits, bool kFinish, bool kCap>
-__global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core::Storage<K>::type* x,
+__global__ void __launch_bounds__(FwdRows::kThreads, FwdRows::kMinBlocks) stats_kernel(const typename core::Storage<K>::type* x,
                                                          int64_t row_stride, const Index* target,
                                                          CeParams p, RowStats* stats,
                                                          float* lse_out, float* row_loss_out) {
   using S = core::Storage<K>;
   using T = typename S::type;
-  constexpr int VEC = 16 / sizeof(T);
-  const int64_t r = blockIdx.x;
+  constexpr int VEC = vector_width<T>();
+  __shared__ RowPart scratch[FwdRows::kThreads / 32];
+  const int64_t r = FwdRows::row();
   const T* row = x + r * row_stride;
   float m = -INFINITY, s = 0.0f, sx = 0.0f;
-  visit_row<T, kFwdThreads, kFwdUnroll>(
+  walk_row<T, FwdRows::kThreads, FwdRows::kUnroll>(
       row, p.vocab_local, true,
-      [&](int64_t j) {
-        float v = capped<kCap>(S::load(row[j]), p.softcap);
+      [&](int64_t, T bits) {
+        float v = capped<kCap>(S::load(bits), p.softcap);
         core::online_add(m, s, v);
         if (kSumLogits) sx += v;
       },
-      [&](int64_t, const uint4& raw) {
+      [&](int64_t, const Vec16& raw) {
         float v[VEC];
-        unpack<S>(raw, v);
+        to_floats<K>(raw, v);
         if constexpr (kCap) {
 #pragma unroll
           for (int k = 0; k < VEC; ++k) v[k] = core::cap_logit(v[k], p.softcap);
@@ -116,7 +131,8 @@ __global__ void __launch_bounds__(kFwdThreads) stats_kernel(const typename core:
           for (int k = 0; k < VEC; ++k) sx += v[k];
         }
       });
-  block_merge<kFwdThreads>(m, s, sx);
+  const RowPart row_part = block_reduce(RowPart{m, s, sx}, MergeParts{}, scratch);
+  m = row_part.m, s = row_part.s, sx = row_part.sx;
   if (threadIdx.x == 0) {
     int64_t t;
     TargetKind kind = classify(target, r, p, &t);
@@ -136,7 +152,7 @@ template <class Index>
 __global__ void prepare_sum_kernel(const RowStats* local, const float* global_max,
                                    const Index* target, CeParams p, int rank,
                                    RowStats* summable) {
-  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t r = RowPerThread::row();
   if (r >= p.rows) return;
   int64_t t;
   bool owner = classify(target, r, p, &t) == TargetKind::Local;
@@ -144,7 +160,7 @@ __global__ void prepare_sum_kernel(const RowStats* local, const float* global_ma
 }
 
 __global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* maxima) {
-  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t r = RowPerThread::row();
   if (r < rows) maxima[r] = stats[r].max;
 }
 
@@ -153,7 +169,7 @@ template <class Index>
 __global__ void merge_kernel(const RowStats* combined, int parts, const RowStats* local,
                              const Index* target, CeParams p, float* lse_out,
                              float* row_loss_out) {
-  int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t r = RowPerThread::row();
   if (r >= p.rows) return;
   int64_t t;
   core::finish_row(core::merge_row(combined, parts, p.rows, r),
@@ -164,34 +180,32 @@ __global__ void merge_kernel(const RowStats* combined, int parts, const RowStats
 // Deterministic sum / mean over rows and the non-ignored count: one block, fixed order,
 // double accumulation.
 constexpr int kReduceThreads = 1024;
+struct LossCount {
+  double sum;
+  long long count;
+};
+struct AddLossCount {
+  __device__ __forceinline__ LossCount operator()(const LossCount& a, const LossCount& b) const {
+    return {a.sum + b.sum, a.count + b.count};
+  }
+};
 template <class Index>
 __global__ void __launch_bounds__(kReduceThreads)
     reduce_kernel(const float* row_loss, const Index* target, CeParams p, float* loss_out,
                   float* count_out) {
-  __shared__ double sm_sum[kReduceThreads];
-  __shared__ long long sm_cnt[kReduceThreads];
-  double sum = 0.0;
-  long long cnt = 0;
+  __shared__ LossCount scratch[kReduceThreads / 32];
+  LossCount mine{0.0, 0};
   for (int64_t r = threadIdx.x; r < p.rows; r += kReduceThreads) {
     if (int64_t(target[r]) == p.ignore_index) continue;
-    sum += row_loss ? row_loss[r] : 0.0f;
-    ++cnt;
+    mine.sum += row_loss ? row_loss[r] : 0.0f;
+    ++mine.count;
   }
-  sm_sum[threadIdx.x] = sum;
-  sm_cnt[threadIdx.x] = cnt;
-  __syncthreads();
-  for (int w = kReduceThreads / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) {
-      sm_sum[threadIdx.x] += sm_sum[threadIdx.x + w];
-      sm_cnt[threadIdx.x] += sm_cnt[threadIdx.x + w];
-    }
-    __syncthreads();
-  }
+  const LossCount all = block_reduce(mine, AddLossCount{}, scratch);
   if (threadIdx.x == 0) {
-    if (count_out) *count_out = float(sm_cnt[0]);
-    if (p.reduction == Reduction::Sum) *loss_out = float(sm_sum[0]);
+    if (count_out) *count_out = float(all.count);
+    if (p.reduction == Reduction::Sum) *loss_out = float(all.sum);
     if (p.reduction == Reduction::Mean)
-      *loss_out = sm_cnt[0] ? float(sm_sum[0] / double(sm_cnt[0])) : 0.0f;
+      *loss_out = all.count ? float(all.sum / double(all.count)) : 0.0f;
   }
 }
 
@@ -206,16 +220,23 @@ __device__ __forceinline__ float grad_at(const core::GradRow& g, float x, bool i
   }
 }
 
+// fp32 logits with the soft-cap need more than 64 registers a thread without spills: one
+// block per SM there.
+template <StorageKind K, bool kCap>
+constexpr int bwd_min_blocks() {
+  return kCap && K == StorageKind::F32 ? 1 : BwdRows::kMinBlocks;
+}
+
 template <StorageKind K, class Index, bool kCap>
-__global__ void __launch_bounds__(kBwdThreads)
+__global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
     backward_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
                     typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
                     const float* lse, const float* grad_loss, const float* valid_count,
                     CeParams p) {
   using S = core::Storage<K>;
   using T = typename S::type;
-  constexpr int VEC = 16 / sizeof(T);
-  const int64_t r = blockIdx.x;
+  constexpr int VEC = vector_width<T>();
+  const int64_t r = BwdRows::row();
   const T* xr = x + r * x_stride;
   T* gr = g + r * g_stride;
   int64_t t;
@@ -230,22 +251,21 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
   const bool same_alignment =
       reinterpret_cast<uintptr_t>(xr) % 16 == reinterpret_cast<uintptr_t>(gr) % 16;
-  visit_row<T, kBwdThreads, kBwdUnroll>(
+  // In place (g == x) every column is read before it is written, by the same thread.
+  walk_row<T, BwdRows::kThreads, BwdRows::kUnroll>(
       xr, p.vocab_local, same_alignment,
-      [&](int64_t j) {
-        gr[j] = S::store(constant ? fill : grad_at<kCap>(gr_c, S::load(xr[j]), j == local_t, p.softcap));
+      [&](int64_t j, T bits) {
+        gr[j] = S::store(constant ? fill : grad_at<kCap>(gr_c, S::load(bits), j == local_t, p.softcap));
       },
-      [&](int64_t j, const uint4& raw) {
-        float v[VEC];
-        unpack<S>(raw, v);
+      [&](int64_t j, const Vec16& raw) {
+        Vec16 out{};
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
-          v[k] = constant ? fill : grad_at<kCap>(gr_c, v[k], j + k == local_t, p.softcap);
-        *reinterpret_cast<uint4*>(gr + j) = pack<S>(v);
+          put<K>(out, k,
+                 constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), j + k == local_t, p.softcap));
+        store_vec(gr + j, out);
       });
 }
-
-unsigned grid_1d(int64_t n, int threads) { return unsigned((n + threads - 1) / threads); }
 
 template <class F>
 void dispatch_all(DType dtype, IndexType itype, F&& f) {
@@ -254,25 +274,19 @@ void dispatch_all(DType dtype, IndexType itype, F&& f) {
   });
 }
 
-void check_rows_fit_grid(int64_t rows) {
-  detail::require(rows <= int64_t(INT32_MAX), "logits.rows: got ", rows, ", expected <= ",
-                  INT32_MAX, " (one CUDA block per row)");
-}
-
 template <bool kFinish>
 void launch_stats(const MatrixView& logits, const IndexView& target, const CeParams& p,
                   RowStats* stats, float* lse, float* row_loss, Stream stream) {
-  check_rows_fit_grid(logits.rows);
+  const dim3 grid = FwdRows::grid(logits.rows);
   dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
     constexpr StorageKind K = decltype(k)::value;
     using Index = decltype(idx);
     using T = typename core::Storage<K>::type;
     auto* x = static_cast<const T*>(logits.data);
     auto* t = static_cast<const Index*>(target.data);
-    auto grid = unsigned(logits.rows);
     auto launch = [&](auto sum_logits, auto cap) {
       stats_kernel<K, Index, decltype(sum_logits)::value, kFinish, decltype(cap)::value>
-          <<<grid, kFwdThreads, 0, as_cuda(stream)>>>(x, logits.row_stride, t, p, stats, lse,
+          <<<grid, FwdRows::kThreads, 0, as_cuda(stream)>>>(x, logits.row_stride, t, p, stats, lse,
                                                       row_loss);
     };
     using Yes = std::true_type;
@@ -317,11 +331,10 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeP
   if (reduce) free_async(row_losses, stream);
 }
 
-
-
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream) {
   if (rows == 0) return;
-  extract_max_kernel<<<grid_1d(rows, 256), 256, 0, as_cuda(stream)>>>(stats, rows, maxima);
+  extract_max_kernel<<<RowPerThread::grid(rows), RowPerThread::kThreads, 0, as_cuda(stream)>>>(
+      stats, rows, maxima);
   FL_CUDA_CHECK_LAUNCH();
 }
 
@@ -330,7 +343,7 @@ void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexV
   if (p.rows == 0) return;
   core::dispatch_index(target.type, [&](auto idx) {
     using Index = decltype(idx);
-    prepare_sum_kernel<<<grid_1d(p.rows, 256), 256, 0, as_cuda(stream)>>>(
+    prepare_sum_kernel<<<RowPerThread::grid(p.rows), RowPerThread::kThreads, 0, as_cuda(stream)>>>(
         local, global_max, static_cast<const Index*>(target.data), p, rank, summable);
     FL_CUDA_CHECK_LAUNCH();
   });
@@ -346,8 +359,8 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
     using Index = decltype(idx);
     auto* t = static_cast<const Index*>(target.data);
     if (p.rows > 0) {
-      merge_kernel<<<grid_1d(p.rows, 256), 256, 0, as_cuda(stream)>>>(combined, parts, local, t,
-                                                                      p, out.lse, row_losses);
+      merge_kernel<<<RowPerThread::grid(p.rows), RowPerThread::kThreads, 0, as_cuda(stream)>>>(
+          combined, parts, local, t, p, out.lse, row_losses);
       FL_CUDA_CHECK_LAUNCH();
     }
     if (reduce || out.valid_count) launch_reduce(row_losses, t, p, out, stream);
@@ -367,14 +380,14 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
                  const float* grad_loss, const float* valid_count, const CeParams& p,
                  const MatrixView& grad, Stream stream) {
   if (logits.rows == 0) return;
-  check_rows_fit_grid(logits.rows);
+  const dim3 grid = BwdRows::grid(logits.rows);
   dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
     constexpr StorageKind K = decltype(k)::value;
     using Index = decltype(idx);
     using T = typename core::Storage<K>::type;
     auto launch = [&](auto cap) {
       backward_kernel<K, Index, decltype(cap)::value>
-          <<<unsigned(logits.rows), kBwdThreads, 0, as_cuda(stream)>>>(
+          <<<grid, BwdRows::kThreads, 0, as_cuda(stream)>>>(
               static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
               grad.row_stride, static_cast<const Index*>(target.data), lse, grad_loss,
               valid_count, p);

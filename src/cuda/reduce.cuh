@@ -1,38 +1,75 @@
-// Fixed-order sums across threads: the same inputs give the same bits on every run (no
-// atomics, no order that depends on scheduling).
+// The one block reduction of the CUDA kernels: fixed-order combines across threads, so the same
+// inputs give the same bits on every run (no atomics, no order that depends on scheduling).
+// Any value made of 32-bit words combines: a float sum, the cross-entropy's (max, sum-exp,
+// sum) triple, a (double, count) pair.
 #pragma once
+#include <cstdint>
+#include <cstring>
 
 namespace fusedloss::cuda {
 
-// Sum over the 32 lanes of a warp by an xor butterfly. Every lane ends with the same bits: at
-// each step the two partners add the same two values (float addition is commutative).
-__device__ __forceinline__ float warp_sum(float v) {
+// v from the lane `off` away (xor), word by word.
+template <class T>
+__device__ __forceinline__ T shfl_xor(const T& v, int off) {
+  static_assert(sizeof(T) % 4 == 0, "whole 32-bit words");
+  constexpr int kWords = int(sizeof(T)) / 4;
+  uint32_t w[kWords];
+  memcpy(w, &v, sizeof(T));
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  for (int i = 0; i < kWords; ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], off);
+  T out;
+  memcpy(&out, w, sizeof(T));
+  return out;
+}
+
+// op over the 32 lanes of a warp by an xor butterfly. With a commutative op (float addition)
+// every lane ends with the same bits: at each step the two partners combine the same two
+// values; otherwise each lane's result is still the same on every run.
+template <class T, class Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = op(v, shfl_xor(v, off));
   return v;
 }
 
-// Sum over each group of `group_threads` consecutive threads of the block (a multiple of 32
+// op over each group of `group_threads` consecutive threads of the block (a multiple of 32
 // dividing blockDim.x; blockDim.x itself for one group per block). Every thread of the block
-// must call it (it synchronises the block twice); every thread of a group gets the group's sum,
-// the same bits: warp sums, then the group's warps added in warp order. `scratch` holds
-// blockDim.x / 32 floats of shared memory.
-__device__ __forceinline__ float group_sum(float v, int group_threads, float* scratch) {
+// must call it (it synchronises the block twice); every thread of a group gets the group's
+// result, the same bits: warp results, then the group's warps combined in warp order
+// (((w0 op w1) op w2) ...). `scratch` holds blockDim.x / 32 values of shared memory.
+template <class T, class Op>
+__device__ __forceinline__ T group_reduce(T v, Op op, int group_threads, T* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (group_threads == 32) return v;
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   const int warps = group_threads / 32, first = (threadIdx.x / group_threads) * warps;
-  float s = 0.0f;
-  for (int w = 0; w < warps; ++w) s += scratch[first + w];
+  T r = scratch[first];
+  for (int w = 1; w < warps; ++w) r = op(r, scratch[first + w]);
   __syncthreads();  // the scratch may be reused right after
-  return s;
+  return r;
 }
 
-// Sum over the whole block; `scratch` holds blockDim.x / 32 floats.
+// op over the whole block; `scratch` holds blockDim.x / 32 values.
+template <class T, class Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T* scratch) {
+  return group_reduce(v, op, blockDim.x, scratch);
+}
+
+struct Plus {
+  template <class T>
+  __device__ __forceinline__ T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, Plus{}); }
+__device__ __forceinline__ float group_sum(float v, int group_threads, float* scratch) {
+  return group_reduce(v, Plus{}, group_threads, scratch);
+}
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
-  return group_sum(v, blockDim.x, scratch);
+  return block_reduce(v, Plus{}, scratch);
 }
 
 }  // namespace fusedloss::cuda

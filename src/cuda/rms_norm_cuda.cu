@@ -280,8 +280,8 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
 #pragma unroll
       for (int q = 0; q < VEC; q += 4) {
-        float4 f4 = make_float4(dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]);
-        *reinterpret_cast<float4*>(out + q) = f4;
+        const float part[4] = {dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]};
+        store_vec(out + q, from_floats<StorageKind::F32>(part));
       }
     }
   }

@@ -1,5 +1,6 @@
 // CUDA SwiGLU over the fused gate-up layout, one block per row, VEC elements per access
-// (16-byte accesses when every row and half is aligned, single elements otherwise).
+// (16-byte vectors from vector_io.cuh when every row and half is aligned, single elements
+// otherwise).
 //
 // Bytes per row: forward reads 2n and writes n (+2n bytes of e4m3 with the fp8 store);
 // backward reads n + 2n and writes 2n. The bias gradient reads the written gradient once more.
@@ -8,6 +9,8 @@
 #include "core/dispatch.h"
 #include "core/swiglu_math.h"
 #include "cuda/cuda_check.h"
+#include "cuda/reduce.cuh"
+#include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
 namespace {
@@ -34,58 +37,38 @@ constexpr int kGroups = FUSEDLOSS_SWIGLU_GROUPS;
 #define FL_SWIGLU_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-template <class T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
-template <class T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, N>*>(p);
-}
-template <class T, int N>
-__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& v) {
-  *reinterpret_cast<Pack<T, N>*>(p) = v;
-}
+// VEC consecutive elements of T as stored, in one access (vector_io.cuh): a whole 16-byte
+// vector, or a single element on the unvectorised path (VEC = 1).
+template <class T, int VEC>
+constexpr int kAccessBytes = VEC * int(sizeof(T));
 
 // The stored gate and up values of columns [j, j + VEC) of one row.
-template <class T, int VEC>
 struct RawGateUp {
-  Pack<T, VEC> g, u;
+  Vec16 g, u;
 };
 
 template <class T, int VEC>
-__device__ __forceinline__ RawGateUp<T, VEC> load_raw(const T* yr, int64_t j, int64_t n) {
-  return {load_pack<T, VEC>(yr + j), load_pack<T, VEC>(yr + n + j)};
+__device__ __forceinline__ RawGateUp load_raw(const T* yr, int64_t j, int64_t n) {
+  return {load_bytes<kAccessBytes<T, VEC>>(yr + j), load_bytes<kAccessBytes<T, VEC>>(yr + n + j)};
 }
 
 // VEC bias values at columns [j, j + VEC), in V's storage type or fp32 (a uniform branch; the
-// fp32 y case has one kind only). fp32 packs are 16 bytes too: VEC is 1 or a multiple of 4,
-// and can_vectorise checked the bias base for 16-byte alignment.
+// fp32 y case has one kind only). can_vectorise checked the bias base for 16-byte alignment.
 template <StorageKind V, int VEC>
 __device__ __forceinline__ void load_bias(const core::SwigluParams& p, int64_t j,
                                           float (&out)[VEC]) {
   if constexpr (V != StorageKind::F32) {
     if (p.bias_f32) {
-      constexpr int W = VEC >= 4 ? 4 : 1;
-      const float* b = static_cast<const float*>(p.bias) + j;
-#pragma unroll
-      for (int q = 0; q < VEC; q += W) {
-        Pack<float, W> pk = load_pack<float, W>(b + q);
-#pragma unroll
-        for (int k = 0; k < W; ++k) out[q + k] = pk.v[k];
-      }
+      load_floats<StorageKind::F32, VEC>(static_cast<const float*>(p.bias) + j, out);
       return;
     }
   }
-  Pack<Elem<V>, VEC> pk = load_pack<Elem<V>, VEC>(static_cast<const Elem<V>*>(p.bias) + j);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = St<V>::load(pk.v[k]);
+  load_floats<V, VEC>(static_cast<const Elem<V>*>(p.bias) + j, out);
 }
 
-// VEC gate/up values at columns [j, j + VEC) from their stored packs, bias added, clamped.
+// VEC gate/up values at columns [j, j + VEC) from their stored values, bias added, clamped.
 template <StorageKind Y, StorageKind V, int VEC>
-__device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& raw, int64_t j,
+__device__ __forceinline__ void gate_up_values(const RawGateUp& raw, int64_t j,
                                                const core::SwigluParams& p, core::GateUp (&v)[VEC]) {
   float bg[VEC] = {}, bu[VEC] = {};
   if (p.bias) {
@@ -94,7 +77,7 @@ __device__ __forceinline__ void gate_up_values(const RawGateUp<Elem<Y>, VEC>& ra
   }
 #pragma unroll
   for (int k = 0; k < VEC; ++k)
-    v[k] = core::gate_up(St<Y>::load(raw.g.v[k]) + bg[k], St<Y>::load(raw.u.v[k]) + bu[k], p.clamp);
+    v[k] = core::gate_up(get<Y>(raw.g, k) + bg[k], get<Y>(raw.u, k) + bu[k], p.clamp);
 }
 
 // Calls f(k, j) for this thread's column groups k = 0 .. kGroups-1, at columns
@@ -118,25 +101,26 @@ __global__ void FL_SWIGLU_BOUNDS
     const Elem<V>* yr = y + r * ys;
     const float w = p.weights ? p.weights[r] : 1.0f;
     for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < p.n; j0 += kGroups * kStride) {
-      RawGateUp<Elem<V>, VEC> raw[kGroups];
+      RawGateUp raw[kGroups];
       for_each_group(j0, kStride, p.n,
                      [&](int k, int64_t j) { raw[k] = load_raw<Elem<V>, VEC>(yr, j, p.n); });
       for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
         gate_up_values<V, V, VEC>(raw[k], j, p, v);
-        Pack<Elem<V>, VEC> o;
+        Vec16 o{};
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) o.v[e] = St<V>::store(core::swiglu_value(v[e]) * w);
-        store_pack(out + r * os + j, o);
+        for (int e = 0; e < VEC; ++e) put<V>(o, e, core::swiglu_value(v[e]) * w);
+        store_bytes<kAccessBytes<Elem<V>, VEC>>(out + r * os + j, o);
         if constexpr (kFp8Store) {
-          // the raw input (before bias), as Megatron saves it
-          Pack<uint8_t, VEC> fg, fu;
+          // the raw input (before bias), as Megatron saves it, with the caller's overflow rule
+          Vec16 fg{}, fu{};
 #pragma unroll
-          for (int e = 0; e < VEC; ++e)
-            fg.v[e] = core::float_to_e4m3(St<V>::load(raw[k].g.v[e]), p.fp8_saturate),
-            fu.v[e] = core::float_to_e4m3(St<V>::load(raw[k].u.v[e]), p.fp8_saturate);
-          store_pack(y8 + r * y8s + j, fg);
-          store_pack(y8 + r * y8s + p.n + j, fu);
+          for (int e = 0; e < VEC; ++e) {
+            set_bits(fg, e, core::float_to_e4m3(get<V>(raw[k].g, e), p.fp8_saturate));
+            set_bits(fu, e, core::float_to_e4m3(get<V>(raw[k].u, e), p.fp8_saturate));
+          }
+          store_bytes<kAccessBytes<uint8_t, VEC>>(y8 + r * y8s + j, fg);
+          store_bytes<kAccessBytes<uint8_t, VEC>>(y8 + r * y8s + p.n + j, fu);
         }
       });
     }
@@ -148,7 +132,7 @@ __global__ void FL_SWIGLU_BOUNDS
     backward_kernel(const Elem<V>* go, int64_t gos, const Elem<Y>* y, int64_t ys,
                     core::SwigluParams p, Elem<V>* gy, int64_t gys, float* grad_weights) {
   constexpr int64_t kStride = int64_t(kThreads) * VEC;
-  __shared__ float warp_sums[kThreads / 32];
+  __shared__ float scratch[kThreads / 32];
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
     const Elem<Y>* yr = y + r * ys;
     const Elem<V>* gor = go + r * gos;
@@ -156,40 +140,33 @@ __global__ void FL_SWIGLU_BOUNDS
     const float w = kWeights ? p.weights[r] : 1.0f;
     float dw = 0.0f;
     for (int64_t j0 = int64_t(threadIdx.x) * VEC; j0 < p.n; j0 += kGroups * kStride) {
-      RawGateUp<Elem<Y>, VEC> raw[kGroups];
-      Pack<Elem<V>, VEC> g[kGroups];
+      RawGateUp raw[kGroups];
+      Vec16 g[kGroups];
       for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
         raw[k] = load_raw<Elem<Y>, VEC>(yr, j, p.n);
-        g[k] = load_pack<Elem<V>, VEC>(gor + j);
+        g[k] = load_bytes<kAccessBytes<Elem<V>, VEC>>(gor + j);
       });
       for_each_group(j0, kStride, p.n, [&](int k, int64_t j) {
         core::GateUp v[VEC];
         gate_up_values<Y, V, VEC>(raw[k], j, p, v);
-        Pack<Elem<V>, VEC> da, db;
+        Vec16 da{}, db{};
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          float ge = St<V>::load(g[k].v[e]), dae, dbe;
-          float value = core::swiglu_grad(v[e], ge * w, dae, dbe);
+          const float ge = get<V>(g[k], e);
+          float dae, dbe;
+          const float value = core::swiglu_grad(v[e], ge * w, dae, dbe);
           if (kWeights) dw += value * ge;
-          da.v[e] = St<V>::store(dae);
-          db.v[e] = St<V>::store(dbe);
+          put<V>(da, e, dae);
+          put<V>(db, e, dbe);
         }
-        store_pack(gr + j, da);  // in place: this thread read these columns above
-        store_pack(gr + p.n + j, db);
+        // in place: this thread read these columns above
+        store_bytes<kAccessBytes<Elem<V>, VEC>>(gr + j, da);
+        store_bytes<kAccessBytes<Elem<V>, VEC>>(gr + p.n + j, db);
       });
     }
     if constexpr (kWeights) {
-      // fixed-order block sum: deterministic
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dw += __shfl_xor_sync(0xffffffffu, dw, off);
-      if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dw;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float s = 0.0f;
-        for (int k = 0; k < kThreads / 32; ++k) s += warp_sums[k];
-        grad_weights[r] = s;
-      }
-      __syncthreads();
+      const float sum = block_sum(dw, scratch);  // fixed order: deterministic
+      if (threadIdx.x == 0) grad_weights[r] = sum;
     }
   }
 }
@@ -215,18 +192,14 @@ __global__ void column_final_kernel(const float* partial, int64_t chunks, int64_
   out[c] = s;
 }
 
-bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-// 16-byte accesses need every row start, both halves and the bias on a VEC boundary.
+// VEC-element accesses need every row start and both halves on a VEC boundary (16 bytes for
+// y's dtype, fewer for the e4m3 copy), and the bias on 16 bytes.
 bool can_vectorise(const core::SwigluParams& p, int vec, std::initializer_list<const MatrixView*> views) {
   if (p.n % vec) return false;
-  for (const MatrixView* m : views) {
-    if (!m->data) continue;
-    int64_t es = detail::element_size(m->dtype);
-    if (!aligned(m->data, vec * es) || (m->row_stride * es) % (vec * es)) return false;
-  }
-  if (p.bias && !aligned(p.bias, 16)) return false;
-  return true;
+  for (const MatrixView* m : views)
+    if (!rows_aligned(m->data, m->cols, m->row_stride, detail::element_size(m->dtype), vec))
+      return false;
+  return !p.bias || aligned_to(p.bias, kVectorBytes);
 }
 
 unsigned row_grid(int64_t rows) { return unsigned(std::min<int64_t>(rows, 1 << 30)); }
@@ -250,7 +223,7 @@ void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const Matr
   if (p.rows == 0) return;
   core::dispatch_dtype(y.dtype, [&](auto k) {
     constexpr StorageKind V = decltype(k)::value;
-    constexpr int VEC = 16 / sizeof(Elem<V>);
+    constexpr int VEC = vector_width<Elem<V>>();
     auto launch = [&](auto vec_c, auto fp8_c) {
       forward_kernel<V, decltype(vec_c)::value, decltype(fp8_c)::value>
           <<<row_grid(p.rows), kThreads, 0, as_cuda(stream)>>>(
@@ -272,7 +245,7 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
   }
   core::dispatch_dtype(grad_y.dtype, [&](auto k) {
     constexpr StorageKind V = decltype(k)::value;
-    constexpr int VEC = 16 / sizeof(Elem<V>);
+    constexpr int VEC = vector_width<Elem<V>>();
     auto run = [&](auto y_kind) {
       constexpr StorageKind Y = decltype(y_kind)::value;
       auto launch = [&](auto vec_c, auto w_c) {

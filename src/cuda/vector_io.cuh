@@ -1,11 +1,13 @@
-// 16-byte vector access for the CUDA kernels: one vector type (four 32-bit words, so that a
-// vector of 16-bit or 8-bit elements occupies four registers, not one register per element),
-// loads and stores, element access by storage kind (core::Storage: fp32, fp16, bf16, e4m3),
-// and the host-side test of whether a view can be walked in vectors at all (base, row stride
-// and width on the 16-byte boundary).
+// 16-byte vector access for the CUDA kernels, the one home for it: one vector type (four
+// 32-bit words, so that a vector of 16-bit or 8-bit elements occupies four registers, not one
+// register per element), loads and stores (whole vectors, or one narrower access for fewer
+// elements), element access by storage kind (core::Storage: fp32, fp16, bf16, e4m3), the row
+// walk of the one-block-per-row kernels, and the host-side tests of whether a view can be
+// walked in vectors at all (base, row stride and width on the boundary).
 //
-// A kernel that walks rows in vectors also needs a path for views that fail the test (odd
-// widths, offset pointers, strides that are not a multiple of 16 bytes): the test is per call.
+// A kernel that walks rows in whole vectors also needs a path for views that fail the test
+// (odd widths, offset pointers, strides that are not a multiple of 16 bytes): the test is per
+// call. walk_row needs none: it walks any row start.
 #pragma once
 #include <cstdint>
 #include "core/numeric.h"
@@ -63,55 +65,185 @@ __device__ __forceinline__ void to_floats(const Vec16& v, float (&out)[N]) {
   for (int e = 0; e < N; ++e) out[e] = get<K>(v, e);
 }
 
+// The stored bits of element e of a vector (the rest of its word kept): how from_floats
+// builds a vector, and how a kernel stores values it rounded itself (the e4m3 copy).
+template <class T>
+__device__ __forceinline__ void set_bits(Vec16& v, int e, T bits) {
+  constexpr int per_word = 4 / int(sizeof(T));
+  if constexpr (per_word == 1) {
+    uint32_t word;
+    memcpy(&word, &bits, 4);
+    v.w[e] = word;
+  } else {
+    constexpr int bits_per = 8 * int(sizeof(T));
+    const int shift = bits_per * (e % per_word);
+    const uint32_t mask = ((1u << bits_per) - 1u) << shift;
+    v.w[e / per_word] = (v.w[e / per_word] & ~mask) | (uint32_t(bits) << shift);
+  }
+}
+
+// x stored in K (rounded once) as element e of a vector: a kernel packs each result as it
+// computes it, so no array of N floats stays live before the store.
+template <core::StorageKind K>
+__device__ __forceinline__ void put(Vec16& v, int e, float x) {
+  set_bits(v, e, core::Storage<K>::store(x));
+}
+
+// N <= vector_width floats stored in K, rounded once, as the first N elements of a vector
+// (the rest zero).
 template <core::StorageKind K, int N>
 __device__ __forceinline__ Vec16 from_floats(const float (&in)[N]) {
-  using T = typename core::Storage<K>::type;
-  static_assert(N == vector_width<T>(), "one vector");
-  constexpr int per_word = 4 / int(sizeof(T));
-  Vec16 v;
+  static_assert(N <= vector_width<typename core::Storage<K>::type>(), "one vector");
+  Vec16 v{};
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    if constexpr (per_word == 1) {
-      v.w[q] = __float_as_uint(core::Storage<K>::store(in[q]));
-    } else {
-      uint32_t word = 0;
-#pragma unroll
-      for (int k = 0; k < per_word; ++k)
-        word |= uint32_t(core::Storage<K>::store(in[q * per_word + k])) << (8 * sizeof(T) * k);
-      v.w[q] = word;
-    }
-  }
+  for (int e = 0; e < N; ++e) put<K>(v, e, in[e]);
   return v;
 }
 
-// N consecutive read-only values of kind K at p, as floats: whole 16-byte vectors, or one 8-
-// or 4-byte access when N elements are fewer bytes (a bf16 weight next to an fp32 row: 4
-// values, 8 bytes). p must be aligned to min(16, N * sizeof(element)) bytes.
-template <core::StorageKind K, int N>
-__device__ __forceinline__ void load_floats_ro(const typename core::Storage<K>::type* p,
-                                               float (&out)[N]) {
+// B bytes (1, 2, 4, 8 or 16) at p, aligned to B, as the low bytes of a vector (the rest zero),
+// and back. kReadOnly reads through the read-only path (see load_vec_ro).
+template <int B, bool kReadOnly = false>
+__device__ __forceinline__ Vec16 load_bytes(const void* p) {
+  static_assert(B == 1 || B == 2 || B == 4 || B == 8 || B == 16, "one access");
+  Vec16 v{};
+  if constexpr (B == 16) {
+    v = kReadOnly ? load_vec_ro(static_cast<const uint8_t*>(p)) : load_vec(static_cast<const uint8_t*>(p));
+  } else if constexpr (B == 8) {
+    const uint2 u = kReadOnly ? __ldg(static_cast<const uint2*>(p)) : *static_cast<const uint2*>(p);
+    v.w[0] = u.x, v.w[1] = u.y;
+  } else if constexpr (B == 4) {
+    v.w[0] = kReadOnly ? __ldg(static_cast<const unsigned int*>(p)) : *static_cast<const unsigned int*>(p);
+  } else if constexpr (B == 2) {
+    v.w[0] = kReadOnly ? __ldg(static_cast<const unsigned short*>(p)) : *static_cast<const unsigned short*>(p);
+  } else {
+    v.w[0] = kReadOnly ? __ldg(static_cast<const unsigned char*>(p)) : *static_cast<const unsigned char*>(p);
+  }
+  return v;
+}
+template <int B>
+__device__ __forceinline__ void store_bytes(void* p, const Vec16& v) {
+  static_assert(B == 1 || B == 2 || B == 4 || B == 8 || B == 16, "one access");
+  if constexpr (B == 16) {
+    *static_cast<Vec16*>(p) = v;
+  } else if constexpr (B == 8) {
+    *static_cast<uint2*>(p) = make_uint2(v.w[0], v.w[1]);
+  } else if constexpr (B == 4) {
+    *static_cast<uint32_t*>(p) = v.w[0];
+  } else if constexpr (B == 2) {
+    *static_cast<uint16_t*>(p) = uint16_t(v.w[0]);
+  } else {
+    *static_cast<uint8_t*>(p) = uint8_t(v.w[0]);
+  }
+}
+
+// N consecutive values of kind K at p, as floats: whole 16-byte vectors, or one access of N
+// elements when they are fewer bytes (a bf16 weight next to an fp32 row: 4 values, 8 bytes; a
+// single element). p must be aligned to min(16, N * sizeof(element)) bytes. load_floats_ro:
+// read-only inputs only (see load_vec_ro).
+template <core::StorageKind K, int N, bool kReadOnly = false>
+__device__ __forceinline__ void load_floats(const typename core::Storage<K>::type* p,
+                                            float (&out)[N]) {
   using T = typename core::Storage<K>::type;
   constexpr int W = vector_width<T>();
   if constexpr (N >= W) {
     static_assert(N % W == 0, "whole vectors");
 #pragma unroll
     for (int q = 0; q < N; q += W) {
-      const Vec16 v = load_vec_ro(p + q);
+      const Vec16 v = load_bytes<kVectorBytes, kReadOnly>(p + q);
 #pragma unroll
       for (int e = 0; e < W; ++e) out[q + e] = get<K>(v, e);
     }
   } else {
-    static_assert(N * sizeof(T) == 8 || N * sizeof(T) == 4, "8 or 4 bytes");
-    Vec16 v{};
-    if constexpr (N * sizeof(T) == 8) {
-      const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-      v.w[0] = u.x, v.w[1] = u.y;
-    } else {
-      v.w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
-    }
+    const Vec16 v = load_bytes<N * int(sizeof(T)), kReadOnly>(p);
 #pragma unroll
     for (int e = 0; e < N; ++e) out[e] = get<K>(v, e);
   }
+}
+template <core::StorageKind K, int N>
+__device__ __forceinline__ void load_floats_ro(const typename core::Storage<K>::type* p,
+                                               float (&out)[N]) {
+  load_floats<K, N, true>(p, out);
+}
+// ---- the row walk ----
+
+// Elements of T before the first 16-byte boundary of a row of n (all n when the row is not
+// even element-aligned).
+template <class T>
+__device__ __forceinline__ int64_t head_to_alignment(const T* row, int64_t n) {
+  const auto addr = reinterpret_cast<uintptr_t>(row);
+  if (addr % sizeof(T) != 0) return n;
+  const int64_t head = int64_t((kVectorBytes - addr % kVectorBytes) % kVectorBytes) / int64_t(sizeof(T));
+  return head < n ? head : n;
+}
+
+// One block of THREADS threads walks one row of n elements, whatever its start address: a
+// scalar head up to the first 16-byte boundary, 16-byte vectors for the body, a scalar tail.
+// on_scalar(j, bits) gets the stored element at column j, on_vector(j, v) the vector at
+// columns [j, j + vector_width), j on the boundary.
+//
+// Loads in flight: every thread issues its UNROLL vector loads of a step before the step's
+// first callback, the last step of a row too (predicated), and loads its head and tail
+// elements (fewer than a vector each, so at most one of each per thread) with that last step.
+// A row whose length is not a multiple of the step, or that starts off the boundary, keeps
+// the aligned rows' loads in flight: no serial latency for the remainder, head or tail.
+//
+// In place: a callback may write the row it was given (the same columns), since each column is
+// loaded before its callback runs and no two callbacks share a column. Plain loads, not the
+// read-only path, for that reason.
+//
+// vectorise = false walks single elements (UNROLL in flight per thread): for a caller whose
+// output row sits at another alignment than the input row, so that writes in vectors would
+// not land on the boundary.
+template <class T, int THREADS, int UNROLL, class OnScalar, class OnVector>
+__device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise,
+                                         OnScalar&& on_scalar, OnVector&& on_vector) {
+  constexpr int W = vector_width<T>();
+  constexpr int64_t kStep = int64_t(THREADS) * UNROLL;
+  static_assert(THREADS >= W, "a thread owns at most one head and one tail element");
+  const int tid = threadIdx.x;
+  const int64_t head = vectorise ? head_to_alignment(row, n) : n;
+  if (head == n) {
+    for (int64_t j0 = 0; j0 < n; j0 += kStep) {
+      T raw[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int64_t j = j0 + tid + int64_t(u) * THREADS;
+        if (j < n) raw[u] = row[j];
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int64_t j = j0 + tid + int64_t(u) * THREADS;
+        if (j < n) on_scalar(j, raw[u]);
+      }
+    }
+    return;
+  }
+  const int64_t nvec = (n - head) / W;
+  const T* body = row + head;
+  // Whole steps, then the last one (1 to kStep vectors) with the head and the tail.
+  int64_t i0 = 0;
+  for (; i0 + kStep < nvec; i0 += kStep) {
+    Vec16 raw[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) raw[u] = load_vec(body + (i0 + tid + int64_t(u) * THREADS) * W);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) on_vector(head + (i0 + tid + int64_t(u) * THREADS) * W, raw[u]);
+  }
+  const int64_t rest = nvec - i0 - tid;  // this thread's last-step vectors: ceil(rest / THREADS)
+  const int mine = rest > 0 ? int((rest + THREADS - 1) / THREADS) : 0;
+  const int64_t tail = head + nvec * W;
+  const bool has_head = tid < int(head), has_tail = tid < int(n - tail);  // both < W
+  Vec16 raw[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (u < mine) raw[u] = load_vec(body + (i0 + tid + int64_t(u) * THREADS) * W);
+  const T head_bits = has_head ? row[tid] : T{};
+  const T tail_bits = has_tail ? row[tail + tid] : T{};
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+    if (u < mine) on_vector(head + (i0 + tid + int64_t(u) * THREADS) * W, raw[u]);
+  if (has_head) on_scalar(int64_t(tid), head_bits);
+  if (has_tail) on_scalar(tail + tid, tail_bits);
 }
 
 // ---- host side ----
@@ -121,14 +253,18 @@ inline bool aligned_to(const void* p, int64_t bytes) {
 }
 
 // Whether rows of `cols` elements of `elem_bytes` each, `row_stride` elements apart from
-// `data`, can be walked in 16-byte vectors: the base, every row start and the width on a
-// 16-byte boundary. Absent views (data == nullptr) pass.
+// `data`, can be walked in accesses of `access` elements: the base, every row start and the
+// width on that boundary. Absent views (data == nullptr) pass.
+inline bool rows_aligned(const void* data, int64_t cols, int64_t row_stride, int64_t elem_bytes,
+                         int64_t access) {
+  if (!data) return true;
+  return aligned_to(data, access * elem_bytes) && cols % access == 0 && row_stride % access == 0;
+}
+
+// The same for whole 16-byte vectors.
 inline bool rows_vectorisable(const void* data, int64_t cols, int64_t row_stride,
                               int64_t elem_bytes) {
-  if (!data) return true;
-  const int64_t width = kVectorBytes / elem_bytes;
-  return aligned_to(data, kVectorBytes) && cols % width == 0 &&
-         (row_stride * elem_bytes) % kVectorBytes == 0;
+  return rows_aligned(data, cols, row_stride, elem_bytes, kVectorBytes / elem_bytes);
 }
 
 }  // namespace fusedloss::cuda

@@ -107,6 +107,26 @@ TEST_P(CrossEntropy, EdgeShapes) {
   }
 }
 
+TEST_P(CrossEntropy, EveryAlignmentHeadAndTail) {
+  // Row r of V = 50257 in bf16 starts 2r bytes past a 16-byte boundary, so 9 rows walk every
+  // head length (50258, 50259, 50263: other steps through the heads; fp32: every 4-byte
+  // head); the body ends in a partial step of the row walk and a tail of every length; V = 7
+  // and 1 are shorter than a vector. An offset base shifts every row once more.
+  for (int64_t V : {50257, 50258, 50259, 50263, 7, 1})
+    for (DType d : {DType::F32, DType::F16, DType::BF16})
+      for (bool in_place : {false, true})
+        for (int64_t offset : {0, 3}) {
+          CeCase c;
+          c.V = V;
+          c.rows = 9;
+          c.dtype = d;
+          c.in_place = in_place;
+          c.base_offset = offset;
+          c.opt.label_smoothing = offset ? 0.1f : 0.0f;  // the sum of logits walked too
+          check(c);
+        }
+}
+
 TEST_P(CrossEntropy, AllRowsIgnoredGivesZeroNotNaN) {
   for (auto red : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
     CeCase c;
