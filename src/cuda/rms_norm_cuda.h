@@ -12,13 +12,15 @@ namespace fusedloss::cuda {
 // them (bench/rms_norm_bench --variants). A process sets it before sizing workspaces: the
 // backward's partial rows, hence rms_norm_workspace_bytes, depend on bwd_blocks_per_sm.
 struct RmsNormTuning {
-  int fwd_tpr = 128;            // threads per row at most, target (a multiple of 32)
-  int fwd_block = 256;          // threads per block, target (several rows when they are short)
+  // Threads per row, a target: a row gets the fewest vectors a thread (1, 2, 4) that need at
+  // most this many threads (rounded up to warps); rows too long for that take more threads.
+  int fwd_tpr = 128;
+  int fwd_block = 256;          // threads per block, a target (several rows when they are short)
   int fwd_blocks_per_sm = 0;    // 0: a block per `fwd_block / tpr` rows; n: a persistent grid
-  int bwd_tpr = 128;
+  int bwd_tpr = 64;             // 4 vectors a thread from 2048 bf16 columns: bytes in flight
   int bwd_block = 256;          // <= 512
   int bwd_blocks_per_sm = 2;    // the backward grid per SM at most (its partial rows)
-  bool fwd_prefetch = false;    // prefetch a group's next row into L2 (persistent grid only)
+  bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
   bool bwd_prefetch = true;
 };
 RmsNormTuning rms_norm_tuning();

@@ -392,7 +392,7 @@ TEST_P(RmsNorm, KernelVariants) {
       "",
       "fwd_tpr=32,fwd_block=1024,bwd_tpr=32,bwd_block=512,bwd_blocks_per_sm=1",
       "fwd_block=32,bwd_block=32,bwd_blocks_per_sm=8",
-      "fwd_tpr=64,fwd_block=512,fwd_blocks_per_sm=1,fwd_prefetch=1,bwd_tpr=64,bwd_block=512,"
+      "fwd_tpr=64,fwd_block=512,fwd_blocks_per_sm=1,fwd_prefetch=1,bwd_tpr=128,bwd_block=512,"
       "bwd_blocks_per_sm=1,bwd_prefetch=0",
       "fwd_tpr=256,fwd_block=1024,fwd_blocks_per_sm=2,bwd_tpr=512,bwd_block=512,"
       "bwd_blocks_per_sm=4"};
