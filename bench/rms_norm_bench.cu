@@ -18,12 +18,21 @@ namespace fl = fusedloss;
 
 int main(int argc, char** argv) {
   const int iters = 30;
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double bw = copy_bandwidth_gbs();
   std::vector<std::string> variants(argv + 1, argv + argc);
   const bool labelled = !variants.empty();
   if (!labelled) variants.push_back("default");
+  auto tune = [](const std::string& v) {
+    fl::cuda::set_rms_norm_tuning(fl::cuda::parse_rms_norm_tuning(v == "default" ? "" : v));
+  };
+  try {
+    for (const std::string& v : variants) tune(v);  // every spec checked before any timing
+  } catch (const fl::Error& e) {
+    std::fprintf(stderr, "rms_norm_bench: %s\n", e.what());
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const double bw = copy_bandwidth_gbs();
   std::printf("%sprovider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n", labelled ? "variant," : "");
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
@@ -31,7 +40,7 @@ int main(int argc, char** argv) {
   for (const std::string& v : variants)
     for (fl::DType dt : {fl::DType::BF16, fl::DType::F32})
       for (Shape s : shapes) {
-        fl::cuda::set_rms_norm_tuning(fl::cuda::parse_rms_norm_tuning(v == "default" ? "" : v));
+        tune(v);
         const int64_t es = dt == fl::DType::F32 ? 4 : 2, n = s.T * s.H;
         void *x, *y, *dy, *dx, *w, *ws;
         float *rstd, *dw;
