@@ -66,9 +66,9 @@ constexpr int kBwdMaxThreads = 512;   // launch bound: <= 128 (the accumulators 
 constexpr int kFwdMaxNp = 4;
 // The backward holds x, dy and an fp32 accumulator per column: 4 vectors a thread (16-bit rows:
 // 16 + 16 + 32 registers; fp32: 16 + 16 + 16). fp32 rows that do not fit 512 threads that way
-// (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x and dy of 4 held (32), the
-// other 4 read again in the second pass; no spills. 16-bit rows would need 64 accumulator
-// registers: those rows (H > 16384) take the "any" kernels.
+// (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x and dy of 4 held (32; 2 on
+// sm_80), the others read again in the second pass; no spills. 16-bit rows would need 64
+// accumulator registers: those rows (H > 16384) take the "any" kernels.
 template <class T>
 constexpr int bwd_long_np() {
   return sizeof(T) == 4 ? 8 : 4;
@@ -220,7 +220,12 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
   // rows of 8 vectors a thread: H 8196..16384, one group a block) are read again in the second
   // pass, from L1/L2 where the first pass just brought them: what keeps 8 accumulator vectors
   // within the registers without spills.
-  constexpr int kHeld = NP < kBwdPreferredNp ? NP : kBwdPreferredNp;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr int kLongHeld = 2;  // sm_80's register allocation spills at 3 and 4
+#else
+  constexpr int kLongHeld = 4;
+#endif
+  constexpr int kHeld = NP <= kBwdPreferredNp ? NP : kLongHeld;
   __shared__ float exchange[kBwdMaxThreads * VEC];
   float dg[NP][VEC] = {};
   int parity = 0;
