@@ -6,7 +6,8 @@
 //
 // Kernel variants, in one run: each argument is a launch shape of the CUDA kernels,
 // "field=value,..." over the shipped defaults (src/cuda/rms_norm_cuda.h, RmsNormTuning;
-// "default" for the defaults themselves); the CSV then starts with a variant column:
+// "default" for the defaults themselves); the CSV then starts with a variant column and has
+// the ratio over the floor:
 //   rms_norm_bench default bwd_block=512 "bwd_block=128,bwd_blocks_per_sm=4" bwd_prefetch=0
 #include <string>
 #include <vector>
@@ -33,7 +34,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw = copy_bandwidth_gbs();
-  std::printf("%sprovider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n", labelled ? "variant," : "");
+  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_gbs,gpu\n"
+                       : "provider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n");
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
                           {16384, 8192}, {8192, 16384}};
@@ -64,11 +66,13 @@ int main(int argc, char** argv) {
         const double ms[3] = {median_ms(iters, [] {}, fwd), median_ms(iters, [] {}, bwd),
                               median_ms(iters, [] {}, [&] { fwd(); bwd(); })};
         const char* ops[3] = {"forward", "backward", "fwd+bwd"};
-        const std::string label = labelled ? "\"" + v + "\"," : "";
-        for (int i = 0; i < 3; ++i)
-          std::printf("%sfusedloss,%s,%lld,%lld,%s,%.4f,%.4f,%.1f,%s\n", label.c_str(), ops[i],
-                      (long long)s.T, (long long)s.H, es == 4 ? "fp32" : "bf16", ms[i], floor_ms[i],
-                      bw, prop.name);
+        for (int i = 0; i < 3; ++i) {
+          if (labelled) std::printf("\"%s\",", v.c_str());
+          std::printf("fusedloss,%s,%lld,%lld,%s,%.4f,%.4f,", ops[i], (long long)s.T,
+                      (long long)s.H, es == 4 ? "fp32" : "bf16", ms[i], floor_ms[i]);
+          if (labelled) std::printf("%.3f,", ms[i] / floor_ms[i]);
+          std::printf("%.1f,%s\n", bw, prop.name);
+        }
         std::fflush(stdout);
         for (void* p : {x, y, dy, dx, w, ws, (void*)rstd, (void*)dw}) CHECK(cudaFree(p));
       }
