@@ -505,7 +505,8 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
                     "': expected field=integer");
     bool known = false;
     for (auto& [name, field] : ints)
-      if (key == name) *field = int(v), known = true;
+      if (key == name)  // out-of-range values stay out of range for the check
+        *field = int(std::clamp<long>(v, -1, 1L << 20)), known = true;
     for (auto& [name, field] : flags)
       if (key == name) {
         detail::require(v == 0 || v == 1, "RmsNormTuning.", key, ": got ", v, ", expected 0 or 1");
