@@ -3,50 +3,78 @@
 // the copy bandwidth measured in the same run: forward moves 2 elements per element of x (read
 // x, write y), backward 3 (read x and dy, write dx): 4 and 10 B/element in bf16 for forward and
 // forward+backward. Output: CSV on stdout.
+//
+// Kernel variants, in one run: each argument is a launch shape of the CUDA kernels,
+// "field=value,..." over the shipped defaults (src/cuda/rms_norm_cuda.h, RmsNormTuning;
+// "default" for the defaults themselves); the CSV then starts with a variant column and has
+// the ratio over the floor:
+//   rms_norm_bench default bwd_block=512 "bwd_block=128,bwd_blocks_per_sm=4" bwd_prefetch=0
+#include <string>
+#include <vector>
 #include "bench_util.cuh"
+#include "cuda/rms_norm_cuda.h"
 #include "fusedloss/fusedloss.h"
 
 namespace fl = fusedloss;
 
-int main() {
+int main(int argc, char** argv) {
   const int iters = 30;
+  std::vector<std::string> variants(argv + 1, argv + argc);
+  const bool labelled = !variants.empty();
+  if (!labelled) variants.push_back("default");
+  auto tune = [](const std::string& v) {
+    fl::cuda::set_rms_norm_tuning(fl::cuda::parse_rms_norm_tuning(v == "default" ? "" : v));
+  };
+  try {
+    for (const std::string& v : variants) tune(v);  // every spec checked before any timing
+  } catch (const fl::Error& e) {
+    std::fprintf(stderr, "rms_norm_bench: %s\n", e.what());
+    return 2;
+  }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw = copy_bandwidth_gbs();
-  std::printf("provider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n");
+  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_gbs,gpu\n"
+                       : "provider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n");
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
                           {16384, 8192}, {8192, 16384}};
-  for (fl::DType dt : {fl::DType::BF16, fl::DType::F32})
-    for (Shape s : shapes) {
-      const int64_t es = dt == fl::DType::F32 ? 4 : 2, n = s.T * s.H;
-      void *x, *y, *dy, *dx, *w, *ws;
-      float *rstd, *dw;
-      const size_t ws_bytes = fl::rms_norm_backward_workspace_bytes(s.T, s.H, fl::Device::CUDA);
-      for (void** p : {&x, &y, &dy, &dx}) CHECK(cudaMalloc(p, n * es));
-      CHECK(cudaMalloc(&w, s.H * es));
-      CHECK(cudaMalloc(&ws, ws_bytes));
-      CHECK(cudaMalloc(&rstd, s.T * 4));
-      CHECK(cudaMalloc(&dw, s.H * 4));
-      // bf16 fill; the fp32 buffers get bf16 bit patterns as pairs: finite values either way
-      fill_bf16(static_cast<uint16_t*>(x), n * es / 2, 1, -2.0f, 2.0f);
-      fill_bf16(static_cast<uint16_t*>(dy), n * es / 2, 2, -1.0f, 1.0f);
-      fill_bf16(static_cast<uint16_t*>(w), s.H * es / 2, 3, 0.5f, 1.5f);
-      fl::MatrixView xv{x, s.T, s.H, s.H, dt, fl::Device::CUDA}, yv{y, s.T, s.H, s.H, dt, fl::Device::CUDA},
-          gv{dy, s.T, s.H, s.H, dt, fl::Device::CUDA}, dxv{dx, s.T, s.H, s.H, dt, fl::Device::CUDA};
-      fl::VectorView wv{w, s.H, dt, fl::Device::CUDA};
-      auto fwd = [&] { fl::rms_norm_forward(xv, wv, {}, yv, rstd); };
-      auto bwd = [&] { fl::rms_norm_backward(gv, xv, wv, rstd, {}, dxv, dw, ws); };
-      const double elem_ms = double(es) / (bw * 1e9) * 1e3 * double(n);
-      const double floor_ms[3] = {2 * elem_ms, 3 * elem_ms, 5 * elem_ms};
-      const double ms[3] = {median_ms(iters, [] {}, fwd), median_ms(iters, [] {}, bwd),
-                            median_ms(iters, [] {}, [&] { fwd(); bwd(); })};
-      const char* ops[3] = {"forward", "backward", "fwd+bwd"};
-      for (int i = 0; i < 3; ++i)
-        std::printf("fusedloss,%s,%lld,%lld,%s,%.4f,%.4f,%.1f,%s\n", ops[i], (long long)s.T,
-                    (long long)s.H, es == 4 ? "fp32" : "bf16", ms[i], floor_ms[i], bw, prop.name);
-      std::fflush(stdout);
-      for (void* p : {x, y, dy, dx, w, ws, (void*)rstd, (void*)dw}) CHECK(cudaFree(p));
-    }
+  for (const std::string& v : variants)
+    for (fl::DType dt : {fl::DType::BF16, fl::DType::F32})
+      for (Shape s : shapes) {
+        tune(v);
+        const int64_t es = dt == fl::DType::F32 ? 4 : 2, n = s.T * s.H;
+        void *x, *y, *dy, *dx, *w, *ws;
+        float *rstd, *dw;
+        const size_t ws_bytes = fl::rms_norm_backward_workspace_bytes(s.T, s.H, fl::Device::CUDA);
+        for (void** p : {&x, &y, &dy, &dx}) CHECK(cudaMalloc(p, n * es));
+        CHECK(cudaMalloc(&w, s.H * es));
+        CHECK(cudaMalloc(&ws, ws_bytes));
+        CHECK(cudaMalloc(&rstd, s.T * 4));
+        CHECK(cudaMalloc(&dw, s.H * 4));
+        // bf16 fill; the fp32 buffers get bf16 bit patterns as pairs: finite values either way
+        fill_bf16(static_cast<uint16_t*>(x), n * es / 2, 1, -2.0f, 2.0f);
+        fill_bf16(static_cast<uint16_t*>(dy), n * es / 2, 2, -1.0f, 1.0f);
+        fill_bf16(static_cast<uint16_t*>(w), s.H * es / 2, 3, 0.5f, 1.5f);
+        fl::MatrixView xv{x, s.T, s.H, s.H, dt, fl::Device::CUDA}, yv{y, s.T, s.H, s.H, dt, fl::Device::CUDA},
+            gv{dy, s.T, s.H, s.H, dt, fl::Device::CUDA}, dxv{dx, s.T, s.H, s.H, dt, fl::Device::CUDA};
+        fl::VectorView wv{w, s.H, dt, fl::Device::CUDA};
+        auto fwd = [&] { fl::rms_norm_forward(xv, wv, {}, yv, rstd); };
+        auto bwd = [&] { fl::rms_norm_backward(gv, xv, wv, rstd, {}, dxv, dw, ws); };
+        const double elem_ms = double(es) / (bw * 1e9) * 1e3 * double(n);
+        const double floor_ms[3] = {2 * elem_ms, 3 * elem_ms, 5 * elem_ms};
+        const double ms[3] = {median_ms(iters, [] {}, fwd), median_ms(iters, [] {}, bwd),
+                              median_ms(iters, [] {}, [&] { fwd(); bwd(); })};
+        const char* ops[3] = {"forward", "backward", "fwd+bwd"};
+        for (int i = 0; i < 3; ++i) {
+          if (labelled) std::printf("\"%s\",", v.c_str());
+          std::printf("fusedloss,%s,%lld,%lld,%s,%.4f,%.4f,", ops[i], (long long)s.T,
+                      (long long)s.H, es == 4 ? "fp32" : "bf16", ms[i], floor_ms[i]);
+          if (labelled) std::printf("%.3f,", ms[i] / floor_ms[i]);
+          std::printf("%.1f,%s\n", bw, prop.name);
+        }
+        std::fflush(stdout);
+        for (void* p : {x, y, dy, dx, w, ws, (void*)rstd, (void*)dw}) CHECK(cudaFree(p));
+      }
   return 0;
 }

@@ -2,7 +2,8 @@
 # On a GPU machine: build for the local GPU, run the whole test suite, the CUDA tests under
 # compute-sanitizer (memcheck, racecheck), the kernels' resource usage, and the benchmark.
 # Logs and result CSVs go to ${OUT:-gpu-out}. Set SKIP_BENCH=1 / SKIP_SANITIZER=1 to shorten;
-# BENCH_KINDS, BENCH_TIMEOUT, SANITIZER_FILTER, SANITIZER_TIMEOUT, PROPERTY_EXAMPLES narrow them.
+# BENCH_KINDS, BENCH_TIMEOUT, SANITIZER_FILTER, SANITIZER_TIMEOUT, PROPERTY_EXAMPLES narrow them;
+# RMS_VARIANTS (launch shapes of the RMSNorm kernels, bench/rms_norm_bench's arguments) adds them.
 # Python: PYTHON, else the active environment, else python3 when it already has torch (GPU
 # machines ship one; they often have no network for a fresh .venv), else .venv.
 set -uo pipefail
@@ -81,6 +82,15 @@ if [ -d build-swiglu-variants ] && [ "${SKIP_BENCH:-0}" != 1 ]; then  # built ah
   variants=$(ls build-swiglu-variants | sed -n 's/^swiglu_bench-\([0-9]*\)-\([0-9]*\)-\([0-9]*\)$/\1,\2,\3/p')
   bench/swiglu_variants.sh run "$variants" > "$OUT/swiglu-variants.csv" 2> "$OUT/swiglu-variants.log" || status=1
   grep -E "^variant|fwd\+bwd|forward" "$OUT/swiglu-variants.csv" | cut -d, -f1,3,4,6,7
+fi
+# RMSNorm launch shapes, chosen at run time: RMS_VARIANTS="default bwd_prefetch=0 ...", one
+# variant a word (bench/rms_norm_bench's arguments); the table shows ms, floor and ratio.
+if [ -n "${RMS_VARIANTS:-}" ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
+  step "RMSNorm kernel variants"
+  # shellcheck disable=SC2086
+  build-gpu/bench/rms_norm_bench $RMS_VARIANTS > "$OUT/rms-norm-variants.csv" \
+    2> "$OUT/rms-norm-variants.log" || status=1
+  grep -E '^variant|fwd\+bwd|,forward,' "$OUT/rms-norm-variants.csv" | sed -E 's/,[^,]*,[^,]*$//'
 fi
 if [ "${PACK_LOGS:-0}" = 1 ]; then  # few files to carry back: logs in one archive
   (cd "$OUT" && tar czf logs.tar.gz *.log *.txt && rm -f *.log *.txt)

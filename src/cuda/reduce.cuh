@@ -68,6 +68,30 @@ __device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, Plus{
 __device__ __forceinline__ float group_sum(float v, int group_threads, float* scratch) {
   return group_reduce(v, Plus{}, group_threads, scratch);
 }
+
+// group_sum with one block barrier instead of two, for a loop that sums once per iteration:
+// `scratch` holds 2 * blockDim.x / 32 floats and `parity` alternates between iterations (0, 1,
+// 0, ...), every thread of the block calling it with the same value. Why one barrier is enough:
+// iteration i writes half i % 2, meets the barrier, then reads it; the next write to that half
+// (iteration i + 2) comes after iteration i + 1's barrier, which no thread passes before it has
+// finished its reads of iteration i. Only __syncthreads orders the slots (no named barriers,
+// no thread-count arguments), so compute-sanitizer racecheck models all of it. Same order and
+// bits as group_sum.
+__device__ __forceinline__ float group_sum_alternating(float v, int group_threads, float* scratch,
+                                                       int parity) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = warp_sum(v);
+  if (group_threads == 32) return v;
+  float* half = scratch + parity * (blockDim.x / 32);
+  if (lane == 0) half[warp] = v;
+  __syncthreads();
+  const int warps = group_threads / 32, first = (threadIdx.x / group_threads) * warps;
+  float s = 0.0f;
+  for (int w = 0; w < warps; ++w) s += half[first + w];
+  return s;
+}
+
+// Sum over the whole block; `scratch` holds blockDim.x / 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return block_reduce(v, Plus{}, scratch);
 }

@@ -14,7 +14,19 @@
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
 // kernel adds the partial rows of each column in a fixed order. No float atomics anywhere: the
 // weight gradient has the same bits on every call on a given device (the grid depends on the
-// device's SM count and on H, never on timing).
+// device's SM count, H and the tuning, never on timing).
+//
+// Synchronisation: only __syncthreads, reached by every thread of the block (the row loops'
+// bounds are the block's, not the group's), so the proof is short and compute-sanitizer
+// racecheck checks all of it. Per row one barrier (group_sum_alternating: two scratch halves;
+// none when a row is one warp: shuffles only); the accumulator exchange at the end has its own
+// array and two barriers per slot. While a block waits at its barrier, HBM is kept busy by the
+// other blocks of the SM (the default backward block is 256 threads, one or two rows, two
+// blocks per SM that drift apart) and by an L2 prefetch of the group's next row (a hint, no
+// shared state) issued as it starts a row. Groups with their own named barriers (bar.sync
+// 1 + g, a thread count) were tried: racecheck reported hazards on the exchange that the code's
+// ordering does not allow by reading, i.e. most likely its model of counted named barriers,
+// but a design the tool cannot confirm is not shipped.
 //
 // Views that cannot be walked in 16-byte vectors (odd H, offset pointers, strides that are not
 // a multiple of 16 bytes) and rows too long for registers go through the "any" kernels: one
@@ -30,6 +42,7 @@
 #include "cuda/rms_norm_cuda.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -46,43 +59,22 @@ using core::StorageKind;
 using core::Elem;
 using core::St;
 
-// Build-time knobs (defaults are the shipped kernels). A row gets tpr = ceil(vectors / NP)
-// threads, NP the smallest power of two up to the maximum with tpr <= the target; blocks
-// gather rows up to the block target.
-#ifndef FUSEDLOSS_RMS_FWD_TPR
-#define FUSEDLOSS_RMS_FWD_TPR 128
-#endif
-#ifndef FUSEDLOSS_RMS_FWD_BLOCK
-#define FUSEDLOSS_RMS_FWD_BLOCK 256
-#endif
-#ifndef FUSEDLOSS_RMS_BWD_TPR
-#define FUSEDLOSS_RMS_BWD_TPR 128
-#endif
-#ifndef FUSEDLOSS_RMS_BWD_BLOCK
-#define FUSEDLOSS_RMS_BWD_BLOCK 512
-#endif
-// Backward blocks per SM at most (the grid, and the partial rows: the workspace size).
-#ifndef FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM
-#define FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM 2
-#endif
 constexpr int kFwdMaxThreads = 1024;  // launch bound: <= 64 registers a thread
 constexpr int kBwdMaxThreads = 512;   // launch bound: <= 128 (the accumulators live in registers)
 // Vectors per thread in the forward: 4 (16 registers of row data), within the 64 registers of
 // the launch bound without spills (8 spilled with the residual add).
+constexpr int kFwdMaxNp = 4;
+// The backward holds x, dy and an fp32 accumulator per column: 4 vectors a thread (16-bit rows:
+// 16 + 16 + 32 registers; fp32: 16 + 16 + 16). fp32 rows that do not fit 512 threads that way
+// (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x and dy of 4 held (32; 2 on
+// sm_80), the others read again in the second pass; no spills. 16-bit rows would need 64
+// accumulator registers: those rows (H > 16384) take the "any" kernels.
 template <class T>
-constexpr int fwd_max_np() {
-  return 4;
+constexpr int bwd_long_np() {
+  return sizeof(T) == 4 ? 8 : 4;
 }
-// The backward holds x, dy and an fp32 accumulator per column: at most 32 columns a thread
-// for 16-bit rows (4 vectors: 16 + 16 + 32 registers), 16 for fp32 (4 vectors: 16 + 16 + 16),
-// within the launch bound without spills.
-template <class T>
-constexpr int bwd_max_np() {
-  return 4;
-}
+constexpr int kBwdPreferredNp = 4;
 constexpr int kAnyThreads = 256;
-constexpr int kBwdBlocksPerSm = FUSEDLOSS_RMS_BWD_BLOCKS_PER_SM;
-static_assert(FUSEDLOSS_RMS_BWD_BLOCK <= kBwdMaxThreads, "backward block within its launch bound");
 
 template <StorageKind X, StorageKind W>
 struct FwdArgs {
@@ -99,7 +91,8 @@ struct FwdArgs {
   int64_t rows, hidden;
   float eps;
   bool zc;
-  int tpr;  // threads per row: a multiple of 32 dividing blockDim.x
+  bool prefetch;  // the group's next row into L2
+  int tpr;        // threads per row: a multiple of 32 dividing blockDim.x
 };
 
 template <StorageKind X, StorageKind W>
@@ -117,6 +110,7 @@ struct BwdArgs {
   float* partial;  // [gridDim.x, hidden]
   int64_t rows, hidden;
   bool zc;
+  bool prefetch;
   int tpr;
 };
 
@@ -125,24 +119,30 @@ struct BwdArgs {
 template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
-  __shared__ float scratch[kFwdMaxThreads / 32];
+  __shared__ float scratch[2 * kFwdMaxThreads / 32];
   const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
-  const int64_t nvec = a.hidden / VEC;
+  const int nvec = int(a.hidden / VEC);  // rows this short fit the registers
+  const int64_t step = int64_t(gridDim.x) * groups;
+  const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
+  int parity = 0;
   // The loop bounds are the block's, not the group's: every thread reaches every group_sum.
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows;
-       base += int64_t(gridDim.x) * groups) {
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
     const bool live = r < a.rows;
+    if (a.prefetch && t == 0 && r + step < a.rows) {
+      prefetch_l2(a.x + (r + step) * a.xs, row_bytes);
+      if (a.res) prefetch_l2(a.res + (r + step) * a.rs, row_bytes);
+    }
     Vec16 v[NP] = {};  // zero bits are 0.0 in every storage kind: absent vectors add nothing
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int64_t p = t + int64_t(k) * a.tpr;
+      const int p = t + k * a.tpr;
       if (live && p < nvec) v[k] = load_vec(a.x + r * a.xs + p * VEC);
     }
     if (a.res) {
 #pragma unroll
       for (int k = 0; k < NP; ++k) {
-        const int64_t p = t + int64_t(k) * a.tpr;
+        const int p = t + k * a.tpr;
         if (live && p < nvec) {
           float xf[VEC], rf[VEC];
           to_floats<X>(v[k], xf);
@@ -162,12 +162,12 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
         const float f = get<X>(v[k], e);
         sq += f * f;
       }
-    sq = group_sum(sq, a.tpr, scratch);
+    sq = group_sum_alternating(sq, a.tpr, scratch, parity);
     const float rstd = core::rms_rstd(sq, a.hidden, a.eps);
     if (live && t == 0) a.rstd[r] = rstd;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int64_t p = t + int64_t(k) * a.tpr;
+      const int p = t + k * a.tpr;
       if (live && p < nvec) {
         float w[VEC], o[VEC];
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
@@ -211,57 +211,84 @@ __global__ void __launch_bounds__(kAnyThreads) forward_any_kernel(FwdArgs<X, W> 
 template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
-  __shared__ float scratch[kBwdMaxThreads / 32];
-  __shared__ float exchange[kBwdMaxThreads * VEC];
+  __shared__ float scratch[2 * kBwdMaxThreads / 32];
   const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
-  const int64_t nvec = a.hidden / VEC;
+  const int nvec = int(a.hidden / VEC);  // rows this short fit the registers
+  const int64_t step = int64_t(gridDim.x) * groups;
+  const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
+  // x and dy of the first kHeld vectors stay in registers between the passes; the rest (fp32
+  // rows of 8 vectors a thread: H 8196..16384, one group a block) are read again in the second
+  // pass, from L1/L2 where the first pass just brought them: what keeps 8 accumulator vectors
+  // within the registers without spills.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr int kLongHeld = 2;  // sm_80's register allocation spills at 3 and 4
+#else
+  constexpr int kLongHeld = 4;
+#endif
+  constexpr int kHeld = NP <= kBwdPreferredNp ? NP : kLongHeld;
+  __shared__ float exchange[kBwdMaxThreads * VEC];
   float dg[NP][VEC] = {};
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows;
-       base += int64_t(gridDim.x) * groups) {
+  int parity = 0;
+  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
     const bool live = r < a.rows;
-    Vec16 xv[NP] = {}, gv[NP] = {};
-#pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      const int64_t p = t + int64_t(k) * a.tpr;
-      if (live && p < nvec) {
-        xv[k] = load_vec(a.x + r * a.xs + p * VEC);
-        gv[k] = load_vec(a.dy + r * a.dys + p * VEC);
-      }
+    if (a.prefetch && t == 0 && r + step < a.rows) {
+      prefetch_l2(a.x + (r + step) * a.xs, row_bytes);
+      prefetch_l2(a.dy + (r + step) * a.dys, row_bytes);
+      if (a.gres) prefetch_l2(a.gres + (r + step) * a.gs, row_bytes);
     }
+    // Vector k of x and dy (zeros past the row or on a dead row: they add nothing).
+    auto load_xdy = [&](int k, Vec16& xk, Vec16& gk) {
+      const int p = t + k * a.tpr;
+      if (live && p < nvec) {
+        xk = load_vec(a.x + r * a.xs + p * VEC);
+        gk = load_vec(a.dy + r * a.dys + p * VEC);
+      }
+    };
+    Vec16 xv[kHeld] = {}, gv[kHeld] = {};
+#pragma unroll
+    for (int k = 0; k < kHeld; ++k) load_xdy(k, xv[k], gv[k]);
     const float rstd = live ? a.rstd[r] : 0.0f;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int64_t p = t + int64_t(k) * a.tpr;
-      if (p < nvec) {  // a dead row's vectors are zeros: they add nothing
+      const int p = t + k * a.tpr;
+      Vec16 xk = {}, gk = {};
+      if (k < kHeld) xk = xv[k < kHeld ? k : 0], gk = gv[k < kHeld ? k : 0];
+      else load_xdy(k, xk, gk);
+      if (p < nvec) {
         float w[VEC];
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
-          const float xhat = get<X>(xv[k], e) * rstd, dy = get<X>(gv[k], e);
+          const float xhat = get<X>(xk, e) * rstd, dy = get<X>(gk, e);
           dot += dy * core::rms_gamma(w[e], a.zc) * xhat;
           dg[k][e] += dy * xhat;
         }
       }
     }
-    const float c = core::rms_dot_mean(group_sum(dot, a.tpr, scratch), a.hidden);
+    const float c =
+        core::rms_dot_mean(group_sum_alternating(dot, a.tpr, scratch, parity), a.hidden);
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int64_t p = t + int64_t(k) * a.tpr;
+      const int p = t + k * a.tpr;
+      Vec16 xk = {}, gk = {};
+      if (k < kHeld) xk = xv[k < kHeld ? k : 0], gk = gv[k < kHeld ? k : 0];
+      else load_xdy(k, xk, gk);  // before this thread stores over them (in place)
       if (live && p < nvec) {
         float w[VEC], o[VEC], gr[VEC] = {};
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
         if (a.gres) to_floats<X>(load_vec(a.gres + r * a.gs + p * VEC), gr);
 #pragma unroll
         for (int e = 0; e < VEC; ++e)
-          o[e] = core::rms_grad_s(get<X>(xv[k], e) * rstd, get<X>(gv[k], e),
+          o[e] = core::rms_grad_s(get<X>(xk, e) * rstd, get<X>(gk, e),
                                   core::rms_gamma(w[e], a.zc), rstd, c) + gr[e];
         store_vec(a.dx + r * a.dxs + p * VEC, from_floats<X>(o));  // in place: read above
       }
     }
   }
-  // The groups' accumulators, added in group order into group 0's, one vector slot at a time.
+  // The groups' accumulators, added in group order into group 0's, one vector slot at a time
+  // (exchange is not the scratch: the row loop's last reads of it need no barrier here).
 #pragma unroll
   for (int k = 0; k < NP; ++k) {
     if (groups > 1) {  // uniform over the block
@@ -275,7 +302,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dg[k][e] += exchange[((h - 1) * VEC + e) * a.tpr + t];
     }
-    const int64_t p = t + int64_t(k) * a.tpr;
+    const int p = t + k * a.tpr;
     if (g == 0 && p < nvec) {
       float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
 #pragma unroll
@@ -370,9 +397,18 @@ int blocks_per_sm(const void* kernel, int threads) {
   });
 }
 
+// The tuning in force (set_rms_norm_tuning); read once per call.
+std::mutex g_tuning_mutex;
+RmsNormTuning g_tuning;
+
+RmsNormTuning current_tuning() {
+  std::lock_guard<std::mutex> lock(g_tuning_mutex);
+  return g_tuning;
+}
+
 // The backward's partial rows at most: the grid never exceeds this.
-int64_t max_partial_rows(int64_t rows) {
-  return std::min<int64_t>(int64_t(kBwdBlocksPerSm) * sm_count(), std::max<int64_t>(rows, 1));
+int64_t max_partial_rows(int64_t rows, const RmsNormTuning& t) {
+  return std::min<int64_t>(int64_t(t.bwd_blocks_per_sm) * sm_count(), std::max<int64_t>(rows, 1));
 }
 
 struct RowLayout {
@@ -381,13 +417,18 @@ struct RowLayout {
   int groups = 0;  // rows per block at a time
 };
 
-RowLayout row_layout(int64_t nvec, int max_np, int target_tpr, int block_target, int max_block) {
+// NP: the smallest power of two up to `preferred_np` giving tpr <= target_tpr; beyond it (up to
+// max_np) only while the row does not fit max_block threads. Blocks gather rows up to
+// block_target threads.
+RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr, int block_target,
+                     int max_block) {
+  auto tpr_of = [&](int np) { return ((nvec + np - 1) / np + 31) / 32 * 32; };
   int np = 1;
-  while (np < max_np && (nvec + np - 1) / np > target_tpr) np *= 2;
-  const int64_t tpr = ((nvec + np - 1) / np + 31) / 32 * 32;
-  if (tpr > max_block) return {};
-  const int t = int(tpr);
-  return {np, t, std::max(1, block_target / t)};
+  while (np < preferred_np && tpr_of(np) > target_tpr) np *= 2;
+  while (np < max_np && tpr_of(np) > max_block) np *= 2;
+  if (tpr_of(np) > max_block) return {};
+  const int t = int(tpr_of(np));
+  return {np, t, np > preferred_np ? 1 : std::max(1, block_target / t)};
 }
 
 template <class F>
@@ -425,14 +466,67 @@ unsigned grid_of(int64_t blocks) { return unsigned(std::clamp<int64_t>(blocks, 1
 
 }  // namespace
 
+RmsNormTuning rms_norm_tuning() { return current_tuning(); }
+
+void set_rms_norm_tuning(const RmsNormTuning& t) {
+  auto in = [](const char* field, int v, int lo, int hi, int multiple) {
+    detail::require(v >= lo && v <= hi && v % multiple == 0, "RmsNormTuning.", field, ": got ", v,
+                    ", expected ", lo, "..", hi, multiple > 1 ? " in multiples of 32" : "");
+  };
+  in("fwd_tpr", t.fwd_tpr, 32, kFwdMaxThreads, 32);
+  in("fwd_block", t.fwd_block, 32, kFwdMaxThreads, 32);
+  in("fwd_blocks_per_sm", t.fwd_blocks_per_sm, 0, 64, 1);
+  in("bwd_tpr", t.bwd_tpr, 32, kBwdMaxThreads, 32);
+  in("bwd_block", t.bwd_block, 32, kBwdMaxThreads, 32);
+  in("bwd_blocks_per_sm", t.bwd_blocks_per_sm, 1, 16, 1);
+  std::lock_guard<std::mutex> lock(g_tuning_mutex);
+  g_tuning = t;
+}
+
+RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
+  RmsNormTuning t;
+  const std::pair<const char*, int*> ints[] = {
+      {"fwd_tpr", &t.fwd_tpr}, {"fwd_block", &t.fwd_block},
+      {"fwd_blocks_per_sm", &t.fwd_blocks_per_sm}, {"bwd_tpr", &t.bwd_tpr},
+      {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm}};
+  const std::pair<const char*, bool*> flags[] = {{"fwd_prefetch", &t.fwd_prefetch},
+                                                 {"bwd_prefetch", &t.bwd_prefetch}};
+  size_t at = 0;
+  while (at < spec.size()) {
+    const size_t end = std::min(spec.find(',', at), spec.size());
+    const std::string item = spec.substr(at, end - at);
+    at = end + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    const std::string val = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* stop = nullptr;
+    const long v = std::strtol(val.c_str(), &stop, 10);
+    detail::require(!val.empty() && *stop == '\0', "RmsNormTuning: '", item,
+                    "': expected field=integer");
+    bool known = false;
+    for (auto& [name, field] : ints)
+      if (key == name)  // out-of-range values stay out of range for the check
+        *field = int(std::clamp<long>(v, -1, 1L << 20)), known = true;
+    for (auto& [name, field] : flags)
+      if (key == name) {
+        detail::require(v == 0 || v == 1, "RmsNormTuning.", key, ": got ", v, ", expected 0 or 1");
+        *field = v == 1, known = true;
+      }
+    detail::require(known, "RmsNormTuning: unknown field '", key, "'");
+  }
+  return t;
+}
+
 size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden) {
-  return size_t(max_partial_rows(rows)) * size_t(hidden) * sizeof(float);
+  return size_t(max_partial_rows(rows, current_tuning())) * size_t(hidden) * sizeof(float);
 }
 
 void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const MatrixView& y,
                       float* rstd, const MatrixView& residual, const MatrixView& residual_out,
                       Stream stream) {
   if (p.rows == 0) return;
+  const RmsNormTuning tune = current_tuning();
   dispatch_types(x.dtype, p.weight_dtype, [&](auto xk, auto wk) {
     constexpr StorageKind X = decltype(xk)::value, W = decltype(wk)::value;
     constexpr int VEC = vector_width<Elem<X>>();
@@ -441,19 +535,25 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
                     static_cast<Elem<X>*>(y.data), y.row_stride,
                     static_cast<Elem<X>*>(residual_out.data), residual_out.row_stride,
                     static_cast<const Elem<W>*>(p.weight), rstd, p.rows, p.hidden, p.eps,
-                    p.zero_centered_gamma, 0};
+                    p.zero_centered_gamma, tune.fwd_prefetch, 0};
     const bool vec = vectorisable(x) && vectorisable(y) && vectorisable(residual) &&
                      vectorisable(residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    const RowLayout l = vec ? row_layout(p.hidden / VEC, fwd_max_np<Elem<X>>(), FUSEDLOSS_RMS_FWD_TPR,
-                                         FUSEDLOSS_RMS_FWD_BLOCK, kFwdMaxThreads)
+    const RowLayout l = vec ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
+                                         tune.fwd_block, kFwdMaxThreads)
                             : RowLayout{};
     if (l.np) {
       a.tpr = l.tpr;
-      dispatch_np<fwd_max_np<Elem<X>>()>(l.np, [&](auto np) {
-        forward_rows_kernel<X, W, decltype(np)::value>
-            <<<grid_of((p.rows + l.groups - 1) / l.groups), l.tpr * l.groups, 0,
-               as_cuda(stream)>>>(a);
+      dispatch_np<kFwdMaxNp>(l.np, [&](auto np) {
+        auto* kernel = forward_rows_kernel<X, W, decltype(np)::value>;
+        const int threads = l.tpr * l.groups;
+        int64_t blocks = (p.rows + l.groups - 1) / l.groups;
+        if (tune.fwd_blocks_per_sm > 0) {  // persistent: the blocks resident at once
+          const int per_sm =
+              std::min(tune.fwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
+          blocks = std::min<int64_t>(blocks, int64_t(per_sm) * sm_count());
+        }
+        kernel<<<grid_of(blocks), threads, 0, as_cuda(stream)>>>(a);
       });
     } else {
       a.tpr = kAnyThreads;
@@ -471,7 +571,8 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     FL_CUDA_CHECK(cudaMemsetAsync(grad_weight, 0, sizeof(float) * p.hidden, as_cuda(stream)));
     return;
   }
-  const int64_t max_parts = max_partial_rows(p.rows);
+  const RmsNormTuning tune = current_tuning();
+  const int64_t max_parts = max_partial_rows(p.rows, tune);
   struct Owned {  // the partials allocated here, freed stream-ordered on every exit
     void* ptr;
     Stream stream;
@@ -487,19 +588,21 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                     static_cast<const Elem<X>*>(grad_residual_out.data),
                     grad_residual_out.row_stride, static_cast<Elem<X>*>(grad_x.data),
                     grad_x.row_stride, static_cast<const Elem<W>*>(p.weight), rstd, partial,
-                    p.rows, p.hidden, p.zero_centered_gamma, 0};
+                    p.rows, p.hidden, p.zero_centered_gamma, tune.bwd_prefetch, 0};
     const bool vec = vectorisable(grad_y) && vectorisable(x_or_s) && vectorisable(grad_x) &&
                      vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    const RowLayout l = vec ? row_layout(p.hidden / VEC, bwd_max_np<Elem<X>>(), FUSEDLOSS_RMS_BWD_TPR,
-                                         FUSEDLOSS_RMS_BWD_BLOCK, kBwdMaxThreads)
+    constexpr int kLongNp = bwd_long_np<Elem<X>>();
+    const RowLayout l = vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr,
+                                         tune.bwd_block, kBwdMaxThreads)
                             : RowLayout{};
     if (l.np) {
       a.tpr = l.tpr;
-      dispatch_np<bwd_max_np<Elem<X>>()>(l.np, [&](auto np) {
+      dispatch_np<kLongNp>(l.np, [&](auto np) {
         auto* kernel = backward_rows_kernel<X, W, decltype(np)::value>;
         const int threads = l.tpr * l.groups;
-        const int per_sm = std::min(kBwdBlocksPerSm, blocks_per_sm((const void*)kernel, threads));
+        const int per_sm =
+            std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
         parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
                                        (p.rows + l.groups - 1) / l.groups}));
         kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);

@@ -1,10 +1,34 @@
 // CUDA backend of RMSNorm: the same entry points as src/cpu/rms_norm_cpu.h, on a stream.
 #pragma once
 #include <cstddef>
+#include <string>
 #include "core/rms_norm_math.h"
 #include "cuda/runtime.h"
 
 namespace fusedloss::cuda {
+
+// Launch shape of the vector ("rows") kernels. The defaults are the shipped kernels; the
+// tests run the others too (every one must give correct results), and the benchmark measures
+// them (bench/rms_norm_bench --variants). A process sets it before sizing workspaces: the
+// backward's partial rows, hence rms_norm_workspace_bytes, depend on bwd_blocks_per_sm.
+struct RmsNormTuning {
+  // Threads per row, a target: a row gets the fewest vectors a thread (1, 2, 4) that need at
+  // most this many threads (rounded up to warps); rows too long for that take more threads.
+  int fwd_tpr = 128;
+  int fwd_block = 256;          // threads per block, a target (several rows when they are short)
+  int fwd_blocks_per_sm = 0;    // 0: a block per `fwd_block / tpr` rows; n: a persistent grid
+  int bwd_tpr = 64;             // 4 vectors a thread from 2048 bf16 columns: bytes in flight
+  int bwd_block = 256;          // <= 512
+  int bwd_blocks_per_sm = 2;    // the backward grid per SM at most (its partial rows)
+  bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
+  bool bwd_prefetch = true;
+};
+RmsNormTuning rms_norm_tuning();
+// Throws naming the field, its value and the range when a field is out of range.
+void set_rms_norm_tuning(const RmsNormTuning& t);
+// "field=value,..." (the field names above; booleans 0/1) over the defaults; throws naming an
+// unknown field or a bad value.
+RmsNormTuning parse_rms_norm_tuning(const std::string& spec);
 
 size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden);
 void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const MatrixView& y,

@@ -43,6 +43,21 @@ __device__ __forceinline__ void store_vec(T* p, const Vec16& v) {
   *reinterpret_cast<Vec16*>(p) = v;
 }
 
+// A hint: start bringing `bytes` bytes at p into L2 (sm_90's bulk prefetch: one instruction for
+// a whole row; nothing on older chips), so that HBM keeps streaming a row a thread will load
+// later while it reduces or stores the current one. p 16-byte aligned, bytes a multiple of 16
+// (spans over 2^30 bytes are cut there). No effect on results, and no shared memory: L2 is
+// coherent, so prefetching memory that the launch writes later (in-place gradients) is harmless.
+__device__ __forceinline__ void prefetch_l2(const void* p, int64_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int64_t kMax = int64_t(1) << 30;
+  const uint32_t n = uint32_t(bytes < kMax ? bytes : kMax);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // Element e (a compile-time index in unrolled loops) of storage kind K, as a float; and the
 // vector of N = vector_width floats stored back in K, rounded once.
 template <core::StorageKind K>

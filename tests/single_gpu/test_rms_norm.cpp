@@ -7,6 +7,9 @@
 
 #include "common/test_util.h"
 #include "fusedloss/rms_norm.h"
+#if FUSEDLOSS_HAS_CUDA
+#include "cuda/rms_norm_cuda.h"
+#endif
 
 namespace fusedloss::test {
 namespace {
@@ -365,6 +368,78 @@ TEST_P(RmsNorm, CallerWorkspace) {
     check(c);
   }
 }
+
+// Every launch shape of the CUDA row kernels (cuda::RmsNormTuning), each around its path
+// boundaries: one warp per row and many rows a block (shuffles only), a row per block, several
+// multi-warp groups a block (the alternating scratch: more rows than one grid sweep, so both
+// halves are reused), big groups, the persistent forward with its L2 prefetch, and backward
+// grids of 1 to 8 blocks per SM. Shapes: short rows in the thousands, model sizes with the
+// residual, zero-centred gamma and a mixed weight dtype, and the register limits: 16-bit
+// rows on the backward's vector path up to H = 16384 and the forward's up to 32768, fp32 up to
+// 16384 on both (the backward's 8-vector path from H = 8196), the "any" kernels just past them.
+// (The CPU backend has one path: it runs the shapes once.)
+TEST_P(RmsNorm, KernelVariants) {
+  const bool cuda = GetParam() == Device::CUDA;
+  struct S { int64_t rows, H; DType d; bool residual; std::optional<DType> w; };
+  const S shapes[] = {{5000, 64, DType::BF16, false, {}},    {2500, 2048, DType::BF16, true, {}},
+                      {300, 5120, DType::BF16, false, DType::F32},
+                      {200, 6144, DType::F32, true, DType::BF16},
+                      {40, 8192, DType::F32, false, {}},      {40, 8196, DType::F32, true, {}},
+                      {6, 16384, DType::F32, false, {}},      {3, 16388, DType::F32, false, {}},
+                      {6, 16384, DType::BF16, true, {}},      {3, 16392, DType::BF16, false, {}},
+                      {3, 32768, DType::F16, false, {}},      {3, 32776, DType::BF16, false, {}}};
+  const char* variants[] = {
+      "",
+      "fwd_tpr=32,fwd_block=1024,bwd_tpr=32,bwd_block=512,bwd_blocks_per_sm=1",
+      "fwd_block=32,bwd_block=32,bwd_blocks_per_sm=8",
+      "fwd_tpr=64,fwd_block=512,fwd_blocks_per_sm=1,fwd_prefetch=1,bwd_tpr=128,bwd_block=512,"
+      "bwd_blocks_per_sm=1,bwd_prefetch=0",
+      "fwd_tpr=256,fwd_block=1024,fwd_blocks_per_sm=2,bwd_tpr=512,bwd_block=512,"
+      "bwd_blocks_per_sm=4"};
+#if FUSEDLOSS_HAS_CUDA
+  const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
+  auto tune = [&](const char* v) {
+    cuda::set_rms_norm_tuning(v ? cuda::parse_rms_norm_tuning(v) : shipped);
+  };
+#else
+  auto tune = [](const char*) {};
+#endif
+  for (const char* v : variants) {
+    if (!cuda && *v) continue;
+    SCOPED_TRACE(std::string("tuning: ") + v);
+    if (cuda) tune(v);
+    for (const S& s : shapes) {
+      RmsCase c;
+      c.rows = s.rows;
+      c.H = s.H;
+      c.dtype = s.d;
+      c.residual = c.grad_residual = s.residual;
+      c.weight_dtype = s.w;
+      c.zero_centered = s.H == 5120 || s.H == 8196;
+      c.caller_workspace = true;
+      check(c);
+    }
+  }
+  if (cuda) tune(nullptr);
+}
+
+#if FUSEDLOSS_HAS_CUDA
+TEST(RmsNormTuning, ClearErrors) {
+  const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
+  expect_error([] { cuda::parse_rms_norm_tuning("bwd_blok=256"); }, {"unknown field 'bwd_blok'"});
+  expect_error([] { cuda::parse_rms_norm_tuning("bwd_block=2x"); }, "bwd_block=2x", "field=integer");
+  expect_error([] { cuda::parse_rms_norm_tuning("bwd_prefetch=2"); }, "bwd_prefetch", "0 or 1");
+  expect_error([] { cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("bwd_block=1024")); },
+               "bwd_block: got 1024", "32..512");
+  expect_error([] { cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("fwd_tpr=48")); },
+               "fwd_tpr: got 48", "multiples of 32");
+  const cuda::RmsNormTuning t = cuda::parse_rms_norm_tuning("fwd_blocks_per_sm=3,bwd_prefetch=0");
+  EXPECT_EQ(t.fwd_blocks_per_sm, 3);
+  EXPECT_FALSE(t.bwd_prefetch);
+  EXPECT_EQ(t.bwd_block, cuda::RmsNormTuning{}.bwd_block);
+  EXPECT_EQ(cuda::rms_norm_tuning().bwd_block, shipped.bwd_block);  // failed sets change nothing
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Backends, RmsNorm, ::testing::Values(Device::CPU, Device::CUDA),
                          [](const auto& info) { return std::string(to_string(info.param)); });
