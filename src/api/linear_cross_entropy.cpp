@@ -6,6 +6,7 @@
 #include <cmath>
 #include "api/check.h"
 #include "api/vocab_parallel.h"
+#include "core/lce_tuning.h"
 #include "core/linear_ce_plan.h"
 #include "cpu/cross_entropy_cpu.h"
 #include "cpu/linear_ce_cpu.h"
@@ -169,7 +170,7 @@ int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int6
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    chunk = int64_t(o.workspace_bytes / size_t(2 * stride * es));
+    chunk = int64_t(o.workspace_bytes / size_t(core::lce_tuning().buffers * stride * es));
     if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
