@@ -21,7 +21,9 @@ struct LceTuning {
   // on the caller's stream between the GEMMs (serial).
   bool side_stream = true;
   // FUSEDLOSS_LCE_GEMM_ALGOS = k >= 1: 1 takes cuBLASLt's heuristic first answer; k > 1 asks for
-  // k and times them once per shape (a host sync on first use, skipped under graph capture).
+  // k and times them once per shape (a host sync on first use, skipped under graph capture;
+  // a GEMM that accumulates into C is timed on a zeroed scratch of C's size, e.g. the fp32
+  // [V_local, H] dweight, allocated for that first call only).
   int gemm_algos = 1;
   // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
   // linear_cross_entropy_phase_times (synchronises the host at the end of each loop).

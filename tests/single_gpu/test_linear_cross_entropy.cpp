@@ -147,6 +147,20 @@ TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
       c.accumulate_dweight = block == 64;
       check(c);
     }
+  // One chunk of every token (the block's dweight GEMM writes the caller's rows directly), in
+  // the weight's dtype and fp32, written and accumulated; and two chunks (the fp32 block).
+  for (int64_t chunk : {int64_t(0), int64_t(50), int64_t(49)})
+    for (DType gd : {DType::BF16, DType::F32})
+      for (bool acc : {false, true}) {
+        LceCase c;
+        c.lo.backward_mode = LinearCeBackward::Recompute;
+        c.lo.vocab_block = 64;
+        c.lo.chunk_rows = chunk;
+        c.dtype = DType::BF16;
+        c.grad_dtype = gd;
+        c.accumulate_dweight = acc;
+        check(c);
+      }
   LceCase zero;
   zero.N = 0;
   zero.lo.backward_mode = LinearCeBackward::Recompute;
