@@ -219,11 +219,11 @@ def run(out_dir, commit, iters=10, warmup=2, variants=("default",), shapes=None)
         torch.cuda.empty_cache()
     set_knobs({})
     report(records, names, gpu, commit, out_dir)
-    report_phases(phases, records)
+    report_phases(phases, records, gpu, commit, out_dir)
     return records
 
 
-def report_phases(phases, records):
+def report_phases(phases, records, gpu=None, commit=None, out_dir=None):
     """Per fusedloss provider: the phase sums of one timed forward+backward, against the GEMM
     floor of its mode (3 GEMMs for in_forward, 4 for recompute)."""
     if not phases:
@@ -232,7 +232,7 @@ def report_phases(phases, records):
     print("\nchunk-loop phases: device ms summed over one forward+backward (FUSEDLOSS_LCE_TIMING=1)."
           "\n  GEMMs = logits + dhidden + dweight; loops = the chunk loops end to end (the CE on the"
           " side stream overlaps the GEMMs, so loops < GEMMs + CE when it hides);"
-          "\n  other = fwd+bwd (timed run) - loops: scaling, reductions, allocations;"
+          "\n  other = fwd+bwd (the untimed median above) - loops: scaling, reductions, allocations;"
           " x floor = fwd+bwd / the mode's GEMM floor; GEMMs x = GEMMs / that floor")
     print(f"{'N, H, V':>20} {'provider':>40} {'logits':>8} {'CE':>7} {'dhidden':>8} {'dweight':>8} "
           f"{'GEMMs':>8} {'loops':>8} {'other':>7} {'fwd+bwd':>8} {'x floor':>8} {'GEMMs x':>8}")
@@ -245,6 +245,14 @@ def report_phases(phases, records):
         print(f"{shape:>20} {p['provider']:>40} {p['logits_ms']:8.2f} {p['ce_ms']:7.2f} "
               f"{p['dhidden_ms']:8.2f} {p['dweight_ms']:8.2f} {g:8.2f} {p['loop_ms']:8.2f} "
               f"{p['both'] - p['loop_ms']:7.2f} {p['both']:8.2f} {x:8.3f} {gx:8.3f}")
+    if out_dir is not None:
+        keys = ["logits_ms", "ce_ms", "dhidden_ms", "dweight_ms", "loop_ms", "loops", "both"]
+        peers.write_csv(out_dir, gpu, "linear-cross-entropy-phases",
+                        ["provider", "N", "H", "V"] + keys[:-1] + ["fwd_bwd_ms", "gpu", "commit",
+                                                                    "date"],
+                        [[p["provider"], p["N"], p["H"], p["V"]] +
+                         [f"{p[k]:.4f}" if k != "loops" else p[k] for k in keys] +
+                         [gpu, commit, peers.today()] for p in phases])
 
 
 def report(records, names, gpu, commit, out_dir):

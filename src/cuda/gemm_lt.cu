@@ -74,6 +74,20 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  void destroy() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// Destroys a plan's descriptors on scope exit unless the cache took them (error paths too).
+struct PlanOwner {
+  Plan* plan = nullptr;
+  ~PlanOwner() {
+    if (plan) plan->destroy();
+  }
 };
 
 // RAII for what only the choice needs.
@@ -133,7 +147,9 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
     auto it = plans.find(key);
     if (it != plans.end()) plan = it->second, cached = true;
   }
+  PlanOwner owner;  // holds this call's own descriptors until the cache takes them
   if (!cached) {
+    owner.plan = &plan;
     FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, compute, CUDA_R_32F));
     FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &op1,
                                                    sizeof(op1)));
@@ -198,28 +214,13 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
         if (best < 0.0f || ms < best) best = ms, plan.algo = results[size_t(i)].algo;
       }
     }
+    // Cached unless chosen under capture; another thread may have cached the shape first.
     std::lock_guard<std::mutex> lock(mu);
-    if (asked == std::max(candidates, 1)) {
-      auto [it, inserted] = plans.emplace(key, plan);
-      if (!inserted) {  // another thread built the same plan first: use its, drop ours
-        cublasLtMatrixLayoutDestroy(plan.c);
-        cublasLtMatrixLayoutDestroy(plan.b);
-        cublasLtMatrixLayoutDestroy(plan.a);
-        cublasLtMatmulDescDestroy(plan.op);
-        plan = it->second;
-      }
-    }
+    if (asked == std::max(candidates, 1) && plans.emplace(key, plan).second) owner.plan = nullptr;
   }
-  const cublasStatus_t st =
-      cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C.data, plan.c,
-                     C.data, plan.c, &plan.algo, workspace, kGemmWorkspaceBytes, s);
-  if (!cached && asked != std::max(candidates, 1)) {  // not cached: this call's own descriptors
-    cublasLtMatrixLayoutDestroy(plan.c);
-    cublasLtMatrixLayoutDestroy(plan.b);
-    cublasLtMatrixLayoutDestroy(plan.a);
-    cublasLtMatmulDescDestroy(plan.op);
-  }
-  FL_CUBLAS_CHECK(st);
+  FL_CUBLAS_CHECK(cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C.data,
+                                 plan.c, C.data, plan.c, &plan.algo, workspace,
+                                 kGemmWorkspaceBytes, s));
 }
 
 }  // namespace fusedloss::cuda
