@@ -47,11 +47,13 @@ VARIANTS = {
     "algos8": ({"FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "dh-group+algos8": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "one-buffer+algos8": ({"FUSEDLOSS_LCE_BUFFERS": "1", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "ce-rows128": ({"FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
+    "dh-group+ce-rows128": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
     "ws512": ({}, 512 << 20),
     "ws1024": ({}, 1024 << 20),
 }
 KNOBS = ("FUSEDLOSS_LCE_BUFFERS", "FUSEDLOSS_LCE_DHIDDEN", "FUSEDLOSS_LCE_SIDE_STREAM",
-         "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_TIMING")
+         "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_CE_ROWS", "FUSEDLOSS_LCE_TIMING")
 
 
 def set_knobs(env):

@@ -225,8 +225,9 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
       throw Error(mine.error);
   }
 
-  const core::LcePlan plan = make_plan(hidden, weight, options);
+  core::LcePlan plan = make_plan(hidden, weight, options);
   const bool in_forward = mode == LinearCeBackward::InForward;
+  if (in_forward && !parallel) plan.step_rows = core::lce_tuning().ce_rows;
   // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
   // upstream gradient of the in-forward mode.
   const bool reduced = p.reduction != Reduction::None;

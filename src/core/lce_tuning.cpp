@@ -23,15 +23,15 @@ int choice(const char* name, std::initializer_list<const char*> choices, int fal
   throw Error(std::string(name) + ": got \"" + v + "\", expected " + expected + " (or unset)");
 }
 
-int positive(const char* name, int fallback, int most) {
+int64_t integer(const char* name, int64_t fallback, int64_t least, int64_t most) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
   char* end = nullptr;
-  const long k = std::strtol(v, &end, 10);
-  if (*end != '\0' || k < 1 || k > most)
-    throw Error(std::string(name) + ": got \"" + v + "\", expected an integer in [1, " +
-                std::to_string(most) + "] (or unset)");
-  return int(k);
+  const long long k = std::strtoll(v, &end, 10);
+  if (*end != '\0' || k < least || k > most)
+    throw Error(std::string(name) + ": got \"" + v + "\", expected an integer in [" +
+                std::to_string(least) + ", " + std::to_string(most) + "] (or unset)");
+  return int64_t(k);
 }
 
 std::mutex phase_mu;
@@ -44,7 +44,8 @@ LceTuning lce_tuning() {
   t.buffers = choice("FUSEDLOSS_LCE_BUFFERS", {"2", "1"}, 0) == 0 ? 2 : 1;
   t.dhidden_group = choice("FUSEDLOSS_LCE_DHIDDEN", {"chunk", "group"}, 0) == 1;
   t.side_stream = choice("FUSEDLOSS_LCE_SIDE_STREAM", {"1", "0"}, 0) == 0;
-  t.gemm_algos = positive("FUSEDLOSS_LCE_GEMM_ALGOS", 1, 32);
+  t.gemm_algos = int(integer("FUSEDLOSS_LCE_GEMM_ALGOS", 1, 1, 32));
+  t.ce_rows = integer("FUSEDLOSS_LCE_CE_ROWS", 0, 0, int64_t(1) << 30);
   t.timing = choice("FUSEDLOSS_LCE_TIMING", {"0", "1"}, 0) == 1;
   return t;
 }

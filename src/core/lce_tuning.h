@@ -25,6 +25,11 @@ struct LceTuning {
   // a GEMM that accumulates into C is timed on a zeroed scratch of C's size, e.g. the fp32
   // [V_local, H] dweight, allocated for that first call only).
   int gemm_algos = 1;
+  // FUSEDLOSS_LCE_CE_ROWS = r >= 0: the in-forward cross-entropy (stats, then gradient) in
+  // slices of r rows (0: the whole chunk), so the gradient pass re-reads the rows from L2
+  // (r rows of 2 V bytes must fit it: 128 rows at V = 128256 bf16 are 32 MiB of an H200's
+  // 50 MiB): one HBM read of the logits instead of two. TP = 1 only.
+  int64_t ce_rows = 0;
   // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
   // linear_cross_entropy_phase_times (synchronises the host at the end of each loop).
   bool timing = false;

@@ -17,8 +17,8 @@
 // (beta = 1 after the first group). Memory: one stream-ordered allocation of the buffers plus
 // the cuBLASLt workspace, released on S after X has joined it.
 //
-// The variants (one buffer, dhidden per group, the steps on S, timed algorithm choice) and the
-// per-phase timing are chosen in src/core/lce_tuning.h.
+// The variants (one buffer, dhidden per group, the steps on S, timed algorithm choice, the
+// steps in L2-sized row slices) and the per-phase timing are chosen in src/core/lce_tuning.h.
 #include "cuda/linear_ce_cuda.h"
 
 #include <algorithm>
@@ -236,8 +236,7 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     FL_CUDA_CHECK(cudaEventRecord(pl.logits_ready, S));
     FL_CUDA_CHECK(cudaStreamWaitEvent(X, pl.logits_ready, 0));
     const size_t tc = clock.begin(PhaseClock::kSteps, X);
-    if (steps.forward) steps.forward(buf, i * plan.chunk, X);
-    if (with_grads) steps.gradient(buf, i * plan.chunk, X);
+    core::lce_run_steps(plan, steps, buf, i * plan.chunk, X);
     clock.end(tc, X);
     FL_CUDA_CHECK(cudaEventRecord(pl.steps_done[i % B], X));
   };

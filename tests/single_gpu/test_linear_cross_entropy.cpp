@@ -285,7 +285,8 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
   const std::pair<const char*, const char*> variants[] = {
       {"FUSEDLOSS_LCE_BUFFERS", "1"},       {"FUSEDLOSS_LCE_DHIDDEN", "group"},
       {"FUSEDLOSS_LCE_SIDE_STREAM", "0"},   {"FUSEDLOSS_LCE_GEMM_ALGOS", "4"},
-      {"FUSEDLOSS_LCE_TIMING", "1"}};
+      {"FUSEDLOSS_LCE_TIMING", "1"},        {"FUSEDLOSS_LCE_CE_ROWS", "5"},
+      {"FUSEDLOSS_LCE_CE_ROWS", "1"},       {"FUSEDLOSS_LCE_CE_ROWS", "16"}};
   for (auto [name, value] : variants) {
     SCOPED_TRACE(std::string(name) + "=" + value);
     ScopedEnv env(name, value);
@@ -327,7 +328,8 @@ TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
   const std::pair<const char*, const char*> bad[] = {
       {"FUSEDLOSS_LCE_BUFFERS", "3"},      {"FUSEDLOSS_LCE_DHIDDEN", "pair"},
       {"FUSEDLOSS_LCE_SIDE_STREAM", "yes"}, {"FUSEDLOSS_LCE_GEMM_ALGOS", "0"},
-      {"FUSEDLOSS_LCE_GEMM_ALGOS", "4x"},   {"FUSEDLOSS_LCE_TIMING", "2"}};
+      {"FUSEDLOSS_LCE_GEMM_ALGOS", "4x"},   {"FUSEDLOSS_LCE_TIMING", "2"},
+      {"FUSEDLOSS_LCE_CE_ROWS", "-1"}};
   for (auto [name, value] : bad) {
     ScopedEnv env(name, value);
     try {
