@@ -19,7 +19,16 @@ Device time: CUDA events behind a GPU-side wait (peers.py), median of the runs. 
 torch's allocator high-water mark above the inputs, including the gradients dhidden [N, H] and
 dweight [V, H] every provider must produce. Gradient error: relative L2 error of dhidden and
 dweight against a float64 reference computed from the same bf16 inputs.
+
+Pipeline variants (--variants of run_bench.py): each fusedloss provider also runs as
+name[variant], with the FUSEDLOSS_LCE_* knobs of src/core/lce_tuning.h set for its calls (or a
+larger workspace), and then once more with FUSEDLOSS_LCE_TIMING=1: the device time per phase of
+the chunk loops (logits GEMMs, cross-entropy steps, dhidden GEMMs, dweight GEMMs, the whole
+loops; summed over one forward+backward) is printed per provider, so one run shows where the
+time goes and which variant wins.
 """
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +37,33 @@ import peers
 
 SHAPES = [(4096, 4096, 128256), (8192, 4096, 128256), (16384, 4096, 151936)]
 DTYPE = torch.bfloat16
+
+# name -> (FUSEDLOSS_LCE_* settings, workspace_bytes or None); "default" is what ships.
+VARIANTS = {
+    "default": ({}, None),
+    "dh-group": ({"FUSEDLOSS_LCE_DHIDDEN": "group"}, None),
+    "one-buffer": ({"FUSEDLOSS_LCE_BUFFERS": "1"}, None),
+    "serial": ({"FUSEDLOSS_LCE_SIDE_STREAM": "0"}, None),
+    "algos8": ({"FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "dh-group+algos8": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "one-buffer+algos8": ({"FUSEDLOSS_LCE_BUFFERS": "1", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "ce-rows128": ({"FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
+    "dh-group+ce-rows128": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
+    "ws512": ({}, 512 << 20),
+    "ws1024": ({}, 1024 << 20),
+}
+KNOBS = ("FUSEDLOSS_LCE_BUFFERS", "FUSEDLOSS_LCE_DHIDDEN", "FUSEDLOSS_LCE_SIDE_STREAM",
+         "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_CE_ROWS", "FUSEDLOSS_LCE_TIMING")
+
+
+def set_knobs(env):
+    """The FUSEDLOSS_LCE_* environment exactly as env says (the others unset); the C++ core
+    reads it at every call."""
+    for k in KNOBS:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k, None)
 
 
 # ---- providers ----
@@ -65,22 +101,53 @@ def cce():
     return lambda h, w, t: linear_cross_entropy(h, w, t)
 
 
-def fusedloss_lce(mode, accumulation):
-    def make():
+class FusedlossLce:
+    """fusedloss.linear_cross_entropy in one mode and pipeline variant; the variant's knobs are
+    set on every call (the backward follows in the same step, under the same knobs)."""
+    def __init__(self, mode, accumulation, variant, timing=False):
         import fusedloss
-        return lambda h, w, t: fusedloss.linear_cross_entropy(
-            h, w, t, backward_mode=mode, dweight_accumulation=accumulation)
-    return make
+        self.op = fusedloss.linear_cross_entropy
+        self.mode, self.accumulation, self.variant = mode, accumulation, variant
+        env, self.workspace = VARIANTS[variant]
+        self.env = dict(env, FUSEDLOSS_LCE_TIMING="1") if timing else env
+
+    def __call__(self, h, w, t):
+        set_knobs(self.env)
+        kw = {} if self.workspace is None else {"workspace_bytes": self.workspace}
+        return self.op(h, w, t, backward_mode=self.mode, dweight_accumulation=self.accumulation, **kw)
 
 
-def providers():
+MODES = {"fusedloss-in_forward": ("in_forward", "fp32"),
+         "fusedloss-recompute": ("recompute", "fp32"),
+         "fusedloss-in_forward-wdt": ("in_forward", "weight_dtype"),
+         "fusedloss-recompute-wdt": ("recompute", "weight_dtype")}
+
+
+def providers(variants=("default",)):
     found = {"3-gemm": gemms(3), "4-gemm": gemms(4), "torch": torch_lce,
              "linear+fusedloss-ce": linear_fusedloss_ce}
-    return peers.collect(found, {"liger": liger, "cce": cce,
-                                 "fusedloss-in_forward": fusedloss_lce("in_forward", "fp32"),
-                                 "fusedloss-recompute": fusedloss_lce("recompute", "fp32"),
-                                 "fusedloss-in_forward-wdt": fusedloss_lce("in_forward", "weight_dtype"),
-                                 "fusedloss-recompute-wdt": fusedloss_lce("recompute", "weight_dtype")})
+    ours = {}
+    for v in variants:
+        for name, (mode, acc) in MODES.items():
+            ours[name if v == "default" else f"{name}[{v}]"] = (
+                lambda mode=mode, acc=acc, v=v: FusedlossLce(mode, acc, v))
+    return peers.collect(found, {"liger": liger, "cce": cce, **ours})
+
+
+def phase_times(fn, h0, w0, t):
+    """One forward+backward of a fusedloss provider with FUSEDLOSS_LCE_TIMING=1: the phase sums
+    of its chunk loops (ms), or None for the other providers."""
+    if not isinstance(fn, FusedlossLce):
+        return None
+    import fusedloss._C as C
+    timed = FusedlossLce(fn.mode, fn.accumulation, fn.variant, timing=True)
+    h, w = h0.detach().requires_grad_(), w0.detach().requires_grad_()
+    torch.cuda.synchronize()
+    C.linear_cross_entropy_phase_times(True)
+    timed(h, w, t).backward()
+    torch.cuda.synchronize()
+    set_knobs({})
+    return C.linear_cross_entropy_phase_times(True)
 
 
 # ---- measurement ----
@@ -118,12 +185,15 @@ def rel_err(a, ref):
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
-def run(out_dir, commit, iters=10, warmup=2):
+def run(out_dir, commit, iters=10, warmup=2, variants=("default",), shapes=None):
     gpu = torch.cuda.get_device_name()
-    provs = providers()
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"variants: got {unknown}, expected some of {list(VARIANTS)}")
+    provs = providers(variants)
     names = list(provs)
-    records = []
-    for N, H, V in SHAPES:
+    records, phases = [], []
+    for N, H, V in shapes or SHAPES:
         g = torch.Generator(device="cuda").manual_seed(N + V)
         h0 = torch.randn(N, H, device="cuda", generator=g).to(DTYPE)
         w0 = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).to(DTYPE)
@@ -143,18 +213,55 @@ def run(out_dir, commit, iters=10, warmup=2):
             records.append(dict(provider=name, N=N, H=H, V=V, fwd=f, bwd=b, both=fb, peak=peak,
                                 host=host, err_h=err_h, err_w=err_w))
             del grads
+            ph = phase_times(fn, h0, w0, t)
+            if ph is not None:
+                phases.append(dict(ph, provider=name, N=N, H=H, V=V, both=fb))
             torch.cuda.empty_cache()
         del h0, w0, t, ref_dh, ref_dw
         torch.cuda.empty_cache()
+    set_knobs({})
     report(records, names, gpu, commit, out_dir)
+    report_phases(phases, records, gpu, commit, out_dir)
     return records
+
+
+def report_phases(phases, records, gpu=None, commit=None, out_dir=None):
+    """Per fusedloss provider: the phase sums of one timed forward+backward, against the GEMM
+    floor of its mode (3 GEMMs for in_forward, 4 for recompute)."""
+    if not phases:
+        return
+    floor = {(r["provider"], r["N"], r["V"]): r["both"] for r in records}
+    print("\nchunk-loop phases: device ms summed over one forward+backward (FUSEDLOSS_LCE_TIMING=1)."
+          "\n  GEMMs = logits + dhidden + dweight; loops = the chunk loops end to end (the CE on the"
+          " side stream overlaps the GEMMs, so loops < GEMMs + CE when it hides);"
+          "\n  other = fwd+bwd (the untimed median above) - loops: scaling, reductions, allocations;"
+          " x floor = fwd+bwd / the mode's GEMM floor; GEMMs x = GEMMs / that floor")
+    print(f"{'N, H, V':>20} {'provider':>40} {'logits':>8} {'CE':>7} {'dhidden':>8} {'dweight':>8} "
+          f"{'GEMMs':>8} {'loops':>8} {'other':>7} {'fwd+bwd':>8} {'x floor':>8} {'GEMMs x':>8}")
+    for p in phases:
+        g = p["logits_ms"] + p["dhidden_ms"] + p["dweight_ms"]
+        fl = floor.get(("4-gemm" if "recompute" in p["provider"] else "3-gemm", p["N"], p["V"]))
+        x = p["both"] / fl if fl else float("nan")
+        gx = g / fl if fl else float("nan")
+        shape = f"{p['N']}, {p['H']}, {p['V']}"
+        print(f"{shape:>20} {p['provider']:>40} {p['logits_ms']:8.2f} {p['ce_ms']:7.2f} "
+              f"{p['dhidden_ms']:8.2f} {p['dweight_ms']:8.2f} {g:8.2f} {p['loop_ms']:8.2f} "
+              f"{p['both'] - p['loop_ms']:7.2f} {p['both']:8.2f} {x:8.3f} {gx:8.3f}")
+    if out_dir is not None:
+        keys = ["logits_ms", "ce_ms", "dhidden_ms", "dweight_ms", "loop_ms", "loops", "both"]
+        peers.write_csv(out_dir, gpu, "linear-cross-entropy-phases",
+                        ["provider", "N", "H", "V"] + keys[:-1] + ["fwd_bwd_ms", "gpu", "commit",
+                                                                    "date"],
+                        [[p["provider"], p["N"], p["H"], p["V"]] +
+                         [f"{p[k]:.4f}" if k != "loops" else p[k] for k in keys] +
+                         [gpu, commit, peers.today()] for p in phases])
 
 
 def report(records, names, gpu, commit, out_dir):
     by = {(r["provider"], r["N"], r["V"]): r for r in records}
     shapes = sorted({(r["N"], r["H"], r["V"]) for r in records})
     print(f"\nlinear cross-entropy on {gpu}; bf16, mean loss, forward+backward device ms; commit {commit}")
-    print(f"{'N, H, V':>20} {'provider':>22} {'fwd':>8} {'bwd':>8} {'fwd+bwd':>8} {'x 3gemm':>8} "
+    print(f"{'N, H, V':>20} {'provider':>40} {'fwd':>8} {'bwd':>8} {'fwd+bwd':>8} {'x 3gemm':>8} "
           f"{'x 4gemm':>8} {'peak GiB':>9} {'dh err':>9} {'dw err':>9} {'host ms':>8}")
     for N, H, V in shapes:
         g3, g4 = by.get(("3-gemm", N, V)), by.get(("4-gemm", N, V))
@@ -164,7 +271,7 @@ def report(records, names, gpu, commit, out_dir):
                 continue
             x3 = r["both"] / g3["both"] if g3 else float("nan")
             x4 = r["both"] / g4["both"] if g4 else float("nan")
-            print(f"{f'{N}, {H}, {V}':>20} {n:>22} {r['fwd']:8.2f} {r['bwd']:8.2f} {r['both']:8.2f} "
+            print(f"{f'{N}, {H}, {V}':>20} {n:>40} {r['fwd']:8.2f} {r['bwd']:8.2f} {r['both']:8.2f} "
                   f"{x3:8.3f} {x4:8.3f} {r['peak'] / 1024:9.2f} {r['err_h']:9.2e} {r['err_w']:9.2e} "
                   f"{r['host']:8.2f}")
     def row(r):

@@ -11,6 +11,7 @@ Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x e
 peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
 
 usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm,linear-cross-entropy} --build build-gpu [--out DIR]
+       python3 bench/run_bench.py linear-cross-entropy [--variants all|v1,v2] [--shapes N,H,V;...]
 """
 import argparse
 import csv
@@ -227,13 +228,23 @@ def main():
     ap.add_argument("--build", help="CMake build dir holding bench/ce_bench etc. (not needed for "
                     "linear-cross-entropy, which runs through the Python package)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--variants", default="default",
+                    help="linear-cross-entropy: comma-separated pipeline variants of "
+                    "bench/lce_bench.py VARIANTS (or 'all'); each fusedloss mode runs in each")
+    ap.add_argument("--shapes", default=None,
+                    help="linear-cross-entropy: N,H,V[;N,H,V...] instead of the issue's shapes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
         return
     if args.kind == "linear-cross-entropy":
         import lce_bench
-        lce_bench.run(args.out, git_commit())
+        variants = (list(lce_bench.VARIANTS) if args.variants == "all"
+                    else [v for v in args.variants.split(",") if v])
+        shapes = None
+        if args.shapes:
+            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+        lce_bench.run(args.out, git_commit(), variants=variants, shapes=shapes)
         return
     if not args.build:
         ap.error("--build is required for " + args.kind)

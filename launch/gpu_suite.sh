@@ -4,6 +4,7 @@
 # Logs and result CSVs go to ${OUT:-gpu-out}. Set SKIP_BENCH=1 / SKIP_SANITIZER=1 to shorten;
 # BENCH_KINDS, BENCH_TIMEOUT, SANITIZER_FILTER, SANITIZER_TIMEOUT, PROPERTY_EXAMPLES narrow them;
 # RMS_VARIANTS (launch shapes of the RMSNorm kernels, bench/rms_norm_bench's arguments) adds them.
+# LCE_VARIANTS (e.g. all) adds the linear cross-entropy's pipeline variants (bench/lce_bench.py).
 # Python: PYTHON, else the active environment, else python3 when it already has torch (GPU
 # machines ship one; they often have no network for a fresh .venv), else .venv.
 set -uo pipefail
@@ -37,8 +38,10 @@ tail -1 "$OUT/pytest.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for kind in ${BENCH_KINDS:-cross-entropy swiglu rms-norm linear-cross-entropy}; do
     step "benchmark $kind"
+    extra=()
+    [ "$kind" = linear-cross-entropy ] && extra=(--variants "${LCE_VARIANTS:-default}")
     PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-900}" "$PY" bench/run_bench.py $kind --build build-gpu \
-      --out "$OUT" > "$OUT/bench-$kind.log" 2>&1 || status=1
+      --out "$OUT" ${extra[@]+"${extra[@]}"} > "$OUT/bench-$kind.log" 2>&1 || status=1
     sed -n '/ on NVIDIA\| on .*copy bandwidth/,$p' "$OUT/bench-$kind.log" | grep -v "^\[rank"
   done
 fi

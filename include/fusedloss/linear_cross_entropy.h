@@ -48,7 +48,7 @@ enum class DHiddenForm { Partial };
 
 struct LinearCrossEntropyOptions {
   // Bound on the two chunk buffers together (bytes). With chunk_rows == 0 the chunk is the
-  // most tokens whose two [chunk, V_local] buffers fit (rounded down to a multiple of 64 when
+  // most tokens whose two [chunk, V_local] buffers (one with FUSEDLOSS_LCE_BUFFERS=1) fit (rounded down to a multiple of 64 when
   // that is >= 64; never less than 1 token).
   size_t workspace_bytes = size_t(256) << 20;
   // > 0: exactly this many tokens per chunk (the last chunk takes the remainder), whatever
@@ -105,6 +105,17 @@ void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
 // The chunk (tokens) a call with these sizes uses, and the workspace bytes it allocates.
 int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& options, int64_t rows,
                                         int64_t vocab_local, DType dtype);
+
+// Diagnostics: the CUDA chunk loop's device time per phase (CUDA events around the logits
+// GEMMs, the cross-entropy steps, the dhidden GEMMs and the dweight GEMMs of every chunk), and
+// the whole loop's, summed over the loops run with FUSEDLOSS_LCE_TIMING=1 since the last reset.
+// Phases on the side stream overlap the GEMMs, so the phases can sum to more than the loop.
+// The FUSEDLOSS_LCE_* variables select the pipeline's variants (src/core/lce_tuning.h).
+struct LinearCePhaseTimes {
+  double logits_ms = 0, ce_ms = 0, dhidden_ms = 0, dweight_ms = 0, loop_ms = 0;
+  int64_t loops = 0;
+};
+LinearCePhaseTimes linear_cross_entropy_phase_times(bool reset);
 
 // hidden  [N, H]       fp32/fp16/bf16, columns contiguous, any row stride, CPU or CUDA
 // weight  [V_local, H] same dtype and device as hidden (rank r's rows [r V_local, (r+1) V_local)

@@ -216,6 +216,19 @@ PYBIND11_MODULE(_C, m) {
           guarded([&] { chunk = linear_cross_entropy_chunk_rows(o, rows, vocab_local, dtype); });
           return chunk;
         });
+  m.def("linear_cross_entropy_phase_times",
+        [](bool reset) {
+          const LinearCePhaseTimes t = linear_cross_entropy_phase_times(reset);
+          py::dict d;
+          d["logits_ms"] = t.logits_ms;
+          d["ce_ms"] = t.ce_ms;
+          d["dhidden_ms"] = t.dhidden_ms;
+          d["dweight_ms"] = t.dweight_ms;
+          d["loop_ms"] = t.loop_ms;
+          d["loops"] = t.loops;
+          return d;
+        },
+        py::arg("reset") = false);
   m.def("linear_cross_entropy_forward",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,

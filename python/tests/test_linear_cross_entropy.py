@@ -96,6 +96,32 @@ def test_chunk_of_one_token_and_odd_vocab(device):
     _check(device, torch.float32, V=1, shape=(5,), reduction="none")
 
 
+@pytest.mark.parametrize("knob, value", [
+    ("FUSEDLOSS_LCE_BUFFERS", "1"), ("FUSEDLOSS_LCE_DHIDDEN", "group"),
+    ("FUSEDLOSS_LCE_SIDE_STREAM", "0"), ("FUSEDLOSS_LCE_GEMM_ALGOS", "4"),
+    ("FUSEDLOSS_LCE_TIMING", "1"), ("FUSEDLOSS_LCE_CE_ROWS", "3")])
+@pytest.mark.parametrize("reduction, mode", [("mean", "in_forward"), ("none", "recompute")])
+def test_pipeline_variants(device, monkeypatch, knob, value, reduction, mode):
+    # the chunk pipeline's variants (src/core/lce_tuning.h), read at every call, over many
+    # chunks; the phase times fill only when asked, and only on CUDA
+    monkeypatch.setenv(knob, value)
+    fusedloss._C.linear_cross_entropy_phase_times(True)
+    _check(device, torch.bfloat16, reduction=reduction, backward_mode=mode, shape=(45,),
+           workspace_bytes=2 * 4 * 208 * 2)  # 4 tokens per chunk at 2 buffers, 8 at 1
+    t = fusedloss._C.linear_cross_entropy_phase_times(True)
+    timed = device == "cuda" and knob == "FUSEDLOSS_LCE_TIMING"
+    assert (t["loops"] >= 2 and t["logits_ms"] > 0 and t["dweight_ms"] > 0) if timed else t["loops"] == 0
+
+
+@pytest.mark.parametrize("knob, value", [("FUSEDLOSS_LCE_BUFFERS", "4"),
+                                         ("FUSEDLOSS_LCE_GEMM_ALGOS", "many")])
+def test_pipeline_variant_refused(device, monkeypatch, knob, value):
+    monkeypatch.setenv(knob, value)
+    h, w, t = _problem(device, torch.float32)
+    with pytest.raises(fusedloss._C.Error, match=f"{knob}: got \"{value}\", expected"):
+        fusedloss.linear_cross_entropy(h, w, t)
+
+
 def test_layouts(device):
     # a weight slice with a row stride, a transposed weight (copied), expanded hidden rows
     _check(device, torch.float32, weight_view=lambda w: torch.cat([w, w], 1)[:, : w.size(1)])

@@ -6,6 +6,7 @@
 #include <cmath>
 #include "api/check.h"
 #include "api/vocab_parallel.h"
+#include "core/lce_tuning.h"
 #include "core/linear_ce_plan.h"
 #include "cpu/cross_entropy_cpu.h"
 #include "cpu/linear_ce_cpu.h"
@@ -169,7 +170,7 @@ int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int6
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    chunk = int64_t(o.workspace_bytes / size_t(2 * stride * es));
+    chunk = int64_t(o.workspace_bytes / size_t(core::lce_tuning().buffers * stride * es));
     if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
@@ -224,8 +225,9 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
       throw Error(mine.error);
   }
 
-  const core::LcePlan plan = make_plan(hidden, weight, options);
+  core::LcePlan plan = make_plan(hidden, weight, options);
   const bool in_forward = mode == LinearCeBackward::InForward;
+  if (in_forward && !parallel) plan.step_rows = core::lce_tuning().ce_rows;
   // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
   // upstream gradient of the in-forward mode.
   const bool reduced = p.reduction != Reduction::None;
@@ -356,15 +358,23 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     pb.vocab_start = p.vocab_start + b0;
     pb.vocab_local = nb;
     const MatrixView dwb{acc.as<float>(size_t(N * H)), nb, H, H, DType::F32, dev};
-    steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
-    run_loop(dev, kFn, make_plan(hidden, wb, options), hidden, wb, steps,
-             core::LceGrads{dh32, dwb, false, b0 > 0}, stream);
     MatrixView dw_rows = grads.dweight;
     dw_rows.data = static_cast<char*>(grads.dweight.data) +
                    b0 * grads.dweight.row_stride * detail::element_size(grads.dweight.dtype);
     dw_rows.rows = nb;
-    FL_DISPATCH(dev, kFn, cpu::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight),
-                cuda::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight, stream));
+    // One chunk of every token: the block's single dweight GEMM sums all tokens in its own fp32
+    // accumulator and rounds once, so it writes (or adds into) the caller's rows directly,
+    // without the fp32 block and its conversion pass (3 x 2 bytes per element of traffic).
+    const core::LcePlan plan = make_plan(hidden, wb, options);
+    const bool direct = plan.chunk >= N;
+    steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
+    run_loop(dev, kFn, plan, hidden, wb, steps,
+             direct ? core::LceGrads{dh32, dw_rows, grads.accumulate_dweight, b0 > 0}
+                    : core::LceGrads{dh32, dwb, false, b0 > 0},
+             stream);
+    if (!direct)
+      FL_DISPATCH(dev, kFn, cpu::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight),
+                  cuda::lce_scale(dwb, dw_rows, one, grads.accumulate_dweight, stream));
   }
   FL_DISPATCH(dev, kFn, cpu::lce_scale(dh32, grads.dhidden, one, false),
               cuda::lce_scale(dh32, grads.dhidden, one, false, stream));

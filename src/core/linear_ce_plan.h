@@ -3,8 +3,10 @@
 // src/cuda/linear_ce_cuda.cu). The loop owns the GEMMs and the chunk buffers; the steps are the
 // cross-entropy's own passes (and, at TP > 1, its vocab-parallel hook).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include "common/error.h"
 #include "fusedloss/types.h"
 
 namespace fusedloss::core {
@@ -17,6 +19,10 @@ struct LcePlan {
   int64_t stride = 0;       // row stride of a chunk buffer (V_local rounded up to 16 bytes)
   DType dtype = DType::F32; // of hidden, weight and the chunk buffers
   bool tf32 = false;        // fp32 GEMMs may use TF32 (CUDA)
+  // Rows per step call when both steps run (0: the whole chunk at once). Slices small enough
+  // for the L2 cache let the gradient step re-read what the forward step just read from there
+  // instead of HBM. Set only at TP = 1: at TP > 1 every forward step is a collective.
+  int64_t step_rows = 0;
 };
 
 // One step over the chunk of rows [row0, row0 + logits.rows) whose logits (stride plan.stride)
@@ -27,6 +33,22 @@ struct LceSteps {
   LceStep forward;   // stats -> hook -> merge: writes the chunk's lse and row losses (or null)
   LceStep gradient;  // writes the chunk's dloss/dlogits over the logits (or null: no gradients)
 };
+
+// The steps of one chunk whose logits are in `logits` (rows [row0, row0 + logits.rows)), in
+// slices of plan.step_rows when both run; every backend's loop calls this.
+inline void lce_run_steps(const LcePlan& plan, const LceSteps& steps, const MatrixView& logits,
+                          int64_t row0, Stream stream) {
+  const bool both = steps.forward && steps.gradient;
+  const int64_t slice = both && plan.step_rows > 0 ? plan.step_rows : logits.rows;
+  for (int64_t r = 0; r < logits.rows; r += slice) {
+    MatrixView part = logits;
+    part.data = static_cast<char*>(logits.data) +
+                r * logits.row_stride * detail::element_size(logits.dtype);
+    part.rows = std::min(slice, logits.rows - r);
+    if (steps.forward) steps.forward(part, row0 + r, stream);
+    if (steps.gradient) steps.gradient(part, row0 + r, stream);
+  }
+}
 
 // The gradient GEMMs' outputs (used when steps.gradient is set).
 struct LceGrads {

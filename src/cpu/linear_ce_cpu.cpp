@@ -79,9 +79,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     const MatrixView h = rows_of(hidden, row0, n);
     const MatrixView logits{buf.data(), n, plan.vocab_local, plan.stride, plan.dtype, Device::CPU};
     gemm(h, false, weight, true, logits, false);  // [n, V] = h @ W^T
-    if (steps.forward) steps.forward(logits, row0, nullptr);
+    core::lce_run_steps(plan, steps, logits, row0, nullptr);
     if (!with_grads) continue;
-    steps.gradient(logits, row0, nullptr);
     gemm(logits, false, weight, false, rows_of(grads.dhidden, row0, n),
          grads.accumulate_dhidden);                                           // G @ W
     gemm(logits, true, h, false, grads.dweight, true);                           // G^T @ h

@@ -12,6 +12,7 @@
 #include <array>
 #include <map>
 #include <mutex>
+#include <vector>
 #include "cuda/cuda_check.h"
 
 #define FL_CUBLAS_CHECK(call)                                                              \
@@ -64,16 +65,16 @@ cublasLtHandle_t handle_for(int device) {
   return h;
 }
 
-// Everything the heuristic's choice depends on.
-using Key = std::array<int64_t, 16>;
+// Everything the algorithm choice depends on, and how it was chosen.
+using Key = std::array<int64_t, 17>;
 
-// RAII for the descriptors of one call.
-struct Descs {
+// The descriptors and algorithm of one shape, built once and kept for the process (a per-call
+// setup of five descriptors would cost host time on every chunk).
+struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~Descs() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatmulAlgo_t algo{};
+  void destroy() {
     if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
     if (a) cublasLtMatrixLayoutDestroy(a);
@@ -81,10 +82,38 @@ struct Descs {
   }
 };
 
+// Destroys a plan's descriptors on scope exit unless the cache took them (error paths too).
+struct PlanOwner {
+  Plan* plan = nullptr;
+  ~PlanOwner() {
+    if (plan) plan->destroy();
+  }
+};
+
+// RAII for what only the choice needs.
+struct Choice {
+  cublasLtMatmulPreference_t pref = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  void* scratch = nullptr;
+  cudaStream_t stream = nullptr;
+  ~Choice() {
+    if (scratch) (void)cudaFreeAsync(scratch, stream);
+    if (stop) cudaEventDestroy(stop);
+    if (start) cudaEventDestroy(start);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  }
+};
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  FL_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace
 
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
-          bool accumulate, bool tf32, void* workspace, Stream stream) {
+          bool accumulate, bool tf32, void* workspace, Stream stream, int candidates) {
   const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
   detail::require((tb ? B.cols : B.rows) == k && (ta ? A.cols : A.rows) == m &&
                       (tb ? B.rows : B.cols) == n,
@@ -99,61 +128,99 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   const cublasOperation_t op2 = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int device = current_device();
   cublasLtHandle_t h = handle_for(device);
-
-  Descs d;
-  FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F));
-  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &op1,
-                                                 sizeof(op1)));
-  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &op2,
-                                                 sizeof(op2)));
-  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, cuda_type(B.dtype), uint64_t(B.cols),
-                                             uint64_t(B.rows), ld(B)));
-  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, cuda_type(A.dtype), uint64_t(A.cols),
-                                             uint64_t(A.rows), ld(A)));
-  FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, cuda_type(C.dtype), uint64_t(C.cols),
-                                             uint64_t(C.rows), ld(C)));
+  const cudaStream_t s = as_cuda(stream);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
 
   const uint32_t al_a = alignment(B, ld(B)), al_b = alignment(A, ld(A)), al_c = alignment(C, ld(C));
+  // Under graph capture the timed choice cannot run (it synchronises): the heuristic's answer
+  // is used and not cached, so a later uncaptured call still times the candidates.
+  const int asked = candidates > 1 && capturing(s) ? 1 : std::max(candidates, 1);
   const Key key{device, m, n, k, ld(A), ld(B), ld(C), int64_t(op1), int64_t(op2),
                 int64_t(A.dtype), int64_t(C.dtype), int64_t(compute), al_a, al_b, al_c,
-                accumulate};
+                accumulate, asked};
   static std::mutex mu;
-  static std::map<Key, cublasLtMatmulAlgo_t> algos;
-  cublasLtMatmulAlgo_t algo{};
+  static std::map<Key, Plan> plans;
+  Plan plan;
   bool cached = false;
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = algos.find(key);
-    if (it != algos.end()) algo = it->second, cached = true;
+    auto it = plans.find(key);
+    if (it != plans.end()) plan = it->second, cached = true;
   }
+  PlanOwner owner;  // holds this call's own descriptors until the cache takes them
   if (!cached) {
-    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+    owner.plan = &plan;
+    FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, compute, CUDA_R_32F));
+    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &op1,
+                                                   sizeof(op1)));
+    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &op2,
+                                                   sizeof(op2)));
+    FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, cuda_type(B.dtype), uint64_t(B.cols),
+                                               uint64_t(B.rows), ld(B)));
+    FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, cuda_type(A.dtype), uint64_t(A.cols),
+                                               uint64_t(A.rows), ld(A)));
+    FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, cuda_type(C.dtype), uint64_t(C.cols),
+                                               uint64_t(C.rows), ld(C)));
+    Choice ch;
+    FL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&ch.pref));
     const uint64_t ws = kGemmWorkspaceBytes;
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+        ch.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
+        ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
+        ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
+        ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
-    cublasLtMatmulHeuristicResult_t result{};
+        ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+    std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(asked));
     int found = 0;
-    FL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(h, d.op, d.a, d.b, d.c, d.c, d.pref, 1,
-                                                   &result, &found));
+    FL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.c, plan.c,
+                                                   ch.pref, asked, results.data(), &found));
     detail::require(found > 0, "cublasLtMatmulAlgoGetHeuristic: no algorithm for the GEMM [", m,
                     ", ", k, "] x [", k, ", ", n, "] (", to_string(A.dtype), " -> ",
                     to_string(C.dtype), ")");
-    algo = result.algo;
+    plan.algo = results[0].algo;
+    if (found > 1) {
+      // Time each candidate (one warm-up, then kReps runs) on this stream, with the real
+      // operands. The output: C itself when it is overwritten (the real call below rewrites
+      // it), a zeroed scratch of C's size when the GEMM accumulates into C.
+      constexpr int kReps = 3;
+      void* out = C.data;
+      if (accumulate) {
+        const size_t bytes = size_t(C.rows) * size_t(ld(C)) * detail::element_size(C.dtype);
+        ch.stream = s;
+        FL_CUDA_CHECK(cudaMallocAsync(&ch.scratch, bytes, s));
+        FL_CUDA_CHECK(cudaMemsetAsync(ch.scratch, 0, bytes, s));
+        out = ch.scratch;
+      }
+      FL_CUDA_CHECK(cudaEventCreate(&ch.start));
+      FL_CUDA_CHECK(cudaEventCreate(&ch.stop));
+      float best = -1.0f;
+      for (int i = 0; i < found; ++i) {
+        auto launch = [&] {
+          return cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, out,
+                                plan.c, out, plan.c, &results[size_t(i)].algo, workspace,
+                                kGemmWorkspaceBytes, s);
+        };
+        if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
+        FL_CUDA_CHECK(cudaEventRecord(ch.start, s));
+        for (int r = 0; r < kReps; ++r) FL_CUBLAS_CHECK(launch());
+        FL_CUDA_CHECK(cudaEventRecord(ch.stop, s));
+        FL_CUDA_CHECK(cudaEventSynchronize(ch.stop));
+        float ms = 0.0f;
+        FL_CUDA_CHECK(cudaEventElapsedTime(&ms, ch.start, ch.stop));
+        if (best < 0.0f || ms < best) best = ms, plan.algo = results[size_t(i)].algo;
+      }
+    }
+    // Cached unless chosen under capture; another thread may have cached the shape first.
     std::lock_guard<std::mutex> lock(mu);
-    algos.emplace(key, algo);
+    if (asked == std::max(candidates, 1) && plans.emplace(key, plan).second) owner.plan = nullptr;
   }
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-  FL_CUBLAS_CHECK(cublasLtMatmul(h, d.op, &alpha, B.data, d.a, A.data, d.b, &beta, C.data, d.c,
-                                 C.data, d.c, &algo, workspace, kGemmWorkspaceBytes,
-                                 as_cuda(stream)));
+  FL_CUBLAS_CHECK(cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C.data,
+                                 plan.c, C.data, plan.c, &plan.algo, workspace,
+                                 kGemmWorkspaceBytes, s));
 }
 
 }  // namespace fusedloss::cuda

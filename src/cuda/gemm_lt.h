@@ -11,8 +11,10 @@ constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
 // C[m, n] = op(A)[m, k] @ op(B)[k, n] (+ C when accumulate), row-major views on the current
 // device; op transposes when ta / tb. A and B: one dtype (fp32/fp16/bf16); C: that dtype or
 // fp32. fp32 accumulation (TF32 tensor cores for fp32 inputs when tf32). Every cuBLASLt status
-// is checked; the algorithm is chosen by cuBLASLt's heuristic once per shape and cached.
+// is checked. The descriptors and the algorithm are built once per shape and cached: the
+// heuristic's first answer (candidates = 1), or the fastest of its first `candidates` answers,
+// timed once on this stream (a host sync; under graph capture the first answer, uncached).
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
-          bool accumulate, bool tf32, void* workspace, Stream stream);
+          bool accumulate, bool tf32, void* workspace, Stream stream, int candidates = 1);
 
 }  // namespace fusedloss::cuda

@@ -1,28 +1,33 @@
 // CUDA linear cross-entropy: the chunk loop.
 //
 // Two streams: the caller's stream S runs every GEMM, a side stream X (cached per device and
-// caller stream) runs the cross-entropy steps. Two chunk buffers, adjacent in memory, take the
-// chunks in pairs (2j in the first, 2j + 1 in the second). With L = logits GEMM, CE = the
-// steps, dh = dhidden GEMM, dW = dweight GEMM:
+// caller stream) runs the cross-entropy steps. B chunk buffers (B = 2 by default, adjacent in
+// memory) take the chunks in groups of B (chunk i in buffer i % B). With L = logits GEMM,
+// CE = the steps, dh = dhidden GEMM, dW = dweight GEMM, at B = 2:
 //
 //   S:  L0  L1  [wait CE0] dh0  [wait CE1] dh1  dW(0,1)  L2  L3  [wait CE2] dh2 ...
 //   X:     [wait L0] CE0   [wait L1] CE1             [wait L2] CE2  [wait L3] CE3 ...
 //
-// CE0 runs under L1, CE1 under dh0, and so on. dW takes both chunks of a pair at once (the
-// buffers are one [2 chunk, V_local] matrix, the hidden rows are contiguous too): its K is two
-// chunks, which halves the read-modify-write of the [V_local, H] accumulator (fp32: 8 bytes per
-// element per dW GEMM, which at one chunk of K would rival the GEMM's own time). A buffer is
-// refilled only after its pair's dW (stream order on S) and, without gradients, after the
-// steps that read it (the event CE[b]). dweight accumulates in pair order on S (beta = 1 after
-// the first pair). Memory: one stream-ordered allocation of the two buffers plus the cuBLASLt
-// workspace, released on S after X has joined it.
+// CE0 runs under L1, CE1 under dh0, and so on. dW takes the group's chunks at once (the
+// buffers are one [B chunk, V_local] matrix, the hidden rows are contiguous too): its K is B
+// chunks, which divides the read-modify-write of the [V_local, H] accumulator by B (fp32: 8
+// bytes per element per dW GEMM, which at one chunk of K would rival the GEMM's own time). A
+// buffer is refilled only after its group's dW (stream order on S) and, without gradients,
+// after the steps that read it (the event CE[b]). dweight accumulates in group order on S
+// (beta = 1 after the first group). Memory: one stream-ordered allocation of the buffers plus
+// the cuBLASLt workspace, released on S after X has joined it.
+//
+// The variants (one buffer, dhidden per group, the steps on S, timed algorithm choice, the
+// steps in L2-sized row slices) and the per-phase timing are chosen in src/core/lce_tuning.h.
 #include "cuda/linear_ce_cuda.h"
 
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
+#include <vector>
 #include "core/dispatch.h"
+#include "core/lce_tuning.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_lt.h"
 
@@ -68,20 +73,27 @@ struct AsyncBuffer {
   AsyncBuffer& operator=(const AsyncBuffer&) = delete;
 };
 
+// Rows over blockIdx.y, columns over x (no per-element division). In place with a scale of
+// exactly 1 there is nothing to do: every block returns at once (decided on the device, so the
+// common unit upstream gradient of the in-forward mode costs no pass over the gradients).
 template <core::StorageKind KS, core::StorageKind KD>
 __global__ void scale_kernel(const typename core::Storage<KS>::type* src, int64_t src_stride,
                              typename core::Storage<KD>::type* dst, int64_t dst_stride,
-                             int64_t rows, int64_t cols, const float* scale, bool accumulate) {
+                             int64_t rows, int64_t cols, const float* scale, bool accumulate,
+                             bool in_place) {
   using SS = core::Storage<KS>;
   using SD = core::Storage<KD>;
   const float s = *scale;
-  const int64_t total = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / cols, c = i % cols;
-    float v = s * SS::load(src[r * src_stride + c]);
-    if (accumulate) v += SD::load(dst[r * dst_stride + c]);
-    dst[r * dst_stride + c] = SD::store(v);
+  if (in_place && s == 1.0f) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const auto* in = src + r * src_stride;
+    auto* out = dst + r * dst_stride;
+    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
+         c += int64_t(gridDim.x) * blockDim.x) {
+      float v = s * SS::load(in[c]);
+      if (accumulate) v += SD::load(out[c]);
+      out[c] = SD::store(v);
+    }
   }
 }
 
@@ -111,13 +123,73 @@ void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale,
       constexpr core::StorageKind KS = decltype(ks)::value, KD = decltype(kd)::value;
       using TS = typename core::Storage<KS>::type;
       using TD = typename core::Storage<KD>::type;
-      scale_kernel<KS, KD><<<grid_for(src.rows * src.cols, 256), 256, 0, as_cuda(stream)>>>(
+      const bool in_place = !accumulate && KS == KD && src.data == dst.data &&
+                            src.row_stride == dst.row_stride;
+      const unsigned gx = unsigned(std::min<int64_t>((src.cols + 255) / 256, 8));
+      const dim3 grid(gx, unsigned(std::min<int64_t>(src.rows, std::max<int64_t>(1, 132 * 16 / gx))));
+      scale_kernel<KS, KD><<<grid, 256, 0, as_cuda(stream)>>>(
           static_cast<const TS*>(src.data), src.row_stride, static_cast<TD*>(dst.data),
-          dst.row_stride, src.rows, src.cols, scale, accumulate);
+          dst.row_stride, src.rows, src.cols, scale, accumulate, in_place);
       FL_CUDA_CHECK_LAUNCH();
     });
   });
 }
+
+namespace {
+
+// CUDA events around each phase of each chunk (FUSEDLOSS_LCE_TIMING=1), read once the loop
+// has finished: the sums go to linear_cross_entropy_phase_times.
+class PhaseClock {
+ public:
+  enum Phase { kLogits, kSteps, kDhidden, kDweight, kLoop, kPhases };
+  explicit PhaseClock(bool on) : on_(on) {}
+  PhaseClock(const PhaseClock&) = delete;
+  PhaseClock& operator=(const PhaseClock&) = delete;
+  ~PhaseClock() {
+    for (auto& p : marks_)
+      for (cudaEvent_t e : {p.first, p.second}) (void)cudaEventDestroy(e);
+  }
+  // Returns the index of the pair begun on `s`; end(index, s) closes it.
+  size_t begin(Phase ph, cudaStream_t s) {
+    if (!on_) return 0;
+    std::pair<cudaEvent_t, cudaEvent_t> p{};
+    FL_CUDA_CHECK(cudaEventCreate(&p.first));
+    marks_.push_back(p);
+    phases_.push_back(ph);
+    FL_CUDA_CHECK(cudaEventCreate(&marks_.back().second));
+    FL_CUDA_CHECK(cudaEventRecord(marks_.back().first, s));
+    return marks_.size() - 1;
+  }
+  void end(size_t i, cudaStream_t s) {
+    if (on_) FL_CUDA_CHECK(cudaEventRecord(marks_[i].second, s));
+  }
+  // After the loop's last event on S (X joined): wait for it and add the sums.
+  void report() {
+    if (!on_) return;
+    double ms[kPhases] = {};
+    for (size_t i = 0; i < marks_.size(); ++i) {
+      FL_CUDA_CHECK(cudaEventSynchronize(marks_[i].second));
+      float t = 0.0f;
+      FL_CUDA_CHECK(cudaEventElapsedTime(&t, marks_[i].first, marks_[i].second));
+      ms[phases_[i]] += t;
+    }
+    core::lce_add_phase_times(
+        LinearCePhaseTimes{ms[kLogits], ms[kSteps], ms[kDhidden], ms[kDweight], ms[kLoop], 1});
+  }
+
+ private:
+  bool on_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> marks_;
+  std::vector<Phase> phases_;
+};
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  FL_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
 
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
              const core::LceSteps& steps, const core::LceGrads& grads, Stream stream) {
@@ -132,60 +204,86 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     }
     return;
   }
+  const core::LceTuning tune = core::lce_tuning();
+  const int64_t B = tune.buffers;  // buffers = chunks per dW GEMM
   Pipeline& pl = pipeline_for(stream);
-  const cudaStream_t X = pl.side;
+  const cudaStream_t X = tune.side_stream ? pl.side : S;
   const int64_t es = detail::element_size(plan.dtype);
   const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
   // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).
-  const size_t workspace_at = (2 * buffer_bytes + 255) / 256 * 256;
+  const size_t workspace_at = (size_t(B) * buffer_bytes + 255) / 256 * 256;
   AsyncBuffer mem(workspace_at + kGemmWorkspaceBytes, stream);
   char* base = static_cast<char*>(mem.ptr);
   void* workspace = base + workspace_at;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
   auto rows_in = [&](int64_t i) { return std::min(plan.chunk, plan.rows - i * plan.chunk); };
   auto buffer = [&](int64_t i) {
-    return MatrixView{base + (i % 2) * buffer_bytes, rows_in(i), plan.vocab_local, plan.stride,
+    return MatrixView{base + (i % B) * buffer_bytes, rows_in(i), plan.vocab_local, plan.stride,
                       plan.dtype, Device::CUDA};
   };
+  auto gemm_ = [&](const MatrixView& a, bool ta, const MatrixView& b, bool tb,
+                   const MatrixView& c, bool accumulate) {
+    gemm(a, ta, b, tb, c, accumulate, plan.tf32, workspace, stream, tune.gemm_algos);
+  };
+  PhaseClock clock(tune.timing && !capturing(S));
   // L(i) on S, then CE(i) on X.
   auto logits_and_steps = [&](int64_t i) {
     const MatrixView buf = buffer(i);
-    if (i >= 2) FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % 2], 0));
-    gemm(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf, false, plan.tf32,
-         workspace, stream);
+    if (i >= B) FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
+    const size_t tl = clock.begin(PhaseClock::kLogits, S);
+    gemm_(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf, false);
+    clock.end(tl, S);
     FL_CUDA_CHECK(cudaEventRecord(pl.logits_ready, S));
     FL_CUDA_CHECK(cudaStreamWaitEvent(X, pl.logits_ready, 0));
-    if (steps.forward) steps.forward(buf, i * plan.chunk, X);
-    if (with_grads) steps.gradient(buf, i * plan.chunk, X);
-    FL_CUDA_CHECK(cudaEventRecord(pl.steps_done[i % 2], X));
+    const size_t tc = clock.begin(PhaseClock::kSteps, X);
+    core::lce_run_steps(plan, steps, buf, i * plan.chunk, X);
+    clock.end(tc, X);
+    FL_CUDA_CHECK(cudaEventRecord(pl.steps_done[i % B], X));
   };
 
+  const size_t loop = clock.begin(PhaseClock::kLoop, S);
   FL_CUDA_CHECK(cudaEventRecord(pl.fork, S));
   FL_CUDA_CHECK(cudaStreamWaitEvent(X, pl.fork, 0));
-  // X joins S again on every exit, so the buffers are never freed under a running step.
-  struct Join {
-    Pipeline& pl;
-    cudaStream_t S;
-    ~Join() {
-      if (cudaEventRecord(pl.join, pl.side) == cudaSuccess) (void)cudaStreamWaitEvent(S, pl.join, 0);
+  {
+    // X joins S again on every exit, so the buffers are never freed under a running step.
+    struct Join {
+      Pipeline& pl;
+      cudaStream_t X, S;
+      ~Join() {
+        if (cudaEventRecord(pl.join, X) == cudaSuccess) (void)cudaStreamWaitEvent(S, pl.join, 0);
+      }
+    } join{pl, X, S};
+    for (int64_t j = 0; j < chunks; j += B) {
+      const int64_t end = std::min(j + B, chunks);
+      for (int64_t i = j; i < end; ++i) logits_and_steps(i);
+      if (!with_grads) continue;
+      MatrixView group = buffer(j);  // G of the group: [rows(j) + ... , V_local]
+      for (int64_t i = j + 1; i < end; ++i) group.rows += rows_in(i);
+      if (tune.dhidden_group) {  // dhidden (+)= G @ W over the group
+        for (int64_t i = j; i < end; ++i)
+          FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
+        const size_t t = clock.begin(PhaseClock::kDhidden, S);
+        gemm_(group, false, weight, false, rows_of(grads.dhidden, j * plan.chunk, group.rows),
+              grads.accumulate_dhidden);
+        clock.end(t, S);
+      } else {  // per chunk, each as soon as its steps are done
+        for (int64_t i = j; i < end; ++i) {
+          const MatrixView g = buffer(i);
+          FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
+          const size_t t = clock.begin(PhaseClock::kDhidden, S);
+          gemm_(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows),
+                grads.accumulate_dhidden);
+          clock.end(t, S);
+        }
+      }
+      const size_t t = clock.begin(PhaseClock::kDweight, S);
+      gemm_(group, true, rows_of(hidden, j * plan.chunk, group.rows), false, grads.dweight,
+            grads.accumulate_dweight || j > 0);  // dW (+)= G^T @ h
+      clock.end(t, S);
     }
-  } join{pl, S};
-  for (int64_t j = 0; j < chunks; j += 2) {
-    const bool pair = j + 1 < chunks;
-    logits_and_steps(j);
-    if (pair) logits_and_steps(j + 1);
-    if (!with_grads) continue;
-    for (int64_t i = j; i < j + (pair ? 2 : 1); ++i) {
-      const MatrixView g = buffer(i);
-      FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % 2], 0));
-      gemm(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows),
-           grads.accumulate_dhidden, plan.tf32, workspace, stream);  // dhidden_c (+)= G @ W
-    }
-    MatrixView both = buffer(j);  // G of the pair: [rows(j) + rows(j + 1), V_local]
-    if (pair) both.rows += rows_in(j + 1);
-    gemm(both, true, rows_of(hidden, j * plan.chunk, both.rows), false, grads.dweight,
-         grads.accumulate_dweight || j > 0, plan.tf32, workspace, stream);  // dW (+)= G^T @ h
   }
+  clock.end(loop, S);
+  clock.report();
 }
 
 }  // namespace fusedloss::cuda

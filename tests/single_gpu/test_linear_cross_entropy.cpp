@@ -1,6 +1,8 @@
 // Linear cross-entropy on one process, every backend (CPU always; CUDA when a GPU is present),
 // against the float64 reference: every option, both backward modes, chunk boundaries, gradient
 // dtypes, accumulation, and the bad inputs of BAD_INPUTS.md.
+#include <cstdlib>
+#include <string>
 #include "common/lce_harness.h"
 #if FUSEDLOSS_HAS_CUDA
 #include <cuda_runtime.h>
@@ -145,6 +147,20 @@ TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
       c.accumulate_dweight = block == 64;
       check(c);
     }
+  // One chunk of every token (the block's dweight GEMM writes the caller's rows directly), in
+  // the weight's dtype and fp32, written and accumulated; and two chunks (the fp32 block).
+  for (int64_t chunk : {int64_t(0), int64_t(50), int64_t(49)})
+    for (DType gd : {DType::BF16, DType::F32})
+      for (bool acc : {false, true}) {
+        LceCase c;
+        c.lo.backward_mode = LinearCeBackward::Recompute;
+        c.lo.vocab_block = 64;
+        c.lo.chunk_rows = chunk;
+        c.dtype = DType::BF16;
+        c.grad_dtype = gd;
+        c.accumulate_dweight = acc;
+        check(c);
+      }
   LceCase zero;
   zero.N = 0;
   zero.lo.backward_mode = LinearCeBackward::Recompute;
@@ -237,6 +253,93 @@ TEST_P(LinearCrossEntropy, SplitFormMatchesTheForward) {
     for (int64_t r = 0; r < c.N; ++r) {
       EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
       EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
+    }
+  }
+}
+
+// Sets one environment variable for a scope (the FUSEDLOSS_LCE_* knobs of src/core/lce_tuning.h).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
+  // Every variant of the chunk pipeline, over many chunks (the last one short) with the
+  // chunking derived from the workspace, in both backward modes.
+  const std::pair<const char*, const char*> variants[] = {
+      {"FUSEDLOSS_LCE_BUFFERS", "1"},       {"FUSEDLOSS_LCE_DHIDDEN", "group"},
+      {"FUSEDLOSS_LCE_SIDE_STREAM", "0"},   {"FUSEDLOSS_LCE_GEMM_ALGOS", "4"},
+      {"FUSEDLOSS_LCE_TIMING", "1"},        {"FUSEDLOSS_LCE_CE_ROWS", "5"},
+      {"FUSEDLOSS_LCE_CE_ROWS", "1"},       {"FUSEDLOSS_LCE_CE_ROWS", "16"}};
+  for (auto [name, value] : variants) {
+    SCOPED_TRACE(std::string(name) + "=" + value);
+    ScopedEnv env(name, value);
+    LceCase c;
+    c.N = 150;
+    c.H = 48;
+    c.V = 301;
+    c.dtype = DType::BF16;
+    c.lo.chunk_rows = 0;
+    c.lo.workspace_bytes = 2 * 16 * 304 * 2;  // 16 tokens per chunk at 2 buffers, 32 at 1
+    for (auto [mode, red] : {kModes[1], kModes[2], kModes[4]}) {
+      c.lo.backward_mode = mode;
+      c.ce.reduction = red;
+      linear_cross_entropy_phase_times(true);
+      check(c);
+      const LinearCePhaseTimes t = linear_cross_entropy_phase_times(true);
+      if (GetParam() == Device::CUDA && std::string(name) == "FUSEDLOSS_LCE_TIMING") {
+        EXPECT_GE(t.loops, 2);  // forward and backward
+        EXPECT_GT(t.logits_ms, 0.0);
+        EXPECT_GT(t.ce_ms, 0.0);
+        EXPECT_GT(t.dhidden_ms, 0.0);
+        EXPECT_GT(t.dweight_ms, 0.0);
+        EXPECT_GE(t.loop_ms, t.logits_ms);
+      } else {
+        EXPECT_EQ(t.loops, 0);  // timed only when asked, and only on CUDA
+      }
+    }
+  }
+}
+
+TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
+  LinearCrossEntropyOptions o;
+  o.workspace_bytes = 2 * 64 * 1008 * 2;
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 64);
+  {
+    ScopedEnv one("FUSEDLOSS_LCE_BUFFERS", "1");  // one buffer of the whole workspace
+    EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 128);
+  }
+  const std::pair<const char*, const char*> bad[] = {
+      {"FUSEDLOSS_LCE_BUFFERS", "3"},      {"FUSEDLOSS_LCE_DHIDDEN", "pair"},
+      {"FUSEDLOSS_LCE_SIDE_STREAM", "yes"}, {"FUSEDLOSS_LCE_GEMM_ALGOS", "0"},
+      {"FUSEDLOSS_LCE_GEMM_ALGOS", "4x"},   {"FUSEDLOSS_LCE_TIMING", "2"},
+      {"FUSEDLOSS_LCE_CE_ROWS", "-1"}};
+  for (auto [name, value] : bad) {
+    ScopedEnv env(name, value);
+    try {
+      linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16);
+      ADD_FAILURE() << name << "=" << value << " accepted";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(name), std::string::npos) << msg;
+      EXPECT_NE(msg.find(value), std::string::npos) << msg;
+      EXPECT_NE(msg.find("expected"), std::string::npos) << msg;
     }
   }
 }

@@ -1,0 +1,45 @@
+// Linear cross-entropy: the one home of the chunk pipeline's tuning knobs. They are read from
+// the environment at every call (getenv, no caching) so that one benchmark process can measure
+// every variant (bench/lce_bench.py sets them per provider); unset, each takes the default
+// that ships. Also the per-phase device time the CUDA loop adds up when FUSEDLOSS_LCE_TIMING=1.
+#pragma once
+#include "fusedloss/linear_cross_entropy.h"
+
+namespace fusedloss::core {
+
+struct LceTuning {
+  // FUSEDLOSS_LCE_BUFFERS = 2 | 1. 2: the workspace holds two chunk buffers; the cross-entropy
+  // of one chunk runs (side stream) under the GEMMs of the other, dweight takes both chunks in
+  // one GEMM (K = 2 chunks). 1: one buffer of the whole workspace (chunks twice as long, the same
+  // K per dweight GEMM, longer dhidden GEMMs), nothing to overlap within a group.
+  int buffers = 2;
+  // FUSEDLOSS_LCE_DHIDDEN = chunk | group. chunk: one dhidden GEMM per chunk ([chunk, V] @
+  // [V, H]: chunk x H output tiles only, e.g. 64 tiles of 128 x 256 at 512 x 4096, under one wave
+  // of an H200's 132 SMs). group: one GEMM over the buffers' chunks together (as dweight).
+  bool dhidden_group = false;
+  // FUSEDLOSS_LCE_SIDE_STREAM = 1 | 0: the cross-entropy steps on the side stream (overlap) or
+  // on the caller's stream between the GEMMs (serial).
+  bool side_stream = true;
+  // FUSEDLOSS_LCE_GEMM_ALGOS = k >= 1: 1 takes cuBLASLt's heuristic first answer; k > 1 asks for
+  // k and times them once per shape (a host sync on first use, skipped under graph capture;
+  // a GEMM that accumulates into C is timed on a zeroed scratch of C's size, e.g. the fp32
+  // [V_local, H] dweight, allocated for that first call only).
+  int gemm_algos = 1;
+  // FUSEDLOSS_LCE_CE_ROWS = r >= 0: the in-forward cross-entropy (stats, then gradient) in
+  // slices of r rows (0: the whole chunk), so the gradient pass re-reads the rows from L2
+  // (r rows of 2 V bytes must fit it: 128 rows at V = 128256 bf16 are 32 MiB of an H200's
+  // 50 MiB): one HBM read of the logits instead of two. TP = 1 only.
+  int64_t ce_rows = 0;
+  // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
+  // linear_cross_entropy_phase_times (synchronises the host at the end of each loop).
+  bool timing = false;
+};
+
+// The knobs as the environment sets them now; throws Error naming the variable, its value and
+// what it accepts.
+LceTuning lce_tuning();
+
+// Adds one loop's phase times to the process-wide sums.
+void lce_add_phase_times(const LinearCePhaseTimes& t);
+
+}  // namespace fusedloss::core
