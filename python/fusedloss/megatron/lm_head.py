@@ -78,9 +78,10 @@ def fused_head_loss(model, hidden, labels):
     group = state.guard(tp, "GPTModel's linear cross-entropy")
     if group is not None:
         if layer.sequence_parallel:
-            hidden = mappings.gather_from_sequence_parallel_region(hidden, True, group)
+            hidden = mappings.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=group)
         else:
-            hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group)
+            hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
     if getattr(layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
         weight = _IntoMainGrad.apply(weight)
     loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **state.lce_options(),
