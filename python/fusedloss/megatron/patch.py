@@ -97,20 +97,19 @@ def _megatron_version():
 
 def _stand_in(original, name, run):
     """A class with the `apply` that Megatron calls on its autograd Function: hands run() the
-    arguments by the original forward's parameter names (without ctx, defaults filled in), plus
-    the call itself (for falling back to the original). The names are read once, here:
+    arguments the caller passed, by the original forward's parameter names (without ctx; an
+    omitted optional one is absent, so run() can tell "not passed" from its default), plus the
+    call itself (for falling back to the original). The names are read once, here:
     inspect.Signature.bind per call costs more than the rest of the adapter."""
     params = list(inspect.signature(original.forward).parameters.values())[1:]  # drop ctx
     names = tuple(p.name for p in params)
-    defaults = {p.name: p.default for p in params if p.default is not p.empty}
     required = [p.name for p in params if p.default is p.empty]
 
     def apply(*args, **kwargs):
         if len(args) > len(names):
             raise TypeError(f"{name}.apply: takes {len(names)} arguments ({', '.join(names)}), "
                             f"got {len(args)}")
-        a = dict(defaults)
-        a.update(zip(names, args))
+        a = dict(zip(names, args))
         if kwargs:
             a.update(kwargs)
         if len(args) < len(required) and any(r not in a for r in required):
