@@ -44,7 +44,8 @@ def train(args, patched):
     from fusedloss.megatron import apply_fusedloss_to_megatron, unpatch_megatron
 
     if patched:
-        apply_fusedloss_to_megatron()  # <- the one line
+        # <- the one line (--linear-cross-entropy: the output layer and loss fused too)
+        apply_fusedloss_to_megatron(linear_cross_entropy=args.linear_cross_entropy)
     model = build(args, seed=1234)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator(device="cuda").manual_seed(99)
@@ -87,6 +88,8 @@ def main():
                     help="fp32 holds the two loss curves to a tighter tolerance than bf16")
     ap.add_argument("--tolerance", type=float, default=None,
                     help="largest relative loss difference accepted (default 5e-2 bf16, 1e-3 fp32)")
+    ap.add_argument("--linear-cross-entropy", action="store_true",
+                    help="patch with linear_cross_entropy=True (no [s, b, V] logits)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -178,9 +178,21 @@ def _validate(logits, target):
     require_same_device(target, "target", logits, "the logits")
 
 
-def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss):
-    """Keyword options -> the plain values the op schema carries, checked once (the ranges by
-    the C++ validator, on first use of each distinct combination)."""
+_PLAIN = (int, float, str, bool)
+
+
+def _option_args(*options):
+    """Keyword options -> the plain values the op schema carries, parsed once per distinct
+    combination of plain Python values: the parsing costs more host time than the rest of a
+    small call, and adapters such as the Megatron patch pass the same options every step.
+    Anything else (a tensor, a traced call) is parsed every time."""
+    if all(type(o) in _PLAIN for o in options) and not torch.compiler.is_compiling():
+        return _parsed_option_args(*options)
+    return _parse_option_args(*options)
+
+
+def _parse_option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss):
+    """(the ranges are checked by the C++ validator)"""
     args = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
             as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
             as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
@@ -188,6 +200,10 @@ def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_sco
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*args, 0, 1, 2)  # raises on a bad range or enum
     return args
+
+
+# typed: True and 1 are different arguments (one of them may be refused)
+_parsed_option_args = functools.lru_cache(maxsize=64, typed=True)(_parse_option_args)
 
 
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,

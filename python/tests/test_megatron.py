@@ -281,3 +281,17 @@ def test_mode2_language_model_loss_and_swiglu_module():
     a, b = y.chunk(2, -1)
     torch.testing.assert_close(FusedLossSwiGLU(clamp_value=1.0)(y),
                                torch.nn.functional.silu(a.clamp(max=1.0)) * b.clamp(-1.0, 1.0))
+
+
+def test_stand_in_binds_by_name_and_tells_omitted_from_default():
+    from megatron.core.tensor_parallel import cross_entropy as unfused
+    apply_fusedloss_to_megatron(label_smoothing=0.1)
+    x = torch.randn(4, 2, 32)
+    t = torch.randint(0, 32, (4, 2))
+    omitted = unfused._VocabParallelCrossEntropy.apply(x.clone(), t)  # the patch's smoothing
+    torch.testing.assert_close(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.1))
+    assert not torch.equal(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.0))
+    with pytest.raises(TypeError, match=r"missing \['target'\]"):
+        unfused._VocabParallelCrossEntropy.apply(x.clone())
+    with pytest.raises(TypeError, match="takes"):
+        unfused._VocabParallelCrossEntropy.apply(x, t, 0.0, None, None, None)

@@ -1,4 +1,5 @@
-"""One-line Megatron-core patch: fusedloss cross-entropy and SwiGLU inside Megatron.
+"""One-line Megatron-core patch: fusedloss cross-entropy, SwiGLU, RMSNorm and (asked for) the
+linear cross-entropy head inside Megatron.
 
     from fusedloss.megatron import apply_fusedloss_to_megatron
     apply_fusedloss_to_megatron()          # before or after building the model
@@ -13,6 +14,10 @@ the functions by name):
                                            WeightedSwiGLUFunction}
   megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__  (the local spec's norm, for
       normalization="RMSNorm"; TransformerEngine's spec is left alone)
+  megatron.core.models.common.language_module.language_module.LanguageModule.
+      compute_language_model_loss  (the 'te' and 'liger' cross-entropy routes)
+  megatron.core.models.gpt.gpt_model.GPTModel._postprocess  (linear_cross_entropy=True: the
+      output layer and the loss as one op, where labels are given)
 
 Scope: tensor_model_parallel_size == 1. With TP > 1 the patch raises RuntimeError, at patch time
 (parallel_state) and at call time (the tp_group Megatron passes), unless allow_vocab_parallel=True,

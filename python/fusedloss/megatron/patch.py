@@ -1,41 +1,48 @@
 """The Megatron-core patcher (see fusedloss.megatron)."""
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import logging
 import warnings
 
-import torch
-import torch.distributed as dist
-
 import fusedloss
 from fusedloss._views import as_bool
+
+from . import lm_head, state
 
 log = logging.getLogger("fusedloss.megatron")
 
 _CE_FUSED = ("megatron.core.fusions.fused_cross_entropy", "_VocabParallelCrossEntropy")
 _CE_UNFUSED = ("megatron.core.tensor_parallel.cross_entropy", "_VocabParallelCrossEntropy")
+# the method that dispatches on cross_entropy_fusion_impl ('te', 'liger': replaced there)
+_LM_LOSS = ("megatron.core.models.common.language_module.language_module",
+            "LanguageModule.compute_language_model_loss")
+_LIGER = "megatron.core.fusions.liger_cross_entropy"
 _SWIGLU = [("megatron.core.fusions.fused_bias_swiglu", name)
            for name in ("SwiGLUFunction", "BiasSwiGLUFunction", "WeightedSwiGLUFunction")]
 # The local spec's norm: every spec (LocalSpecProvider.layer_norm, gpt_layer_specs' LNImpl,
 # the transformer block's final norm) holds this one class object, whatever the import order,
 # so its __new__ is the narrowest point that covers them all.
 _NORM = ("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__")
-# forward() parameters the stand-ins read by name (for the norm: __new__'s); the rest are optional
+# The GPT head: _postprocess is where the output layer meets the loss (see lm_head); the
+# mappings are what the fused head calls for sequence parallelism and TP > 1 (checked, not
+# replaced).
+_HEAD = ("megatron.core.models.gpt.gpt_model", "GPTModel._postprocess")
+_HEAD_NEEDS = [("megatron.core.tensor_parallel.mappings", name)
+               for name in ("gather_from_sequence_parallel_region", "copy_to_tensor_model_parallel_region")]
+# parameters the stand-ins read by name (autograd Functions: forward's; the norm: __new__'s);
+# the rest are optional
 _REQUIRED = {"_VocabParallelCrossEntropy": ("vocab_parallel_logits", "target"),
              "SwiGLUFunction": ("input",), "BiasSwiGLUFunction": ("input", "bias"),
              "WeightedSwiGLUFunction": ("input", "weights"),
-             "WrappedTorchNorm.__new__": ("config", "hidden_size", "eps")}
+             "WrappedTorchNorm.__new__": ("config", "hidden_size", "eps"),
+             "LanguageModule.compute_language_model_loss": ("labels", "logits"),
+             "GPTModel._postprocess": ("hidden_states", "labels", "inference_context"),
+             "gather_from_sequence_parallel_region": ("input_", "tensor_parallel_output_grad", "group"),
+             "copy_to_tensor_model_parallel_region": ("input_", "group")}
 
 _ORIGINALS = {}  # (module, name) -> the original object, while patched
-_CONFIG = {}
-_WARNED = set()
-
-
-def _warn_once(key, message, category=UserWarning):
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, category, stacklevel=3)
 
 
 def _owner(module, attr):
@@ -47,12 +54,18 @@ def _owner(module, attr):
     return module, name
 
 
-def _resolve(module_name, attr):
+def _import(module_name):
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as e:
         raise RuntimeError(f"fusedloss.megatron: cannot import {module_name} ({e}); is megatron-core "
                            "installed?") from e
+
+
+def _resolve(module_name, attr):
+    """The original object (an autograd Function, a staticmethod or a function), checked to
+    take the parameters the stand-in reads; a clear error naming what is missing otherwise."""
+    module = _import(module_name)
     try:
         owner, name = _owner(module, attr)
         # the raw entry (a staticmethod for __new__), so that unpatching restores it exactly
@@ -65,10 +78,12 @@ def _resolve(module_name, attr):
                            f"{_megatron_version()}; this version is not supported")
     if isinstance(original, staticmethod):
         fn, where = original.__func__, attr
+    elif inspect.isfunction(original):
+        fn, where = original, attr
     else:
         fn, where = original.forward, f"{attr}.forward"
     params = inspect.signature(fn).parameters
-    missing = [p for p in _REQUIRED[attr] if p not in params]
+    missing = [p for p in _REQUIRED.get(attr, ()) if p not in params]
     if missing:
         raise RuntimeError(f"fusedloss.megatron: {module_name}.{where} has no parameter "
                            f"{', '.join(missing)} in megatron-core {_megatron_version()} (its "
@@ -80,56 +95,26 @@ def _megatron_version():
     return getattr(importlib.import_module("megatron.core"), "__version__", "unknown")
 
 
-def _forward_signature(fn_class):
-    params = list(inspect.signature(fn_class.forward).parameters.values())[1:]  # drop ctx
-    return inspect.Signature(params)
-
-
-def _group_size(group):
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-
-
-def _tp_group_from_parallel_state():
-    try:
-        from megatron.core import parallel_state
-        if not parallel_state.model_parallel_is_initialized():
-            return None
-        return parallel_state.get_tensor_model_parallel_group()
-    except (AssertionError, RuntimeError, AttributeError):
-        return None  # not initialised: TP=1 as far as anyone can tell
-
-
-def _guard(tp_group, where):
-    size = _group_size(tp_group)
-    if size > 1 and not _CONFIG["allow_vocab_parallel"]:
-        raise RuntimeError(
-            f"fusedloss.megatron: {where} was called with a tensor-parallel group of size {size}. "
-            "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
-            "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
-            "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
-    if size > 1:
-        _warn_once("vocab_parallel", "fusedloss.megatron: experimental vocab-parallel cross-entropy "
-                   f"(TP={size}, one all-gather per forward)")
-    return tp_group if size > 1 else None
-
-
-def _cross_entropy(logits, target, tp_group, label_smoothing):
-    """Megatron's contract: [s, b, V/tp] logits, [s, b] targets -> [s, b] fp32 per-token loss."""
-    return fusedloss.cross_entropy(
-        logits, target, reduction="none", ignore_index=_CONFIG["ignore_index"],
-        label_smoothing=label_smoothing, smoothing_formula="megatron", smoothing_scope="partition",
-        inplace_backward=_CONFIG["inplace_backward"], tp_group=tp_group,
-        check_shard_agreement=_CONFIG["check_shard_agreement"])
-
-
 def _stand_in(original, name, run):
-    """A class with the `apply` that Megatron calls on its autograd Function: binds the call to
-    the original forward's signature (without ctx) and hands run() the arguments the caller
-    passed, plus the call itself (for falling back to the original)."""
-    sig = _forward_signature(original)
+    """A class with the `apply` that Megatron calls on its autograd Function: hands run() the
+    arguments the caller passed, by the original forward's parameter names (without ctx; an
+    omitted optional one is absent, so run() can tell "not passed" from its default), plus the
+    call itself (for falling back to the original). The names are read once, here:
+    inspect.Signature.bind per call costs more than the rest of the adapter."""
+    params = list(inspect.signature(original.forward).parameters.values())[1:]  # drop ctx
+    names = tuple(p.name for p in params)
+    required = [p.name for p in params if p.default is p.empty]
 
     def apply(*args, **kwargs):
-        return run(sig.bind(*args, **kwargs).arguments, args, kwargs)
+        if len(args) > len(names):
+            raise TypeError(f"{name}.apply: takes {len(names)} arguments ({', '.join(names)}), "
+                            f"got {len(args)}")
+        a = dict(zip(names, args))
+        if kwargs:
+            a.update(kwargs)
+        if len(args) < len(required) and any(r not in a for r in required):
+            raise TypeError(f"{name}.apply: missing {[r for r in required if r not in a]}")
+        return run(a, args, kwargs)
 
     return type(name, (), {"__fusedloss_original__": original, "apply": staticmethod(apply)})
 
@@ -138,32 +123,33 @@ def _make_ce(original, where):
     """Stands in for a `_VocabParallelCrossEntropy`, whatever its forward's signature:
     (logits, target, tp_group) for the fused path, (logits, target, label_smoothing=0.0
     [, tp_group=None]) for the unfused one."""
+    what = f"{where} vocab_parallel_cross_entropy"
+
     def run(a, _args, _kwargs):
         group = a.get("tp_group")
         if group is None and where == "unfused":
-            group = _tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
+            group = state.tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
         ls = a.get("label_smoothing")
-        ls = _CONFIG["label_smoothing"] if ls is None else float(ls)
-        group = _guard(group, f"{where} vocab_parallel_cross_entropy")
-        return _cross_entropy(a["vocab_parallel_logits"], a["target"], group, ls)
+        return state.cross_entropy(a["vocab_parallel_logits"], a["target"], state.guard(group, what),
+                                   None if ls is None else float(ls))
 
     return _stand_in(original, f"FusedLoss{where.capitalize()}VocabParallelCrossEntropy", run)
 
 
 def _make_swiglu(original, name):
+    inplace = state.CONFIG["swiglu_inplace_backward"]
+
     def run(a, args, kwargs):
         if a.get("cpu_offload_input"):
-            _warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
-                       "Megatron's own implementation (activation offload is not fused)")
+            state.warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
+                            "Megatron's own implementation (activation offload is not fused)")
             return original.apply(*args, **kwargs)
         fp8 = bool(a.get("fp8_input_store", False))
         return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
                                 clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
-                                inplace_backward=_CONFIG["swiglu_inplace_backward"] and not fp8)
+                                inplace_backward=inplace and not fp8)
 
     return _stand_in(original, f"FusedLoss{name}", run)
-
-
 
 
 def _make_norm(original):
@@ -182,19 +168,30 @@ def _make_norm(original):
     return staticmethod(__new__)
 
 
-def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, rms_norm: bool = True, ignore_index: int = -100,
+def _replaced_routes():
+    """cross_entropy_fusion_impl values computed by fusedloss in compute_language_model_loss
+    itself: 'te' always, 'liger' where this megatron-core has that route."""
+    return ("te", "liger") if importlib.util.find_spec(_LIGER) is not None else ("te",)
+
+
+def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True, rms_norm: bool = True,
+                                linear_cross_entropy: bool = False, ignore_index: int = -100,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
                                 check_shard_agreement: bool = True, swiglu_in_place=None) -> None:
-    """Swap Megatron-core's cross-entropy, SwiGLU and RMSNorm for fusedloss's. Idempotent; a
-    later call sets the patch to exactly what it asks for (cross_entropy=False after a full
-    patch restores Megatron's cross-entropy).
+    """Swap Megatron-core's cross-entropy, SwiGLU, RMSNorm and (asked for) the GPT head for
+    fusedloss's. Idempotent; a later call sets the patch to exactly what it asks for
+    (cross_entropy=False after a full patch restores Megatron's cross-entropy).
 
-    cross_entropy: both paths (fused 'native' and unfused); per-token fp32 loss as Megatron
-      returns, Megatron's label-smoothing formula averaged over the local shard; positions whose
-      label is `ignore_index` get loss 0 and gradient 0 (Megatron would compute lse there and
-      rely on loss_mask). `label_smoothing` applies where Megatron's caller passes none.
-      `inplace_backward` writes the gradient into the logits (Megatron does not read them again).
+    cross_entropy: every route of compute_language_model_loss: the fused 'native' and the
+      unfused paths (their autograd Functions, so direct callers see them too), 'te' and, where
+      this megatron-core has it, 'liger' (computed in compute_language_model_loss itself); any
+      other route warns at its first call and runs Megatron's own. Per-token fp32 loss as
+      Megatron returns, Megatron's label-smoothing formula averaged over the local shard;
+      positions whose label is `ignore_index` get loss 0 and gradient 0 (Megatron would compute
+      lse there and rely on loss_mask). `label_smoothing` applies where Megatron's caller passes
+      none. `inplace_backward` writes the gradient into the logits (Megatron does not read them
+      again).
     swiglu: SwiGLUFunction / BiasSwiGLUFunction / WeightedSwiGLUFunction natively (bias,
       per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
       own, logged once. `swiglu_inplace_backward` writes the input gradient into the fc1 output
@@ -205,6 +202,12 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       or after the patch; zero-centred gamma and sequence parallelism are supported (the weight
       keeps its `sequence_parallel` attribute for Megatron's all-reduce). TransformerEngine's spec
       (TENorm, and the norm fused into TELayerNormColumnParallelLinear) is left alone.
+    linear_cross_entropy: GPTModel's output layer + loss become one
+      fusedloss.linear_cross_entropy whenever labels are given (no [s, b, V/tp] logits); without
+      labels, or in inference, Megatron's own head runs. Tied embeddings, sequence parallelism,
+      gradient-accumulation fusion (the weight gradient is added to `main_grad`) as Megatron's
+      output layer; a multi-token-prediction model, an output bias, deferred embedding wgrad or
+      MuP logit scaling raise a RuntimeError naming it. Same options as cross_entropy.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
@@ -215,6 +218,7 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                       "swiglu_inplace_backward=", DeprecationWarning, stacklevel=2)
         swiglu_inplace_backward = swiglu_in_place
     flags = dict(cross_entropy=cross_entropy, swiglu=swiglu, rms_norm=rms_norm,
+                 linear_cross_entropy=linear_cross_entropy,
                  allow_vocab_parallel=allow_vocab_parallel, inplace_backward=inplace_backward,
                  swiglu_inplace_backward=swiglu_inplace_backward,
                  check_shard_agreement=check_shard_agreement)
@@ -222,35 +226,39 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
-    if cross_entropy and not allow_vocab_parallel:
-        size = _group_size(_tp_group_from_parallel_state())
+    if (flags["cross_entropy"] or flags["linear_cross_entropy"]) and not flags["allow_vocab_parallel"]:
+        size = state.group_size(state.tp_group_from_parallel_state())
         if size > 1:
             raise RuntimeError(
                 f"fusedloss.megatron: tensor_model_parallel_size is {size}; the patch is scoped to "
                 "TP=1 by default. Pass allow_vocab_parallel=True to run fusedloss's experimental "
                 "vocab-parallel cross-entropy.")
     targets = []  # (module, attr, stand-in factory)
-    if cross_entropy:
+    if flags["cross_entropy"]:
+        routes = _replaced_routes()
         targets += [(*_CE_FUSED, lambda original: _make_ce(original, "fused")),
-                    (*_CE_UNFUSED, lambda original: _make_ce(original, "unfused"))]
-    if swiglu:
+                    (*_CE_UNFUSED, lambda original: _make_ce(original, "unfused")),
+                    (*_LM_LOSS, lambda original: lm_head.make_lm_loss(original, routes))]
+    if flags["swiglu"]:
         targets += [(m, a, lambda original, a=a: _make_swiglu(original, a)) for m, a in _SWIGLU]
-    if rms_norm:
+    if flags["rms_norm"]:
         targets += [(*_NORM, _make_norm)]
+    if flags["linear_cross_entropy"]:
+        targets += [(*_HEAD, lm_head.make_postprocess)]
+        for m, a in _HEAD_NEEDS:
+            _resolve(m, a)
     # Every symbol is resolved and checked before anything changes: all or nothing.
     resolved = [(_resolve(m, a), m, a, make) for m, a, make in targets]
     wanted = {(m, a) for _, m, a, _ in resolved}
     for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
         setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
-    _CONFIG.update(ignore_index=int(ignore_index), label_smoothing=float(label_smoothing),
-                   options=dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing),
-                   **{k: flags[k] for k in ("allow_vocab_parallel", "inplace_backward",
-                                            "swiglu_inplace_backward", "check_shard_agreement")})
+    state.configure(flags, ignore_index, label_smoothing)
+    state.CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing)
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))
     log.info("fusedloss.megatron: patched %s", ", ".join(f"{m}.{a}" for m, a in _ORIGINALS))
-    if rms_norm:
+    if flags["rms_norm"]:
         log.info("fusedloss.megatron: RMSNorm is replaced in Megatron's local spec only "
                  "(WrappedTorchNorm); TransformerEngine's spec (TENorm, the norm fused into "
                  "TELayerNormColumnParallelLinear) is left as it is")
@@ -271,7 +279,7 @@ def is_patched() -> bool:
 def fusedloss_megatron(**options):
     """Context manager form: patched as asked inside the block; after it, the patch is what it
     was before (none, or an enclosing block's or an explicit call's), so blocks nest."""
-    before = dict(_CONFIG.get("options", {})) if is_patched() else None
+    before = dict(state.CONFIG.get("options", {})) if is_patched() else None
     apply_fusedloss_to_megatron(**options)
     try:
         yield

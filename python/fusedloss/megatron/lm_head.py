@@ -1,0 +1,131 @@
+"""GPTModel's output layer and loss as one fusedloss.linear_cross_entropy (the patch's
+linear_cross_entropy=True), and the cross-entropy routes of LanguageModule.compute_language_model_loss
+that are not Megatron's autograd Functions ('te', 'liger').
+
+The head is replaced inside GPTModel._postprocess, after everything Megatron does before the
+output layer: with labels on the last pipeline stage (training or evaluation), the hidden states
+go through the vocab-parallel linear cross-entropy and the [s, b, V/tp] logits never exist;
+without labels, in inference, or before the last stage, Megatron's own _postprocess runs.
+"""
+import torch
+
+import fusedloss
+
+from . import state
+
+
+class _IntoMainGrad(torch.autograd.Function):
+    """Identity on the output weight whose backward does what Megatron's linear does under
+    gradient-accumulation fusion: the weight gradient is added to `weight.main_grad` (fp32) and
+    autograd gets a placeholder (zeros when Megatron asks for them through `zero_out_wgrad`,
+    as for a weight shared with the embedding) with `grad_added_to_main_grad` set, so Megatron's
+    DDP hook does not add it again."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight = ctx.weight
+        weight.main_grad.add_(grad)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        weight.grad_added_to_main_grad = True
+        return torch.zeros_like(grad) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(grad)
+
+
+def _tp_group(module):
+    group = getattr(getattr(module, "pg_collection", None), "tp", None)
+    return group if group is not None else state.tp_group_from_parallel_state()
+
+
+def _refuse_unsupported(model):
+    """A clear error for what the fused head cannot honour (instead of a wrong gradient)."""
+    cfg, layer = model.config, model.output_layer
+    why = None
+    if getattr(model, "mtp_process", False) or getattr(cfg, "mtp_num_layers", None):
+        why = (f"multi-token prediction heads (config.mtp_num_layers="
+               f"{getattr(cfg, 'mtp_num_layers', None)}) are not supported")
+    elif getattr(model, "use_fused_lce", False):
+        why = "the model already uses Megatron's own fused linear cross-entropy"
+    elif getattr(layer, "bias", None) is not None:
+        why = "the output layer has a bias, which the fused head does not add"
+    elif getattr(cfg, "defer_embedding_wgrad_compute", False):
+        why = ("config.defer_embedding_wgrad_compute=True defers the output weight's gradient to "
+               "Megatron's pipeline flush, which the fused head computes at once")
+    elif getattr(cfg, "use_mup", False):
+        why = "config.use_mup=True scales the logits (MuP), which the fused head does not"
+    if why:
+        raise RuntimeError(f"fusedloss.megatron: linear_cross_entropy=True: {why}; patch with "
+                           "linear_cross_entropy=False for this model")
+
+
+def fused_head_loss(model, hidden, labels):
+    """hidden [s(/tp under sequence parallel), b, H], labels [b, s] -> per-token loss [b, s]
+    fp32, as output_layer + compute_language_model_loss return it. The input gradient leaves as
+    Megatron's ColumnParallelLinear leaves it: reduce-scattered along tokens under sequence
+    parallel (the gather's backward), all-reduced otherwise at TP > 1 (the copy's backward);
+    the op hands back this rank's partial sum for them to reduce."""
+    from megatron.core.tensor_parallel import mappings
+    _refuse_unsupported(model)
+    layer = model.output_layer
+    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+              else layer.weight)
+    tp = getattr(layer, "tp_group", None)
+    tp = tp if tp is not None else _tp_group(model)
+    group = state.guard(tp, "GPTModel's linear cross-entropy")
+    if group is not None:
+        if layer.sequence_parallel:
+            hidden = mappings.gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=group)
+        else:
+            hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
+    if getattr(layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
+        weight = _IntoMainGrad.apply(weight)
+    loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **state.lce_options(),
+                                          tp_group=group)
+    return loss.transpose(0, 1).contiguous()
+
+
+def make_postprocess(original):
+    """GPTModel._postprocess with the fused head where labels are given (see the module doc)."""
+    names = state.parameter_names(original)[1:]  # without self
+
+    def _postprocess(self, *args, **kwargs):
+        if args:  # Megatron's forward passes keywords; anything else is bound by name here
+            kwargs.update(zip(names, args))
+            args = ()
+        labels = kwargs.get("labels")
+        if (labels is None or not self.post_process
+                or (kwargs.get("inference_context") is not None and not self.training)):
+            return original(self, **kwargs)
+        return fused_head_loss(self, kwargs["hidden_states"], labels)
+
+    _postprocess.__fusedloss_original__ = original
+    return _postprocess
+
+
+def make_lm_loss(original, replaced_routes):
+    """LanguageModule.compute_language_model_loss: 'native' and the unfused route run Megatron's
+    own method, which reaches the patched autograd Functions; the routes in `replaced_routes`
+    are computed here at the method's contract ([b, s] labels, [s, b, V/tp] logits -> [b, s]
+    fp32 per-token loss); any other route runs Megatron's own with a warning naming it."""
+
+    def compute_language_model_loss(self, labels, logits, *args, **kwargs):
+        cfg = self.config
+        route = cfg.cross_entropy_fusion_impl if cfg.cross_entropy_loss_fusion else "unfused"
+        if route == "native" or route == "unfused":
+            return original(self, labels, logits, *args, **kwargs)
+        if route in replaced_routes:
+            group = state.guard(_tp_group(self), f"compute_language_model_loss ({route!r} route)")
+            loss = state.cross_entropy(logits, labels.transpose(0, 1), group, None)
+            return loss.transpose(0, 1).contiguous()
+        state.warn_once(("route", route), f"fusedloss.megatron: cross_entropy_fusion_impl={route!r} "
+                        "is not replaced by fusedloss in this megatron-core; Megatron's own "
+                        "cross-entropy runs there")
+        return original(self, labels, logits, *args, **kwargs)
+
+    compute_language_model_loss.__fusedloss_original__ = original
+    return compute_language_model_loss

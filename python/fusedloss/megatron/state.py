@@ -1,0 +1,84 @@
+"""What the patched Megatron objects read at call time: the options, resolved once when the
+patch is applied (no per-call option parsing or signature binding), the tensor-parallel guard,
+and the one-time warnings."""
+import inspect
+import warnings
+
+import torch.distributed as dist
+
+import fusedloss
+
+CONFIG = {}
+_WARNED = set()
+# keyword arguments of fusedloss.cross_entropy / linear_cross_entropy, set by configure()
+_CE_KWARGS = {}
+_LCE_KWARGS = {}
+
+
+def configure(flags, ignore_index, label_smoothing):
+    CONFIG.clear()
+    CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
+    common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
+                  smoothing_scope="partition", reduction="none",
+                  check_shard_agreement=flags["check_shard_agreement"])
+    _CE_KWARGS.clear()
+    _CE_KWARGS.update(common, inplace_backward=flags["inplace_backward"])
+    _LCE_KWARGS.clear()
+    # recompute: per-token losses take any upstream gradient (Megatron masks and scales them)
+    _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode="recompute",
+                       dhidden_reduction="partial")
+
+
+def warn_once(key, message, category=UserWarning):
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def parameter_names(fn):
+    """The names a positional call binds to, in order."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
+
+
+def group_size(group):
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def tp_group_from_parallel_state():
+    try:
+        from megatron.core import parallel_state
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        return parallel_state.get_tensor_model_parallel_group()
+    except (AssertionError, RuntimeError, AttributeError):
+        return None  # not initialised: TP=1 as far as anyone can tell
+
+
+def guard(tp_group, where):
+    """The group to hand the op (None at TP=1); TP > 1 without allow_vocab_parallel raises."""
+    if tp_group is None:
+        return None
+    size = group_size(tp_group)
+    if size > 1 and not CONFIG["allow_vocab_parallel"]:
+        raise RuntimeError(
+            f"fusedloss.megatron: {where} was called with a tensor-parallel group of size {size}. "
+            "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
+            "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
+            "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
+    if size > 1:
+        warn_once("vocab_parallel", "fusedloss.megatron: experimental vocab-parallel cross-entropy "
+                  f"(TP={size}, one all-gather per forward)")
+        return tp_group
+    return None
+
+
+def cross_entropy(logits, target, tp_group, label_smoothing):
+    """Megatron's contract: [s, b, V/tp] logits, [s, b] targets -> [s, b] fp32 per-token loss.
+    label_smoothing None: the patch's own."""
+    ls = CONFIG["label_smoothing"] if label_smoothing is None else label_smoothing
+    return fusedloss.cross_entropy(logits, target, label_smoothing=ls, tp_group=tp_group, **_CE_KWARGS)
+
+
+def lce_options():
+    return _LCE_KWARGS

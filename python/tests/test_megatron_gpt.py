@@ -1,0 +1,220 @@
+"""apply_fusedloss_to_megatron(linear_cross_entropy=True) on a real GPTModel (CPU, gloo): the
+loss and every parameter gradient against the same model's unpatched head, at TP=1 and TP=2
+with sequence parallelism on and off, tied and untied embeddings; gradient-accumulation fusion;
+the refusals; and the cross-entropy routes of compute_language_model_loss ('te', 'liger')."""
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import fusedloss  # noqa: E402
+from fusedloss.megatron import apply_fusedloss_to_megatron, patch, unpatch_megatron  # noqa: E402
+from dist_util import run_world  # noqa: E402
+
+S, B, H, V = 16, 2, 64, 256
+# the patch's own norm, in the reference too: the local spec's torch norm refuses sequence parallel
+BASE = dict(cross_entropy=False, swiglu=False, rms_norm=True, allow_vocab_parallel=True)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    unpatch_megatron()
+
+
+def _cpu_megatron():
+    """This megatron-core allocates a few buffers on torch.cuda.current_device() (sequence-parallel
+    gathers, the attention's scratch) and forks the CUDA RNG tracker around dropout; on a CPU
+    rank those become the CPU and a no-op (dropout is 0 here), so the whole GPTModel runs."""
+    from megatron.core.tensor_parallel import random
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+
+
+def _model(tp, sequence_parallel, tied, seed=0):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=2, hidden_size=H, ffn_hidden_size=96, num_attention_heads=4,
+                            use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+                            sequence_parallel=sequence_parallel)
+    torch.manual_seed(seed)
+    return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=V,
+                    max_sequence_length=S, share_embeddings_and_output_weights=tied)
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=g)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    labels[0, 3] = labels[1, 0] = -100  # ignore_index: loss 0 here; Megatron relies on loss_mask
+    mask = (labels != -100).float()
+    scale = torch.rand(B, S, generator=g) * mask  # as Megatron's loss_mask weighting
+    return ids, torch.arange(S).expand(B, S), labels, mask, scale
+
+
+def _step(model, batch, **patch_options):
+    ids, pos, labels, mask, scale = batch
+    apply_fusedloss_to_megatron(**BASE, **patch_options)
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1).view(1, 1, S, S)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, causal, labels=labels)
+    (loss * scale).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def _check_parity(model, batch):
+    calls = []
+    hook = model.output_layer.register_forward_hook(lambda *args: calls.append(1))
+    ref_loss, ref_grads = _step(model, batch)
+    assert len(calls) == 1
+    loss, grads = _step(model, batch, linear_cross_entropy=True)
+    assert len(calls) == 1  # the fused head: Megatron's output layer did not run
+    hook.remove()
+    assert loss.shape == (B, S) and loss.dtype == torch.float32
+    mask = batch[3].bool()
+    torch.testing.assert_close(loss[mask], ref_loss[mask], rtol=1e-5, atol=1e-5)
+    assert (loss[~mask] == 0).all()
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    return ref_grads
+
+
+def _check_main_grad(model, batch, ref_grads, tied):
+    """Gradient-accumulation fusion: the head's weight gradient lands in main_grad (fp32), what
+    reaches .grad is Megatron's placeholder (zeros for the shared weight: zero_out_wgrad)."""
+    layer = model.output_layer
+    name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    weight = dict(model.named_parameters())[name]
+    layer.gradient_accumulation_fusion = True  # (Megatron's own needs APEX's CUDA wgrad kernel)
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    weight.grad_added_to_main_grad = False
+    try:
+        _, grads = _step(model, batch, linear_cross_entropy=True)
+    finally:
+        layer.gradient_accumulation_fusion = False
+    assert weight.grad_added_to_main_grad is True
+    total = weight.main_grad + (grads[name] if tied else 0)  # tied: the embedding's own in .grad
+    torch.testing.assert_close(total, ref_grads[name], rtol=1e-4, atol=1e-5)
+    del weight.main_grad, weight.grad_added_to_main_grad
+
+
+def _tp1(rank, world):
+    from megatron.core import parallel_state
+    _cpu_megatron()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    for tied in (False, True):
+        apply_fusedloss_to_megatron(**BASE)
+        model = _model(1, False, tied)
+        batch = _batch(1 + tied)
+        ref_grads = _check_parity(model, batch)
+        _check_main_grad(model, batch, ref_grads, tied)
+    ids, pos, labels, _, _ = batch
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1).view(1, 1, S, S)
+    # without labels Megatron's head runs: the logits, as unpatched
+    apply_fusedloss_to_megatron(**BASE)
+    want = model(ids, pos, causal)
+    apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True)
+    torch.testing.assert_close(model(ids, pos, causal), want)
+    # what the fused head cannot honour is refused, by name (at the head: these settings would
+    # change the decoder's layers too)
+    def head():
+        return model._postprocess(hidden_states=torch.randn(S, B, H), labels=labels, input_ids=ids,
+                                  position_ids=pos, rotary_pos_emb=None, rotary_pos_cos=None,
+                                  rotary_pos_sin=None)
+    for attr, value, match in (("mtp_num_layers", 1, r"multi-token prediction heads \(config.mtp_num_layers=1\)"),
+                               ("defer_embedding_wgrad_compute", True, "defer_embedding_wgrad_compute"),
+                               ("use_mup", True, "MuP")):
+        saved = getattr(model.config, attr, None)
+        setattr(model.config, attr, value)
+        with pytest.raises(RuntimeError, match=match):
+            head()
+        setattr(model.config, attr, saved)
+    model.output_layer.bias = torch.nn.Parameter(torch.zeros(V))
+    with pytest.raises(RuntimeError, match="output layer has a bias"):
+        head()
+
+
+def test_gpt_tp1_matches_unpatched_tied_and_untied():
+    run_world(1, _tp1, timeout_s=300)
+
+
+def _tp2(rank, world):
+    from megatron.core import parallel_state
+    _cpu_megatron()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    with pytest.raises(RuntimeError, match="allow_vocab_parallel=True"):
+        apply_fusedloss_to_megatron(cross_entropy=False, linear_cross_entropy=True)
+    for sp in (False, True):
+        for tied in (False, True):
+            apply_fusedloss_to_megatron(**BASE)
+            model = _model(2, sp, tied)
+            assert model.output_layer.sequence_parallel is sp
+            _check_parity(model, _batch(3 + 2 * sp + tied))  # same batch on both ranks, as Megatron feeds
+
+
+def test_gpt_tp2_sequence_parallel_on_and_off_matches_unpatched():
+    run_world(2, _tp2, timeout_s=300)
+
+
+class _Module:
+    """What compute_language_model_loss reads of its LanguageModule."""
+
+    def __init__(self, impl):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        self.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                        cross_entropy_loss_fusion=True)
+        self.config.cross_entropy_fusion_impl = impl
+        self.pg_collection = None
+
+
+def _lm_loss(impl, logits, labels):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    return LanguageModule.compute_language_model_loss(_Module(impl), labels, logits)
+
+
+def test_te_and_liger_routes_are_computed_by_fusedloss_or_named(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(S, B, 100, generator=g)  # [s, b, V]
+    labels = torch.randint(0, 100, (B, S), generator=g)  # [b, s]
+    ref = torch.nn.functional.cross_entropy(logits.double().permute(1, 2, 0), labels, reduction="none")
+    apply_fusedloss_to_megatron()
+    loss = _lm_loss("te", logits.clone(), labels)  # TransformerEngine need not be installed
+    assert loss.shape == (B, S) and loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref, rtol=2e-5, atol=1e-6)
+    liger = importlib.util.find_spec(patch._LIGER) is not None
+    if not liger:  # this megatron-core has no liger route: Megatron's own runs, named once
+        with pytest.warns(UserWarning, match="cross_entropy_fusion_impl='liger' is not replaced"):
+            with contextlib.suppress(Exception):
+                _lm_loss("liger", logits.clone(), labels)
+        # a megatron-core that has it: computed by fusedloss
+        monkeypatch.setattr(patch, "_LIGER", "megatron.core.fusions.fused_cross_entropy")
+        apply_fusedloss_to_megatron()
+    torch.testing.assert_close(_lm_loss("liger", logits.clone(), labels).double(), ref, rtol=2e-5, atol=1e-6)
+
+
+def test_head_patch_is_all_or_nothing_and_unpatch_restores(monkeypatch):
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import mappings
+    before = (GPTModel.__dict__["_postprocess"], LanguageModule.__dict__["compute_language_model_loss"])
+    monkeypatch.delattr(mappings, "copy_to_tensor_model_parallel_region")
+    with pytest.raises(RuntimeError, match=r"mappings\.copy_to_tensor_model_parallel_region not found"):
+        apply_fusedloss_to_megatron(linear_cross_entropy=True)
+    assert not fusedloss.megatron.is_patched()
+    monkeypatch.undo()
+    apply_fusedloss_to_megatron(linear_cross_entropy=True)
+    assert GPTModel._postprocess.__fusedloss_original__ is before[0]
+    assert LanguageModule.compute_language_model_loss.__fusedloss_original__ is before[1]
+    apply_fusedloss_to_megatron()  # linear_cross_entropy=False: the head goes back to Megatron's
+    assert GPTModel.__dict__["_postprocess"] is before[0]
+    unpatch_megatron()
+    assert (GPTModel.__dict__["_postprocess"], LanguageModule.__dict__["compute_language_model_loss"]) == before
