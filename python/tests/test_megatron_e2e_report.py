@@ -1,0 +1,190 @@
+"""The pure parts of examples/megatron_llama_e2e.py (the run itself needs a GPU): the allocator
+trace replay that locates the memory peak, the micro-batch search's answer, the comparison of
+configurations against native, and the files the report writes."""
+import csv
+import glob
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatron_llama_e2e.py")
+_spec = importlib.util.spec_from_file_location("megatron_llama_e2e", _PATH)
+e2e = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(e2e)
+
+MiB = 2**20
+
+
+def _frames(*where):
+    return [{"filename": f, "line": line, "name": name} for f, line, name in where]
+
+
+_TORCH = ("/usr/lib/python3/site-packages/torch/nn/functional.py", 10, "linear")
+_ATTN = ("/usr/lib/python3/site-packages/megatron/core/transformer/dot_product_attention.py", 150, "forward")
+_CE = ("/usr/lib/python3/site-packages/megatron/core/fusions/fused_cross_entropy.py", 40, "forward")
+_MARK = ("/repo/examples/megatron_llama_e2e.py", 120, "_phase_marker")
+
+
+def _alloc(addr, mib, *frames):
+    return {"action": "alloc", "addr": addr, "size": int(mib * MiB), "frames": _frames(*frames)}
+
+
+def _free(addr, mib, action="free_completed"):
+    return {"action": action, "addr": addr, "size": int(mib * MiB), "frames": []}
+
+
+def _trace(free_action="free_completed"):
+    """100 MiB held before the step, 30 MiB of it (last step's gradients) freed at its start;
+    forward allocates 10 + 45 MiB (attention) and 50 MiB (cross-entropy), backward frees the
+    cross-entropy block and allocates 20 MiB with no Python frame: the peak (175 MiB) is at
+    the end of the forward, reached by the 50 MiB block."""
+    events = [_free(1, 30, free_action), _alloc(900, 0.0005, _MARK), _free(900, 0.0005, free_action),
+              _alloc(2, 10, _TORCH, _ATTN), _alloc(3, 45, _TORCH, _ATTN), _alloc(4, 50, _CE),
+              _alloc(901, 0.0005, _MARK), _free(901, 0.0005, free_action),
+              _free(4, 50, free_action), _alloc(5, 20), _alloc(902, 0.0005, _MARK)]
+    if free_action == "free_completed":  # torch records the request before the completion
+        events = [x for ev in events for x in
+                  ([dict(ev, action="free_requested"), ev] if ev["action"] == "free_completed" else [ev])]
+    return events
+
+
+@pytest.mark.parametrize("free_action", ["free_completed", "free_requested"])
+def test_trace_replay_finds_the_peak_its_phase_and_what_is_alive(free_action):
+    s = e2e.summarise_trace(_trace(free_action), 100 * MiB, ["forward", "backward", "optimizer"],
+                            {50 * MiB: "logits fp32 [T,V]"})
+    assert s["peak_mib"] == pytest.approx(175)  # 100 - 30 + 10 + 45 + 50
+    assert s["phase"] == "forward"
+    assert s["set_by"] == {"mib": 50, "where": "megatron/core/fusions/fused_cross_entropy.py:40 forward",
+                           "name": "logits fp32 [T,V]"}
+    assert s["held_from_before_mib"] == pytest.approx(70)
+    assert s["by_phase"] == {"forward": pytest.approx(105)}
+    places = [(g["where"], g["count"], g["mib"]) for g in s["by_place"]]
+    assert places == [("megatron/core/transformer/dot_product_attention.py:150 forward", 2, 55),
+                      ("megatron/core/fusions/fused_cross_entropy.py:40 forward", 1, 50)]
+    text = e2e.format_peak("native", s)
+    assert "peak 175 MiB in the forward phase" in text and "logits fp32 [T,V]" in text
+
+
+def test_trace_replay_peak_in_backward_without_python_frames():
+    trace = [_alloc(900, 0.0005, _MARK), _alloc(2, 10, _ATTN), _alloc(901, 0.0005, _MARK),
+             _alloc(3, 64)]
+    s = e2e.summarise_trace(trace, 0, ["forward", "backward"])
+    assert (s["phase"], s["peak_mib"]) == ("backward", pytest.approx(74))
+    assert s["set_by"]["where"].startswith("(no Python frame")
+    assert s["by_phase"] == {"forward": pytest.approx(10), "backward": pytest.approx(64)}
+
+
+def test_trace_replay_without_allocations_reports_the_base():
+    s = e2e.summarise_trace([_free(1, 5)], 8 * MiB, [])
+    assert (s["peak_mib"], s["phase"], s["set_by"]) == (8, "before the step", None)
+
+
+def test_known_sizes_name_the_logits_and_attention_scores():
+    shape = e2e.Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2)
+    names = e2e.known_sizes(shape)
+    assert names[2 * 8192 * 128256] == "logits bf16 [T,V]"
+    assert names[4 * 8192 * 128256] == "logits fp32 [T,V]"
+    assert names[2 * 2 * 32 * 4096 * 4096] == "attention scores bf16 [b,heads,s,s]"
+
+
+@pytest.mark.parametrize("tries, want", [
+    ([(1, True, 1), (2, True, 2), (9, True, 9), (10, True, 10), (11, False, None)], (10, 11, True)),
+    ([(1, True, 1), (2, True, 2), (9, False, None), (8, False, None), (7, True, 7)], (7, 8, True)),
+    ([(1, True, 1), (2, True, 2), (9, True, 9)], (9, None, False)),  # cut short: unconfirmed
+    ([(1, False, None)], (0, 1, True)),
+])
+def test_max_batch_summary(tries, want):
+    got = e2e.max_batch_summary(tries)
+    assert (got["largest"], got["first_oom"], got["confirmed"]) == want
+
+
+def _child(losses, fp32, ms=100.0, peak=1000.0, lb_peak=30000.0, tiny=20.0, status="ok", **extra):
+    tasks = {"train": dict(losses=losses, step_ms=[ms] * len(losses), median_ms=ms,
+                           tokens_per_s=8192 / ms * 1e3, peak_mib=peak),
+             "fp32": dict(losses=fp32, step_ms=[1.0] * len(fp32), median_ms=1.0, tokens_per_s=1.0,
+                          peak_mib=1.0),
+             "loss-bound": dict(peak_mib=lb_peak), "tiny": dict(runs=[dict(median_ms=tiny)] * 3)}
+    return dict(config="x", status=status, tasks=dict(tasks, **extra))
+
+
+def _results():
+    plan = e2e.PLANS["full"]
+    logits = plan["loss-bound"][0].tokens * plan["loss-bound"][0].vocab * 2 / MiB  # 4000 MiB
+    return plan, logits, {
+        "native": _child([10.0, 9.0, 8.0], [10.0, 9.0], tiny=20.0, snapshot=e2e.summarise_trace(
+            _trace(), 100 * MiB, ["forward", "backward"]), **{"max-batch": dict(
+                e2e.max_batch_summary([(1, True, 1), (2, True, 2), (3, False, None)]), tries=[(1, True, 1.0), (2, True, 2.0), (3, False, None)])}),
+        "ce+swiglu": _child([10.0, 9.1, 8.0], [10.0, 9.0001], ms=90.0, lb_peak=30000 - logits - 1, tiny=19.0),
+        "+rmsnorm": _child([10.0, 9.0, 8.0], [10.0, 9.1], ms=80.0, lb_peak=30000 - logits + 1, tiny=21.0,
+                           **{"max-batch": {"skipped": "time budget spent before max-batch"}}),
+        "+linear-ce": dict(config="+linear-ce", status="unavailable", tasks={},
+                           error="got an unexpected keyword argument 'linear_cross_entropy'"),
+    }
+
+
+def test_compare_flags_curves_out_of_tolerance_and_unfinished_tasks_and_scores_targets():
+    plan, logits, results = _results()
+    rows, failures, targets, notes = e2e.compare(results, plan)
+    assert [r["config"] for r in rows] == list(results)
+    assert rows[1]["speedup"] == pytest.approx(100 / 90) and rows[2]["speedup"] == pytest.approx(1.25)
+    assert rows[1]["bf16_rel_diff"] == pytest.approx(0.1 / 9) and rows[1]["fp32_rel_diff"] < 1e-3
+    assert rows[1]["loss_bound_saved_mib"] == pytest.approx(logits + 1)
+    # +rmsnorm's fp32 curve is 1.1e-2 off (tolerance 1e-3) and its max-batch did not run
+    assert failures == ["+rmsnorm max-batch: time budget spent before max-batch",
+                        "+rmsnorm: fp32 loss curve 1.11e-02 from native (tolerance 1e-03)"]
+    assert notes == ["+linear-ce: unavailable: got an unexpected keyword argument 'linear_cross_entropy'"]
+    # the speed target is scored for the last configuration that ran (here +rmsnorm: 1.25x)
+    assert [t for t in targets if "tokens/s" in t] == ["+rmsnorm: 1.250x native tokens/s (target >= 1.15x): met"]
+    lb = [t for t in targets if "loss-bound" in t]
+    assert lb[0].endswith("met") and lb[1].endswith("MISSED")
+    tiny = [t for t in targets if "tiny" in t]
+    assert tiny[0].endswith("met") and tiny[1].endswith("MISSED")
+
+
+def test_a_failed_child_is_a_failure_and_the_rest_still_compare():
+    plan, _, results = _results()
+    results["ce+swiglu"] = dict(status="failed", tasks={}, error="process exit 1")
+    rows, failures, _, _ = e2e.compare(results, plan)
+    assert failures[0] == "ce+swiglu: failed: process exit 1"
+    assert rows[1]["tokens_s"] is None and rows[2]["speedup"] == pytest.approx(1.25)
+
+
+def test_report_writes_the_summary_the_curves_and_the_text(tmp_path):
+    plan, _, results = _results()
+    args = e2e.parse_args(["--out", str(tmp_path)])
+    failures = e2e.report(results, args, plan)
+    assert len(failures) == 2
+    (summary,) = glob.glob(str(tmp_path / "*-megatron-llama.csv"))
+    with open(summary) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["config"] for r in rows] == list(results) and rows[2]["speedup"] == "1.25"
+    (curves,) = glob.glob(str(tmp_path / "*-megatron-llama-loss.csv"))
+    with open(curves) as fh:
+        assert len(list(csv.reader(fh))) == 1 + 3 * (3 + 2)  # header, 3 configs x (bf16 3 + fp32 2)
+    (text,) = glob.glob(str(tmp_path / "*-megatron-llama.txt"))
+    body = open(text).read()
+    assert "FAILED:" in body and "+linear-ce: unavailable" in body and "1.250" in body
+    assert "native: peak 175 MiB in the forward phase" in body and "native: 2; tried 1 (1 MiB), 2 (2 MiB), 3 OOM" in body
+    table = body.split("\n\n")[1].splitlines()
+    assert table[0].split() == ["config", "ms/step", "tokens/s", "x", "native", "peak", "MiB", "bf16",
+                                "diff", "fp32", "diff", "LB", "peak", "MiB", "max", "mb", "tiny", "ms"]
+    assert table[1].split() == ["native", "100.0", "81,920", "1.000", "1,000", "-", "-", "30,000", "2", "20.00"]
+    assert len({len(line) for line in table}) == 1  # columns line up
+
+
+def test_plot_draws_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    plan, _, results = _results()
+    rows, *_ = e2e.compare(results, plan)
+    e2e.plot(results, rows, str(tmp_path / "p.png"))
+    assert os.path.getsize(tmp_path / "p.png") > 1000
+
+
+def test_parse_args_refuses_unknown_configurations_and_tasks(capsys):
+    for argv in (["--configs", "native,bogus"], ["--tasks", "train,nap"]):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(argv)
+        assert "not one of" in capsys.readouterr().err
+    assert e2e.parse_args(["--smoke"]).budget_s < e2e.parse_args([]).budget_s
+    assert e2e.main(["--dry-run"]) == 0
