@@ -67,13 +67,13 @@ class Shape:
 # task -> (shape, steps, warm-up steps left out of the timing)
 PLANS = {
     "full": {"train": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 24, 3),
-             "snapshot": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 2, 1),
+             "snapshot": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 1, 1),  # 1 recorded
              "fp32": (Shape(2, 1024, 3584, 8, 2, 128256, 1024, 2), 20, 3),
              "loss-bound": (Shape(2, 4096, 14336, 32, 8, 256000, 4096, 2), 3, 1),
              "tiny": (Shape(4, 512, 2048, 8, 8, 32768, 1024, 4), 50, 5),
              "max-batch": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 64, 0)},  # steps: cap
     "smoke": {"train": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
-              "snapshot": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 2, 1),
+              "snapshot": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 1, 1),
               "fp32": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
               "loss-bound": (Shape(1, 256, 512, 4, 2, 16384, 256, 2), 3, 1),
               "tiny": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
@@ -154,7 +154,8 @@ def _phase_marker(phase):
     torch.empty(1, device="cuda")
 
 
-def task_snapshot(shape, steps, warmup):
+def task_snapshot(shape, _recorded, warmup):
+    """`warmup` steps, then one under the allocator's history recording."""
     t = Trainer(shape, "bf16")
     for i in range(warmup):  # optimizer state allocated, kernels compiled
         t.step(t.corpus[i])
@@ -177,31 +178,44 @@ def task_snapshot(shape, steps, warmup):
 
 
 def task_max_batch(shape, cap, _warmup, deadline):
-    """The peaks at micro-batch 1 and 2 predict the largest that fits; from there one step at a
-    time up to the first OOM (or down to the first fit), within the deadline and the cap."""
     t = Trainer(shape, "bf16")
-    limit = torch.cuda.mem_get_info()[1]
-    tries = []  # (micro-batch, fits, peak MiB)
+    _try_step(t, 1)  # the optimizer state exists before anything is measured
 
-    def fits(b):
+    def step(b):  # (fits, peak MiB), everything freed afterwards
         ok = _try_step(t, b)
-        tries.append((b, ok, torch.cuda.max_memory_allocated() / 2**20 if ok else None))
+        peak = torch.cuda.max_memory_allocated() / 2**20 if ok else None
         t.opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
-        return ok
+        return ok, peak
+
+    return search_max_batch(step, cap, torch.cuda.mem_get_info()[1] / 2**20, deadline)
+
+
+def search_max_batch(step, cap, limit_mib, deadline):
+    """step(b) -> (fits, peak MiB) for micro-batches 1 and 2, then the line through the two
+    largest that fit predicts the largest; once an OOM brackets it, bisection; until the
+    largest fit and the first OOM are adjacent, the cap is reached or the deadline passes."""
+    tries = []  # (micro-batch, fits, peak MiB)
+
+    def fits(b):
+        tries.append((b, *step(b)))
+        return tries[-1][1]
 
     if fits(1) and fits(2):
-        slope = max(tries[1][2] - tries[0][2], 1.0)
-        b = max(2, min(cap, 1 + int((limit / 2**20 * 0.97 - tries[0][2]) / slope)))
-        if fits(b):
-            while b < cap and time.time() < deadline and fits(b + 1):
-                b += 1
-        else:
-            b -= 1
-            while b > 2 and time.time() < deadline and not fits(b):
-                b -= 1
-    return dict(max_batch_summary(tries), cap=cap, limit_mib=limit / 2**20, tries=tries)
+        while time.time() < deadline:
+            fit = sorted((b, p) for b, ok, p in tries if ok)
+            lo = fit[-1][0]
+            hi = min((b for b, ok, _ in tries if not ok and b > lo), default=None)
+            if lo >= cap or hi == lo + 1:
+                break
+            if hi is None:
+                (b1, p1), (b2, p2) = fit[-2:]
+                slope = max((p2 - p1) / (b2 - b1), 1.0)
+                fits(min(cap, max(lo + 1, b2 + int((limit_mib * 0.97 - p2) / slope))))
+            else:
+                fits((lo + hi) // 2)
+    return dict(max_batch_summary(tries), cap=cap, limit_mib=limit_mib, tries=tries)
 
 
 def max_batch_summary(tries):
@@ -221,6 +235,10 @@ def _try_step(t, batch):
         return True
     except torch.cuda.OutOfMemoryError:
         return False  # the step's frames (and their tensors) go with the exception
+    except RuntimeError as e:  # an allocation outside torch's allocator (cuBLAS workspace, ...)
+        if "out of memory" in str(e) or "ALLOC_FAILED" in str(e):
+            return False
+        raise
 
 
 def known_sizes(shape):
@@ -400,6 +418,7 @@ def child(args):
             json.dump(out, fh)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
     import torch.distributed as dist
     from megatron.core import parallel_state
 

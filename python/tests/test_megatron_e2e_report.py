@@ -188,3 +188,31 @@ def test_parse_args_refuses_unknown_configurations_and_tasks(capsys):
         assert "not one of" in capsys.readouterr().err
     assert e2e.parse_args(["--smoke"]).budget_s < e2e.parse_args([]).budget_s
     assert e2e.main(["--dry-run"]) == 0
+
+
+@pytest.mark.parametrize("base, per_batch, first_step, cap, want", [
+    (10_000, 8_000, 0, 64, 16),        # linear: the prediction lands, one more try confirms
+    (10_000, 8_000, 60_000, 64, 16),   # micro-batch 1's peak inflated: the prediction overshoots
+    (10_000, 500, 0, 64, 64),          # everything fits up to the cap
+    (10_000, 200_000, 0, 64, 0),       # nothing fits
+    (10_000, 60_000, 0, 64, 2),
+])
+def test_max_batch_search_finds_the_largest_that_fits_in_few_tries(base, per_batch, first_step, cap, want):
+    limit = 141_000
+
+    def step(b):
+        peak = base + per_batch * b + (first_step if b == 1 else 0)
+        return (peak <= limit, peak) if peak <= limit else (False, None)
+
+    got = e2e.search_max_batch(step, cap, limit, deadline=float("inf"))
+    assert got["largest"] == want
+    assert got["confirmed"] == (want < cap)
+    assert len(got["tries"]) <= 9
+    # every answer agrees with the memory model: the largest fits and the next does not
+    assert all(ok == (base + per_batch * b + (first_step if b == 1 else 0) <= limit)
+               for b, ok, _ in got["tries"])
+
+
+def test_max_batch_search_stops_at_the_deadline():
+    got = e2e.search_max_batch(lambda b: (True, 1000.0 * b), 64, 141_000, deadline=0)
+    assert [b for b, *_ in got["tries"]] == [1, 2] and not got["confirmed"]
