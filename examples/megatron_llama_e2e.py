@@ -29,6 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -417,13 +419,8 @@ def child(args):
         with open(args.result, "w") as fh:
             json.dump(out, fh)
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    # megatron-core's import-time notes about TransformerEngine and Apex (absent by design)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TransformerEngine).*")
     options = CONFIGS[args.child]
     if options is not None:
         from fusedloss.megatron import apply_fusedloss_to_megatron
@@ -432,6 +429,13 @@ def child(args):
         except TypeError as e:  # an option this fusedloss does not have yet
             out.update(status="unavailable", error=f"apply_fusedloss_to_megatron({options}): {e}")
             return save()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the tight check
     plan = PLANS["smoke" if args.smoke else "full"]
     for task in args.tasks.split(","):
@@ -453,6 +457,7 @@ def child(args):
             else:
                 res = Trainer(shape, "fp32" if task == "fp32" else "bf16").train(steps, warmup)
         except Exception as e:  # reported, and the next task still runs
+            traceback.print_exc()
             res = dict(error=f"{type(e).__name__}: {e}")
         out["tasks"][task] = res
         print(f"[{args.child}] {task}: " + ", ".join(

@@ -4,6 +4,7 @@ configurations against native, and the files the report writes."""
 import csv
 import glob
 import importlib.util
+import json
 import os
 
 import pytest
@@ -216,3 +217,24 @@ def test_max_batch_search_finds_the_largest_that_fits_in_few_tries(base, per_bat
 def test_max_batch_search_stops_at_the_deadline():
     got = e2e.search_max_batch(lambda b: (True, 1000.0 * b), 64, 141_000, deadline=0)
     assert [b for b, *_ in got["tries"]] == [1, 2] and not got["confirmed"]
+
+
+def test_an_option_the_patch_lacks_makes_the_configuration_unavailable(tmp_path, monkeypatch):
+    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce", dict(cross_entropy=True, no_such_option=True))
+    args = e2e.parse_args(["--configs", "+linear-ce"])
+    args.child, args.result, args.deadline = "+linear-ce", str(tmp_path / "r.json"), float("inf")
+    e2e.child(args)
+    with open(tmp_path / "r.json") as fh:
+        out = json.load(fh)
+    assert out["status"] == "unavailable" and "no_such_option" in out["error"] and out["tasks"] == {}
+
+
+def test_each_configuration_runs_in_its_own_process_and_a_failed_one_is_reported(tmp_path, monkeypatch):
+    # with no GPU visible every child exits 2 at once: the parent records each as failed and goes on
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    args = e2e.parse_args(["--configs", "native,ce+swiglu", "--budget-s", "120", "--out", str(tmp_path)])
+    results = e2e.run_children(args)
+    assert {c: (r["status"], r["error"]) for c, r in results.items()} == {
+        "native": ("failed", "process exit 2"), "ce+swiglu": ("failed", "process exit 2")}
+    failures = e2e.report(results, args, e2e.PLANS["full"])
+    assert failures == ["native: failed: process exit 2", "ce+swiglu: failed: process exit 2"]
