@@ -29,7 +29,7 @@ select=()
 
 if [ "${SKIP_SMOKE:-0}" != 1 ]; then
   echo "== smoke (tiny shapes, 3 steps)"
-  "$PY" examples/megatron_llama_e2e.py --smoke --out "$OUT/smoke" --budget-s "${SMOKE_BUDGET_S:-80}" \
+  "$PY" examples/megatron_llama_e2e.py --smoke --out "$OUT/smoke" --budget-s "${SMOKE_BUDGET_S:-100}" \
     "${select[@]}" || { echo "== smoke run failed: the full run is not started"; exit 1; }
 fi
 status=0

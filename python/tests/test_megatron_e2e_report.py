@@ -6,6 +6,7 @@ import glob
 import importlib.util
 import json
 import os
+from unittest import mock
 
 import pytest
 
@@ -180,6 +181,21 @@ def test_plot_draws_when_matplotlib_is_installed(tmp_path):
     rows, *_ = e2e.compare(results, plan)
     e2e.plot(results, rows, str(tmp_path / "p.png"))
     assert os.path.getsize(tmp_path / "p.png") > 1000
+
+
+def test_plot_draws_every_measured_configuration(monkeypatch):
+    # pyplot stood in for by a recorder, so the drawing logic runs where matplotlib is absent
+    plt = mock.MagicMock()
+    ax = [mock.MagicMock() for _ in range(4)]
+    plt.subplots.return_value = (mock.MagicMock(), ax)
+    monkeypatch.setattr(e2e.peers, "pyplot", lambda: plt)
+    plan, _, results = _results()
+    rows, *_ = e2e.compare(results, plan)
+    e2e.plot(results, rows, "p.png")
+    assert [c.kwargs["label"] for c in ax[0].plot.call_args_list] == ["native", "ce+swiglu", "+rmsnorm"]
+    assert ax[2].bar.call_args.args[0] == ["native", "ce+swiglu", "+rmsnorm"]
+    assert len(ax[3].bar.call_args_list) == 6  # 3 measured configurations x 2 shapes
+    plt.subplots.return_value[0].savefig.assert_called_once_with("p.png", dpi=100)
 
 
 def test_parse_args_refuses_unknown_configurations_and_tasks(capsys):
