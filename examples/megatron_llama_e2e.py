@@ -244,7 +244,8 @@ def _try_step(t, batch):
 
 
 def known_sizes(shape):
-    """Block sizes (bytes) of the tensors a reader will look for, by name."""
+    """Sizes in bytes (as the allocator trace records them: requested) of the tensors a reader
+    will look for, by name."""
     t, v, h = shape.tokens, shape.vocab, shape.hidden
     scores = shape.batch * shape.heads * shape.seq * shape.seq
     named = {"logits bf16 [T,V]": 2 * t * v, "logits fp32 [T,V]": 4 * t * v,
@@ -273,55 +274,63 @@ def _where(frames, depth=2):
     return " < ".join(short)
 
 
-def summarise_trace(trace, base, phases, names=None, top=8):
-    """Replays an allocator trace (torch.cuda.memory._snapshot()['device_traces'][dev]) from
-    `base` bytes allocated when recording began. Returns the peak, the phase it fell in (phases
-    start at the _phase_marker allocations, in order), the allocation that reached it, and what
-    was alive then: bytes held from before the step, and the step's allocations grouped by place."""
-    names = names or {}
+def _replay(trace, base, phases, stop=None):
+    """Walks an allocator trace from `base` bytes allocated; yields (index, bytes allocated, the
+    step's live allocations {addr: (size, phase, where)}, phase) after each allocation. The
+    _phase_marker allocations start the phases, in order, and count for nothing."""
     frees = {"free_completed"} if any(e["action"] == "free_completed" for e in trace) else {"free_requested"}
-    total, peak, phase, markers = base, base, "before the step", 0
-    live, markers_live, at_peak = {}, set(), None  # addr -> (size, phase, where, name)
-    for e in trace:
+    total, phase, markers, live, marker_addrs = base, "before the step", 0, {}, set()
+    for i, e in enumerate(trace[:stop]):
         if e["action"] == "alloc":
             frames = e.get("frames", [])
             if any(f["name"] == "_phase_marker" for f in frames):
                 phase = phases[markers] if markers < len(phases) else f"phase {markers}"
                 markers += 1
-                markers_live.add(e["addr"])
+                marker_addrs.add(e["addr"])
                 continue
             total += e["size"]
-            live[e["addr"]] = (e["size"], phase, _where(frames), names.get(e["size"], ""))
-            if total > peak:
-                peak, at_peak = total, (dict(live), e["addr"], phase)
+            live[e["addr"]] = (e["size"], phase, frames)
+            yield i, total, live, phase
         elif e["action"] in frees:
             if e["addr"] in live:
                 total -= live.pop(e["addr"])[0]
-            elif e["addr"] in markers_live:
-                markers_live.discard(e["addr"])
+            elif e["addr"] in marker_addrs:
+                marker_addrs.discard(e["addr"])
             else:
                 total -= e["size"]  # held from before the step (e.g. last step's gradients)
+
+
+def summarise_trace(trace, base, phases, names=None, top=8):
+    """Where the peak of one recorded step is, from its allocator trace
+    (torch.cuda.memory._snapshot()['device_traces'][device], sizes as requested) and the bytes
+    allocated when recording began: the peak, its phase, the allocation that reached it, and
+    what was alive then (bytes held from before the step; the step's own, by phase and place)."""
+    names = names or {}
+    peak, at = base, None
+    for i, total, _, _ in _replay(trace, base, phases):
+        if total > peak:
+            peak, at = total, i
     out = dict(base_mib=base / 2**20, peak_mib=peak / 2**20, phase="before the step", by_place=[],
                by_phase={}, set_by=None)
-    if at_peak is None:
+    if at is None:
         return out
-    alive, addr, out["phase"] = at_peak
-    size, _, where, name = alive[addr]
-    out["set_by"] = dict(mib=size / 2**20, where=where, name=name)
+    *_, (_, _, live, out["phase"]) = _replay(trace, base, phases, stop=at + 1)
+    size, _, frames = live[trace[at]["addr"]]
+    out["set_by"] = dict(mib=size / 2**20, where=_where(frames), name=names.get(size, ""))
     groups = {}
-    for size, ph, where, name in alive.values():
+    for size, ph, frames in live.values():
         out["by_phase"][ph] = out["by_phase"].get(ph, 0) + size / 2**20
-        g = groups.setdefault((ph, where, name), [0, 0])
+        g = groups.setdefault((ph, _where(frames), names.get(size, "")), [0, 0])
         g[0], g[1] = g[0] + 1, g[1] + size
-    out["held_from_before_mib"] = (peak - sum(s for s, *_ in alive.values())) / 2**20
+    out["held_from_before_mib"] = (peak - sum(s for s, *_ in live.values())) / 2**20
     out["by_place"] = [dict(phase=ph, where=w, name=n, count=c, mib=b / 2**20)
                        for (ph, w, n), (c, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]]
     return out
 
 
 def format_peak(config, s):
-    check = (f"; max_memory_allocated {s['max_memory_allocated'] / 2**20:,.0f} MiB"
-             if "max_memory_allocated" in s else "")
+    check = (f"; the trace counts requested bytes, max_memory_allocated whole blocks: "
+             f"{s['max_memory_allocated'] / 2**20:,.0f} MiB" if "max_memory_allocated" in s else "")
     lines = [f"{config}: peak {s['peak_mib']:,.0f} MiB in the {s['phase']} phase "
              f"({s['base_mib']:,.0f} MiB allocated when the step began, "
              f"{s.get('held_from_before_mib', 0):,.0f} MiB of it still alive at the peak{check})"]
