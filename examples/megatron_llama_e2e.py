@@ -393,6 +393,9 @@ def compare(results, plan):
             loss_bound_peak_mib=tk.get("loss-bound", {}).get("peak_mib"), loss_bound_saved_mib=saved,
             logits_mib=logits_mib, max_micro_batch=mb.get("largest"), first_oom=mb.get("first_oom"),
             tiny_ms_step=tiny))
+        if "largest" in mb and not mb.get("confirmed"):
+            notes.append(f"{config}: largest micro-batch {mb['largest']} unconfirmed (no OOM seen just "
+                         f"above it: the cap of {mb.get('cap')} or the time budget came first)")
         if config == "native":
             continue
         if speed and config == full:

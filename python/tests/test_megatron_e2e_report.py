@@ -144,6 +144,16 @@ def test_compare_flags_curves_out_of_tolerance_and_unfinished_tasks_and_scores_t
     assert tiny[0].endswith("met") and tiny[1].endswith("MISSED")
 
 
+def test_an_unconfirmed_largest_micro_batch_is_noted():
+    plan, _, results = _results()
+    results["+rmsnorm"]["tasks"]["max-batch"] = dict(
+        e2e.max_batch_summary([(1, True, 1.0), (2, True, 2.0), (4, True, 4.0)]), cap=4, tries=[])
+    rows, failures, _, notes = e2e.compare(results, plan)
+    assert rows[2]["max_micro_batch"] == 4 and not any("max-batch" in f for f in failures)
+    assert notes[0] == ("+rmsnorm: largest micro-batch 4 unconfirmed (no OOM seen just above it: "
+                        "the cap of 4 or the time budget came first)")
+
+
 def test_a_failed_child_is_a_failure_and_the_rest_still_compare():
     plan, _, results = _results()
     results["ce+swiglu"] = dict(status="failed", tasks={}, error="process exit 1")
