@@ -175,7 +175,7 @@ def task_snapshot(shape, _recorded, warmup):
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     summary = summarise_trace(trace, base, phases, known_sizes(shape))
-    summary["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    summary["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return summary
 
 
@@ -330,7 +330,7 @@ def summarise_trace(trace, base, phases, names=None, top=8):
 
 def format_peak(config, s):
     check = (f"; the trace counts requested bytes, max_memory_allocated whole blocks: "
-             f"{s['max_memory_allocated'] / 2**20:,.0f} MiB" if "max_memory_allocated" in s else "")
+             f"{s['max_memory_allocated_mib']:,.0f} MiB" if "max_memory_allocated_mib" in s else "")
     lines = [f"{config}: peak {s['peak_mib']:,.0f} MiB in the {s['phase']} phase "
              f"({s['base_mib']:,.0f} MiB allocated when the step began, "
              f"{s.get('held_from_before_mib', 0):,.0f} MiB of it still alive at the peak{check})"]
@@ -465,7 +465,8 @@ def child(args):
                 res = task_max_batch(shape, steps, warmup, args.deadline)
             elif task == "tiny":
                 runs = [Trainer(shape, "bf16").train(steps, warmup) for _ in range(TINY_RUNS)]
-                res = dict(runs=[{k: r[k] for k in ("median_ms", "peak_mib")} for r in runs])
+                res = dict(median_ms=statistics.median(r["median_ms"] for r in runs),
+                           runs=[{k: r[k] for k in ("median_ms", "peak_mib")} for r in runs])
             else:
                 res = Trainer(shape, "fp32" if task == "fp32" else "bf16").train(steps, warmup)
         except Exception as e:  # reported, and the next task still runs

@@ -64,8 +64,9 @@ def test_trace_replay_finds_the_peak_its_phase_and_what_is_alive(free_action):
     places = [(g["where"], g["count"], g["mib"]) for g in s["by_place"]]
     assert places == [("megatron/core/transformer/dot_product_attention.py:150 forward", 2, 55),
                       ("megatron/core/fusions/fused_cross_entropy.py:40 forward", 1, 50)]
-    text = e2e.format_peak("native", s)
+    text = e2e.format_peak("native", dict(s, max_memory_allocated_mib=176.0))
     assert "peak 175 MiB in the forward phase" in text and "logits fp32 [T,V]" in text
+    assert "max_memory_allocated whole blocks: 176 MiB" in text
 
 
 def test_trace_replay_peak_in_backward_without_python_frames():
