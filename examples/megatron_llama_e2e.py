@@ -470,8 +470,8 @@ def child(args):
             else:
                 res = Trainer(shape, "fp32" if task == "fp32" else "bf16").train(steps, warmup)
         except Exception as e:  # reported, and the next task still runs
-            traceback.print_exc()
-            res = dict(error=f"{type(e).__name__}: {e}")
+            traceback.print_exc()  # in full above; the summary keeps its first line
+            res = dict(error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
         out["tasks"][task] = res
         print(f"[{args.child}] {task}: " + ", ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()
