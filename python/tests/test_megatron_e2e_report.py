@@ -1,6 +1,7 @@
-"""The pure parts of examples/megatron_llama_e2e.py (the run itself needs a GPU): the allocator
-trace replay that locates the memory peak, the micro-batch search's answer, the comparison of
-configurations against native, and the files the report writes."""
+"""examples/megatron_llama_e2e.py without a GPU (the run itself needs one): its report
+(megatron_e2e_report.py: the allocator trace replay that locates the memory peak, the
+micro-batch answer, the comparison of configurations against native, the files), the
+micro-batch search, the options, and the one-process-per-configuration orchestration."""
 import csv
 import glob
 import importlib.util
@@ -14,6 +15,7 @@ _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "megatro
 _spec = importlib.util.spec_from_file_location("megatron_llama_e2e", _PATH)
 e2e = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(e2e)
+import megatron_e2e_report as rep  # noqa: E402  (on sys.path once the example is loaded)
 
 MiB = 2**20
 
@@ -53,7 +55,7 @@ def _trace(free_action="free_completed"):
 
 @pytest.mark.parametrize("free_action", ["free_completed", "free_requested"])
 def test_trace_replay_finds_the_peak_its_phase_and_what_is_alive(free_action):
-    s = e2e.summarise_trace(_trace(free_action), 100 * MiB, ["forward", "backward", "optimizer"],
+    s = rep.summarise_trace(_trace(free_action), 100 * MiB, ["forward", "backward", "optimizer"],
                             {50 * MiB: "logits fp32 [T,V]"})
     assert s["peak_mib"] == pytest.approx(175)  # 100 - 30 + 10 + 45 + 50
     assert s["phase"] == "forward"
@@ -64,7 +66,7 @@ def test_trace_replay_finds_the_peak_its_phase_and_what_is_alive(free_action):
     places = [(g["where"], g["count"], g["mib"]) for g in s["by_place"]]
     assert places == [("megatron/core/transformer/dot_product_attention.py:150 forward", 2, 55),
                       ("megatron/core/fusions/fused_cross_entropy.py:40 forward", 1, 50)]
-    text = e2e.format_peak("native", dict(s, max_memory_allocated_mib=176.0))
+    text = rep.format_peak("native", dict(s, max_memory_allocated_mib=176.0))
     assert "peak 175 MiB in the forward phase" in text and "logits fp32 [T,V]" in text
     assert "max_memory_allocated whole blocks: 176 MiB" in text
 
@@ -72,14 +74,14 @@ def test_trace_replay_finds_the_peak_its_phase_and_what_is_alive(free_action):
 def test_trace_replay_peak_in_backward_without_python_frames():
     trace = [_alloc(900, 0.0005, _MARK), _alloc(2, 10, _ATTN), _alloc(901, 0.0005, _MARK),
              _alloc(3, 64)]
-    s = e2e.summarise_trace(trace, 0, ["forward", "backward"])
+    s = rep.summarise_trace(trace, 0, ["forward", "backward"])
     assert (s["phase"], s["peak_mib"]) == ("backward", pytest.approx(74))
     assert s["set_by"]["where"].startswith("(no Python frame")
     assert s["by_phase"] == {"forward": pytest.approx(10), "backward": pytest.approx(64)}
 
 
 def test_trace_replay_without_allocations_reports_the_base():
-    s = e2e.summarise_trace([_free(1, 5)], 8 * MiB, [])
+    s = rep.summarise_trace([_free(1, 5)], 8 * MiB, [])
     assert (s["peak_mib"], s["phase"], s["set_by"]) == (8, "before the step", None)
 
 
@@ -98,7 +100,7 @@ def test_known_sizes_name_the_logits_and_attention_scores():
     ([(1, False, None)], (0, 1, True)),
 ])
 def test_max_batch_summary(tries, want):
-    got = e2e.max_batch_summary(tries)
+    got = rep.max_batch_summary(tries)
     assert (got["largest"], got["first_oom"], got["confirmed"]) == want
 
 
@@ -115,9 +117,9 @@ def _results():
     plan = e2e.PLANS["full"]
     logits = plan["loss-bound"][0].tokens * plan["loss-bound"][0].vocab * 2 / MiB  # 4000 MiB
     return plan, logits, {
-        "native": _child([10.0, 9.0, 8.0], [10.0, 9.0], tiny=20.0, snapshot=e2e.summarise_trace(
+        "native": _child([10.0, 9.0, 8.0], [10.0, 9.0], tiny=20.0, snapshot=rep.summarise_trace(
             _trace(), 100 * MiB, ["forward", "backward"]), **{"max-batch": dict(
-                e2e.max_batch_summary([(1, True, 1), (2, True, 2), (3, False, None)]), tries=[(1, True, 1.0), (2, True, 2.0), (3, False, None)])}),
+                rep.max_batch_summary([(1, True, 1), (2, True, 2), (3, False, None)]), tries=[(1, True, 1.0), (2, True, 2.0), (3, False, None)])}),
         "ce+swiglu": _child([10.0, 9.1, 8.0], [10.0, 9.0001], ms=90.0, lb_peak=30000 - logits - 1, tiny=19.0),
         "+rmsnorm": _child([10.0, 9.0, 8.0], [10.0, 9.1], ms=80.0, lb_peak=30000 - logits + 1, tiny=21.0,
                            **{"max-batch": {"skipped": "time budget spent before max-batch"}}),
@@ -128,7 +130,7 @@ def _results():
 
 def test_compare_flags_curves_out_of_tolerance_and_unfinished_tasks_and_scores_targets():
     plan, logits, results = _results()
-    rows, failures, targets, notes = e2e.compare(results, plan)
+    rows, failures, targets, notes = rep.compare(results, plan)
     assert [r["config"] for r in rows] == list(results)
     assert rows[1]["speedup"] == pytest.approx(100 / 90) and rows[2]["speedup"] == pytest.approx(1.25)
     assert rows[1]["bf16_rel_diff"] == pytest.approx(0.1 / 9) and rows[1]["fp32_rel_diff"] < 1e-3
@@ -148,8 +150,8 @@ def test_compare_flags_curves_out_of_tolerance_and_unfinished_tasks_and_scores_t
 def test_an_unconfirmed_largest_micro_batch_is_noted():
     plan, _, results = _results()
     results["+rmsnorm"]["tasks"]["max-batch"] = dict(
-        e2e.max_batch_summary([(1, True, 1.0), (2, True, 2.0), (4, True, 4.0)]), cap=4, tries=[])
-    rows, failures, _, notes = e2e.compare(results, plan)
+        rep.max_batch_summary([(1, True, 1.0), (2, True, 2.0), (4, True, 4.0)]), cap=4, tries=[])
+    rows, failures, _, notes = rep.compare(results, plan)
     assert rows[2]["max_micro_batch"] == 4 and not any("max-batch" in f for f in failures)
     assert notes[0] == ("+rmsnorm: largest micro-batch 4 unconfirmed (no OOM seen just above it: "
                         "the cap of 4 or the time budget came first)")
@@ -158,15 +160,14 @@ def test_an_unconfirmed_largest_micro_batch_is_noted():
 def test_a_failed_child_is_a_failure_and_the_rest_still_compare():
     plan, _, results = _results()
     results["ce+swiglu"] = dict(status="failed", tasks={}, error="process exit 1")
-    rows, failures, _, _ = e2e.compare(results, plan)
+    rows, failures, _, _ = rep.compare(results, plan)
     assert failures[0] == "ce+swiglu: failed: process exit 1"
     assert rows[1]["tokens_s"] is None and rows[2]["speedup"] == pytest.approx(1.25)
 
 
 def test_report_writes_the_summary_the_curves_and_the_text(tmp_path):
     plan, _, results = _results()
-    args = e2e.parse_args(["--out", str(tmp_path)])
-    failures = e2e.report(results, args, plan)
+    failures = rep.report(results, str(tmp_path), False, plan)
     assert len(failures) == 2
     (summary,) = glob.glob(str(tmp_path / "*-megatron-llama.csv"))
     with open(summary) as fh:
@@ -189,8 +190,8 @@ def test_report_writes_the_summary_the_curves_and_the_text(tmp_path):
 def test_plot_draws_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")
     plan, _, results = _results()
-    rows, *_ = e2e.compare(results, plan)
-    e2e.plot(results, rows, str(tmp_path / "p.png"))
+    rows, *_ = rep.compare(results, plan)
+    rep.plot(results, rows, str(tmp_path / "p.png"))
     assert os.path.getsize(tmp_path / "p.png") > 1000
 
 
@@ -199,10 +200,10 @@ def test_plot_draws_every_measured_configuration(monkeypatch):
     plt = mock.MagicMock()
     ax = [mock.MagicMock() for _ in range(4)]
     plt.subplots.return_value = (mock.MagicMock(), ax)
-    monkeypatch.setattr(e2e.peers, "pyplot", lambda: plt)
+    monkeypatch.setattr(rep.peers, "pyplot", lambda: plt)
     plan, _, results = _results()
-    rows, *_ = e2e.compare(results, plan)
-    e2e.plot(results, rows, "p.png")
+    rows, *_ = rep.compare(results, plan)
+    rep.plot(results, rows, "p.png")
     assert [c.kwargs["label"] for c in ax[0].plot.call_args_list] == ["native", "ce+swiglu", "+rmsnorm"]
     assert ax[2].bar.call_args.args[0] == ["native", "ce+swiglu", "+rmsnorm"]
     assert len(ax[3].bar.call_args_list) == 6  # 3 measured configurations x 2 shapes
@@ -263,5 +264,5 @@ def test_each_configuration_runs_in_its_own_process_and_a_failed_one_is_reported
     results = e2e.run_children(args)
     assert {c: (r["status"], r["error"]) for c, r in results.items()} == {
         "native": ("failed", "process exit 2"), "ce+swiglu": ("failed", "process exit 2")}
-    failures = e2e.report(results, args, e2e.PLANS["full"])
+    failures = rep.report(results, args.out, False, e2e.PLANS["full"])
     assert failures == ["native: failed: process exit 2", "ce+swiglu: failed: process exit 2"]
