@@ -338,14 +338,16 @@ def run_children(args):
             try:
                 rc = subprocess.run(cmd, env=dict(os.environ, MASTER_PORT=str(_free_port())),
                                     timeout=max(deadline - time.time(), 0) + 30).returncode
+                error = f"process exit {rc}"
             except subprocess.TimeoutExpired:
-                rc = "killed past its time budget"
+                rc, error = None, "killed 30 s past its time budget"
             try:
-                results[config] = json.load(open(path))
-            except (OSError, ValueError):
+                with open(path) as fh:
+                    results[config] = json.load(fh)
+            except (OSError, ValueError):  # died before its first report
                 results[config] = dict(status="failed", tasks={})
             if rc != 0:
-                results[config].update(status="failed", error=f"process exit {rc}")
+                results[config].update(status="failed", error=error)
     return results
 
 
@@ -361,7 +363,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name, allowed in (("configs", CONFIGS), ("tasks", TASKS)):
         bad = [v for v in getattr(args, name).split(",") if v not in allowed]
