@@ -21,7 +21,6 @@ def max_batch_summary(tries):
     return dict(largest=largest, first_oom=oom, confirmed=oom == largest + 1)
 
 
-
 def _where(frames, depth=2):
     """The innermost `depth` frames outside torch, shortened: 'megatron/core/x.py:12 fn < ...'."""
     keep = [f for f in frames if "/torch/" not in f["filename"] and "torchinductor" not in f["filename"]
@@ -41,7 +40,7 @@ def _where(frames, depth=2):
 
 def _replay(trace, base, phases, stop=None):
     """Walks an allocator trace from `base` bytes allocated; yields (index, bytes allocated, the
-    step's live allocations {addr: (size, phase, where)}, phase) after each allocation. The
+    step's live allocations {addr: (size, phase, frames)}, phase) after each allocation. The
     _phase_marker allocations start the phases, in order, and count for nothing."""
     frees = {"free_completed"} if any(e["action"] == "free_completed" for e in trace) else {"free_requested"}
     total, phase, markers, live, marker_addrs = base, "before the step", 0, {}, set()
@@ -187,8 +186,9 @@ def last_available(results):
     return ok[-1] if ok else None
 
 
-
 def report(results, out_dir, smoke, plan):
+    """Writes the summary CSV, the loss-curve CSV, the text summary (printed too) and the plot
+    into out_dir; returns the failures."""
     rows, failures, targets, notes = compare(results, plan)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     kind = "megatron-llama" + ("-smoke" if smoke else "")
