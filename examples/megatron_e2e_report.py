@@ -114,10 +114,11 @@ def max_rel_diff(a, b):
     return max((abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n])), default=float("nan"))
 
 
-def compare(results, plan):
+def compare(results, plan, budget_cuts_fail=True):
     """From the children's JSON: the summary rows, the failures (a configuration or task that
-    did not finish, a loss curve out of tolerance), the targets met or missed, and the notes
-    (configurations this fusedloss does not offer)."""
+    failed, a loss curve out of tolerance, a task the time budget cut unless budget_cuts_fail is
+    False), the targets met or missed, and the notes (configurations this fusedloss does not
+    offer, answers left unconfirmed, budget cuts that are not failures)."""
     rows, failures, targets, notes = [], [], [], []
     logits_mib = plan["loss-bound"][0].tokens * plan["loss-bound"][0].vocab * 2 / 2**20
     native = results.get("native", {}).get("tasks", {})
@@ -129,8 +130,10 @@ def compare(results, plan):
         elif r.get("status") != "ok":
             failures.append(f"{config}: {r.get('status')}: {r.get('error', '')}")
         for task, res in tk.items():
-            if "error" in res or "skipped" in res:
-                failures.append(f"{config} {task}: {res.get('error') or res.get('skipped')}")
+            if "error" in res:
+                failures.append(f"{config} {task}: {res['error']}")
+            elif "skipped" in res:
+                (failures if budget_cuts_fail else notes).append(f"{config} {task}: {res['skipped']}")
 
         def both(task, key):  # (this configuration's, native's), when both were measured
             mine, ref = tk.get(task, {}).get(key), native.get(task, {}).get(key)
@@ -189,7 +192,8 @@ def last_available(results):
 def report(results, out_dir, smoke, plan):
     """Writes the summary CSV, the loss-curve CSV, the text summary (printed too) and the plot
     into out_dir; returns the failures."""
-    rows, failures, targets, notes = compare(results, plan)
+    # a smoke run checks that everything runs: what its budget cut is said, not failed
+    rows, failures, targets, notes = compare(results, plan, budget_cuts_fail=not smoke)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     kind = "megatron-llama" + ("-smoke" if smoke else "")
     meta = dict(gpu=gpu, torch=torch.__version__, megatron=_version("megatron-core"),

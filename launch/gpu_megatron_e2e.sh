@@ -3,9 +3,9 @@
 # (examples/megatron_llama_e2e.py: native, then each fusedloss patch in turn), first with tiny
 # shapes and 3 steps (--smoke, into $OUT/smoke) to catch errors cheaply, then in full (about
 # 5 minutes on an H200 altogether). CSVs, a PNG and a text summary go to ${OUT:-gpu-out}.
-# Exits non-zero when the smoke run or anything in the full run failed (a configuration, a task
-# past its time budget, a loss curve out of tolerance); the full run is not started after a
-# failed smoke run. SMOKE_BUDGET_S / BUDGET_S bound the two runs (seconds); CONFIGS / TASKS
+# Exits non-zero when the smoke run or anything in the full run failed (a configuration, a task,
+# a loss curve out of tolerance; in the full run also a task its time budget cut); the full run
+# is not started after a failed smoke run. SMOKE_BUDGET_S / BUDGET_S bound the two runs (seconds); CONFIGS / TASKS
 # narrow them (comma-separated, see --help); SKIP_SMOKE=1 skips the smoke run.
 # TINY=1 also runs the tiny model's bf16 and fp32 loss-curve check
 # (examples/megatron_gpt_patch.py, 50 steps, native vs CE+SwiGLU).

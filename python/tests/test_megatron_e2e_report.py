@@ -157,6 +157,15 @@ def test_an_unconfirmed_largest_micro_batch_is_noted():
                         "the cap of 4 or the time budget came first)")
 
 
+def test_a_smoke_run_notes_what_its_budget_cut_and_fails_on_errors(tmp_path):
+    plan, _, results = _results()
+    results["native"]["tasks"]["fp32"] = {"error": "RuntimeError: boom"}
+    failures = rep.report(results, str(tmp_path), True, e2e.PLANS["smoke"])
+    assert failures == ["native fp32: RuntimeError: boom"]  # +rmsnorm's max-batch cut is a note
+    (text,) = glob.glob(str(tmp_path / "*-megatron-llama-smoke.txt"))
+    assert "+rmsnorm max-batch: time budget spent before max-batch" in open(text).read()
+
+
 def test_a_failed_child_is_a_failure_and_the_rest_still_compare():
     plan, _, results = _results()
     results["ce+swiglu"] = dict(status="failed", tasks={}, error="process exit 1")
