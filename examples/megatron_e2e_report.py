@@ -207,7 +207,7 @@ def report(results, out_dir, smoke, plan):
               enumerate(zip(r.get("tasks", {}).get(task, {}).get("losses", []),
                             r.get("tasks", {}).get(task, {}).get("step_ms", [])))]
     peers.write_csv(out_dir, gpu, kind + "-loss", ["config", "task", "step", "loss", "step_ms"], curves)
-    text = summary_text(rows, failures, targets + notes, results, plan, meta)
+    text = summary_text(rows, failures, targets, notes, results, plan, meta)
     path = os.path.join(out_dir, f"{peers.today()}-{gpu.replace(' ', '-')}-{kind}.txt")
     with open(path, "w") as fh:
         fh.write(text)
@@ -231,7 +231,7 @@ def _cell(value, width, spec):
     return format(value, f"<{width}" if not spec else f">{width}{spec if not isinstance(value, str) else ''}")
 
 
-def summary_text(rows, failures, targets, results, plan, meta):
+def summary_text(rows, failures, targets, notes, results, plan, meta):
     lines = ["Megatron-core end to end: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
              f"train (bf16): {plan['train'][0]}", f"fp32 check: {plan['fp32'][0]}",
              f"loss-bound (LB): {plan['loss-bound'][0]}", f"tiny: {plan['tiny'][0]}", "",
@@ -247,7 +247,7 @@ def summary_text(rows, failures, targets, results, plan, meta):
             tried = ", ".join(f"{b} ({p:,.0f} MiB)" if ok else f"{b} OOM" for b, ok, p in mb["tries"])
             lines.append(f"  {c}: {mb['largest']}{'' if mb['confirmed'] else ' (unconfirmed: no OOM seen just above)'};"
                          f" tried {tried}")
-    lines += ["", "Targets:"] + [f"  {t}" for t in targets]
+    lines += ["", "Targets:"] + [f"  {t}" for t in targets] + ["", "Notes:"] + [f"  {n}" for n in notes]
     lines += ["", "FAILED:" if failures else "no failures"] + [f"  {f}" for f in failures]
     return "\n".join(lines) + "\n"
 
