@@ -12,8 +12,8 @@ Per configuration (local spec, single GPU, megatron parallel_state at TP=1):
   snapshot    one step under torch.cuda.memory._record_memory_history: where the peak is
               (phase, what is alive, the allocation that reached it)
   loss-bound  the Llama shape at V 256000, where the loss sets the peak: peak memory
-  max-batch   the largest micro-batch that fits (native and the fully patched configurations),
-              within MAX_BATCH_S
+  max-batch   the largest micro-batch that fits (native and the most patched configuration this
+              fusedloss offers), within MAX_BATCH_S
   fp32        the loss curve in fp32 at a smaller shape (hidden 1024), held to 1e-3 of native
   tiny        the 4-layer hidden-512 model, 50 steps, median of 3 runs (host overhead)
 Writes <date>-<gpu>-megatron-llama{,-loss}.csv, .png and .txt into --out (megatron_e2e_report.py,
@@ -23,6 +23,7 @@ or (not in --smoke) a task was not started within --budget-s.
 import argparse
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import socket
@@ -48,7 +49,6 @@ CONFIGS = {
     "+rmsnorm": dict(cross_entropy=True, swiglu=True, rms_norm=True),
     "+linear-ce": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True),
 }
-MAX_BATCH_CONFIGS = ("native", "+rmsnorm", "+linear-ce")  # native and the fully patched ones
 TASKS = ("train", "snapshot", "loss-bound", "max-batch", "fp32", "tiny")  # most wanted first
 MAX_BATCH_S = 60  # the micro-batch search's own bound (it also stops at the configuration's deadline)
 
@@ -279,8 +279,6 @@ def child(args):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the tight check
     plan = PLANS["smoke" if args.smoke else "full"]
     for task in args.tasks.split(","):
-        if task == "max-batch" and args.child not in MAX_BATCH_CONFIGS:
-            continue
         if time.time() > args.deadline:
             out["tasks"][task] = dict(skipped=f"time budget spent before {task}")
             continue
@@ -317,23 +315,36 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def time_share(config):
+def plan_tasks(configs, tasks):
+    """config -> its tasks: the largest-micro-batch search only for native and the most patched
+    configuration this fusedloss offers (the two numbers a user compares)."""
+    from fusedloss.megatron import apply_fusedloss_to_megatron
+    params = inspect.signature(apply_fusedloss_to_megatron).parameters
+    offered = [c for c in configs if CONFIGS[c] is None or all(k in params for k in CONFIGS[c])]
+    ends = {"native", offered[-1] if offered else None}
+    return {c: [t for t in tasks if t != "max-batch" or c in ends] for c in configs}
+
+
+def time_share(config, tasks):
     """A configuration's weight in the time budget: native compiles Megatron's fused kernels
     (torch.compile) for every shape; the largest-micro-batch search takes a dozen steps."""
-    return (2.0 if config == "native" else 1.0) + (0.3 if config in MAX_BATCH_CONFIGS else 0.0)
+    return (2.0 if config == "native" else 1.0) + (0.3 if "max-batch" in tasks else 0.0)
 
 
 def run_children(args):
     """Each configuration in its own process, within its weighted share of the time left."""
     results, end = {}, time.time() + args.budget_s
     configs = args.configs.split(",")
+    tasks = plan_tasks(configs, args.tasks.split(","))
+    configs = [c for c in configs if tasks[c]]  # e.g. --tasks max-batch leaves two
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(configs):
-            share = time_share(config) / sum(time_share(c) for c in configs[i:])
+            share = time_share(config, tasks[config]) / sum(time_share(c, tasks[c]) for c in configs[i:])
             deadline = time.time() + (end - time.time()) * share
             path = os.path.join(tmp, f"{i}.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--result", path,
-                   "--deadline", str(deadline), "--tasks", args.tasks] + (["--smoke"] if args.smoke else [])
+                   "--deadline", str(deadline), "--tasks", ",".join(tasks[config])] + \
+                (["--smoke"] if args.smoke else [])
             print(f"== {config}", flush=True)
             try:
                 rc = subprocess.run(cmd, env=dict(os.environ, MASTER_PORT=str(_free_port())),

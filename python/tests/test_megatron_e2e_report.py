@@ -219,6 +219,18 @@ def test_plot_draws_every_measured_configuration(monkeypatch):
     plt.subplots.return_value[0].savefig.assert_called_once_with("p.png", dpi=100)
 
 
+def test_the_micro_batch_search_runs_for_native_and_the_most_patched_offered(monkeypatch):
+    configs, tasks = list(e2e.CONFIGS), ["train", "max-batch"]
+    # a configuration whose options the patch does not take is not the most patched one
+    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce", dict(cross_entropy=True, no_such_option=True))
+    assert e2e.plan_tasks(configs, tasks) == {"native": tasks, "ce+swiglu": ["train"], "+rmsnorm": tasks,
+                                              "+linear-ce": ["train"]}
+    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce", dict(cross_entropy=True, rms_norm=True))
+    assert e2e.plan_tasks(configs, tasks)["+rmsnorm"] == ["train"]
+    assert e2e.plan_tasks(configs, tasks)["+linear-ce"] == tasks
+    assert e2e.plan_tasks(configs, ["max-batch"])["ce+swiglu"] == []
+
+
 def test_parse_args_refuses_unknown_configurations_and_tasks(capsys):
     for argv in (["--configs", "native,bogus"], ["--tasks", "train,nap"]):
         with pytest.raises(SystemExit):
