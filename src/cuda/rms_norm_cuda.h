@@ -14,12 +14,12 @@ namespace fusedloss::cuda {
 struct RmsNormTuning {
   // Threads per row, a target: a row gets the fewest vectors a thread (1, 2, 4) that need at
   // most this many threads (rounded up to warps); rows too long for that take more threads.
-  int fwd_tpr = 128;
+  int fwd_tpr = 64;
   int fwd_block = 256;          // threads per block, a target (several rows when they are short)
   int fwd_blocks_per_sm = 0;    // 0: a block per `fwd_block / tpr` rows; n: a persistent grid
   int bwd_tpr = 64;             // 4 vectors a thread from 2048 bf16 columns: bytes in flight
-  int bwd_block = 256;          // <= 512
-  int bwd_blocks_per_sm = 2;    // the backward grid per SM at most (its partial rows)
+  int bwd_block = 128;          // <= 512; several blocks an SM drift apart
+  int bwd_blocks_per_sm = 4;    // the backward grid per SM at most (its partial rows)
   bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
   bool bwd_prefetch = true;
 };

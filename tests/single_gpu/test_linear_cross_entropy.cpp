@@ -304,7 +304,8 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
       check(c);
       const LinearCePhaseTimes t = linear_cross_entropy_phase_times(true);
       if (GetParam() == Device::CUDA && std::string(name) == "FUSEDLOSS_LCE_TIMING") {
-        EXPECT_GE(t.loops, 2);  // forward and backward
+        // in_forward runs one chunk loop (its backward only scales); recompute one each way
+        EXPECT_GE(t.loops, mode == LinearCeBackward::InForward ? 1 : 2);
         EXPECT_GT(t.logits_ms, 0.0);
         EXPECT_GT(t.ce_ms, 0.0);
         EXPECT_GT(t.dhidden_ms, 0.0);
