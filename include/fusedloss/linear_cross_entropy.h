@@ -4,7 +4,8 @@
 //   loss   = cross_entropy(softcap(logits), target)   (every CrossEntropyOptions option)
 //
 // The logits never exist whole: they are computed one token chunk at a time into a bounded
-// workspace (two chunk buffers of [chunk, V_local] in the inputs' dtype), and each chunk's
+// workspace (one [chunk, V_local] buffer in the inputs' dtype; two with FUSEDLOSS_LCE_BUFFERS=2,
+// which overlap a chunk's cross-entropy with the next chunk's GEMMs), and each chunk's
 // cross-entropy (local stats, the vocab-parallel hook, merge, gradient) runs on it before the
 // buffer is reused. GEMMs: cuBLASLt on CUDA (fp32 accumulation), plain loops on the CPU.
 //
@@ -21,7 +22,7 @@
 // caller all-reduces it over the TP group, or reduce-scatters it along tokens (sequence
 // parallel). dweight is this rank's own shard, complete.
 //
-// Memory beside the caller's buffers: the two chunk buffers (bounded by workspace_bytes),
+// Memory beside the caller's buffers: the chunk buffer(s) (bounded by workspace_bytes),
 // O(N) floats, and on CUDA a 32 MiB cuBLASLt workspace cached per (device, stream).
 // CUDA calls enqueue on `stream` (plus a cached side stream joined back before returning) and
 // never synchronise the host at TP=1; they are CUDA-graph capturable with
@@ -47,8 +48,8 @@ enum class LinearCeBackward {
 enum class DHiddenForm { Partial };
 
 struct LinearCrossEntropyOptions {
-  // Bound on the two chunk buffers together (bytes). With chunk_rows == 0 the chunk is the
-  // most tokens whose two [chunk, V_local] buffers (one with FUSEDLOSS_LCE_BUFFERS=1) fit (rounded down to a multiple of 64 when
+  // Bound on the chunk buffers together (bytes). With chunk_rows == 0 the chunk is the most
+  // tokens whose [chunk, V_local] buffer (two with FUSEDLOSS_LCE_BUFFERS=2) fits (rounded down to a multiple of 64 when
   // that is >= 64; never less than 1 token).
   size_t workspace_bytes = size_t(256) << 20;
   // > 0: exactly this many tokens per chunk (the last chunk takes the remainder), whatever

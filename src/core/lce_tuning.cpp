@@ -41,7 +41,7 @@ LinearCePhaseTimes phase_sums;
 
 LceTuning lce_tuning() {
   LceTuning t;
-  t.buffers = choice("FUSEDLOSS_LCE_BUFFERS", {"2", "1"}, 0) == 0 ? 2 : 1;
+  t.buffers = choice("FUSEDLOSS_LCE_BUFFERS", {"2", "1"}, 1) == 0 ? 2 : 1;
   t.dhidden_group = choice("FUSEDLOSS_LCE_DHIDDEN", {"chunk", "group"}, 0) == 1;
   t.side_stream = choice("FUSEDLOSS_LCE_SIDE_STREAM", {"1", "0"}, 0) == 0;
   t.gemm_algos = int(integer("FUSEDLOSS_LCE_GEMM_ALGOS", 1, 1, 32));

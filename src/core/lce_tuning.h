@@ -11,8 +11,9 @@ struct LceTuning {
   // FUSEDLOSS_LCE_BUFFERS = 2 | 1. 2: the workspace holds two chunk buffers; the cross-entropy
   // of one chunk runs (side stream) under the GEMMs of the other, dweight takes both chunks in
   // one GEMM (K = 2 chunks). 1: one buffer of the whole workspace (chunks twice as long, the same
-  // K per dweight GEMM, longer dhidden GEMMs), nothing to overlap within a group.
-  int buffers = 2;
+  // K per dweight GEMM, longer dhidden GEMMs), nothing to overlap within a group. 1 is the
+  // default: on the H200 the longer GEMMs gained more than the overlap (bench/NOTES.md).
+  int buffers = 1;
   // FUSEDLOSS_LCE_DHIDDEN = chunk | group. chunk: one dhidden GEMM per chunk ([chunk, V] @
   // [V, H]: chunk x H output tiles only, e.g. 64 tiles of 128 x 256 at 512 x 4096, under one wave
   // of an H200's 132 SMs). group: one GEMM over the buffers' chunks together (as dweight).

@@ -57,10 +57,10 @@ TEST_P(LinearCrossEntropy, ChunkBoundaries) {
       c.dtype = chunk % 2 ? DType::BF16 : DType::F32;
       check(c);
     }
-  // The chunk derived from the workspace bound: 2 buffers x 5 rows x V_local (rounded to 8).
+  // The chunk derived from the workspace bound: one buffer of 5 rows x V_local (rounded to 8).
   LceCase c;
   c.lo.chunk_rows = 0;
-  c.lo.workspace_bytes = 2 * 5 * 208 * 2;
+  c.lo.workspace_bytes = 5 * 208 * 2;
   c.dtype = DType::BF16;
   ASSERT_EQ(linear_cross_entropy_chunk_rows(c.lo, c.N, c.V, c.dtype), 5);
   check(c);
@@ -321,10 +321,10 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
 TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
   LinearCrossEntropyOptions o;
   o.workspace_bytes = 2 * 64 * 1008 * 2;
-  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 64);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 128);  // one buffer
   {
-    ScopedEnv one("FUSEDLOSS_LCE_BUFFERS", "1");  // one buffer of the whole workspace
-    EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 128);
+    ScopedEnv two("FUSEDLOSS_LCE_BUFFERS", "2");  // two buffers share the workspace
+    EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 64);
   }
   const std::pair<const char*, const char*> bad[] = {
       {"FUSEDLOSS_LCE_BUFFERS", "3"},      {"FUSEDLOSS_LCE_DHIDDEN", "pair"},
@@ -351,7 +351,7 @@ TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
     for (DType d : {DType::BF16, DType::F32}) {
       const int64_t chunk = linear_cross_entropy_chunk_rows(o, 1 << 20, V, d);
       const int64_t es = d == DType::F32 ? 4 : 2, stride = (V + 16 / es - 1) / (16 / es) * (16 / es);
-      EXPECT_LE(2 * chunk * stride * es, int64_t(256) << 20) << "V " << V;
+      EXPECT_LE(chunk * stride * es, int64_t(256) << 20) << "V " << V;  // one buffer
       EXPECT_GE(chunk, 64) << "V " << V;
       EXPECT_EQ(chunk % 64, 0) << "V " << V;
     }
