@@ -42,11 +42,11 @@ DTYPE = torch.bfloat16
 VARIANTS = {
     "default": ({}, None),
     "dh-group": ({"FUSEDLOSS_LCE_DHIDDEN": "group"}, None),
-    "one-buffer": ({"FUSEDLOSS_LCE_BUFFERS": "1"}, None),
+    "two-buffers": ({"FUSEDLOSS_LCE_BUFFERS": "2"}, None),
     "serial": ({"FUSEDLOSS_LCE_SIDE_STREAM": "0"}, None),
     "algos8": ({"FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "dh-group+algos8": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
-    "one-buffer+algos8": ({"FUSEDLOSS_LCE_BUFFERS": "1", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "two-buffers+algos8": ({"FUSEDLOSS_LCE_BUFFERS": "2", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "ce-rows128": ({"FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
     "dh-group+ce-rows128": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
     "ws512": ({}, 512 << 20),
