@@ -104,6 +104,7 @@ def test_chunk_of_one_token_and_odd_vocab(device):
 def test_pipeline_variants(device, monkeypatch, knob, value, reduction, mode):
     # the chunk pipeline's variants (src/core/lce_tuning.h), read at every call, over many
     # chunks; the phase times fill only when asked, and only on CUDA
+    monkeypatch.setenv("FUSEDLOSS_LCE_BUFFERS", "2")  # the overlap and DHIDDEN=group run there
     monkeypatch.setenv(knob, value)
     fusedloss._C.linear_cross_entropy_phase_times(True)
     _check(device, torch.bfloat16, reduction=reduction, backward_mode=mode, shape=(45,),

@@ -71,13 +71,16 @@ def _step(model, batch, **patch_options):
 
 
 def _check_parity(model, batch):
-    calls = []
+    calls, pre_calls = [], []
     hook = model.output_layer.register_forward_hook(lambda *args: calls.append(1))
+    pre_hook = model.output_layer.register_forward_pre_hook(lambda *args: pre_calls.append(1))
     ref_loss, ref_grads = _step(model, batch)
-    assert len(calls) == 1
+    assert len(calls) == 1 and len(pre_calls) == 1
     loss, grads = _step(model, batch, linear_cross_entropy=True)
     assert len(calls) == 1  # the fused head: Megatron's output layer did not run
+    assert len(pre_calls) == 2  # but its pre-hooks did (DDP's parameter all-gather wait)
     hook.remove()
+    pre_hook.remove()
     assert loss.shape == (B, S) and loss.dtype == torch.float32
     mask = batch[3].bool()
     torch.testing.assert_close(loss[mask], ref_loss[mask], rtol=1e-5, atol=1e-5)

@@ -88,6 +88,19 @@ core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
   return resolve(ce, o, hidden.rows, weight.rows, hidden.cols);
 }
 
+// Tokens per chunk for a workspace split into `buffers` chunk buffers.
+int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
+                       DType dtype, int64_t buffers) {
+  const int64_t es = detail::element_size(dtype);
+  const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
+  int64_t chunk = o.chunk_rows;
+  if (chunk <= 0) {
+    chunk = int64_t(o.workspace_bytes / size_t(buffers * stride * es));
+    if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
+  }
+  return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
+}
+
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
                         const LinearCrossEntropyOptions& o) {
   core::LcePlan plan;
@@ -96,7 +109,8 @@ core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
   plan.vocab_local = weight.rows;
   plan.dtype = hidden.dtype;
   plan.tf32 = o.allow_tf32;
-  plan.chunk = linear_cross_entropy_chunk_rows(o, hidden.rows, weight.rows, hidden.dtype);
+  plan.tuning = core::lce_tuning();
+  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning.buffers);
   plan.stride = round_up(weight.rows, 16 / detail::element_size(hidden.dtype));
   return plan;
 }
@@ -166,14 +180,7 @@ void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
 
 int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int64_t rows,
                                         int64_t vocab_local, DType dtype) {
-  const int64_t es = detail::element_size(dtype);
-  const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
-  int64_t chunk = o.chunk_rows;
-  if (chunk <= 0) {
-    chunk = int64_t(o.workspace_bytes / size_t(core::lce_tuning().buffers * stride * es));
-    if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
-  }
-  return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
+  return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning().buffers);
 }
 
 void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& weight,
@@ -227,7 +234,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
 
   core::LcePlan plan = make_plan(hidden, weight, options);
   const bool in_forward = mode == LinearCeBackward::InForward;
-  if (in_forward && !parallel) plan.step_rows = core::lce_tuning().ce_rows;
+  if (in_forward && !parallel) plan.step_rows = plan.tuning.ce_rows;
   // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
   // upstream gradient of the in-forward mode.
   const bool reduced = p.reduction != Reduction::None;

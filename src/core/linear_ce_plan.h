@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include "common/error.h"
+#include "core/lce_tuning.h"
 #include "fusedloss/types.h"
 
 namespace fusedloss::core {
@@ -23,6 +24,9 @@ struct LcePlan {
   // for the L2 cache let the gradient step re-read what the forward step just read from there
   // instead of HBM. Set only at TP = 1: at TP > 1 every forward step is a collective.
   int64_t step_rows = 0;
+  // The pipeline knobs, read once per call here: the chunk above is sized for tuning.buffers,
+  // and the loop must allocate exactly that.
+  LceTuning tuning;
 };
 
 // One step over the chunk of rows [row0, row0 + logits.rows) whose logits (stride plan.stride)

@@ -204,10 +204,12 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     }
     return;
   }
-  const core::LceTuning tune = core::lce_tuning();
+  const core::LceTuning& tune = plan.tuning;
   const int64_t B = tune.buffers;  // buffers = chunks per dW GEMM
   Pipeline& pl = pipeline_for(stream);
-  const cudaStream_t X = tune.side_stream ? pl.side : S;
+  // One buffer leaves nothing to overlap: a chunk's GEMMs wait on its own cross-entropy, so a
+  // side stream would only add the fork, the join and two event waits per chunk.
+  const cudaStream_t X = B > 1 && tune.side_stream ? pl.side : S;
   const int64_t es = detail::element_size(plan.dtype);
   const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
   // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).

@@ -10,8 +10,11 @@ without labels, in inference, or before the last stage, Megatron's own _postproc
 import torch
 
 import fusedloss
+from fusedloss._distributed import rank_checks
 
 from . import state
+
+_OP = "GPTModel's linear cross-entropy"
 
 
 class _IntoMainGrad(torch.autograd.Function):
@@ -62,6 +65,33 @@ def _refuse_unsupported(model):
                            "linear_cross_entropy=False for this model")
 
 
+def _run_forward_pre_hooks(module, args):
+    """The module's own forward pre-hooks, which calling its forward would have run: Megatron's
+    DDP waits there for the module's parameter all-gather (overlap_param_gather), so the weight
+    read below is the gathered one. Their return values (replaced arguments) do not apply: the
+    fused head reads the weight, not the module's output."""
+    with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", {})
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in with_kwargs:
+            hook(module, args, {})
+        else:
+            hook(module, args)
+
+
+def _check_shapes(hidden, weight, labels, sequence_parallel, tp_size):
+    """What the gather or copy before the op needs equal on every rank: a rank whose hidden
+    states do not fit would hang or mix shards in Megatron's collective before the op's own
+    agreement could name it."""
+    if hidden.dim() != 3 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden_states: got shape {tuple(hidden.shape)}, expected [s, b, "
+                         f"{weight.shape[-1]}] (the output weight's hidden size)")
+    s = hidden.shape[0] * (tp_size if sequence_parallel else 1)
+    if labels.dim() != 2 or tuple(labels.shape) != (hidden.shape[1], s):
+        raise ValueError(f"labels: got shape {tuple(labels.shape)}, expected [b, s] = "
+                         f"[{hidden.shape[1]}, {s}] from hidden_states {tuple(hidden.shape)}"
+                         + (f" gathered over {tp_size} sequence-parallel ranks" if sequence_parallel else ""))
+
+
 def fused_head_loss(model, hidden, labels):
     """hidden [s(/tp under sequence parallel), b, H], labels [b, s] -> per-token loss [b, s]
     fp32, as output_layer + compute_language_model_loss return it. The input gradient leaves as
@@ -75,8 +105,12 @@ def fused_head_loss(model, hidden, labels):
               else layer.weight)
     tp = getattr(layer, "tp_group", None)
     tp = tp if tp is not None else _tp_group(model)
-    group = state.guard(tp, "GPTModel's linear cross-entropy")
+    group = state.guard(tp, _OP)
+    _run_forward_pre_hooks(layer, (hidden,))
     if group is not None:
+        with rank_checks(group, state.lce_options()["check_shard_agreement"], _OP,
+                         rows=hidden.shape[0] * hidden.shape[1], v_local=weight.shape[0]):
+            _check_shapes(hidden, weight, labels, layer.sequence_parallel, state.group_size(group))
         if layer.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=True, group=group)

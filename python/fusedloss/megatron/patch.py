@@ -111,6 +111,10 @@ def _stand_in(original, name, run):
                             f"got {len(args)}")
         a = dict(zip(names, args))
         if kwargs:
+            unknown = [k for k in kwargs if k not in names or k in a]
+            if unknown:
+                raise TypeError(f"{name}.apply: unexpected or repeated keyword arguments {unknown} "
+                                f"(takes {', '.join(names)})")
             a.update(kwargs)
         if len(args) < len(required) and any(r not in a for r in required):
             raise TypeError(f"{name}.apply: missing {[r for r in required if r not in a]}")
@@ -137,8 +141,6 @@ def _make_ce(original, where):
 
 
 def _make_swiglu(original, name):
-    inplace = state.CONFIG["swiglu_inplace_backward"]
-
     def run(a, args, kwargs):
         if a.get("cpu_offload_input"):
             state.warn_once("offload", f"fusedloss.megatron: {name} with cpu_offload_input=True runs "
@@ -147,7 +149,7 @@ def _make_swiglu(original, name):
         fp8 = bool(a.get("fp8_input_store", False))
         return fusedloss.swiglu(a["input"], a.get("bias"), per_token_scale=a.get("weights"),
                                 clamp_value=a.get("clamp_value"), fp8_input_store=fp8,
-                                inplace_backward=inplace and not fp8)
+                                inplace_backward=state.CONFIG["swiglu_inplace_backward"] and not fp8)
 
     return _stand_in(original, f"FusedLoss{name}", run)
 
