@@ -61,12 +61,12 @@ double median_ms(int iters, Setup&& setup, Body&& body) {
 template <class Restore, class Forward, class Backward>
 void time_and_print(int iters, Restore&& restore, Forward&& fwd, Backward&& bwd, long long size,
                     long long rows, const double (&floor_ms)[3], double copy_gbs,
-                    double extra_mib, const char* gpu) {
+                    double extra_mib, const char* gpu, const char* provider = "fusedloss-cpp") {
   const double ms[3] = {median_ms(iters, restore, fwd), median_ms(iters, restore, bwd),
                         median_ms(iters, restore, [&] { fwd(); bwd(); })};
   const char* ops[3] = {"forward", "backward", "fwd+bwd"};
   for (int i = 0; i < 3; ++i)
-    std::printf("fusedloss-cpp,%s,%lld,%lld,%.4f,%.4f,%.1f,%.2f,%s\n", ops[i], size, rows, ms[i],
+    std::printf("%s,%s,%lld,%lld,%.4f,%.4f,%.1f,%.2f,%s\n", provider, ops[i], size, rows, ms[i],
                 floor_ms[i], copy_gbs, extra_mib, gpu);
   std::fflush(stdout);
 }

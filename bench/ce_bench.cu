@@ -1,6 +1,10 @@
 // Cross-entropy benchmark of the C++ API: forward, backward and forward+backward for bf16
-// logits [rows, V], reduction none; the device copy bandwidth measured in the same run and the
-// 3-pass floor. Median of many runs with CUDA events; the logits are restored from a pristine
+// logits [rows, V]; the device copy bandwidth measured in the same run and the floors.
+// Providers: fusedloss-cpp (reduction none: 3 passes, floor 3), fusedloss-cpp-mean (mean, the
+// same 3 passes), fusedloss-cpp-in-forward (mean, the gradient written in the forward and the
+// backward's scale skipped for a unit upstream gradient: floor 2 passes) and
+// fusedloss-cpp-in-forward-scaled (the same with an upstream gradient of 0.5: the backward
+// scales, 2 more passes). Median of many runs with CUDA events; the logits are restored from a pristine
 // copy outside the timed region (the in-place backward overwrites them).
 // Output: CSV on stdout (provider,op,V,ms,...), one line per measurement.
 //
@@ -82,6 +86,35 @@ int main(int argc, char** argv) {
     fl::check_device_errors();
     time_and_print(iters, restore, fwd, bwd, V, rows, {pass_ms, 2 * pass_ms, 3 * pass_ms}, bw,
                    (double(high) + rows * 4.0) / (1 << 20), prop.name);
+
+    // Mean: the 3-pass path, then the gradient in the forward (grad_loss[0] = 1: the backward
+    // skips; 0.5: it scales).
+    fl::CrossEntropyOptions mean = opt;
+    mean.reduction = fl::Reduction::Mean;
+    float* count = loss + 1;  // loss[0] is the mean
+    fl::CrossEntropyOutputs mean_out{loss, lse, count};
+    auto fwd_mean = [&] { fl::cross_entropy_forward(xv, tv, mean, mean_out); };
+    auto bwd_mean = [&] { fl::cross_entropy_backward(xv, tv, lse, grad_loss, count, mean, gv); };
+    time_and_print(iters, restore, fwd_mean, bwd_mean, V, rows, {pass_ms, 2 * pass_ms, 3 * pass_ms},
+                   bw, (double(high) + rows * 4.0) / (1 << 20), prop.name, "fusedloss-cpp-mean");
+    CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+    auto fwd_grad = [&] { fl::cross_entropy_forward_with_grad(xv, tv, mean, mean_out, gv); };
+    restore();
+    fwd_grad();
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+    fl::check_device_errors();
+    float* half = grad_loss + 1;
+    const float half_value = 0.5f;
+    CHECK(cudaMemcpy(half, &half_value, 4, cudaMemcpyHostToDevice));
+    for (const float* scale : {static_cast<const float*>(grad_loss), static_cast<const float*>(half)}) {
+      auto bwd_scale = [&] { fl::cross_entropy_scale_grad(gv, scale); };
+      const bool skips = scale == grad_loss;
+      time_and_print(iters, restore, fwd_grad, bwd_scale, V, rows,
+                     {2 * pass_ms, skips ? 0.0 : 2 * pass_ms, (skips ? 2 : 4) * pass_ms}, bw,
+                     (double(high) + rows * 4.0) / (1 << 20), prop.name,
+                     skips ? "fusedloss-cpp-in-forward" : "fusedloss-cpp-in-forward-scaled");
+    }
     for (void* p : {(void*)x, (void*)pristine, (void*)target, (void*)loss, (void*)lse, (void*)grad_loss})
       CHECK(cudaFree(p));
     if (grad) CHECK(cudaFree(grad));

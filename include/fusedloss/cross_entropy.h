@@ -59,13 +59,37 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
                            const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
                            Communicator* comm = nullptr, Stream stream = nullptr);
 
-// Backward. grad_loss is [rows] for Reduction::None and [1] otherwise; valid_count is the
-// forward's (read on the device, only for Mean). grad_logits may be the logits themselves
-// (same data and row stride): the gradient is then written in place.
+// Backward. grad_loss is [rows] for Reduction::None and [1] otherwise, or null for a unit
+// upstream gradient; valid_count is the forward's (read on the device, only for Mean).
+// grad_logits may be the logits themselves (same data and row stride): the gradient is then
+// written in place.
 void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                             const float* grad_loss, const float* valid_count,
                             const CrossEntropyOptions& options, const MatrixView& grad_logits,
                             Stream stream = nullptr);
+
+// ---- The gradient in the forward (Reduction::Sum / Mean) ----
+//
+// A sum or mean loss has one upstream gradient for every row, so the forward can write the
+// gradient for a unit upstream gradient while it reads the logits, and the backward only scales
+// it. At TP=1 on CUDA one kernel does both passes of a row, keeping the row in shared memory
+// between them: the logits are read from memory once and the gradient written once (2 passes,
+// against 3 for forward + backward). Vocab-parallel, and on the CPU, it is the forward followed
+// by the backward with a unit upstream gradient.
+
+// The forward (same outputs, same communicator hook), plus the gradient of the reported loss
+// with respect to the logits into grad_logits, which may be the logits themselves (same data
+// and row stride: the logits are then overwritten). out.valid_count is required for Mean.
+void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& target,
+                                     const CrossEntropyOptions& options,
+                                     const CrossEntropyOutputs& out, const MatrixView& grad_logits,
+                                     Communicator* comm = nullptr, Stream stream = nullptr);
+
+// The backward of cross_entropy_forward_with_grad: grad_logits *= grad_loss[0] (one float, in
+// the gradient's memory space), in place; on the device nothing is read or written past
+// grad_loss when it is exactly 1, without a host synchronisation.
+void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_loss,
+                              Stream stream = nullptr);
 
 // ---- The split passes, for trainers that run their own collective between them. ----
 

@@ -3,7 +3,9 @@
 forward  one pass over the logits (online softmax) -> per-row loss and lse (4 B/row saved);
          with a tp_group of size > 1 the logits are this rank's vocab shard and one
          all_gather_into_tensor of 16 B/row merges the shards
-backward one pass that reads the logits and writes the gradient, optionally into the logits
+backward one pass that reads the logits and writes the gradient, optionally into the logits;
+         or, for a sum/mean loss with inplace_backward, the gradient is written over the logits
+         in the forward (2 passes in all) and the backward only scales it
 """
 import functools
 from typing import Optional, Tuple
@@ -16,7 +18,7 @@ from . import _C
 from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, stream_of)
+                     require_tensor, require_values, rows_of, storage_is_ours, stream_of)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
@@ -71,7 +73,9 @@ def check_targets_on_host(t: Tensor, o) -> None:
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
              scope: int, z_loss: float, reduction: int, group: str, check_agreement: bool,
-             inplace_backward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+             inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
+    logits are overwritten with the loss's gradient for a unit upstream gradient."""
     x, _ = rows_of(logits)
     t, tv = index(target, "target")
     rows, v_local = x.shape
@@ -84,7 +88,13 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     stream = stream_of(x)
     if g is None:
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, 0, 1, v_local)
-        _C.cross_entropy_forward(matrix(x), tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+        if grad_in_forward:
+            xv = matrix(x)
+            _C.cross_entropy_forward_with_grad(xv, tv, o, loss.data_ptr(), lse.data_ptr(),
+                                               count.data_ptr(), xv, stream)
+            _consumed(logits)
+        else:
+            _C.cross_entropy_forward(matrix(x), tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
     fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction))
     with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint):
@@ -98,11 +108,20 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     dist.all_gather_into_tensor(gathered, stats, group=g)  # the hook: 16 B/row, once
     _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), tv, o, v_local,
                            loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+    if grad_in_forward:  # the merged lse first: then the backward for a unit upstream gradient
+        _C.cross_entropy_backward(xv, tv, lse.data_ptr(), 0, count.data_ptr(), o, xv, stream)
+        _consumed(logits)
     return loss, lse, count
 
 
+def _consumed(logits):
+    """The logits now hold their gradient: an earlier autograd reader of them fails its
+    version check instead of reading the gradient as logits."""
+    torch.autograd.graph.increment_version(logits)
+
+
 def _forward_fake(logits, target, ignore_index, label_smoothing, formula, scope, z_loss, reduction,
-                  group, check_agreement, inplace_backward):
+                  group, check_agreement, inplace_backward, grad_in_forward):
     rows = target.numel()
     f32 = dict(dtype=torch.float32, device=logits.device)
     loss = logits.new_empty(rows if reduction == _NONE else (), **f32)
@@ -141,17 +160,30 @@ def _backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Te
     _backward_into(grad_loss, x, target, lse, count, opts, x)
 
 
+def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
+    """The backward of a gradient written in the forward: logits (holding it) *= grad_loss,
+    skipped on the device when grad_loss is exactly 1."""
+    x, _ = rows_of(logits)
+    gl = grad_loss.to(torch.float32).reshape(-1).contiguous()
+    _C.cross_entropy_scale_grad(matrix(x), gl.data_ptr(), stream_of(x))
+
+
 def _setup(ctx, inputs, output):
-    logits, target, *opts, _check, inplace = inputs
+    logits, target, *opts, _check, inplace, in_forward = inputs
     _, lse, count = output
     ctx.opts = tuple(opts)
-    ctx.inplace = inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward")
+    ctx.in_forward = in_forward
+    ctx.inplace = in_forward or (
+        inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward"))
     ctx.save_for_backward(logits, target, lse, count)
 
 
 def _grads(ctx, grad_loss, kernels):
     logits, target, lse, count = ctx.saved_tensors
-    no_grads = (None,) * (len(ctx.opts) + 3)
+    no_grads = (None,) * (len(ctx.opts) + 4)
+    if ctx.in_forward:
+        kernels.scale_(grad_loss, logits)
+        return (logits, *no_grads), logits
     if ctx.inplace:
         kernels.bwd_(grad_loss, logits, target, lse, count, *ctx.opts)
         return (logits, *no_grads), logits
@@ -162,7 +194,8 @@ _cross_entropy = FusedOp(
     "cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_grads,
     inplace_flag="inplace_backward",
     kernels={"bwd": (_backward, _backward_fake, ()),
-             "bwd_": (_backward_inplace, None, ("logits",))})  # eager only
+             "bwd_": (_backward_inplace, None, ("logits",)),  # eager only
+             "scale_": (_scale_inplace, None, ("logits",))})  # eager only
 
 
 def _validate(logits, target):
@@ -228,7 +261,11 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
 
     inplace_backward=True writes the gradient into the logits' memory (no [N, V] gradient
     buffer); the logits are then consumed: they hold the gradient, autograd's version check
-    fails for any later autograd use of them, and a second backward raises. Memory the caller
+    fails for any later autograd use of them, and a second backward raises. With reduction
+    'sum' or 'mean' (eagerly, when the logits require grad) the gradient is written there
+    during the forward, which reads each row once for both (2 passes over the logits instead
+    of 3): the logits hold the gradient as soon as the loss is returned, and the backward only
+    scales it by the upstream gradient (nothing at all when that is exactly 1). Memory the caller
     owns is never written: when the logits are a leaf, a view of a leaf, or a layout the kernels
     must copy, the gradient goes to a new buffer (with a warning). Under torch.compile the
     gradient always goes to a new buffer (a traced graph cannot tell whose memory an input is).
@@ -243,7 +280,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                             reduction, z_loss)
         inplace = as_bool(inplace_backward, "inplace_backward")
         _validate(logits, target)
-    loss = _cross_entropy(logits, target, *opts, name, check, inplace)
+    in_forward = (inplace and opts[-1] != _NONE and logits.requires_grad and torch.is_grad_enabled()
+                  and not torch.compiler.is_compiling() and storage_is_ours(logits))
+    loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
     return loss.view(target.shape) if opts[-1] == _NONE else loss
 
 

@@ -152,6 +152,17 @@ PYBIND11_MODULE(_C, m) {
                                    ptr(stream));
           });
         });
+  m.def("cross_entropy_forward_with_grad",
+        [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t loss,
+           uintptr_t lse, uintptr_t count, const MatrixView& grad, uintptr_t stream) {
+          guarded([&] {
+            cross_entropy_forward_with_grad(x, t, o, {fptr(loss), fptr(lse), fptr(count)}, grad,
+                                            nullptr, ptr(stream));
+          });
+        });
+  m.def("cross_entropy_scale_grad", [](const MatrixView& grad, uintptr_t grad_loss, uintptr_t stream) {
+    guarded([&] { cross_entropy_scale_grad(grad, fptr(grad_loss), ptr(stream)); });
+  });
   m.def("swiglu_forward",
         [](const MatrixView& y, const VectorView& bias, const VectorView& w, const SwigluOptions& o,
            const MatrixView& out, const MatrixView& y8, uintptr_t stream) {

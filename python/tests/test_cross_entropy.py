@@ -80,6 +80,56 @@ def test_inplace_backward(device, dtype):
     check(device, dtype, inplace=True, reduction="mean")
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_written_in_the_forward(device, dtype, reduction):
+    """A sum/mean loss with inplace_backward: the logits hold the gradient (for a unit upstream
+    gradient) once the forward returns, and the backward scales it."""
+    shape = (19, 1003)  # odd V: rows start off the 16-byte boundary
+    logits = (torch.randn(*shape, dtype=torch.float64) * 3).to(dtype).to(device)
+    target = torch.randint(0, shape[-1], shape[:-1], device=device)
+    target[::4] = -100
+    x_ref, ref = reference(logits, target, reduction=reduction, label_smoothing=0.1)
+    ref.backward()
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    atol = tol * x_ref.grad.abs().max().item()
+    for upstream in (1.0, 0.25):
+        x = logits.clone().requires_grad_(True)
+        inp = x * 1
+        loss = fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction=reduction,
+                                       label_smoothing=0.1)
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=2e-6)
+        # already the gradient, before any backward
+        torch.testing.assert_close(inp.detach().double(), x_ref.grad, rtol=tol, atol=atol)
+        (loss * upstream).backward()
+        torch.testing.assert_close(x.grad.double(), x_ref.grad * upstream, rtol=tol, atol=atol)
+
+
+def test_gradient_in_the_forward_guards(device):
+    logits = torch.randn(8, 64, device=device)
+    target = torch.randint(0, 64, (8,), device=device)
+    x = logits.clone().requires_grad_(True)
+    inp = x * 1
+    earlier = inp.sin()  # an autograd reader of the logits, recorded before they are consumed
+    loss = fusedloss.cross_entropy(inp, target, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + earlier.sum()).backward()
+    # a second backward would scale the gradient twice: refused
+    inp = x * 1
+    loss = fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction="sum")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    # reduction='none' keeps the logits until the backward; without grad nothing is written
+    inp = x * 1
+    fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction="none")
+    torch.testing.assert_close(inp, logits)
+    with torch.no_grad():
+        kept = logits.clone()
+        fusedloss.cross_entropy(kept, target, inplace_backward=True)
+        torch.testing.assert_close(kept, logits)
+
+
 def test_ignore_index_and_all_ignored(device):
     check(device, ignore_index=5, ignore_frac=0.5)
     logits = torch.randn(6, 50, device=device, requires_grad=True)

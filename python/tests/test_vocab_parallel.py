@@ -51,6 +51,13 @@ def test_gloo_matches_unsharded(world, reduction, ls):
     run_world(world, _check_matches_unsharded, reduction, ls)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gloo_gradient_in_the_forward(reduction):
+    # inplace_backward with a sum/mean loss: the merged lse, then each shard's gradient, in
+    # the forward; the backward scales it
+    run_world(2, _check_matches_unsharded, reduction, 0.1, False, True)
+
+
 def _check_mismatch(rank, world):
     x, t = _problem(rows=8, V=64 * world)
     V_local = 64 + (1 if rank == 1 else 0)

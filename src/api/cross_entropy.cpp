@@ -34,6 +34,24 @@ core::CeParams forward_params(const MatrixView& logits, const IndexView& target,
   return p;
 }
 
+// grad_logits beside the logits: the same shape, dtype and device, and either the logits
+// themselves (in place: same data and row stride) or disjoint from them.
+void check_grad_logits(const MatrixView& logits, const MatrixView& grad_logits) {
+  detail::check_matrix(grad_logits, "grad_logits");
+  require(grad_logits.rows == logits.rows && grad_logits.cols == logits.cols,
+          "grad_logits: got shape [", grad_logits.rows, ", ", grad_logits.cols, "], expected [",
+          logits.rows, ", ", logits.cols, "] (the logits' shape)");
+  require(grad_logits.dtype == logits.dtype, "grad_logits.dtype: got ",
+          to_string(grad_logits.dtype), ", expected ", to_string(logits.dtype));
+  require(grad_logits.device == logits.device, "grad_logits.device: got ",
+          to_string(grad_logits.device), ", expected ", to_string(logits.device));
+  const bool in_place =
+      grad_logits.data == logits.data && grad_logits.row_stride == logits.row_stride;
+  require(in_place || !detail::overlaps(grad_logits, logits),
+          "grad_logits: overlaps the logits without being the same view; expected the logits "
+          "themselves (in place) or a disjoint buffer");
+}
+
 }  // namespace
 
 void validate_cross_entropy_options(const CrossEntropyOptions& options, int64_t rows,
@@ -89,11 +107,17 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
               cuda::ce_merge(combined, parts, local, target, p, out, stream));
 }
 
-void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
-                           const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
-                           Communicator* comm, Stream stream) {
+namespace {
+
+// The forward; `more_checks` (a caller's own argument checks) run with the forward's, so that
+// vocab-parallel, a rank that fails them makes every rank throw at the same call.
+template <class MoreChecks>
+void forward_checked(const MatrixView& logits, const IndexView& target,
+                     const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
+                     Communicator* comm, Stream stream, MoreChecks&& more_checks) {
   if (!comm || comm->size() == 1) {
     core::CeParams p = forward_params(logits, target, options, out);
+    more_checks();
     require(p.vocab_start == 0 && p.vocab_global == logits.cols, "options.vocab_global/start: got ",
             p.vocab_global, "/", p.vocab_start, " without a communicator of size > 1, expected ",
             logits.cols, "/0 (the whole vocabulary on one rank)");
@@ -112,6 +136,7 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
   try {
     p = forward_params(logits, target, options, out);
     vocab_parallel::check_shard_position(p, *comm, logits.device);
+    more_checks();
   } catch (const Error& e) {
     mine.error = e.what();
   }
@@ -122,28 +147,23 @@ void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
   vocab_parallel::forward(logits, target, p, options.collective, out, *comm, stream);
 }
 
+}  // namespace
+
+void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
+                           const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
+                           Communicator* comm, Stream stream) {
+  forward_checked(logits, target, options, out, comm, stream, [] {});
+}
+
 void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                             const float* grad_loss, const float* valid_count,
                             const CrossEntropyOptions& options, const MatrixView& grad_logits,
                             [[maybe_unused]] Stream stream) {
   detail::check_matrix(logits, "logits");
   core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
-  detail::check_matrix(grad_logits, "grad_logits");
+  check_grad_logits(logits, grad_logits);
   detail::check_index(target, "target", logits.rows, logits.device);
-  require(grad_logits.rows == logits.rows && grad_logits.cols == logits.cols,
-          "grad_logits: got shape [", grad_logits.rows, ", ", grad_logits.cols, "], expected [",
-          logits.rows, ", ", logits.cols, "] (the logits' shape)");
-  require(grad_logits.dtype == logits.dtype, "grad_logits.dtype: got ",
-          to_string(grad_logits.dtype), ", expected ", to_string(logits.dtype));
-  require(grad_logits.device == logits.device, "grad_logits.device: got ",
-          to_string(grad_logits.device), ", expected ", to_string(logits.device));
-  bool in_place = grad_logits.data == logits.data && grad_logits.row_stride == logits.row_stride;
-  require(in_place || !detail::overlaps(grad_logits, logits),
-          "grad_logits: overlaps the logits without being the same view; expected the logits "
-          "themselves (in place) or a disjoint buffer");
   require(lse != nullptr || logits.rows == 0, "lse: got null, expected the forward's lse");
-  require(grad_loss != nullptr || logits.rows == 0, "grad_loss: got null, expected ",
-          p.reduction == Reduction::None ? logits.rows : 1, " floats");
   require(valid_count != nullptr || p.reduction != Reduction::Mean || logits.rows == 0,
           "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
   check_targets_on_host(target, p);
@@ -151,6 +171,50 @@ void cross_entropy_backward(const MatrixView& logits, const IndexView& target, c
               cpu::ce_backward(logits, target, lse, grad_loss, valid_count, p, grad_logits),
               cuda::ce_backward(logits, target, lse, grad_loss, valid_count, p, grad_logits,
                                 stream));
+}
+
+void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& target,
+                                     const CrossEntropyOptions& options,
+                                     const CrossEntropyOutputs& out, const MatrixView& grad_logits,
+                                     Communicator* comm, Stream stream) {
+  auto more_checks = [&] {
+    require(options.reduction != Reduction::None,
+            "options.reduction: got None, expected Sum or Mean (a per-row loss has per-row "
+            "upstream gradients: use cross_entropy_forward and cross_entropy_backward)");
+    check_grad_logits(logits, grad_logits);
+    require(options.reduction != Reduction::Mean || out.valid_count != nullptr || logits.rows == 0,
+            "out.valid_count: got null, expected a float (Reduction::Mean divides by it)");
+  };
+  if (logits.device == Device::CUDA && (!comm || comm->size() == 1)) {
+    core::CeParams p = forward_params(logits, target, options, out);
+    more_checks();
+    require(p.vocab_start == 0 && p.vocab_global == logits.cols,
+            "options.vocab_global/start: got ", p.vocab_global, "/", p.vocab_start,
+            " without a communicator of size > 1, expected ", logits.cols,
+            "/0 (the whole vocabulary on one rank)");
+    FL_CUDA_BRANCH("cross_entropy_forward_with_grad",
+                   cuda::ce_forward_with_grad_tp1(logits, target, p, out, grad_logits, stream));
+    return;
+  }
+  // Vocab-parallel (the stats of every shard come before any gradient) and the CPU backend:
+  // the forward, then the backward for a unit upstream gradient.
+  forward_checked(logits, target, options, out, comm, stream, more_checks);
+  const core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
+  FL_DISPATCH(logits.device, "cross_entropy_forward_with_grad",
+              cpu::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad_logits),
+              cuda::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad_logits,
+                                stream));
+}
+
+void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_loss,
+                              [[maybe_unused]] Stream stream) {
+  detail::check_matrix(grad_logits, "grad_logits");
+  require(grad_loss != nullptr || grad_logits.rows == 0,
+          "grad_loss: got null, expected the loss's gradient (1 float)");
+  if (grad_logits.rows == 0 || grad_logits.cols == 0) return;
+  FL_DISPATCH(grad_logits.device, "cross_entropy_scale_grad",
+              cpu::ce_scale_grad(grad_logits, grad_loss),
+              cuda::ce_scale_grad(grad_logits, grad_loss, stream));
 }
 
 void check_device_errors(Stream stream) {

@@ -40,6 +40,15 @@ FL_HD float own_sum_logits(const RowStats* local, int64_t r, const CeParams& p) 
   return p.partition_scope ? local[r].sum_logits : 0.0f;
 }
 
+// The upstream gradient of row r's loss: grad_loss[r] (Reduction::None) or grad_loss[0], over the
+// valid count for Mean. grad_loss null stands for a unit upstream gradient: the gradient the
+// forward writes for a sum/mean loss (cross_entropy_forward_with_grad), scaled later.
+FL_HD float row_grad_scale(const CeParams& p, const float* grad_loss, const float* valid_count,
+                           int64_t r) {
+  const float g = grad_loss == nullptr ? 1.0f : grad_loss[p.reduction == Reduction::None ? r : 0];
+  return p.reduction == Reduction::Mean ? g / fmaxf(valid_count[0], 1.0f) : g;
+}
+
 // Resolves options against `rows` rows and a shard of `vocab_local` columns; throws Error on
 // bad options. Shape-only (no data pointers): the one implementation of the option checks,
 // which every entry point and validate_cross_entropy_options run (src/core/ce_params.cpp).

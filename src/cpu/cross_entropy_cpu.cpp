@@ -61,9 +61,6 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
   using S = core::Storage<K>;
   const auto* in = static_cast<const typename S::type*>(x.data);
   auto* out = static_cast<typename S::type*>(grad.data);
-  float scalar_grad = 0.0f;
-  if (p.reduction == Reduction::Sum) scalar_grad = grad_loss[0];
-  if (p.reduction == Reduction::Mean) scalar_grad = grad_loss[0] / fmaxf(valid_count[0], 1.0f);
 #pragma omp parallel for schedule(static) if (worth_threads(x.rows * x.cols))
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* xr = in + r * x.row_stride;
@@ -73,7 +70,7 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
       for (int64_t j = 0; j < x.cols; ++j) gr[j] = S::store(0.0f);
       continue;
     }
-    float dl = p.reduction == Reduction::None ? grad_loss[r] : scalar_grad;
+    const float dl = core::row_grad_scale(p, grad_loss, valid_count, r);
     core::GradRow g = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
     int64_t local_target = kind == TargetKind::Local ? load_target(target, r) - p.vocab_start : -1;
     for (int64_t j = 0; j < x.cols; ++j)
@@ -141,6 +138,21 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
                  const MatrixView& grad) {
   core::dispatch_dtype(logits.dtype, [&](auto k) {
     backward_impl<decltype(k)::value>(logits, target, lse, grad_loss, valid_count, p, grad);
+  });
+}
+
+void ce_scale_grad(const MatrixView& grad, const float* grad_loss) {
+  const float scale = grad_loss[0];
+  if (scale == 1.0f) return;  // the common case: the gradient the forward wrote is final
+  core::dispatch_dtype(grad.dtype, [&](auto k) {
+    using S = core::Storage<decltype(k)::value>;
+    auto* g = static_cast<typename S::type*>(grad.data);
+#pragma omp parallel for schedule(static) if (worth_threads(grad.rows * grad.cols))
+    for (int64_t r = 0; r < grad.rows; ++r)
+      for (int64_t j = 0; j < grad.cols; ++j) {
+        auto& e = g[r * grad.row_stride + j];
+        e = S::store(S::load(e) * scale);
+      }
   });
 }
 

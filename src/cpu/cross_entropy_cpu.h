@@ -20,6 +20,8 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
                  const float* grad_loss, const float* valid_count, const core::CeParams& p,
                  const MatrixView& grad);
 // First row whose target is neither ignore_index nor in [0, V_global); -1 if none.
+// grad *= grad_loss[0], in place; nothing when it is exactly 1.
+void ce_scale_grad(const MatrixView& grad, const float* grad_loss);
 int64_t first_bad_target(const IndexView& target, const core::CeParams& p, int64_t* value);
 
 }  // namespace fusedloss::cpu

@@ -5,6 +5,8 @@
 // 3 passes over [rows, V_local], the floor. Everything else is O(rows).
 #include "cuda/cross_entropy_cuda.h"
 
+#include <algorithm>
+
 #include "core/dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
@@ -27,6 +29,11 @@ using core::TargetKind;
 #ifndef FUSEDLOSS_CE_FWD_UNROLL
 #define FUSEDLOSS_CE_FWD_UNROLL 8
 #endif
+// Three stats blocks per SM (at most 85 registers a thread): left free, the compiler spends
+// registers on more exponentials in flight and the stats pass loses an occupancy step.
+#ifndef FUSEDLOSS_CE_FWD_MIN_BLOCKS
+#define FUSEDLOSS_CE_FWD_MIN_BLOCKS 3
+#endif
 #ifndef FUSEDLOSS_CE_BWD_THREADS
 #define FUSEDLOSS_CE_BWD_THREADS 512
 #endif
@@ -37,6 +44,24 @@ using core::TargetKind;
 // walk's last step (every load of it in flight) costs some variants an occupancy step.
 #ifndef FUSEDLOSS_CE_BWD_MIN_BLOCKS
 #define FUSEDLOSS_CE_BWD_MIN_BLOCKS 2
+#endif
+
+// The forward that writes the gradient (stats_grad_kernel): 256 threads with 4 loads in flight
+// each, three blocks per SM (at most 85 registers a thread, no spills), each keeping up to a
+// third of the SM's shared memory of its row between the passes: the best of the launch shapes
+// measured on an H200 (bench/NOTES.md).
+#ifndef FUSEDLOSS_CE_FUSED_THREADS
+#define FUSEDLOSS_CE_FUSED_THREADS 256
+#endif
+#ifndef FUSEDLOSS_CE_FUSED_UNROLL
+#define FUSEDLOSS_CE_FUSED_UNROLL 4
+#endif
+#ifndef FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM
+#define FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM 3
+#endif
+// Upper bound on that cache: a variant knob, to see what the cache buys (0: none).
+#ifndef FUSEDLOSS_CE_FUSED_CACHE_BYTES
+#define FUSEDLOSS_CE_FUSED_CACHE_BYTES (1 << 30)
 #endif
 
 // Launch policy of the row passes: one block of kThreads threads per row (the grid is the
@@ -55,9 +80,12 @@ struct RowPerBlock {
     return dim3(unsigned(rows));
   }
 };
-using FwdRows = RowPerBlock<FUSEDLOSS_CE_FWD_THREADS, FUSEDLOSS_CE_FWD_UNROLL>;
+using FwdRows = RowPerBlock<FUSEDLOSS_CE_FWD_THREADS, FUSEDLOSS_CE_FWD_UNROLL,
+                            FUSEDLOSS_CE_FWD_MIN_BLOCKS>;
 using BwdRows = RowPerBlock<FUSEDLOSS_CE_BWD_THREADS, FUSEDLOSS_CE_BWD_UNROLL,
                             FUSEDLOSS_CE_BWD_MIN_BLOCKS>;
+using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNROLL,
+                              FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM>;
 
 // Launch policy of the O(rows) passes (merge, all-reduce preparation): one thread per row.
 struct RowPerThread {
@@ -209,6 +237,14 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// The target's place in the vector at column j: 0..VEC-1, or -1 when it is elsewhere; one
+// 64-bit comparison per vector instead of one per element.
+template <int VEC>
+__device__ __forceinline__ int target_in_vector(int64_t local_t, int64_t j) {
+  const int64_t d = local_t - j;
+  return d >= 0 && d < VEC ? int(d) : -1;
+}
+
 // Backward: g_j = dL (p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K), one read, one write.
 template <bool kCap>
 __device__ __forceinline__ float grad_at(const core::GradRow& g, float x, bool is_target,
@@ -241,9 +277,7 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
   T* gr = g + r * g_stride;
   int64_t t;
   TargetKind kind = classify(target, r, p, &t);
-  float dl = p.reduction == Reduction::None ? grad_loss[r]
-             : p.reduction == Reduction::Sum ? grad_loss[0]
-                                             : grad_loss[0] / fmaxf(valid_count[0], 1.0f);
+  const float dl = core::row_grad_scale(p, grad_loss, valid_count, r);
   // Ignored rows get 0 and out-of-range rows NaN, whatever the logits hold.
   const bool constant = kind == TargetKind::Ignored || kind == TargetKind::OutOfRange;
   const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
@@ -259,12 +293,151 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
       },
       [&](int64_t j, const Vec16& raw) {
         Vec16 out{};
+        const int tk = target_in_vector<VEC>(local_t, j);
 #pragma unroll
         for (int k = 0; k < VEC; ++k)
-          put<K>(out, k,
-                 constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), j + k == local_t, p.softcap));
+          put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), k == tk, p.softcap));
         store_vec(gr + j, out);
       });
+}
+
+// A thread's share of a row in the fused kernel: RowPart plus the target logit, which the
+// thread whose columns hold the target picks up in pass 1 (-inf elsewhere; the max merges it).
+struct RowPartT {
+  RowPart part;
+  float target_logit;
+};
+struct MergePartsT {
+  __device__ __forceinline__ RowPartT operator()(RowPartT a, const RowPartT& b) const {
+    a.part = MergeParts{}(a.part, b.part);
+    a.target_logit = fmaxf(a.target_logit, b.target_logit);
+    return a;
+  }
+};
+
+// The forward that writes the gradient (TP=1, Sum/Mean). A resident grid of blocks strides
+// over the rows; per row, pass 1 is the stats pass of stats_kernel<kFinish>, which also keeps
+// the first `cache_vecs` 16-byte vectors of the row's body in shared memory, and pass 2 is
+// backward_kernel's for a unit upstream gradient (over the valid count for Mean), reading
+// those vectors from shared memory and the rest of a longer row from global memory again (L2
+// hits). A row that fits the cache is read from memory once and written once.
+// Few blocks fit an SM beside their caches, so nothing may wait on memory in series: the
+// target logit comes with pass 1 (not a load after the target's), and the next row's target
+// is read during pass 2. (A bulk L2 prefetch of each block's next row, measured, did not pay.)
+// g is x (in place) or a buffer whose rows start at the same 16-byte alignment as x's.
+template <StorageKind K, class Index, bool kSumLogits>
+__global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
+    stats_grad_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
+                      typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
+                      CeParams p, int64_t cache_vecs, const float* valid_count, float* lse_out,
+                      float* row_loss_out) {
+  using S = core::Storage<K>;
+  using T = typename S::type;
+  constexpr int VEC = vector_width<T>();
+  extern __shared__ Vec16 cache[];
+  __shared__ RowPartT scratch[FusedRows::kThreads / 32];
+  const int64_t n = p.vocab_local;
+  const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);  // the same for every row
+  int64_t r = blockIdx.x;
+  if (r >= p.rows) return;
+  int64_t t = int64_t(target[r]);
+  for (; r < p.rows; r += gridDim.x) {
+    const T* xr = x + r * x_stride;
+    T* gr = g + r * g_stride;
+    const TargetKind kind =
+        core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
+    const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
+    const int64_t head = head_to_alignment(xr, n);
+
+    float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
+    walk_row<T, FusedRows::kThreads, FusedRows::kUnroll>(
+        xr, n, true,
+        [&](int64_t j, T bits) {
+          const float v = S::load(bits);
+          core::online_add(m, s, v);
+          if (kSumLogits) sx += v;
+          if (j == local_t) tl = v;
+        },
+        [&](int64_t j, const Vec16& raw) {
+          const int64_t i = (j - head) / VEC;
+          if (i < cache_vecs) cache[i] = raw;
+          float v[VEC];
+          to_floats<K>(raw, v);
+          core::online_add_chunk<VEC>(m, s, v);
+          if (kSumLogits) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) sx += v[k];
+          }
+          const int tk = target_in_vector<VEC>(local_t, j);
+          if (tk >= 0) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k)
+              if (k == tk) tl = v[k];
+          }
+        });
+    // A barrier: the cached vectors are all in before pass 2 reads them.
+    const RowPartT row = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
+    const float lse = row.part.m + logf(row.part.s);  // finish_row's lse, bit for bit
+    const int64_t next = r + gridDim.x;
+    const int64_t t_next = next < p.rows ? int64_t(target[next]) : 0;  // in flight over pass 2
+    if (threadIdx.x == 0) {
+      if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
+      core::finish_row(RowStats{row.part.m, row.part.s, row.target_logit, row.part.sx},
+                       row.part.sx, kind, p, lse_out[r], row_loss_out[r]);
+    }
+
+    auto cached = [&](const T* body, int64_t i) {
+      return i < cache_vecs ? cache[i] : load_vec(body + i * VEC);
+    };
+    if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {  // the whole block
+      const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
+      Vec16 filled{};
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) put<K>(filled, k, fill);
+      walk_row_from<T, FusedRows::kThreads, FusedRows::kUnroll>(
+          xr, n, true, cached, [&](int64_t j, T) { gr[j] = S::store(fill); },
+          [&](int64_t j, const Vec16&) { store_vec(gr + j, filled); });
+    } else {
+      const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
+      walk_row_from<T, FusedRows::kThreads, FusedRows::kUnroll>(
+          xr, n, true, cached,
+          [&](int64_t j, T bits) { gr[j] = S::store(core::grad_element(gc, S::load(bits), j == local_t)); },
+          [&](int64_t j, const Vec16& raw) {
+            Vec16 out{};
+            const int tk = target_in_vector<VEC>(local_t, j);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+            store_vec(gr + j, out);
+          });
+    }
+    t = t_next;
+    __syncthreads();  // the cache is the next row's
+  }
+}
+
+// The backward of the gradient written in the forward: g *= grad_loss[0]. Every block reads
+// the scale first and leaves when it is exactly 1 (the usual loss.backward()): no host sync
+// and no pass over g. Rows are strided over a bounded grid.
+template <StorageKind K>
+__global__ void __launch_bounds__(BwdRows::kThreads)
+    scale_kernel(typename core::Storage<K>::type* g, int64_t stride, int64_t rows, int64_t cols,
+                 const float* grad_loss) {
+  using S = core::Storage<K>;
+  using T = typename S::type;
+  constexpr int VEC = vector_width<T>();
+  const float scale = grad_loss[0];
+  if (scale == 1.0f) return;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T* gr = g + r * stride;
+    walk_row<T, BwdRows::kThreads, BwdRows::kUnroll>(
+        gr, cols, true, [&](int64_t j, T bits) { gr[j] = S::store(S::load(bits) * scale); },
+        [&](int64_t j, const Vec16& raw) {
+          Vec16 out{};
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) put<K>(out, k, get<K>(raw, k) * scale);
+          store_vec(gr + j, out);
+        });
+  }
 }
 
 template <class F>
@@ -329,6 +502,84 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeP
     });
   }
   if (reduce) free_async(row_losses, stream);
+}
+
+void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target, const CeParams& p,
+                              const CrossEntropyOutputs& out, const MatrixView& grad,
+                              Stream stream) {
+  const int64_t esize = detail::element_size(logits.dtype);
+  auto rows_on_boundary = [&](const MatrixView& v) {
+    return aligned_to(v.data, kVectorBytes) && (v.row_stride * esize) % kVectorBytes == 0;
+  };
+  const bool same_alignment =
+      (logits.data == grad.data && logits.row_stride == grad.row_stride) ||
+      (rows_on_boundary(logits) && rows_on_boundary(grad));
+  int device = 0, block_shared = 0, sm_shared = 0;
+  FL_CUDA_CHECK(cudaGetDevice(&device));
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&block_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                       device));
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                       device));
+  // The whole row body when it fits, within the blocks-per-SM share (2 KiB a block is left for
+  // its static shared memory and the driver's reserve).
+  const int64_t budget = std::min<int64_t>(
+      {int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048,
+       int64_t(FUSEDLOSS_CE_FUSED_CACHE_BYTES)});
+  const int64_t cache_vecs = std::max<int64_t>(
+      0, std::min<int64_t>(logits.cols * esize / kVectorBytes, budget / kVectorBytes));
+  const size_t shared = size_t(cache_vecs) * kVectorBytes;
+  // The fused kernel pays while most of a row stays in its cache: measured on an H200 (bf16,
+  // 8192 rows, bench/NOTES.md), rows of 64 and 100 KB ran 13% and 8% faster than the stats and
+  // backward kernels in sequence, rows of 256 and 297 KB 7% and 9% slower (pass 2's rest
+  // no longer fits L2). Longer rows, and vectors of one row that would not land on the other's
+  // boundary, take the two kernels: the same results, 3 passes.
+  const bool fused = same_alignment && logits.cols * esize <= 2 * int64_t(shared);
+  if (!fused || p.rows == 0) {
+    ce_forward_tp1(logits, target, p, out, stream);
+    ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad, stream);
+    return;
+  }
+  float* row_losses = static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream));
+  dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
+    constexpr StorageKind K = decltype(k)::value;
+    using Index = decltype(idx);
+    using T = typename core::Storage<K>::type;
+    auto* t = static_cast<const Index*>(target.data);
+    // Mean: the gradient divides by the valid count, so it is counted first (one small block).
+    if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
+    auto launch = [&](auto sum_logits) {
+      auto kernel = stats_grad_kernel<K, Index, decltype(sum_logits)::value>;
+      FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(shared)));
+      // The resident grid: every block strides over rows.
+      int per_sm = 0, sms = 0;
+      FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                  FusedRows::kThreads, shared));
+      FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      const int64_t blocks = std::min<int64_t>(p.rows, int64_t(std::max(per_sm, 1)) * sms);
+      kernel<<<unsigned(blocks), FusedRows::kThreads, shared, as_cuda(stream)>>>(
+          static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
+          grad.row_stride, t, p, cache_vecs, out.valid_count, out.lse, row_losses);
+    };
+    if (p.need_sum_logits)
+      launch(std::true_type{});
+    else
+      launch(std::false_type{});
+    FL_CUDA_CHECK_LAUNCH();
+    launch_reduce(row_losses, t, p, out, stream);
+  });
+  free_async(row_losses, stream);
+}
+
+void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream) {
+  core::dispatch_dtype(grad.dtype, [&](auto k) {
+    constexpr StorageKind K = decltype(k)::value;
+    using T = typename core::Storage<K>::type;
+    const unsigned blocks = unsigned(std::min<int64_t>(grad.rows, 1024));
+    scale_kernel<K><<<blocks, BwdRows::kThreads, 0, as_cuda(stream)>>>(
+        static_cast<T*>(grad.data), grad.row_stride, grad.rows, grad.cols, grad_loss);
+    FL_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream) {

@@ -23,6 +23,13 @@ void ce_reduce(const float* row_losses, const IndexView& target, const core::CeP
 void ce_backward(const MatrixView& logits, const IndexView& target, const float* lse,
                  const float* grad_loss, const float* valid_count, const core::CeParams& p,
                  const MatrixView& grad, Stream stream);
+// TP=1, Sum/Mean: the forward of ce_forward_tp1 and the gradient for a unit upstream gradient
+// (grad may be the logits), each row read from memory once (cross_entropy_forward_with_grad).
+void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
+                              const core::CeParams& p, const CrossEntropyOutputs& out,
+                              const MatrixView& grad, Stream stream);
+// grad *= grad_loss[0] in place, skipped on the device when it is exactly 1.
+void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream);
 // stats[r].max -> maxima[r]
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream);
 

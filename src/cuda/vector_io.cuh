@@ -209,9 +209,14 @@ __device__ __forceinline__ int64_t head_to_alignment(const T* row, int64_t n) {
 // vectorise = false walks single elements (UNROLL in flight per thread): for a caller whose
 // output row sits at another alignment than the input row, so that writes in vectors would
 // not land on the boundary.
-template <class T, int THREADS, int UNROLL, class OnScalar, class OnVector>
-__device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise,
-                                         OnScalar&& on_scalar, OnVector&& on_vector) {
+//
+// walk_row_from takes the body's loads from load_body(body, i), the i-th vector after the head
+// (a kernel that kept part of the row in shared memory reads it from there); walk_row loads
+// them from the row.
+template <class T, int THREADS, int UNROLL, class LoadBody, class OnScalar, class OnVector>
+__device__ __forceinline__ void walk_row_from(const T* row, int64_t n, bool vectorise,
+                                              LoadBody&& load_body, OnScalar&& on_scalar,
+                                              OnVector&& on_vector) {
   constexpr int W = vector_width<T>();
   constexpr int64_t kStep = int64_t(THREADS) * UNROLL;
   static_assert(THREADS >= W, "a thread owns at most one head and one tail element");
@@ -240,7 +245,7 @@ __device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise
   for (; i0 + kStep < nvec; i0 += kStep) {
     Vec16 raw[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) raw[u] = load_vec(body + (i0 + tid + int64_t(u) * THREADS) * W);
+    for (int u = 0; u < UNROLL; ++u) raw[u] = load_body(body, i0 + tid + int64_t(u) * THREADS);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) on_vector(head + (i0 + tid + int64_t(u) * THREADS) * W, raw[u]);
   }
@@ -251,7 +256,7 @@ __device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise
   Vec16 raw[UNROLL];
 #pragma unroll
   for (int u = 0; u < UNROLL; ++u)
-    if (u < mine) raw[u] = load_vec(body + (i0 + tid + int64_t(u) * THREADS) * W);
+    if (u < mine) raw[u] = load_body(body, i0 + tid + int64_t(u) * THREADS);
   const T head_bits = has_head ? row[tid] : T{};
   const T tail_bits = has_tail ? row[tail + tid] : T{};
 #pragma unroll
@@ -259,6 +264,15 @@ __device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise
     if (u < mine) on_vector(head + (i0 + tid + int64_t(u) * THREADS) * W, raw[u]);
   if (has_head) on_scalar(int64_t(tid), head_bits);
   if (has_tail) on_scalar(tail + tid, tail_bits);
+}
+
+template <class T, int THREADS, int UNROLL, class OnScalar, class OnVector>
+__device__ __forceinline__ void walk_row(const T* row, int64_t n, bool vectorise,
+                                         OnScalar&& on_scalar, OnVector&& on_vector) {
+  walk_row_from<T, THREADS, UNROLL>(
+      row, n, vectorise,
+      [](const T* body, int64_t i) { return load_vec(body + i * vector_width<T>()); }, on_scalar,
+      on_vector);
 }
 
 // ---- host side ----

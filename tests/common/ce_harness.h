@@ -23,6 +23,10 @@ struct CeCase {
   double ignore_fraction = 0.0;
   float scale = 3.0f;  // logits ~ N(shift, scale)
   float shift = 0.0f;
+  // Sum/Mean: cross_entropy_forward_with_grad, then cross_entropy_scale_grad by the upstream
+  // gradient, in place of forward + backward.
+  bool grad_in_forward = false;
+  float upstream = 0.0f;  // the upstream gradient; 0: random (per row for None)
 
   std::string describe() const {
     std::ostringstream os;
@@ -31,7 +35,8 @@ struct CeCase {
        << " ls=" << opt.label_smoothing
        << (opt.smoothing_formula == SmoothingFormula::Megatron ? "(megatron)" : "(pytorch)")
        << " z=" << opt.z_loss << " reduction=" << int(opt.reduction)
-       << " ignore=" << ignore_fraction << (in_place ? " in-place" : " out-of-place");
+       << " ignore=" << ignore_fraction << (in_place ? " in-place" : " out-of-place")
+       << (grad_in_forward ? " grad-in-forward" : "") << " upstream=" << upstream;
     return os.str();
   }
 };
@@ -43,6 +48,7 @@ struct CeRun {
   float valid_count = 0;
   std::vector<double> grad_weight;
   bool padding_intact = true;
+  bool scale_kept_bits = true;  // grad_in_forward with a unit upstream gradient
 };
 
 // A dense fp32 problem: logits [rows, V] ~ N(0, sigma), targets uniform in [0, V) (callers
@@ -107,7 +113,14 @@ inline CeRun run_case(Device device, const CeCase& c) {
   MatrixView xv{base, c.rows, c.V, stride, c.dtype, device};
   IndexView tv{target.data(), c.rows, c.itype, device};
   CrossEntropyOutputs outs{loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()};
-  cross_entropy_forward(xv, tv, c.opt, outs);
+  Buffer separate(device, c.in_place ? 1 : logits.bytes());
+  if (!c.in_place) separate.poison();
+  char* gbase = c.in_place ? base : static_cast<char*>(separate.data()) + c.base_offset * es;
+  MatrixView gv{gbase, c.rows, c.V, stride, c.dtype, device};
+  if (c.grad_in_forward)
+    cross_entropy_forward_with_grad(xv, tv, c.opt, outs, gv);
+  else
+    cross_entropy_forward(xv, tv, c.opt, outs);
   check_device_errors();
   loss.download(); lse.download(); count.download();
   out.loss.assign(loss.host_as<float>(), loss.host_as<float>() + nloss);
@@ -117,7 +130,7 @@ inline CeRun run_case(Device device, const CeCase& c) {
   // Upstream gradient: a random vector for None, a random scalar otherwise.
   Buffer gl(device, sizeof(float) * std::max<int64_t>(nloss, 1));
   std::uniform_real_distribution<float> gdist(0.5f, 2.0f);
-  for (int64_t i = 0; i < nloss; ++i) gl.host_as<float>()[i] = gdist(rng());
+  for (int64_t i = 0; i < nloss; ++i) gl.host_as<float>()[i] = c.upstream ? c.upstream : gdist(rng());
   gl.upload();
   int64_t valid = 0;
   for (auto t : out.target) valid += t != c.opt.ignore_index;
@@ -128,15 +141,23 @@ inline CeRun run_case(Device device, const CeCase& c) {
     out.grad_weight[r] = g;
   }
 
-  Buffer separate(device, c.in_place ? 1 : logits.bytes());
-  if (!c.in_place) separate.poison();
-  char* gbase = c.in_place ? base : static_cast<char*>(separate.data()) + c.base_offset * es;
-  MatrixView gv{gbase, c.rows, c.V, stride, c.dtype, device};
-  cross_entropy_backward(xv, tv, lse.data_as<float>(), gl.data_as<float>(), count.data_as<float>(),
-                         c.opt, gv);
-  check_device_errors();
   Buffer& gbuf = c.in_place ? logits : separate;
+  std::vector<unsigned char> unscaled;
+  if (c.grad_in_forward) {
+    gbuf.download();
+    unscaled.assign(static_cast<unsigned char*>(gbuf.host()),
+                    static_cast<unsigned char*>(gbuf.host()) + gbuf.bytes());
+    cross_entropy_scale_grad(gv, gl.data_as<float>());
+  } else {
+    cross_entropy_backward(xv, tv, lse.data_as<float>(), gl.data_as<float>(),
+                           count.data_as<float>(), c.opt, gv);
+  }
+  check_device_errors();
   gbuf.download();
+  // A unit upstream gradient leaves the forward's gradient as it was, bit for bit.
+  if (c.grad_in_forward && c.upstream == 1.0f)
+    out.scale_kept_bits = std::equal(unscaled.begin(), unscaled.end(),
+                                     static_cast<unsigned char*>(gbuf.host()));
   out.grad.resize(c.rows * c.V);
   for (int64_t r = 0; r < c.rows; ++r)
     for (int64_t j = 0; j < c.V; ++j)
@@ -197,6 +218,7 @@ inline void expect_matches_reference(Device device, const CeCase& c) {
     if (c.opt.reduction == Reduction::None) ASSERT_EQ(run.loss[r], 0.0f);
   }
   EXPECT_TRUE(run.padding_intact) << "in-place backward wrote outside the [rows, V] view";
+  EXPECT_TRUE(run.scale_kept_bits) << "a unit upstream gradient changed the forward's gradient";
 }
 
 }  // namespace fusedloss::test

@@ -146,6 +146,33 @@ TEST_P(BadInputs, BackwardBuffers) {
   expect_error([&] { backward(g, nullptr); }, {"valid_count", "Mean"});
 }
 
+TEST_P(BadInputs, GradientInForward) {
+  Fixture f(GetParam());
+  Buffer grad(f.dev, f.rows * f.V * 4), cnt(f.dev, 4);
+  MatrixView g{grad.data(), f.rows, f.V, f.V, DType::F32, f.dev};
+  CrossEntropyOutputs out{f.loss.data_as<float>(), f.lse.data_as<float>(), cnt.data_as<float>()};
+  auto with_grad = [&](const CrossEntropyOptions& o, MatrixView gv, CrossEntropyOutputs outs) {
+    cross_entropy_forward_with_grad(f.xv(), f.tv(), o, outs, gv);
+  };
+  CrossEntropyOptions none;
+  none.reduction = Reduction::None;
+  expect_error([&] { with_grad(none, g, out); }, {"options.reduction", "None", "Sum or Mean"});
+  MatrixView wrong_shape = g;
+  wrong_shape.rows = 3;
+  expect_error([&] { with_grad({}, wrong_shape, out); }, {"grad_logits", "[3, 10]", "[4, 10]"});
+  CrossEntropyOutputs no_count = out;
+  no_count.valid_count = nullptr;
+  expect_error([&] { with_grad({}, g, no_count); }, {"out.valid_count", "Mean"});
+  // refused before anything is written
+  grad.poison();
+  f.lse.poison();
+  expect_error([&] { with_grad(none, f.xv(), out); }, {"options.reduction"});
+  f.x.download(); f.lse.download();
+  EXPECT_EQ(f.x.host_as<float>()[5], 5.0f);
+  EXPECT_TRUE(std::isnan(f.lse.host_as<float>()[0]));
+  expect_error([&] { cross_entropy_scale_grad(g, nullptr); }, {"grad_loss", "null"});
+}
+
 // A communicator whose collectives fail, as a broken MPI/NCCL hook would.
 class FailingCommunicator final : public Communicator {
  public:

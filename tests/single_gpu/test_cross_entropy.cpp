@@ -127,6 +127,37 @@ TEST_P(CrossEntropy, EveryAlignmentHeadAndTail) {
         }
 }
 
+// The gradient written in the forward (Sum/Mean) and scaled in the backward: every dtype, the
+// unaligned row walk (V = 50257, offset bases), rows shorter than a vector, in place and into
+// a buffer of its own, smoothing and z-loss, ignored rows; a unit upstream gradient (nothing
+// scaled) and others.
+TEST_P(CrossEntropy, GradientInForward) {
+  for (auto red : {Reduction::Sum, Reduction::Mean})
+    for (DType d : {DType::F32, DType::F16, DType::BF16})
+      for (int64_t V : {50257, 4096, 7, 1})
+        for (bool in_place : {false, true}) {
+          CeCase c;
+          c.grad_in_forward = true;
+          c.opt.reduction = red;
+          c.dtype = d;
+          c.V = V;
+          c.rows = V > 4096 ? 9 : 21;
+          c.in_place = in_place;
+          c.base_offset = in_place ? 3 : 0;
+          c.ignore_fraction = 0.3;
+          c.upstream = V == 4096 ? 0.0f : 1.0f;
+          c.opt.label_smoothing = V == 7 ? 0.1f : 0.0f;
+          c.opt.smoothing_formula = SmoothingFormula::Megatron;
+          c.opt.z_loss = V == 50257 ? 1e-3f : 0.0f;
+          check(c);
+        }
+  CeCase strided;  // rows off the 16-byte boundary into an aligned buffer: the 3-pass path
+  strided.grad_in_forward = true;
+  strided.pad = 3;
+  strided.dtype = DType::BF16;
+  check(strided);
+}
+
 TEST_P(CrossEntropy, AllRowsIgnoredGivesZeroNotNaN) {
   for (auto red : {Reduction::Mean, Reduction::Sum, Reduction::None}) {
     CeCase c;
