@@ -168,6 +168,29 @@ def test_gpt_tp2_sequence_parallel_on_and_off_matches_unpatched():
     run_world(2, _tp2, timeout_s=300)
 
 
+def _tp2_one_rank_wrong(rank, world):
+    """One rank's labels do not fit its hidden states: every rank raises the same error at the
+    same call, before Megatron's gather or copy (which would hang or mix shards)."""
+    from megatron.core import parallel_state
+    from fusedloss.megatron import lm_head
+    _cpu_megatron()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True)
+    for sp in (False, True):
+        model = _model(2, sp, tied=False)
+        hidden = torch.randn(S // 2 if sp else S, B, H, requires_grad=True)
+        labels = torch.randint(0, V, (B, S))
+        if rank == 1:
+            labels = labels[:, :-1]
+        with pytest.raises(ValueError, match=r"vocab-parallel rank 1: labels: got shape \(2, 15\)"):
+            lm_head.fused_head_loss(model, hidden, labels)
+        assert hidden.grad is None
+
+
+def test_gpt_tp2_one_rank_with_wrong_labels_raises_on_every_rank():
+    run_world(2, _tp2_one_rank_wrong, timeout_s=300)
+
+
 class _Module:
     """What compute_language_model_loss reads of its LanguageModule."""
 
