@@ -70,8 +70,6 @@ FL_HD void online_merge(float& m, float& s, float m2, float s2) {
   m = mn;
 }
 
-FL_HD float log_sum_exp(float m, float s) { return m + logf(s); }
-
 // Smoothing coefficients of one row.
 struct Smoothing {
   float alpha;      // effective smoothing weight a

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <vector>
 #include "cuda/cuda_check.h"
+#include "cuda/runtime.h"
 
 #define FL_CUBLAS_CHECK(call)                                                              \
   do {                                                                                     \
@@ -97,18 +98,12 @@ struct Choice {
   void* scratch = nullptr;
   cudaStream_t stream = nullptr;
   ~Choice() {
-    if (scratch) (void)cudaFreeAsync(scratch, stream);
+    free_async(scratch, stream);
     if (stop) cudaEventDestroy(stop);
     if (start) cudaEventDestroy(start);
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
   }
 };
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  FL_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
-  return st != cudaStreamCaptureStatusNone;
-}
 
 }  // namespace
 
@@ -191,7 +186,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
       if (accumulate) {
         const size_t bytes = size_t(C.rows) * size_t(ld(C)) * detail::element_size(C.dtype);
         ch.stream = s;
-        FL_CUDA_CHECK(cudaMallocAsync(&ch.scratch, bytes, s));
+        ch.scratch = alloc_async(bytes, s);
         FL_CUDA_CHECK(cudaMemsetAsync(ch.scratch, 0, bytes, s));
         out = ch.scratch;
       }

@@ -30,6 +30,7 @@
 #include "core/lce_tuning.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_lt.h"
+#include "cuda/runtime.h"
 
 namespace fusedloss::cuda {
 namespace {
@@ -182,12 +183,6 @@ class PhaseClock {
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> marks_;
   std::vector<Phase> phases_;
 };
-
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  FL_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
-  return st != cudaStreamCaptureStatusNone;
-}
 
 }  // namespace
 

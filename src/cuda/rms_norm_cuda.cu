@@ -518,8 +518,13 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
   return t;
 }
 
+// A caller's workspace is sized by the shipped tuning, whatever set_rms_norm_tuning says now
+// or at the call: a tuning changed between the size query and the backward must not make the
+// backward write past it (the backward caps its partial rows at this bound then).
+int64_t workspace_partial_rows(int64_t rows) { return max_partial_rows(rows, RmsNormTuning{}); }
+
 size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden) {
-  return size_t(max_partial_rows(rows, current_tuning())) * size_t(hidden) * sizeof(float);
+  return size_t(workspace_partial_rows(rows)) * size_t(hidden) * sizeof(float);
 }
 
 void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const MatrixView& y,
@@ -572,7 +577,9 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     return;
   }
   const RmsNormTuning tune = current_tuning();
-  const int64_t max_parts = max_partial_rows(p.rows, tune);
+  const int64_t max_parts = workspace ? std::min(max_partial_rows(p.rows, tune),
+                                                 workspace_partial_rows(p.rows))
+                                      : max_partial_rows(p.rows, tune);
   struct Owned {  // the partials allocated here, freed stream-ordered on every exit
     void* ptr;
     Stream stream;

@@ -45,4 +45,10 @@ void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream
 
 void synchronize(Stream stream) { FL_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream))); }
 
+bool capturing(Stream stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FL_CUDA_CHECK(cudaStreamIsCapturing(as_cuda(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace fusedloss::cuda
