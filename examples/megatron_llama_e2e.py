@@ -266,7 +266,9 @@ def child(args):
         from fusedloss.megatron import apply_fusedloss_to_megatron
         try:
             apply_fusedloss_to_megatron(**options)
-        except TypeError as e:  # an option this fusedloss does not have yet
+        except TypeError as e:  # an option this fusedloss does not have yet; any other error raises
+            if "unexpected keyword argument" not in str(e):
+                raise
             out.update(status="unavailable", error=f"apply_fusedloss_to_megatron({options}): {e}")
             return save()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
