@@ -32,8 +32,10 @@ struct Result {
   std::vector<float> loss, grad;  // grad: this rank's [rows, V_local]
 };
 
-// Forward + backward through the public API on `dev`, with `comm` (null: TP=1 on all of x).
-Result run(Device dev, const Problem& p, Communicator* comm, CrossEntropyOptions opt) {
+// Forward + backward through the public API on `dev`, with `comm` (null: TP=1 on all of x);
+// grad_in_forward: cross_entropy_forward_with_grad and the scale (a sum/mean loss).
+Result run(Device dev, const Problem& p, Communicator* comm, CrossEntropyOptions opt,
+           bool grad_in_forward = false) {
   const int world = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
   const int64_t Vl = p.V / world, rows = p.rows;
   opt.vocab_start = rank * Vl;
@@ -47,9 +49,15 @@ Result run(Device dev, const Problem& p, Communicator* comm, CrossEntropyOptions
   x.upload(); t.upload(); gl.upload(); loss.poison(); lse.poison();
   MatrixView xv{x.data(), rows, Vl, Vl, DType::F32, dev};
   IndexView tv{t.data(), rows, IndexType::I64, dev};
-  cross_entropy_forward(xv, tv, opt, {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()},
-                        comm);
-  cross_entropy_backward(xv, tv, lse.data_as<float>(), gl.data_as<float>(), count.data_as<float>(), opt, xv);
+  const CrossEntropyOutputs outs{loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()};
+  if (grad_in_forward) {
+    cross_entropy_forward_with_grad(xv, tv, opt, outs, xv, comm);
+    cross_entropy_scale_grad(xv, gl.data_as<float>());
+  } else {
+    cross_entropy_forward(xv, tv, opt, outs, comm);
+    cross_entropy_backward(xv, tv, lse.data_as<float>(), gl.data_as<float>(), count.data_as<float>(),
+                           opt, xv);
+  }
   check_device_errors();
   loss.download(); x.download();
   Result res;
@@ -73,26 +81,30 @@ void expect_matches_tp1(Device dev, Communicator& comm) {
         o.z_loss = ls > 0 ? 1e-3f : 0.0f;
         SCOPED_TRACE("world " + std::to_string(world) + " form " + std::to_string(int(form)) +
                      " reduction " + std::to_string(int(red)) + " ls " + std::to_string(ls));
-        Result tp1 = run(dev, p, nullptr, o);
-        Result tpn = run(dev, p, &comm, o);
-        for (size_t i = 0; i < tp1.loss.size(); ++i)
-          EXPECT_NEAR(tpn.loss[i], tp1.loss[i], 1e-6 * std::fabs(tp1.loss[i]) + 1e-7) << "loss " << i;
-        // The same loss bits on every rank.
-        std::vector<float> all(tpn.loss.size() * world);
-        MPI_Allgather(tpn.loss.data(), int(tpn.loss.size()), MPI_FLOAT, all.data(),
-                      int(tpn.loss.size()), MPI_FLOAT, MPI_COMM_WORLD);
-        for (int q = 0; q < world; ++q)
-          EXPECT_EQ(0, std::memcmp(&all[q * tpn.loss.size()], tpn.loss.data(), tpn.loss.size() * 4))
-              << "rank " << q << " loss bits differ from rank " << rank;
-        // This rank's gradient shard is its slice of the TP=1 gradient.
-        double worst = 0, gmax = 0;
-        for (int64_t r = 0; r < p.rows; ++r)
-          for (int64_t j = 0; j < Vl; ++j) {
-            double ref = tp1.grad[r * p.V + rank * Vl + j];
-            worst = std::max(worst, std::fabs(tpn.grad[r * Vl + j] - ref));
-            gmax = std::max(gmax, std::fabs(ref));
-          }
-        EXPECT_LE(worst, 1e-6 * gmax + 1e-9) << "gradient shard of rank " << rank;
+        for (bool in_forward : {false, true}) {
+          if (in_forward && red == Reduction::None) continue;  // sum/mean only
+          SCOPED_TRACE(in_forward ? "gradient in the forward" : "forward + backward");
+          Result tp1 = run(dev, p, nullptr, o);
+          Result tpn = run(dev, p, &comm, o, in_forward);
+          for (size_t i = 0; i < tp1.loss.size(); ++i)
+            EXPECT_NEAR(tpn.loss[i], tp1.loss[i], 1e-6 * std::fabs(tp1.loss[i]) + 1e-7) << "loss " << i;
+          // The same loss bits on every rank.
+          std::vector<float> all(tpn.loss.size() * world);
+          MPI_Allgather(tpn.loss.data(), int(tpn.loss.size()), MPI_FLOAT, all.data(),
+                        int(tpn.loss.size()), MPI_FLOAT, MPI_COMM_WORLD);
+          for (int q = 0; q < world; ++q)
+            EXPECT_EQ(0, std::memcmp(&all[q * tpn.loss.size()], tpn.loss.data(), tpn.loss.size() * 4))
+                << "rank " << q << " loss bits differ from rank " << rank;
+          // This rank's gradient shard is its slice of the TP=1 gradient.
+          double worst = 0, gmax = 0;
+          for (int64_t r = 0; r < p.rows; ++r)
+            for (int64_t j = 0; j < Vl; ++j) {
+              double ref = tp1.grad[r * p.V + rank * Vl + j];
+              worst = std::max(worst, std::fabs(tpn.grad[r * Vl + j] - ref));
+              gmax = std::max(gmax, std::fabs(ref));
+            }
+          EXPECT_LE(worst, 1e-6 * gmax + 1e-9) << "gradient shard of rank " << rank;
+        }
       }
 }
 
@@ -127,6 +139,14 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   expect_error_everywhere([&] {
     cross_entropy_forward({x.data(), rows, Vl, Vl, DType::F32, dev}, tv, shifted, out, &comm);
   }, "vocab_start");
+  // The gradient in the forward: rank 1's gradient buffer has the wrong shape.
+  Buffer g(dev, rows * Vl * 4), count(dev, 4);
+  const int64_t g_rows = rows - (rank == 1 ? 1 : 0);
+  expect_error_everywhere([&] {
+    cross_entropy_forward_with_grad({x.data(), rows, Vl, Vl, DType::F32, dev}, tv, o,
+                                    {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()},
+                                    {g.data(), g_rows, Vl, Vl, DType::F32, dev}, &comm);
+  }, "grad_logits");
   // A bad target on rank 0 only (CPU: found before the collective, reported everywhere).
   if (dev == Device::CPU) {
     if (rank == 0) t.host_as<int64_t>()[3] = o.vocab_global;
