@@ -102,14 +102,15 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
 }
 
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
-                        const LinearCrossEntropyOptions& o) {
+                        const LinearCrossEntropyOptions& o,
+                        const core::LceTuning& tuning = core::lce_tuning()) {
   core::LcePlan plan;
   plan.rows = hidden.rows;
   plan.hidden = hidden.cols;
   plan.vocab_local = weight.rows;
   plan.dtype = hidden.dtype;
   plan.tf32 = o.allow_tf32;
-  plan.tuning = core::lce_tuning();
+  plan.tuning = tuning;
   plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning.buffers);
   plan.stride = round_up(weight.rows, 16 / detail::element_size(hidden.dtype));
   return plan;
@@ -351,16 +352,25 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   // (its columns start at vocab_start + b0), so the cross-entropy's gradient pass runs on it
   // as is. fp32 accumulators: dhidden over the blocks, each block's dweight over all tokens.
   const int64_t H = hidden.cols, V = weight.rows, block = std::min(options.vocab_block, V);
-  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block * H + 1), stream);
-  const MatrixView dh32{acc.as<float>(), N, H, H, DType::F32, dev};
-  float* one = acc.as<float>(size_t(N * H + block * H));
-  FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
-  for (int64_t b0 = 0; b0 < V; b0 += block) {
-    const int64_t nb = std::min(block, V - b0);
+  auto block_of = [&](int64_t b0, int64_t nb) {
     MatrixView wb = weight;
     wb.data = static_cast<char*>(weight.data) +
               b0 * weight.row_stride * detail::element_size(weight.dtype);
     wb.rows = nb;
+    return wb;
+  };
+  // One chunk of every token per block (see `direct` below) needs no fp32 block: then it is
+  // not allocated (up to 128 MiB). A shorter last block has chunks at least as long.
+  const core::LceTuning tuning = core::lce_tuning();
+  const bool all_direct = make_plan(hidden, block_of(0, block), options, tuning).chunk >= N;
+  const int64_t block_floats = all_direct ? 0 : block * H;
+  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block_floats + 1), stream);
+  const MatrixView dh32{acc.as<float>(), N, H, H, DType::F32, dev};
+  float* one = acc.as<float>(size_t(N * H + block_floats));
+  FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
+  for (int64_t b0 = 0; b0 < V; b0 += block) {
+    const int64_t nb = std::min(block, V - b0);
+    const MatrixView wb = block_of(b0, nb);
     core::CeParams pb = p;
     pb.vocab_start = p.vocab_start + b0;
     pb.vocab_local = nb;
@@ -372,8 +382,10 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     // One chunk of every token: the block's single dweight GEMM sums all tokens in its own fp32
     // accumulator and rounds once, so it writes (or adds into) the caller's rows directly,
     // without the fp32 block and its conversion pass (3 x 2 bytes per element of traffic).
-    const core::LcePlan plan = make_plan(hidden, wb, options);
-    const bool direct = plan.chunk >= N;
+    const core::LcePlan plan = make_plan(hidden, wb, options, tuning);
+    const bool direct = all_direct || plan.chunk >= N;
+    detail::require(direct || block_floats > 0, kFn, ": internal: a vocabulary block of ", nb,
+                    " rows needs the fp32 block that was not allocated");
     steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
     run_loop(dev, kFn, plan, hidden, wb, steps,
              direct ? core::LceGrads{dh32, dw_rows, grads.accumulate_dweight, b0 > 0}
