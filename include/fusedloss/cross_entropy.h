@@ -80,6 +80,9 @@ void cross_entropy_backward(const MatrixView& logits, const IndexView& target, c
 // The forward (same outputs, same communicator hook), plus the gradient of the reported loss
 // with respect to the logits into grad_logits, which may be the logits themselves (same data
 // and row stride: the logits are then overwritten). out.valid_count is required for Mean.
+// The gradient is stored for a unit upstream gradient: in fp16, entries below fp16's range
+// (p / N under a mean over many rows) are lost before a loss scale could lift them, so fp16
+// training with loss scaling should keep cross_entropy_backward.
 void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& target,
                                      const CrossEntropyOptions& options,
                                      const CrossEntropyOutputs& out, const MatrixView& grad_logits,

@@ -4,8 +4,8 @@ forward  one pass over the logits (online softmax) -> per-row loss and lse (4 B/
          with a tp_group of size > 1 the logits are this rank's vocab shard and one
          all_gather_into_tensor of 16 B/row merges the shards
 backward one pass that reads the logits and writes the gradient, optionally into the logits;
-         or, for a sum/mean loss with inplace_backward, the gradient is written over the logits
-         in the forward (2 passes in all) and the backward only scales it
+         or, for a sum/mean loss with grad_in_forward=True, the gradient is written over the
+         logits in the forward (2 passes in all) and the backward only scales it
 """
 import functools
 from typing import Optional, Tuple
@@ -76,6 +76,9 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
              inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
+    if grad_in_forward and torch.compiler.is_compiling():
+        raise RuntimeError(f"{_OP}: grad_in_forward writes the logits, which the traced op "
+                           "declares it does not; the Python API never traces it")
     x, _ = rows_of(logits)
     t, tv = index(target, "target")
     rows, v_local = x.shape
@@ -122,6 +125,9 @@ def _consumed(logits):
 
 def _forward_fake(logits, target, ignore_index, label_smoothing, formula, scope, z_loss, reduction,
                   group, check_agreement, inplace_backward, grad_in_forward):
+    if grad_in_forward:  # it would write the logits, which the op's schema does not declare
+        raise RuntimeError(f"{_OP}: grad_in_forward=True cannot be traced; cross_entropy() "
+                           "takes the out-of-place path under torch.compile")
     rows = target.numel()
     f32 = dict(dtype=torch.float32, device=logits.device)
     loss = logits.new_empty(rows if reduction == _NONE else (), **f32)
@@ -174,7 +180,7 @@ def _setup(ctx, inputs, output):
     ctx.opts = tuple(opts)
     ctx.in_forward = in_forward
     ctx.inplace = in_forward or (
-        inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward"))
+        inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
     ctx.save_for_backward(logits, target, lse, count)
 
 
@@ -243,7 +249,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   label_smoothing: float = 0.0, smoothing_formula: str = "pytorch",
                   reduction: str = "mean", z_loss: float = 0.0, inplace_backward: bool = False,
                   tp_group: Optional["dist.ProcessGroup"] = None,
-                  smoothing_scope: str = "global", check_shard_agreement: bool = True) -> Tensor:
+                  smoothing_scope: str = "global", check_shard_agreement: bool = True,
+                  grad_in_forward: bool = False) -> Tensor:
     """Cross-entropy of logits [N, V] or [s, b, V] (fp32/fp16/bf16, any strides) against integer
     targets.
 
@@ -261,14 +268,21 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
 
     inplace_backward=True writes the gradient into the logits' memory (no [N, V] gradient
     buffer); the logits are then consumed: they hold the gradient, autograd's version check
-    fails for any later autograd use of them, and a second backward raises. With reduction
-    'sum' or 'mean' (eagerly, when the logits require grad) the gradient is written there
-    during the forward, which reads each row once for both (2 passes over the logits instead
-    of 3): the logits hold the gradient as soon as the loss is returned, and the backward only
-    scales it by the upstream gradient (nothing at all when that is exactly 1). Memory the caller
+    fails for any later autograd use of them, and a second backward raises. Memory the caller
     owns is never written: when the logits are a leaf, a view of a leaf, or a layout the kernels
     must copy, the gradient goes to a new buffer (with a warning). Under torch.compile the
     gradient always goes to a new buffer (a traced graph cannot tell whose memory an input is).
+
+    grad_in_forward=True (reduction 'sum' or 'mean'; implies inplace_backward) writes the
+    gradient over the logits during the forward, which reads each row once for both (2 passes
+    over the logits instead of 3 where the kernel pays): the logits hold the gradient as soon
+    as the loss is returned, so nothing may read them afterwards (an autograd reader recorded
+    earlier fails its version check; a later one, or plain code, would read the gradient), and
+    the backward only scales it by the upstream gradient (nothing at all when that is exactly
+    1). It applies eagerly to logits that require grad and whose memory is autograd's (else
+    inplace_backward's rules apply); fp16 logits keep the 3-pass in-place backward, since a
+    unit-upstream gradient rounded to fp16 would lose the small entries that loss scaling
+    keeps.
 
     Never synchronises the host on CUDA at TP=1; an out-of-range target makes its row NaN and
     is raised by fusedloss.check_device_errors().
@@ -279,9 +293,15 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                             reduction, z_loss)
         inplace = as_bool(inplace_backward, "inplace_backward")
+        in_forward = as_bool(grad_in_forward, "grad_in_forward")
+        if in_forward and opts[-1] == _NONE:
+            raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
+                             "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
         _validate(logits, target)
-    in_forward = (inplace and opts[-1] != _NONE and logits.requires_grad and torch.is_grad_enabled()
-                  and not torch.compiler.is_compiling() and storage_is_ours(logits))
+    inplace = inplace or in_forward
+    in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
+                  and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                  and storage_is_ours(logits))
     loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
     return loss.view(target.shape) if opts[-1] == _NONE else loss
 

@@ -83,8 +83,8 @@ def test_inplace_backward(device, dtype):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gradient_written_in_the_forward(device, dtype, reduction):
-    """A sum/mean loss with inplace_backward: the logits hold the gradient (for a unit upstream
-    gradient) once the forward returns, and the backward scales it."""
+    """grad_in_forward=True: the logits hold the gradient (for a unit upstream gradient) once
+    the forward returns, and the backward scales it. fp16 keeps the in-place backward."""
     shape = (19, 1003)  # odd V: rows start off the 16-byte boundary
     logits = (torch.randn(*shape, dtype=torch.float64) * 3).to(dtype).to(device)
     target = torch.randint(0, shape[-1], shape[:-1], device=device)
@@ -96,11 +96,13 @@ def test_gradient_written_in_the_forward(device, dtype, reduction):
     for upstream in (1.0, 0.25):
         x = logits.clone().requires_grad_(True)
         inp = x * 1
-        loss = fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction=reduction,
+        loss = fusedloss.cross_entropy(inp, target, grad_in_forward=True, reduction=reduction,
                                        label_smoothing=0.1)
         torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=2e-6)
-        # already the gradient, before any backward
-        torch.testing.assert_close(inp.detach().double(), x_ref.grad, rtol=tol, atol=atol)
+        if dtype == torch.float16:  # the logits stay until the backward
+            torch.testing.assert_close(inp.detach(), logits)
+        else:  # already the gradient, before any backward
+            torch.testing.assert_close(inp.detach().double(), x_ref.grad, rtol=tol, atol=atol)
         (loss * upstream).backward()
         torch.testing.assert_close(x.grad.double(), x_ref.grad * upstream, rtol=tol, atol=atol)
 
@@ -111,23 +113,30 @@ def test_gradient_in_the_forward_guards(device):
     x = logits.clone().requires_grad_(True)
     inp = x * 1
     earlier = inp.sin()  # an autograd reader of the logits, recorded before they are consumed
-    loss = fusedloss.cross_entropy(inp, target, inplace_backward=True)
+    loss = fusedloss.cross_entropy(inp, target, grad_in_forward=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss + earlier.sum()).backward()
     # a second backward would scale the gradient twice: refused
     inp = x * 1
-    loss = fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction="sum")
+    loss = fusedloss.cross_entropy(inp, target, grad_in_forward=True, reduction="sum")
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
-    # reduction='none' keeps the logits until the backward; without grad nothing is written
+    # only when asked: inplace_backward alone keeps the logits until the backward
     inp = x * 1
-    fusedloss.cross_entropy(inp, target, inplace_backward=True, reduction="none")
+    fusedloss.cross_entropy(inp, target, inplace_backward=True)
     torch.testing.assert_close(inp, logits)
-    with torch.no_grad():
+    with pytest.raises(ValueError, match="grad_in_forward.*reduction='none'"):
+        fusedloss.cross_entropy(x * 1, target, grad_in_forward=True, reduction="none")
+    with torch.no_grad():  # nothing to differentiate: nothing written
         kept = logits.clone()
-        fusedloss.cross_entropy(kept, target, inplace_backward=True)
+        fusedloss.cross_entropy(kept, target, grad_in_forward=True)
         torch.testing.assert_close(kept, logits)
+    # a leaf is the caller's: its gradient goes to a new buffer, with the in-place warning
+    leaf = logits.clone().requires_grad_(True)
+    with pytest.warns(UserWarning, match="not overwritten"):
+        fusedloss.cross_entropy(leaf, target, grad_in_forward=True).backward()
+    torch.testing.assert_close(leaf.detach(), logits)
 
 
 def test_ignore_index_and_all_ignored(device):

@@ -19,7 +19,8 @@ def _problem(rows=24, V=2400, seed=1234):
     return x, t
 
 
-def _check_matches_unsharded(rank, world, reduction, ls, compiled=False, inplace=False):
+def _check_matches_unsharded(rank, world, reduction, ls, compiled=False, inplace=False,
+                             in_forward=False):
     x, t = _problem()
     V_local = x.size(1) // world
     shard = x[:, rank * V_local:(rank + 1) * V_local].clone().requires_grad_(True)
@@ -27,7 +28,7 @@ def _check_matches_unsharded(rank, world, reduction, ls, compiled=False, inplace
     def step(s):  # under torch.compile the group travels into the traced graph as its name
         return fusedloss.cross_entropy(s * 1.0 if inplace else s, t, tp_group=dist.group.WORLD,
                                        reduction=reduction, label_smoothing=ls,
-                                       inplace_backward=inplace)
+                                       inplace_backward=inplace, grad_in_forward=in_forward)
 
     loss = (torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step)(shard)
     full = x.double().requires_grad_(True)
@@ -53,9 +54,9 @@ def test_gloo_matches_unsharded(world, reduction, ls):
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_gloo_gradient_in_the_forward(reduction):
-    # inplace_backward with a sum/mean loss: the merged lse, then each shard's gradient, in
-    # the forward; the backward scales it
-    run_world(2, _check_matches_unsharded, reduction, 0.1, False, True)
+    # grad_in_forward with a sum/mean loss: the merged lse, then each shard's gradient, in the
+    # forward; the backward scales it
+    run_world(2, _check_matches_unsharded, reduction, 0.1, False, True, True)
 
 
 def _check_mismatch(rank, world):

@@ -6,6 +6,10 @@
 #include "cuda/cross_entropy_cuda.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "core/dispatch.h"
 #include "cuda/cuda_check.h"
@@ -58,10 +62,6 @@ using core::TargetKind;
 #endif
 #ifndef FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM
 #define FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM 3
-#endif
-// Upper bound on that cache: a variant knob, to see what the cache buys (0: none).
-#ifndef FUSEDLOSS_CE_FUSED_CACHE_BYTES
-#define FUSEDLOSS_CE_FUSED_CACHE_BYTES (1 << 30)
 #endif
 
 // Launch policy of the row passes: one block of kThreads threads per row (the grid is the
@@ -504,6 +504,50 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeP
   if (reduce) free_async(row_losses, stream);
 }
 
+namespace {
+
+// The device's numbers for the fused kernel, read once per device: its SM count and the
+// cache a block gets (the block's share of an SM's shared memory, 2 KiB left for its static
+// shared memory and the driver's reserve, within the per-block maximum).
+struct FusedLaunch {
+  int device = -1;
+  int sms = 0;
+  int64_t cache_bytes = 0;
+};
+
+const FusedLaunch& fused_launch() {
+  static std::mutex mu;
+  static std::map<int, FusedLaunch> known;
+  int device = 0;
+  FL_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int block_shared = 0, sm_shared = 0, sms = 0;
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&block_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                       device));
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                       device));
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t cache = std::min<int64_t>(
+      int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
+  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes};
+}
+
+// Lets `kernel` take the whole cache on the current device, once: the attribute is the
+// largest any call needs, so concurrent callers with smaller rows never lower it under
+// each other's launches.
+void allow_shared(const void* kernel, const FusedLaunch& l) {
+  static std::mutex mu;
+  static std::set<std::pair<int, const void*>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert({l.device, kernel}).second) return;
+  FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     int(l.cache_bytes)));
+}
+
+}  // namespace
+
 void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target, const CeParams& p,
                               const CrossEntropyOutputs& out, const MatrixView& grad,
                               Stream stream) {
@@ -514,19 +558,10 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
   const bool same_alignment =
       (logits.data == grad.data && logits.row_stride == grad.row_stride) ||
       (rows_on_boundary(logits) && rows_on_boundary(grad));
-  int device = 0, block_shared = 0, sm_shared = 0;
-  FL_CUDA_CHECK(cudaGetDevice(&device));
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&block_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                       device));
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                       device));
-  // The whole row body when it fits, within the blocks-per-SM share (2 KiB a block is left for
-  // its static shared memory and the driver's reserve).
-  const int64_t budget = std::min<int64_t>(
-      {int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048,
-       int64_t(FUSEDLOSS_CE_FUSED_CACHE_BYTES)});
-  const int64_t cache_vecs = std::max<int64_t>(
-      0, std::min<int64_t>(logits.cols * esize / kVectorBytes, budget / kVectorBytes));
+  const FusedLaunch& launch_shape = fused_launch();
+  // The whole row body when it fits the block's share of the SM's shared memory.
+  const int64_t cache_vecs = std::min<int64_t>(logits.cols * esize / kVectorBytes,
+                                               launch_shape.cache_bytes / kVectorBytes);
   const size_t shared = size_t(cache_vecs) * kVectorBytes;
   // The fused kernel pays while most of a row stays in its cache: measured on an H200 (bf16,
   // 8192 rows, bench/NOTES.md), rows of 64 and 100 KB ran 13% and 8% faster than the stats and
@@ -549,14 +584,13 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
     if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
     auto launch = [&](auto sum_logits) {
       auto kernel = stats_grad_kernel<K, Index, decltype(sum_logits)::value>;
-      FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(shared)));
+      allow_shared(reinterpret_cast<const void*>(kernel), launch_shape);
       // The resident grid: every block strides over rows.
-      int per_sm = 0, sms = 0;
+      int per_sm = 0;
       FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
                                                                   FusedRows::kThreads, shared));
-      FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      const int64_t blocks = std::min<int64_t>(p.rows, int64_t(std::max(per_sm, 1)) * sms);
+      const int64_t blocks =
+          std::min<int64_t>(p.rows, int64_t(std::max(per_sm, 1)) * launch_shape.sms);
       kernel<<<unsigned(blocks), FusedRows::kThreads, shared, as_cuda(stream)>>>(
           static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
           grad.row_stride, t, p, cache_vecs, out.valid_count, out.lse, row_losses);

@@ -16,6 +16,7 @@ struct CeCase {
   int64_t V = 1000;
   int64_t pad = 0;  // row_stride = V + pad
   int64_t base_offset = 0;  // elements between the allocation and the first logit (alignment)
+  int64_t grad_offset = -1;  // a separate gradient's offset in its own allocation (-1: base_offset)
   DType dtype = DType::F32;
   IndexType itype = IndexType::I64;
   CrossEntropyOptions opt{};
@@ -113,9 +114,10 @@ inline CeRun run_case(Device device, const CeCase& c) {
   MatrixView xv{base, c.rows, c.V, stride, c.dtype, device};
   IndexView tv{target.data(), c.rows, c.itype, device};
   CrossEntropyOutputs outs{loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()};
-  Buffer separate(device, c.in_place ? 1 : logits.bytes());
+  const int64_t goff = c.grad_offset >= 0 ? c.grad_offset : c.base_offset;
+  Buffer separate(device, c.in_place ? 1 : logits.bytes() + size_t(goff * es));
   if (!c.in_place) separate.poison();
-  char* gbase = c.in_place ? base : static_cast<char*>(separate.data()) + c.base_offset * es;
+  char* gbase = c.in_place ? base : static_cast<char*>(separate.data()) + goff * es;
   MatrixView gv{gbase, c.rows, c.V, stride, c.dtype, device};
   if (c.grad_in_forward)
     cross_entropy_forward_with_grad(xv, tv, c.opt, outs, gv);
@@ -161,7 +163,8 @@ inline CeRun run_case(Device device, const CeCase& c) {
   out.grad.resize(c.rows * c.V);
   for (int64_t r = 0; r < c.rows; ++r)
     for (int64_t j = 0; j < c.V; ++j)
-      out.grad[r * c.V + j] = load_as(c.dtype, gbuf.host(), c.base_offset + r * stride + j);
+      out.grad[r * c.V + j] =
+          load_as(c.dtype, gbuf.host(), (c.in_place ? c.base_offset : goff) + r * stride + j);
   // In place, the padding columns and the bytes before the first row must be untouched.
   if (c.in_place) {
     const auto* now = static_cast<const unsigned char*>(logits.host());

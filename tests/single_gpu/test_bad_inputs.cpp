@@ -46,6 +46,19 @@ TEST_P(BadInputs, OutOfRangeTargetIsReportedAndNeverIndexed) {
       EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[2]));
       EXPECT_TRUE(std::isfinite(f.loss.host_as<float>()[1]));
       EXPECT_NO_THROW(check_device_errors());  // the report was cleared
+      // The gradient in the forward (in place: the fused kernel): the same report, a NaN loss,
+      // that row's gradient NaN and every other row's finite.
+      Buffer cnt(f.dev, 4);
+      CrossEntropyOutputs out{f.loss.data_as<float>(), f.lse.data_as<float>(),
+                              cnt.data_as<float>()};
+      cross_entropy_forward_with_grad(f.xv(), f.tv(), CrossEntropyOptions{}, out, f.xv());
+      expect_error([&] { check_device_errors(); }, {"target[2]", v.c_str()});
+      f.loss.download();
+      f.x.download();
+      EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));  // the mean over a NaN row
+      for (int64_t r = 0; r < f.rows; ++r)
+        for (int64_t j = 0; j < f.V; ++j)
+          EXPECT_EQ(std::isnan(f.x.host_as<float>()[r * f.V + j]), r == 2) << r << ", " << j;
     }
   }
 }

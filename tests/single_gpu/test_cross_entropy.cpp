@@ -156,6 +156,27 @@ TEST_P(CrossEntropy, GradientInForward) {
   strided.pad = 3;
   strided.dtype = DType::BF16;
   check(strided);
+  // A gradient buffer of its own at another offset: 16 bytes on (rows of both on the boundary:
+  // the fused kernel) and 6 bytes on (the two kernels).
+  for (int64_t goff : {8, 3}) {
+    CeCase moved;
+    moved.grad_in_forward = true;
+    moved.dtype = DType::BF16;
+    moved.V = 1024;
+    moved.grad_offset = goff;
+    check(moved);
+  }
+  // Thousands of rows: the fused kernel's resident grid takes several rows a block (its row
+  // loop, the next row's target, the cache reused).
+  CeCase many;
+  many.grad_in_forward = true;
+  many.in_place = true;
+  many.dtype = DType::BF16;
+  many.rows = 2500;
+  many.V = 1000;
+  many.ignore_fraction = 0.1;
+  many.opt.reduction = Reduction::Sum;
+  check(many);
 }
 
 TEST_P(CrossEntropy, AllRowsIgnoredGivesZeroNotNaN) {
