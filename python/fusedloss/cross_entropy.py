@@ -18,7 +18,7 @@ from . import _C
 from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, storage_is_ours, stream_of)
+                     require_tensor, require_values, rows_of, storage_is_ours, stream_of, values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
@@ -76,9 +76,6 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
              inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
-    if grad_in_forward and torch.compiler.is_compiling():
-        raise RuntimeError(f"{_OP}: grad_in_forward writes the logits, which the traced op "
-                           "declares it does not; the Python API never traces it")
     x, _ = rows_of(logits)
     t, tv = index(target, "target")
     rows, v_local = x.shape
@@ -139,7 +136,7 @@ def _backward_into(grad_loss, x, target, lse, count, opts, out):
     *head, group = opts
     rank, world = rank_and_size(resolve_group(group))
     o = _options(*head, rank, world, x.size(1))
-    gl = grad_loss.to(torch.float32).reshape(-1).contiguous()  # may arrive expanded
+    gl = values_in(grad_loss, torch.float32).reshape(-1)  # may arrive expanded
     t, tv = index(target, "target")
     _C.cross_entropy_backward(matrix(x), tv, lse.data_ptr(), gl.data_ptr(), count.data_ptr(), o,
                               matrix(out), stream_of(x))
@@ -170,7 +167,7 @@ def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
     """The backward of a gradient written in the forward: logits (holding it) *= grad_loss,
     skipped on the device when grad_loss is exactly 1."""
     x, _ = rows_of(logits)
-    gl = grad_loss.to(torch.float32).reshape(-1).contiguous()
+    gl = values_in(grad_loss, torch.float32).reshape(-1)
     _C.cross_entropy_scale_grad(matrix(x), gl.data_ptr(), stream_of(x))
 
 

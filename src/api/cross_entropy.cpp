@@ -109,24 +109,31 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
 
 namespace {
 
-// The forward; `more_checks` (a caller's own argument checks) run with the forward's, so that
+// TP=1: the stats are already global, so the CUDA backend merges inside the stats pass.
+void forward_tp1(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
+                 const CrossEntropyOutputs& out, [[maybe_unused]] Stream stream) {
+  std::vector<RowStats> stats(logits.device == Device::CPU ? logits.rows : 0);
+  FL_DISPATCH(logits.device, "cross_entropy_forward",
+              cpu::ce_local_stats(logits, target, p, stats.data());
+              cpu::ce_merge(stats.data(), 1, stats.data(), target, p, out),
+              cuda::ce_forward_tp1(logits, target, p, out, stream));
+}
+
+// The forward's checks and the vocab-parallel hook around run_tp1(p), the TP=1 computation.
+// `more_checks` (a caller's own argument checks) run with the forward's, so that
 // vocab-parallel, a rank that fails them makes every rank throw at the same call.
-template <class MoreChecks>
+template <class MoreChecks, class RunTp1>
 void forward_checked(const MatrixView& logits, const IndexView& target,
                      const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
-                     Communicator* comm, Stream stream, MoreChecks&& more_checks) {
+                     Communicator* comm, Stream stream, MoreChecks&& more_checks,
+                     RunTp1&& run_tp1) {
   if (!comm || comm->size() == 1) {
     core::CeParams p = forward_params(logits, target, options, out);
     more_checks();
     require(p.vocab_start == 0 && p.vocab_global == logits.cols, "options.vocab_global/start: got ",
             p.vocab_global, "/", p.vocab_start, " without a communicator of size > 1, expected ",
             logits.cols, "/0 (the whole vocabulary on one rank)");
-    // TP=1: the stats are already global, so the CUDA backend merges inside the stats pass.
-    std::vector<RowStats> stats(logits.device == Device::CPU ? logits.rows : 0);
-    FL_DISPATCH(logits.device, "cross_entropy_forward",
-                cpu::ce_local_stats(logits, target, p, stats.data());
-                cpu::ce_merge(stats.data(), 1, stats.data(), target, p, out),
-                cuda::ce_forward_tp1(logits, target, p, out, stream));
+    run_tp1(p);
     return;
   }
   // Vocab-parallel: this rank's argument errors travel to every rank instead of being thrown
@@ -152,7 +159,8 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
 void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
                            const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
                            Communicator* comm, Stream stream) {
-  forward_checked(logits, target, options, out, comm, stream, [] {});
+  forward_checked(logits, target, options, out, comm, stream, [] {},
+                  [&](const core::CeParams& p) { forward_tp1(logits, target, p, out, stream); });
 }
 
 void cross_entropy_backward(const MatrixView& logits, const IndexView& target, const float* lse,
@@ -185,25 +193,27 @@ void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& 
     require(options.reduction != Reduction::Mean || out.valid_count != nullptr || logits.rows == 0,
             "out.valid_count: got null, expected a float (Reduction::Mean divides by it)");
   };
-  if (logits.device == Device::CUDA && (!comm || comm->size() == 1)) {
-    core::CeParams p = forward_params(logits, target, options, out);
-    more_checks();
-    require(p.vocab_start == 0 && p.vocab_global == logits.cols,
-            "options.vocab_global/start: got ", p.vocab_global, "/", p.vocab_start,
-            " without a communicator of size > 1, expected ", logits.cols,
-            "/0 (the whole vocabulary on one rank)");
-    FL_CUDA_BRANCH("cross_entropy_forward_with_grad",
-                   cuda::ce_forward_with_grad_tp1(logits, target, p, out, grad_logits, stream));
-    return;
-  }
-  // Vocab-parallel (the stats of every shard come before any gradient) and the CPU backend:
-  // the forward, then the backward for a unit upstream gradient.
-  forward_checked(logits, target, options, out, comm, stream, more_checks);
-  const core::CeParams p = core::resolve_params(options, logits.rows, logits.cols);
-  FL_DISPATCH(logits.device, "cross_entropy_forward_with_grad",
-              cpu::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad_logits),
-              cuda::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad_logits,
-                                stream));
+  // The forward, then the backward for a unit upstream gradient (grad_loss null); at TP=1 on
+  // CUDA one kernel does both where that pays. Vocab-parallel the merged lse comes first.
+  auto unit_backward = [&](const core::CeParams& p) {
+    FL_DISPATCH(logits.device, "cross_entropy_forward_with_grad",
+                cpu::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad_logits),
+                cuda::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p,
+                                  grad_logits, stream));
+  };
+  forward_checked(logits, target, options, out, comm, stream, more_checks,
+                  [&](const core::CeParams& p) {
+                    if (logits.device == Device::CUDA) {
+                      FL_CUDA_BRANCH("cross_entropy_forward_with_grad",
+                                     cuda::ce_forward_with_grad_tp1(logits, target, p, out,
+                                                                    grad_logits, stream));
+                    } else {
+                      forward_tp1(logits, target, p, out, stream);
+                      unit_backward(p);
+                    }
+                  });
+  if (comm && comm->size() > 1)
+    unit_backward(core::resolve_params(options, logits.rows, logits.cols));
 }
 
 void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_loss,

@@ -552,12 +552,10 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
                               const CrossEntropyOutputs& out, const MatrixView& grad,
                               Stream stream) {
   const int64_t esize = detail::element_size(logits.dtype);
-  auto rows_on_boundary = [&](const MatrixView& v) {
-    return aligned_to(v.data, kVectorBytes) && (v.row_stride * esize) % kVectorBytes == 0;
-  };
   const bool same_alignment =
       (logits.data == grad.data && logits.row_stride == grad.row_stride) ||
-      (rows_on_boundary(logits) && rows_on_boundary(grad));
+      (row_starts_aligned(logits.data, logits.row_stride, esize) &&
+       row_starts_aligned(grad.data, grad.row_stride, esize));
   const FusedLaunch& launch_shape = fused_launch();
   // The whole row body when it fits the block's share of the SM's shared memory.
   const int64_t cache_vecs = std::min<int64_t>(logits.cols * esize / kVectorBytes,

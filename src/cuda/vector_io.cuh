@@ -290,6 +290,11 @@ inline bool rows_aligned(const void* data, int64_t cols, int64_t row_stride, int
   return aligned_to(data, access * elem_bytes) && cols % access == 0 && row_stride % access == 0;
 }
 
+// Whether every row of a view starts on the 16-byte boundary (whatever its width).
+inline bool row_starts_aligned(const void* data, int64_t row_stride, int64_t elem_bytes) {
+  return aligned_to(data, kVectorBytes) && (row_stride * elem_bytes) % kVectorBytes == 0;
+}
+
 // The same for whole 16-byte vectors.
 inline bool rows_vectorisable(const void* data, int64_t cols, int64_t row_stride,
                               int64_t elem_bytes) {
