@@ -137,6 +137,21 @@ def _check_later_disagreement(rank, world, what):
         big[0] = V_local * world - 1
         _same_error_everywhere(lambda: _ce(torch.randn(rows, v), big), "shard size",
                                f"rank 1 has V_local {V_local - 1}")
+    elif what == "grad_in_forward":  # the gradient in the forward asked for a per-row loss, on one rank
+        gif = rank == 1
+        _same_error_everywhere(
+            lambda: _ce(torch.randn(rows, V_local, requires_grad=True) * 1, t, reduction="none",
+                        grad_in_forward=gif),
+            "vocab-parallel rank 1: grad_in_forward: got True with reduction='none'")
+    elif what == "grad_in_forward_target":  # the gradient in the forward, a bad target on one rank
+        bad = t.clone()
+        if rank == 0:
+            bad[2] = -7
+        x = torch.randn(rows, V_local, requires_grad=True) * 1
+        before = x.detach().clone()
+        _same_error_everywhere(lambda: _ce(x, bad, grad_in_forward=True),
+                               "vocab-parallel rank 0: target[2]: got -7")
+        assert torch.equal(x.detach(), before)  # refused before anything was written
     # and the group is still usable afterwards: a good call agrees again
     loss = _ce(torch.randn(rows, V_local), t)
     assert torch.isfinite(loss)
@@ -144,7 +159,7 @@ def _check_later_disagreement(rank, world, what):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype", "options", "bad_option",
-                                  "V_local_and_target"])
+                                  "V_local_and_target", "grad_in_forward", "grad_in_forward_target"])
 def test_gloo_disagreement_raises_everywhere(world, what):
     run_world(world, _check_later_disagreement, what, timeout_s=30)
 

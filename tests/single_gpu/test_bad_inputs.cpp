@@ -173,6 +173,14 @@ TEST_P(BadInputs, GradientInForward) {
   MatrixView wrong_shape = g;
   wrong_shape.rows = 3;
   expect_error([&] { with_grad({}, wrong_shape, out); }, {"grad_logits", "[3, 10]", "[4, 10]"});
+  MatrixView wrong_dtype = g;
+  wrong_dtype.dtype = DType::BF16;
+  expect_error([&] { with_grad({}, wrong_dtype, out); }, {"grad_logits.dtype", "bf16", "fp32"});
+  MatrixView shifted = f.xv();  // overlaps the logits one element off: never allowed
+  shifted.data = static_cast<float*>(shifted.data) + 1;
+  expect_error([&] {
+    cross_entropy_forward_with_grad(f.xv(), f.tv(), {}, out, shifted);
+  }, {"grad_logits", "overlaps"});
   CrossEntropyOutputs no_count = out;
   no_count.valid_count = nullptr;
   expect_error([&] { with_grad({}, g, no_count); }, {"out.valid_count", "Mean"});

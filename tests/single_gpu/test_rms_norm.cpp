@@ -436,6 +436,21 @@ TEST_P(RmsNorm, KernelVariants) {
 }
 
 #if FUSEDLOSS_HAS_CUDA
+// A caller sizes the workspace, then the tuning changes before the backward: the size does not
+// follow the tuning (the backward caps its partial rows at it; KernelVariants runs the
+// backward over a caller's workspace with more blocks per SM than the shipped tuning).
+TEST(RmsNormTuning, WorkspaceSizeIgnoresTheTuning) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  const size_t before = rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA);
+  const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
+  struct Restore {
+    cuda::RmsNormTuning t;
+    ~Restore() { cuda::set_rms_norm_tuning(t); }
+  } restore{shipped};
+  cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("bwd_blocks_per_sm=16"));
+  EXPECT_EQ(rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA), before);
+}
+
 TEST(RmsNormTuning, ClearErrors) {
   const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
   expect_error([] { cuda::parse_rms_norm_tuning("bwd_blok=256"); }, {"unknown field 'bwd_blok'"});
