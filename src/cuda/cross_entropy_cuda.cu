@@ -607,10 +607,7 @@ void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream
   core::dispatch_dtype(grad.dtype, [&](auto k) {
     constexpr StorageKind K = decltype(k)::value;
     using T = typename core::Storage<K>::type;
-#ifndef FUSEDLOSS_CE_SCALE_MAX_BLOCKS
-#define FUSEDLOSS_CE_SCALE_MAX_BLOCKS 1024
-#endif
-    const unsigned blocks = unsigned(std::min<int64_t>(grad.rows, FUSEDLOSS_CE_SCALE_MAX_BLOCKS));
+    const unsigned blocks = unsigned(std::min<int64_t>(grad.rows, 1024));
     scale_kernel<K><<<blocks, BwdRows::kThreads, 0, as_cuda(stream)>>>(
         static_cast<T*>(grad.data), grad.row_stride, grad.rows, grad.cols, grad_loss);
     FL_CUDA_CHECK_LAUNCH();

@@ -520,7 +520,8 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
 
 // A caller's workspace is sized by the shipped tuning, whatever set_rms_norm_tuning says now
 // or at the call: a tuning changed between the size query and the backward must not make the
-// backward write past it (the backward caps its partial rows at this bound then).
+// backward write past it. The backward caps its partial rows at this bound with or without a
+// caller's workspace, so that both add the weight gradient in the same order (the same bits).
 int64_t workspace_partial_rows(int64_t rows) { return max_partial_rows(rows, RmsNormTuning{}); }
 
 size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden) {
@@ -577,9 +578,8 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     return;
   }
   const RmsNormTuning tune = current_tuning();
-  const int64_t max_parts = workspace ? std::min(max_partial_rows(p.rows, tune),
-                                                 workspace_partial_rows(p.rows))
-                                      : max_partial_rows(p.rows, tune);
+  const int64_t max_parts =
+      std::min(max_partial_rows(p.rows, tune), workspace_partial_rows(p.rows));
   struct Owned {  // the partials allocated here, freed stream-ordered on every exit
     void* ptr;
     Stream stream;

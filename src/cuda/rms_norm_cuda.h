@@ -9,8 +9,9 @@ namespace fusedloss::cuda {
 
 // Launch shape of the vector ("rows") kernels. The defaults are the shipped kernels; the
 // tests run the others too (every one must give correct results), and the benchmark measures
-// them (bench/rms_norm_bench --variants). A process sets it before sizing workspaces: the
-// backward's partial rows, hence rms_norm_workspace_bytes, depend on bwd_blocks_per_sm.
+// them (bench/rms_norm_bench --variants). rms_norm_workspace_bytes follows the shipped
+// bwd_blocks_per_sm, never this one, and the backward's partial rows never exceed it: a larger
+// bwd_blocks_per_sm here is capped there (with or without a caller's workspace, the same grid).
 struct RmsNormTuning {
   // Threads per row, a target: a row gets the fewest vectors a thread (1, 2, 4) that need at
   // most this many threads (rounded up to warps); rows too long for that take more threads.
@@ -19,7 +20,7 @@ struct RmsNormTuning {
   int fwd_blocks_per_sm = 0;    // 0: a block per `fwd_block / tpr` rows; n: a persistent grid
   int bwd_tpr = 64;             // 4 vectors a thread from 2048 bf16 columns: bytes in flight
   int bwd_block = 128;          // <= 512; several blocks an SM drift apart
-  int bwd_blocks_per_sm = 4;    // the backward grid per SM at most (its partial rows)
+  int bwd_blocks_per_sm = 4;    // the backward grid per SM at most (its partial rows; see above)
   bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
   bool bwd_prefetch = true;
 };
