@@ -8,6 +8,8 @@ contributes a fixed-size header (its rows, its V_local, a fingerprint of its opt
 it rejected its own arguments), so a disagreement, or a rank whose arguments were bad, raises the
 same ValueError on every rank at the same call instead of leaving the others waiting in a collective (or merging
 mismatched shards). The same guarantee as the C++ API's header exchange.
+
+The vocab-parallel hook itself (merge_over_group): every rank's stats of every row, gathered once.
 """
 from typing import Optional
 
@@ -38,6 +40,12 @@ def check_group(group, name="tp_group"):
     return dist.get_world_size(group)
 
 
+def group_size(group) -> int:
+    """The group's size, unchecked: 1 for None or before torch.distributed is initialised (the
+    adapters' question: is this the vocab-parallel path?)."""
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
 def group_name(group) -> str:
     """The name an op carries for `group` ("" when the group has one rank)."""
     if check_group(group) == 1:
@@ -62,6 +70,17 @@ def resolve_group(name: str):
 
 def rank_and_size(group):
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+
+
+def merge_over_group(group, stats, target_view, options, v_local, loss, lse, count, stream):
+    """The hook between the local pass and the loss: this rank's stats of every row [rows,
+    ROW_STATS_FLOATS] (16 B/row) all-gathered over the group once, then merged into the loss,
+    lse [rows] and the valid count (fp32 tensors the caller owns)."""
+    world = dist.get_world_size(group)
+    gathered = stats.new_empty(world * stats.size(0), stats.size(1))
+    dist.all_gather_into_tensor(gathered, stats, group=group)
+    _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), target_view, options, v_local,
+                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
 
 
 def _header_device(group):

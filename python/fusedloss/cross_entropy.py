@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
+from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
                      require_tensor, require_values, rows_of, storage_is_ours, stream_of, values_in)
@@ -104,10 +104,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
-    gathered = torch.empty(world * rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
-    dist.all_gather_into_tensor(gathered, stats, group=g)  # the hook: 16 B/row, once
-    _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), tv, o, v_local,
-                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+    merge_over_group(g, stats, tv, o, v_local, loss, lse, count, stream)
     if grad_in_forward:  # the merged lse first: then the backward for a unit upstream gradient
         _C.cross_entropy_backward(xv, tv, lse.data_ptr(), 0, count.data_ptr(), o, xv, stream)
         _consumed(logits)

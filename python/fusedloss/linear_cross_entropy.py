@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._distributed import group_name, rank_and_size, rank_checks, resolve_group
+from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
@@ -162,10 +162,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         return loss, lse, count, dh, dw
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
     _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
-    gathered = torch.empty(world * rows, _C.ROW_STATS_FLOATS, **f32)
-    dist.all_gather_into_tensor(gathered, stats, group=g)  # the hook: 16 B/row, once
-    _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), tv, o, v_local,
-                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+    merge_over_group(g, stats, tv, o, v_local, loss, lse, count, stream)
     return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
 
 

@@ -7,7 +7,6 @@ gradient is deterministic (fixed-order fp32 partials, no atomics) and, under seq
 parallelism, a partial sum over this rank's tokens that the caller all-reduces.
 """
 import functools
-import math
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -30,7 +29,10 @@ _WEIGHT_AS_IS = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
 def _options(eps: float, zero_centered_gamma: bool):
     o = _C.RmsNormOptions()  # read only by the C++ side: one per setting
     o.eps, o.zero_centered_gamma = float(eps), bool(zero_centered_gamma)
-    _C.validate_rms_norm_options(o)
+    try:
+        _C.validate_rms_norm_options(o)
+    except _C.Error as e:  # the C++ message names the field; callers know the keyword
+        raise _C.Error(str(e).replace("options.", "", 1)) from None
     return o
 
 
@@ -133,9 +135,9 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
                          "one weight per column of x")
     require_same_device(weight, "weight", x, "x")
     eps = as_float(eps, "eps")
-    if not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps: got {eps}, expected a finite value > 0")
-    as_bool(zero_centered_gamma, "zero_centered_gamma")
+    zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
+    if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
+        _options(eps, zero_centered_gamma)  # the C++ check (finite, > 0), once per value
     if residual is not None:
         require_values(residual, "residual")
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -173,10 +175,9 @@ class RMSNorm(torch.nn.Module):
         if hidden_size < 1:
             raise ValueError(f"hidden_size: got {hidden_size}, expected >= 1")
         eps = as_float(eps, "eps")
-        if not (math.isfinite(eps) and eps > 0):
-            raise ValueError(f"eps: got {eps}, expected a finite value > 0")
-        self.hidden_size, self.eps = hidden_size, eps
         self.zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
+        _options(eps, self.zero_centered_gamma)  # the C++ check, cached
+        self.hidden_size, self.eps = hidden_size, eps
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype: got {dtype}, expected a floating-point dtype for the weight")
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))

@@ -204,9 +204,9 @@ def test_double_backward_raises(device):
 @pytest.mark.parametrize("call,error,match", [
     (lambda x, w: fusedloss.rms_norm(x, w[:7]), ValueError, r"weight: got shape \(7,\), expected \(8,\)"),
     (lambda x, w: fusedloss.rms_norm(x, w.view(2, 4)), ValueError, r"weight: got shape \(2, 4\)"),
-    (lambda x, w: fusedloss.rms_norm(x, w, eps=0.0), ValueError, "eps: got 0.0, expected a finite value > 0"),
-    (lambda x, w: fusedloss.rms_norm(x, w, eps=-1.0), ValueError, "eps: got -1.0"),
-    (lambda x, w: fusedloss.rms_norm(x, w, eps=float("nan")), ValueError, "eps: got nan"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=0.0), ValueError, r"eps: got 0(\.0)?, expected a finite value > 0"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=-1.0), ValueError, r"eps: got -1(\.0)?,"),
+    (lambda x, w: fusedloss.rms_norm(x, w, eps=float("nan")), ValueError, "eps: got nan, expected a finite value > 0"),
     (lambda x, w: fusedloss.rms_norm(x, w, eps=float("inf")), ValueError, "eps: got inf"),
     (lambda x, w: fusedloss.rms_norm(x, w, eps="1e-5"), TypeError, "eps"),
     (lambda x, w: fusedloss.rms_norm(x.long(), w), ValueError, "x.dtype: got torch.int64"),
@@ -218,7 +218,7 @@ def test_double_backward_raises(device):
     (lambda x, w: fusedloss.rms_norm(x, w, zero_centered_gamma=1), TypeError, "zero_centered_gamma"),
     (lambda x, w: fusedloss.RMSNorm(0), ValueError, "hidden_size: got 0"),
     (lambda x, w: fusedloss.RMSNorm(8.0), TypeError, "hidden_size"),
-    (lambda x, w: fusedloss.RMSNorm(8, eps=0), ValueError, "eps: got 0.0"),
+    (lambda x, w: fusedloss.RMSNorm(8, eps=0), ValueError, r"eps: got 0(\.0)?,"),
 ])
 def test_bad_inputs(call, error, match):
     x, w = torch.randn(4, 8), torch.ones(8)

@@ -4,7 +4,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
-#include "fusedloss/types.h"
+#include "fusedloss/linear_cross_entropy.h"
 
 namespace fusedloss::core {
 namespace {

@@ -3,7 +3,11 @@
 // every variant (bench/lce_bench.py sets them per provider); unset, each takes the default
 // that ships. Also the per-phase device time the CUDA loop adds up when FUSEDLOSS_LCE_TIMING=1.
 #pragma once
-#include "fusedloss/linear_cross_entropy.h"
+#include <cstdint>
+
+namespace fusedloss {
+struct LinearCePhaseTimes;  // include/fusedloss/linear_cross_entropy.h
+}
 
 namespace fusedloss::core {
 

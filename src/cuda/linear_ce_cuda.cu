@@ -31,6 +31,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_lt.h"
 #include "cuda/runtime.h"
+#include "fusedloss/linear_cross_entropy.h"  // LinearCePhaseTimes
 
 namespace fusedloss::cuda {
 namespace {

@@ -4,9 +4,9 @@ and the one-time warnings."""
 import inspect
 import warnings
 
-import torch.distributed as dist
 
 import fusedloss
+from fusedloss._distributed import group_size  # noqa: F401 (the adapters call state.group_size)
 
 CONFIG = {}
 _WARNED = set()
@@ -39,10 +39,6 @@ def parameter_names(fn):
     """The names a positional call binds to, in order."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return [p.name for p in inspect.signature(fn).parameters.values() if p.kind in kinds]
-
-
-def group_size(group):
-    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def tp_group_from_parallel_state():
