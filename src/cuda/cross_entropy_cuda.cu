@@ -87,6 +87,16 @@ using BwdRows = RowPerBlock<FUSEDLOSS_CE_BWD_THREADS, FUSEDLOSS_CE_BWD_UNROLL,
 using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNROLL,
                               FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM>;
 
+// Launch policy of the kernels whose blocks outlive a row (a row cache in shared memory set up
+// once, an early exit for the whole launch): a bounded grid, each block striding over rows.
+struct StridedRows {
+  __device__ static int64_t first() { return blockIdx.x; }
+  __device__ static int64_t stride() { return gridDim.x; }
+  static unsigned grid(int64_t rows, int64_t most) {
+    return unsigned(std::max<int64_t>(std::min(rows, most), 1));
+  }
+};
+
 // Launch policy of the O(rows) passes (merge, all-reduce preparation): one thread per row.
 struct RowPerThread {
   static constexpr int kThreads = 256;
@@ -338,10 +348,10 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
   __shared__ RowPartT scratch[FusedRows::kThreads / 32];
   const int64_t n = p.vocab_local;
   const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);  // the same for every row
-  int64_t r = blockIdx.x;
+  int64_t r = StridedRows::first();
   if (r >= p.rows) return;
   int64_t t = int64_t(target[r]);
-  for (; r < p.rows; r += gridDim.x) {
+  for (; r < p.rows; r += StridedRows::stride()) {
     const T* xr = x + r * x_stride;
     T* gr = g + r * g_stride;
     const TargetKind kind =
@@ -378,7 +388,7 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
     // A barrier: the cached vectors are all in before pass 2 reads them.
     const RowPartT row = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
     const float lse = row.part.m + logf(row.part.s);  // finish_row's lse, bit for bit
-    const int64_t next = r + gridDim.x;
+    const int64_t next = r + StridedRows::stride();
     const int64_t t_next = next < p.rows ? int64_t(target[next]) : 0;  // in flight over pass 2
     if (threadIdx.x == 0) {
       if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
@@ -427,7 +437,7 @@ __global__ void __launch_bounds__(BwdRows::kThreads)
   constexpr int VEC = vector_width<T>();
   const float scale = grad_loss[0];
   if (scale == 1.0f) return;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  for (int64_t r = StridedRows::first(); r < rows; r += StridedRows::stride()) {
     T* gr = g + r * stride;
     walk_row<T, BwdRows::kThreads, BwdRows::kUnroll>(
         gr, cols, true, [&](int64_t j, T bits) { gr[j] = S::store(S::load(bits) * scale); },
@@ -587,9 +597,9 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
       int per_sm = 0;
       FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
                                                                   FusedRows::kThreads, shared));
-      const int64_t blocks =
-          std::min<int64_t>(p.rows, int64_t(std::max(per_sm, 1)) * launch_shape.sms);
-      kernel<<<unsigned(blocks), FusedRows::kThreads, shared, as_cuda(stream)>>>(
+      const unsigned blocks =
+          StridedRows::grid(p.rows, int64_t(std::max(per_sm, 1)) * launch_shape.sms);
+      kernel<<<blocks, FusedRows::kThreads, shared, as_cuda(stream)>>>(
           static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
           grad.row_stride, t, p, cache_vecs, out.valid_count, out.lse, row_losses);
     };
@@ -607,7 +617,7 @@ void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream
   core::dispatch_dtype(grad.dtype, [&](auto k) {
     constexpr StorageKind K = decltype(k)::value;
     using T = typename core::Storage<K>::type;
-    const unsigned blocks = unsigned(std::min<int64_t>(grad.rows, 1024));
+    const unsigned blocks = StridedRows::grid(grad.rows, 1024);
     scale_kernel<K><<<blocks, BwdRows::kThreads, 0, as_cuda(stream)>>>(
         static_cast<T*>(grad.data), grad.row_stride, grad.rows, grad.cols, grad_loss);
     FL_CUDA_CHECK_LAUNCH();
