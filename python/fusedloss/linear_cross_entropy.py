@@ -26,7 +26,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+from ._views import (_DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
@@ -116,8 +116,8 @@ def _absent(device):
 def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
-             check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool
-             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
+             weight_grad_accumulator: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mode = lce_mode  # ("mode" would clash with torch's functionalization of the ops)
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
@@ -168,7 +168,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
 
 def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
                   reduction, softcap, workspace_bytes, lce_mode, tf32, group, check_agreement,
-                  dhidden_reduction, acc32, inplace):
+                  dhidden_reduction, acc32, inplace, weight_grad_accumulator):
     rows, H = target.numel(), hidden.size(-1)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss = hidden.new_empty(rows if reduction == _NONE else (), **f32)
@@ -180,8 +180,10 @@ def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula
     return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw
 
 
-def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw):
-    """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones)."""
+def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw,
+                  accumulate=False):
+    """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
+    accumulate: dw += the weight's gradient)."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
      mode, tf32, group, _check, dhidden_reduction, _acc32, _inplace) = opts
     h, _ = rows_of(hidden)
@@ -189,10 +191,10 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
     t, tv = index(target, "target")
     g = resolve_group(group)
     rank, world = rank_and_size(g)
-    # recompute into a 16-bit weight, exactly: vocabulary blocks outside (each block's dweight
+    # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's dweight
     # sums over all tokens in a 128 MiB fp32 buffer), dhidden summed over blocks in fp32.
     block = 0
-    if mode != _IN_FORWARD and _acc32 and weight.dtype != torch.float32:
+    if mode != _IN_FORWARD and _acc32 and dw.dtype != torch.float32:
         block = max(64, (128 << 20) // (4 * h.size(1)) // 64 * 64)
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                      workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
@@ -203,7 +205,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
         sdh = sdw = _absent(_C.Device.CUDA if h.is_cuda else _C.Device.CPU)
     _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                      count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
-                                     False, stream_of(h))
+                                     accumulate, stream_of(h))
     if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
         dist.all_reduce(dh, group=g)
 
@@ -243,8 +245,15 @@ def _backward_fake(grad_loss, hidden, weight, *rest):
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, *opts = inputs
+    hidden, weight, target, *opts, accumulator = inputs
     _, lse, count, dh, dw = output
+    if accumulator is not None and ctx.traced:
+        raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
+                           "(the backward would write into a tensor the graph does not own); "
+                           "call the op eagerly, or leave the accumulator out")
+    # An attribute, not a saved tensor: a gradient buffer (Megatron's main_grad, a view of one
+    # flat buffer) is written by other parameters' backward before this one's.
+    ctx.accumulator = accumulator
     ctx.opts = tuple(opts)
     # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
     # owned here alone); the second backward this rules out raises (the scaffold's guard).
@@ -255,7 +264,18 @@ def _setup(ctx, inputs, output):
 
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
-    nones = (None,) * (len(ctx.opts) + 1)
+    nones = (None,) * (len(ctx.opts) + 2)  # target, the options, the accumulator
+    if ctx.accumulator is not None and ctx.needs_input_grad[1]:  # eager only (see _setup)
+        inplace_dh = ctx.inplace or (ctx.opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
+                                     and ctx.opts[-1])
+        out_dh = dh if inplace_dh else torch.empty(target.numel(), hidden.size(-1),
+                                                   dtype=hidden.dtype, device=hidden.device)
+        _run_backward(grad_loss, hidden, weight, target, lse, count, dh, dw, ctx.opts, out_dh,
+                      ctx.accumulator, accumulate=True)
+        # autograd still gets a weight gradient (Megatron's DDP hooks wait for one): zeros,
+        # expanded from one element
+        zeros = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        return (out_dh.view(hidden.shape), zeros) + nones, (dh if inplace_dh else None)
     if ctx.inplace:
         kernels.scale_(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
         return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
@@ -291,6 +311,38 @@ def _validate(hidden, weight, target):
     require_same_device(target, "target", hidden, "hidden")
 
 
+def _byte_range(t):
+    """[first, last] byte of t's elements (a tensor with elements)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size() - 1
+
+
+def _validate_accumulator(acc, weight, hidden):
+    require_tensor(acc, "weight_grad_accumulator")
+    if acc.dtype != torch.float32 or tuple(acc.shape) != tuple(weight.shape):
+        raise ValueError(f"weight_grad_accumulator: got {acc.dtype} {tuple(acc.shape)}, expected "
+                         f"torch.float32 {tuple(weight.shape)} (fp32, weight's shape)")
+    require_same_device(acc, "weight_grad_accumulator", weight, "weight")
+    if acc.requires_grad:
+        raise ValueError("weight_grad_accumulator: got a tensor that requires grad, expected a "
+                         "gradient buffer (the backward writes into it)")
+    if _rows_view(acc) is None:
+        raise ValueError(f"weight_grad_accumulator: got strides {acc.stride()}, expected rows of "
+                         "unit-stride columns that do not overlap (the backward writes there, "
+                         "not into a copy)")
+    first, last = _byte_range(acc)
+    for other, name in ((weight, "weight"), (hidden, "hidden")):
+        if other.numel() and acc.numel() and other.device == acc.device:
+            o_first, o_last = _byte_range(other)
+            if first <= o_last and o_first <= last:
+                raise ValueError(f"weight_grad_accumulator: overlaps {name}'s memory, expected "
+                                 "a separate buffer")
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
+                           "(the backward would write into a tensor the graph does not own); "
+                           "call the op eagerly, or leave the accumulator out")
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0,
                          smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
@@ -302,7 +354,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          backward_mode: str = "auto",
                          dhidden_reduction: str = "partial",
                          dweight_accumulation: str = "fp32",
-                         inplace_backward: bool = True) -> Tensor:
+                         inplace_backward: bool = True,
+                         weight_grad_accumulator: Optional[Tensor] = None) -> Tensor:
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -333,6 +386,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     backward scales the saved gradients where they are and returns them; a second backward
     through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
 
+    weight_grad_accumulator: an fp32 tensor of weight's shape (Megatron's main_grad under
+    gradient-accumulation fusion): the backward adds the weight's gradient to it in fp32 (never
+    rounded to the weight's dtype) and autograd gets zeros for the weight. Eager calls only.
+
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
     """
@@ -357,6 +414,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, mode, tf32, 0, 1, 2, 1)
         _validate(hidden, weight, target)
+        if weight_grad_accumulator is not None:
+            _validate_accumulator(weight_grad_accumulator, weight, hidden)
     loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
-                                 acc32, inplace)
+                                 acc32, inplace, weight_grad_accumulator)
     return loss.view(target.shape) if opts[5] == _NONE else loss

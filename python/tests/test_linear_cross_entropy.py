@@ -150,6 +150,63 @@ def test_dweight_accumulation_and_inplace(device, mode, dtype):
     _check(device, dtype, backward_mode=mode, inplace_backward=False)
 
 
+@pytest.mark.parametrize("mode, reduction", [("in_forward", "mean"), ("recompute", "mean"),
+                                             ("recompute", "none")])
+@pytest.mark.parametrize("accumulation", ["fp32", "weight_dtype"])
+def test_weight_grad_accumulator(device, mode, reduction, accumulation):
+    """The weight's gradient added into an fp32 buffer (Megatron's main_grad), never rounded to
+    bf16: rounded, it is the gradient autograd returns without the buffer; added to what the
+    buffer held; autograd's own weight gradient is zeros."""
+    h, w, t = _problem(device, torch.bfloat16, shape=(6, 5), V=203)
+    opts = dict(backward_mode=mode, reduction=reduction, dweight_accumulation=accumulation)
+    upstream = torch.rand(t.shape if reduction == "none" else (), device=device) + 0.5
+
+    def run(accumulator=None):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, weight_grad_accumulator=accumulator, **opts)
+        loss.backward(upstream)
+        return hh.grad, ww.grad
+
+    dh, dw = run()
+    zero = torch.zeros(w.shape, dtype=torch.float32, device=device)
+    dh_acc, dw_zeros = run(zero)
+    assert torch.equal(dh_acc, dh)
+    assert dw_zeros.dtype == w.dtype and dw_zeros.shape == w.shape and not dw_zeros.any()
+    if accumulation == "fp32":
+        assert torch.equal(zero.to(torch.bfloat16), dw)  # the same sum, one rounding later
+        assert not torch.equal(zero.to(torch.bfloat16).float(), zero)  # not rounded to bf16
+    else:  # the pairs of chunks round in bf16 either way; the buffer is off by one rounding
+        torch.testing.assert_close(zero.to(torch.bfloat16), dw, rtol=1e-2, atol=1e-4)
+    h64 = h.double().cpu().requires_grad_()
+    w64 = w.double().cpu().requires_grad_()
+    ref = reference(h64, w64, t.cpu(), reduction=reduction)
+    ref.backward(upstream.double().cpu())
+    assert _rel(zero.cpu(), w64.grad) <= _TOL[torch.bfloat16]
+    held = torch.randn(w.shape, device=device)
+    added = held.clone()
+    run(added)
+    torch.testing.assert_close(added, held + zero, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_grad_accumulator_refused(device):
+    h, w, t = _problem(device, torch.float32)
+    acc = torch.zeros(w.shape, device=device)
+    ww = w.clone().requires_grad_()
+    bad = [(acc.bfloat16(), "weight_grad_accumulator: got torch.bfloat16"),
+           (acc[:-1], r"expected torch.float32 \(203, 24\)"),
+           (acc.clone().requires_grad_(), "requires grad"),
+           (torch.zeros(24, 203, device=device).t(), "strides"),
+           (ww.detach(), "overlaps weight's memory")]
+    for a, match in bad:
+        with pytest.raises(ValueError, match=match):
+            fusedloss.linear_cross_entropy(h, ww, t, weight_grad_accumulator=a)
+    rows = torch.randn(203, 24, device=device)  # hidden = its first 37 rows
+    with pytest.raises(ValueError, match="overlaps hidden's memory"):
+        fusedloss.linear_cross_entropy(rows[:37], ww, t, weight_grad_accumulator=rows)
+    with pytest.raises(TypeError, match="weight_grad_accumulator"):
+        fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc.tolist())
+
+
 def test_second_backward(device):
     h, w, t = _problem(device, torch.float32)
     for inplace in (True, False):

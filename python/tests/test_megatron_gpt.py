@@ -91,22 +91,24 @@ def _check_parity(model, batch):
     return ref_grads
 
 
-def _check_main_grad(model, batch, ref_grads, tied):
-    """Gradient-accumulation fusion: the head's weight gradient lands in main_grad (fp32), what
-    reaches .grad is Megatron's placeholder (zeros for the shared weight: zero_out_wgrad)."""
+def _check_main_grad(model, batch, ref_grads, tied, dtype=torch.float32):
+    """Gradient-accumulation fusion: the head's weight gradient lands in main_grad (fp32: from
+    the op itself; bf16, grad_reduce_in_fp32=False: through autograd), what reaches .grad is
+    Megatron's placeholder (zeros for the shared weight: zero_out_wgrad)."""
     layer = model.output_layer
     name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     weight = dict(model.named_parameters())[name]
     layer.gradient_accumulation_fusion = True  # (Megatron's own needs APEX's CUDA wgrad kernel)
-    weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32)
+    weight.main_grad = torch.zeros(weight.shape, dtype=dtype)
     weight.grad_added_to_main_grad = False
     try:
         _, grads = _step(model, batch, linear_cross_entropy=True)
     finally:
         layer.gradient_accumulation_fusion = False
     assert weight.grad_added_to_main_grad is True
-    total = weight.main_grad + (grads[name] if tied else 0)  # tied: the embedding's own in .grad
-    torch.testing.assert_close(total, ref_grads[name], rtol=1e-4, atol=1e-5)
+    total = weight.main_grad.float() + (grads[name] if tied else 0)  # tied: the embedding's own in .grad
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(total, ref_grads[name], **tol)
     del weight.main_grad, weight.grad_added_to_main_grad
 
 
@@ -120,6 +122,7 @@ def _tp1(rank, world):
         batch = _batch(1 + tied)
         ref_grads = _check_parity(model, batch)
         _check_main_grad(model, batch, ref_grads, tied)
+        _check_main_grad(model, batch, ref_grads, tied, torch.bfloat16)
     ids, pos, labels, _, _ = batch
     causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1).view(1, 1, S, S)
     # without labels Megatron's head runs: the logits, as unpatched

@@ -19,24 +19,28 @@ _OP = "GPTModel's linear cross-entropy"
 
 class _IntoMainGrad(torch.autograd.Function):
     """Identity on the output weight whose backward does what Megatron's linear does under
-    gradient-accumulation fusion: the weight gradient is added to `weight.main_grad` (fp32) and
-    autograd gets a placeholder (zeros when Megatron asks for them through `zero_out_wgrad`,
-    as for a weight shared with the embedding) with `grad_added_to_main_grad` set, so Megatron's
-    DDP hook does not add it again."""
+    gradient-accumulation fusion: the weight gradient is added to `weight.main_grad` and autograd
+    gets a placeholder (zeros when Megatron asks for them through `zero_out_wgrad`, as for a
+    weight shared with the embedding) with `grad_added_to_main_grad` set, so Megatron's DDP hook
+    does not add it again. With `added` the op has already added it (in fp32: main_grad was its
+    weight_grad_accumulator), and the gradient arriving here is its zeros."""
 
     @staticmethod
-    def forward(ctx, weight):
-        ctx.weight = weight
+    def forward(ctx, weight, added):
+        ctx.weight, ctx.added = weight, added
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
         weight = ctx.weight
-        weight.main_grad.add_(grad)
+        if not ctx.added:
+            weight.main_grad.add_(grad)
         if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
+            return None, None
         weight.grad_added_to_main_grad = True
-        return torch.zeros_like(grad) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(grad)
+        placeholder = (torch.zeros_like(grad) if getattr(weight, "zero_out_wgrad", False)
+                       else torch.empty_like(grad))
+        return placeholder, None
 
 
 def _tp_group(module):
@@ -116,10 +120,15 @@ def fused_head_loss(model, hidden, labels):
                 hidden, tensor_parallel_output_grad=True, group=group)
         else:
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
+    accumulator = None
     if getattr(layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
-        weight = _IntoMainGrad.apply(weight)
+        # an fp32 main_grad takes the gradient from the op, never rounded to the weight's dtype
+        # (as Megatron's fused wgrad GEMM); another dtype gets it through autograd
+        fp32 = weight.main_grad.dtype == torch.float32 and torch.is_grad_enabled()
+        accumulator = weight.main_grad if fp32 else None
+        weight = _IntoMainGrad.apply(weight, fp32)
     loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **state.lce_options(),
-                                          tp_group=group)
+                                          tp_group=group, weight_grad_accumulator=accumulator)
     return loss.transpose(0, 1).contiguous()
 
 
