@@ -172,10 +172,11 @@ def test_weight_grad_accumulator(device, mode, reduction, accumulation):
     dh_acc, dw_zeros = run(zero)
     assert torch.equal(dh_acc, dh)
     assert dw_zeros.dtype == w.dtype and dw_zeros.shape == w.shape and not dw_zeros.any()
-    if accumulation == "fp32":
-        assert torch.equal(zero.to(torch.bfloat16), dw)  # the same sum, one rounding later
-        assert not torch.equal(zero.to(torch.bfloat16).float(), zero)  # not rounded to bf16
-    else:  # the pairs of chunks round in bf16 either way; the buffer is off by one rounding
+    assert not torch.equal(zero.to(torch.bfloat16).float(), zero)  # not rounded to bf16
+    if accumulation == "fp32" and mode == "in_forward":
+        assert torch.equal(zero.to(torch.bfloat16), dw)  # the same fp32 sum, one rounding later
+    else:  # recompute into bf16 sums by vocabulary blocks (CUDA), the buffer chunk by chunk;
+        # weight_dtype rounds every pair of chunks: the same gradient up to bf16 roundings
         torch.testing.assert_close(zero.to(torch.bfloat16), dw, rtol=1e-2, atol=1e-4)
     h64 = h.double().cpu().requires_grad_()
     w64 = w.double().cpu().requires_grad_()
