@@ -247,12 +247,13 @@ def _backward_fake(grad_loss, hidden, weight, *rest):
 def _setup(ctx, inputs, output):
     hidden, weight, target, *opts, accumulator = inputs
     _, lse, count, dh, dw = output
-    if accumulator is not None and ctx.traced:
+    if accumulator is not None and ctx.traced:  # (refused before the call; a traced op still)
         raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
                            "(the backward would write into a tensor the graph does not own); "
                            "call the op eagerly, or leave the accumulator out")
     # An attribute, not a saved tensor: a gradient buffer (Megatron's main_grad, a view of one
-    # flat buffer) is written by other parameters' backward before this one's.
+    # flat buffer) is written by other parameters' backward before this one's. A callable is
+    # asked at the backward (a buffer bound late).
     ctx.accumulator = accumulator
     ctx.opts = tuple(opts)
     # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
@@ -262,20 +263,32 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, target, lse, count, dh, dw)
 
 
+def _accumulator_at_backward(ctx, weight, hidden):
+    """The buffer the weight's gradient is added to, or None (none given, the weight needs no
+    gradient, or a callable that returns None: the gradient then goes through autograd)."""
+    accumulator = ctx.accumulator
+    if accumulator is None or not ctx.needs_input_grad[1]:
+        return None
+    if callable(accumulator):
+        accumulator = accumulator()
+        if accumulator is not None:
+            _validate_accumulator(accumulator, weight, hidden)
+    return accumulator
+
+
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
     nones = (None,) * (len(ctx.opts) + 2)  # target, the options, the accumulator
-    if ctx.accumulator is not None and ctx.needs_input_grad[1]:  # eager only (see _setup)
-        inplace_dh = ctx.inplace or (ctx.opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
-                                     and ctx.opts[-1])
-        out_dh = dh if inplace_dh else torch.empty(target.numel(), hidden.size(-1),
-                                                   dtype=hidden.dtype, device=hidden.device)
+    accumulator = _accumulator_at_backward(ctx, weight, hidden)
+    if accumulator is not None:  # eager only (see _setup)
+        out_dh = dh if ctx.inplace else torch.empty(target.numel(), hidden.size(-1),
+                                                    dtype=hidden.dtype, device=hidden.device)
         _run_backward(grad_loss, hidden, weight, target, lse, count, dh, dw, ctx.opts, out_dh,
-                      ctx.accumulator, accumulate=True)
+                      accumulator, accumulate=True)
         # autograd still gets a weight gradient (Megatron's DDP hooks wait for one): zeros,
         # expanded from one element
         zeros = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        return (out_dh.view(hidden.shape), zeros) + nones, (dh if inplace_dh else None)
+        return (out_dh.view(hidden.shape), zeros) + nones, (dh if ctx.inplace else None)
     if ctx.inplace:
         kernels.scale_(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
         return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
@@ -337,10 +350,6 @@ def _validate_accumulator(acc, weight, hidden):
             if first <= o_last and o_first <= last:
                 raise ValueError(f"weight_grad_accumulator: overlaps {name}'s memory, expected "
                                  "a separate buffer")
-    if torch.compiler.is_compiling():
-        raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
-                           "(the backward would write into a tensor the graph does not own); "
-                           "call the op eagerly, or leave the accumulator out")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
@@ -387,8 +396,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
 
     weight_grad_accumulator: an fp32 tensor of weight's shape (Megatron's main_grad under
-    gradient-accumulation fusion): the backward adds the weight's gradient to it in fp32 (never
-    rounded to the weight's dtype) and autograd gets zeros for the weight. Eager calls only.
+    gradient-accumulation fusion), or a callable that returns one (or None: then autograd gets
+    the gradient) when the backward runs, for a buffer bound late. The backward adds the
+    weight's gradient to it in fp32, never rounded to the weight's dtype (dweight_accumulation
+    is "fp32" then), and autograd gets zeros for the weight (expanded from one element; a leaf
+    weight's .grad materialises them). Nothing is added when the weight needs no gradient.
+    Eager calls only.
 
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
@@ -415,7 +428,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             _options(*opts, mode, tf32, 0, 1, 2, 1)
         _validate(hidden, weight, target)
         if weight_grad_accumulator is not None:
-            _validate_accumulator(weight_grad_accumulator, weight, hidden)
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under "
+                                   "torch.compile (the backward would write into a tensor the "
+                                   "graph does not own); call the op eagerly, or leave it out")
+            if not callable(weight_grad_accumulator):
+                _validate_accumulator(weight_grad_accumulator, weight, hidden)
+            acc32 = True  # the saved unit gradient in fp32 too: no rounding on the way
     loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
                                  acc32, inplace, weight_grad_accumulator)
     return loss.view(target.shape) if opts[5] == _NONE else loss

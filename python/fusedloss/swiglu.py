@@ -44,6 +44,18 @@ def _torch_clamp_passes_at_bound() -> Tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=64)
+def _check_clamp(clamp_value: float) -> None:
+    """The C++ range check alone (finite, > 0), without _options' probes of torch's behaviour
+    (they run a backward: on first use, not while a module is built)."""
+    o = _C.SwigluOptions()
+    o.clamp, o.clamp_value = True, float(clamp_value)
+    try:
+        _C.validate_swiglu_options(o)
+    except _C.Error as e:
+        raise _C.Error(str(e).replace("options.", "", 1)) from None
+
+
+@functools.lru_cache(maxsize=64)
 def _options(clamp_value: Optional[float]):
     o = _C.SwigluOptions()  # read only by the C++ side: one per clamp value
     o.fp8_saturate = _torch_e4m3_saturates()
@@ -196,7 +208,7 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
     if clamp_value is not None:
         clamp_value = as_float(clamp_value, "clamp_value")
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
-            _options(clamp_value)  # the C++ check (finite, > 0), once per value
+            _check_clamp(clamp_value)
     fp8_input_store = as_bool(fp8_input_store, "fp8_input_store")
     if fp8_input_store and inplace:
         raise ValueError("inplace_backward=True with fp8_input_store=True: the fp8 store frees y for "
@@ -216,7 +228,7 @@ class SwiGLU(torch.nn.Module):
             raise TypeError(f"SwiGLU: unknown options {sorted(unknown)}; expected some of "
                             f"{sorted(self._OPTIONS)}")
         if options.get("clamp_value") is not None:
-            _options(as_float(options["clamp_value"], "clamp_value"))
+            _check_clamp(as_float(options["clamp_value"], "clamp_value"))
         for flag in ("fp8_input_store", "inplace_backward", "in_place"):
             if options.get(flag) is not None:
                 as_bool(options[flag], flag)

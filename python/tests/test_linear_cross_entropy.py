@@ -189,6 +189,31 @@ def test_weight_grad_accumulator(device, mode, reduction, accumulation):
     torch.testing.assert_close(added, held + zero, rtol=1e-6, atol=1e-6)
 
 
+def test_weight_grad_accumulator_late_or_unused(device):
+    """A callable is asked at the backward (a buffer bound late); when it returns None, or the
+    weight needs no gradient, the gradient goes where it would without one."""
+    h, w, t = _problem(device, torch.bfloat16, shape=(6, 5), V=203)
+
+    def run(accumulator, weight_grad=True):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_(weight_grad)
+        fusedloss.linear_cross_entropy(hh, ww, t, weight_grad_accumulator=accumulator).backward()
+        return hh.grad, ww.grad
+
+    direct = torch.zeros(w.shape, device=device)
+    run(direct)
+    late, asked = torch.zeros(w.shape, device=device), []
+    dh, dw = run(lambda: asked.append(1) or late)
+    assert asked == [1] and torch.equal(late, direct) and not dw.any()
+    plain_dh, plain_dw = run(None)
+    dh, dw = run(lambda: None)
+    assert torch.equal(dh, plain_dh) and torch.equal(dw, plain_dw)
+    untouched = torch.zeros(w.shape, device=device)
+    dh, dw = run(untouched, weight_grad=False)
+    assert dw is None and not untouched.any() and torch.equal(dh, plain_dh)
+    with pytest.raises(ValueError, match="weight_grad_accumulator: got torch.bfloat16"):
+        run(lambda: late.bfloat16())  # checked when asked
+
+
 def test_weight_grad_accumulator_refused(device):
     h, w, t = _problem(device, torch.float32)
     acc = torch.zeros(w.shape, device=device)

@@ -457,11 +457,6 @@ void dispatch_np(int np, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
-bool vectorisable(const MatrixView& m) {
-  return m.rows == 0 || rows_vectorisable(m.data, m.cols, m.rows > 1 ? m.row_stride : m.cols,
-                                          detail::element_size(m.dtype));
-}
-
 unsigned grid_of(int64_t blocks) { return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 30)); }
 
 }  // namespace
@@ -542,8 +537,8 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
                     static_cast<Elem<X>*>(residual_out.data), residual_out.row_stride,
                     static_cast<const Elem<W>*>(p.weight), rstd, p.rows, p.hidden, p.eps,
                     p.zero_centered_gamma, tune.fwd_prefetch, 0};
-    const bool vec = vectorisable(x) && vectorisable(y) && vectorisable(residual) &&
-                     vectorisable(residual_out) && aligned_to(p.weight, kVectorBytes) &&
+    const bool vec = rows_vectorisable(x) && rows_vectorisable(y) && rows_vectorisable(residual) &&
+                     rows_vectorisable(residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
     const RowLayout l = vec ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
                                          tune.fwd_block, kFwdMaxThreads)
@@ -596,8 +591,8 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                     grad_residual_out.row_stride, static_cast<Elem<X>*>(grad_x.data),
                     grad_x.row_stride, static_cast<const Elem<W>*>(p.weight), rstd, partial,
                     p.rows, p.hidden, p.zero_centered_gamma, tune.bwd_prefetch, 0};
-    const bool vec = vectorisable(grad_y) && vectorisable(x_or_s) && vectorisable(grad_x) &&
-                     vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
+    const bool vec = rows_vectorisable(grad_y) && rows_vectorisable(x_or_s) && rows_vectorisable(grad_x) &&
+                     rows_vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
     constexpr int kLongNp = bwd_long_np<Elem<X>>();
     const RowLayout l = vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr,

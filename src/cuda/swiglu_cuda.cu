@@ -197,8 +197,7 @@ __global__ void column_final_kernel(const float* partial, int64_t chunks, int64_
 bool can_vectorise(const core::SwigluParams& p, int vec, std::initializer_list<const MatrixView*> views) {
   if (p.n % vec) return false;
   for (const MatrixView* m : views)
-    if (!rows_aligned(m->data, m->cols, m->row_stride, detail::element_size(m->dtype), vec))
-      return false;
+    if (!rows_aligned(*m, vec)) return false;
   return !p.bias || aligned_to(p.bias, kVectorBytes);
 }
 

@@ -10,7 +10,9 @@
 // call. walk_row needs none: it walks any row start.
 #pragma once
 #include <cstdint>
+#include "common/error.h"
 #include "core/numeric.h"
+#include "fusedloss/types.h"
 
 namespace fusedloss::cuda {
 
@@ -312,10 +314,16 @@ inline bool row_starts_aligned(const void* data, int64_t row_stride, int64_t ele
   return aligned_to(data, kVectorBytes) && (row_stride * elem_bytes) % kVectorBytes == 0;
 }
 
+// rows_aligned for a view: absent or empty views pass, a single row's stride is never used.
+inline bool rows_aligned(const MatrixView& m, int64_t access) {
+  if (!m.data || m.rows == 0) return true;
+  return rows_aligned(m.data, m.cols, m.rows > 1 ? m.row_stride : m.cols,
+                      detail::element_size(m.dtype), access);
+}
+
 // The same for whole 16-byte vectors.
-inline bool rows_vectorisable(const void* data, int64_t cols, int64_t row_stride,
-                              int64_t elem_bytes) {
-  return rows_aligned(data, cols, row_stride, elem_bytes, kVectorBytes / elem_bytes);
+inline bool rows_vectorisable(const MatrixView& m) {
+  return rows_aligned(m, kVectorBytes / detail::element_size(m.dtype));
 }
 
 }  // namespace fusedloss::cuda

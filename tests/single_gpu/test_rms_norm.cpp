@@ -437,8 +437,9 @@ TEST_P(RmsNorm, KernelVariants) {
 
 #if FUSEDLOSS_HAS_CUDA
 // A caller sizes the workspace, then the tuning changes before the backward: the size does not
-// follow the tuning (the backward caps its partial rows at it; KernelVariants runs the
-// backward over a caller's workspace with more blocks per SM than the shipped tuning).
+// follow the tuning (the backward caps its partial rows at it, with or without a caller's
+// workspace; KernelVariants runs a tuning with more blocks per SM than the shipped one both
+// ways and expects the same bits).
 TEST(RmsNormTuning, WorkspaceSizeIgnoresTheTuning) {
   FL_SKIP_UNLESS_BACKEND(Device::CUDA);
   const size_t before = rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA);

@@ -22,18 +22,19 @@ class _IntoMainGrad(torch.autograd.Function):
     gradient-accumulation fusion: the weight gradient is added to `weight.main_grad` and autograd
     gets a placeholder (zeros when Megatron asks for them through `zero_out_wgrad`, as for a
     weight shared with the embedding) with `grad_added_to_main_grad` set, so Megatron's DDP hook
-    does not add it again. With `added` the op has already added it (in fp32: main_grad was its
-    weight_grad_accumulator), and the gradient arriving here is its zeros."""
+    does not add it again. When the op has already added it (an fp32 main_grad is its
+    weight_grad_accumulator, looked up at the backward: Megatron-FSDP binds it late), the
+    gradient arriving here is its zeros."""
 
     @staticmethod
     def forward(ctx, weight, added):
-        ctx.weight, ctx.added = weight, added
+        ctx.weight, ctx.added = weight, added  # added: [bool], set by the op's backward
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
         weight = ctx.weight
-        if not ctx.added:
+        if not ctx.added[0]:
             weight.main_grad.add_(grad)
         if not hasattr(weight, "grad_added_to_main_grad"):
             return None, None
@@ -41,6 +42,21 @@ class _IntoMainGrad(torch.autograd.Function):
         placeholder = (torch.zeros_like(grad) if getattr(weight, "zero_out_wgrad", False)
                        else torch.empty_like(grad))
         return placeholder, None
+
+
+def _main_grad_if_fp32(param):
+    """(accumulator, added): the op's weight_grad_accumulator, a callable that returns the
+    parameter's main_grad at the backward when it is fp32 (the gradient then never rounds to the
+    weight's dtype, as in Megatron's fused wgrad GEMM) and records that it did; None otherwise
+    (a bf16 main_grad, grad_reduce_in_fp32=False: the gradient comes through autograd)."""
+    added = [False]
+
+    def accumulator():
+        main_grad = getattr(param, "main_grad", None)
+        added[0] = main_grad is not None and main_grad.dtype == torch.float32
+        return main_grad if added[0] else None
+
+    return accumulator, added
 
 
 def _tp_group(module):
@@ -122,11 +138,11 @@ def fused_head_loss(model, hidden, labels):
             hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
     accumulator = None
     if getattr(layer, "gradient_accumulation_fusion", False) and hasattr(weight, "main_grad"):
-        # an fp32 main_grad takes the gradient from the op, never rounded to the weight's dtype
-        # (as Megatron's fused wgrad GEMM); another dtype gets it through autograd
-        fp32 = weight.main_grad.dtype == torch.float32 and torch.is_grad_enabled()
-        accumulator = weight.main_grad if fp32 else None
-        weight = _IntoMainGrad.apply(weight, fp32)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            accumulator, added = _main_grad_if_fp32(weight)
+        else:
+            added = [False]
+        weight = _IntoMainGrad.apply(weight, added)
     loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **state.lce_options(),
                                           tp_group=group, weight_grad_accumulator=accumulator)
     return loss.transpose(0, 1).contiguous()
