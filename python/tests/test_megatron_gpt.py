@@ -164,7 +164,9 @@ def _tp2(rank, world):
             apply_fusedloss_to_megatron(**BASE)
             model = _model(2, sp, tied)
             assert model.output_layer.sequence_parallel is sp
-            _check_parity(model, _batch(3 + 2 * sp + tied))  # same batch on both ranks, as Megatron feeds
+            batch = _batch(3 + 2 * sp + tied)  # same batch on both ranks, as Megatron feeds
+            ref_grads = _check_parity(model, batch)
+            _check_main_grad(model, batch, ref_grads, tied)  # this rank's shard of main_grad
 
 
 def test_gpt_tp2_sequence_parallel_on_and_off_matches_unpatched():
