@@ -57,18 +57,19 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, r
     return o
 
 
-def check_targets_on_host(t: Tensor, o) -> None:
-    """Raises for the first target outside [0, V_global) that is not ignore_index, for CPU
-    targets, before any collective (inside rank_checks, so every rank raises it); CUDA kernels
-    flag bad targets in flight."""
+def check_targets_on_host(t: Tensor, o, name: str = "target") -> None:
+    """Raises for the first target outside [0, V_global) that is not ignore_index (o: the
+    options, or anything with vocab_global and ignore_index), for CPU targets, before any
+    collective (inside rank_checks, so every rank raises it); CUDA kernels flag bad targets in
+    flight."""
     if t.is_cuda:
         return
     v_global = o.vocab_global
     bad = (t != o.ignore_index) & ((t < 0) | (t >= v_global))
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
-        raise ValueError(f"target[{row}]: got {int(t[row])}, expected in [0, {v_global}) or "
-                         f"ignore_index ({o.ignore_index})")
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"{name}[{', '.join(map(str, at))}]: got {int(t[at])}, expected in "
+                         f"[0, {v_global}) or ignore_index ({o.ignore_index})")
 
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import fusedloss  # noqa: E402
+import fusedloss._distributed  # noqa: E402
 from fusedloss.megatron import apply_fusedloss_to_megatron, patch, unpatch_megatron  # noqa: E402
 from dist_util import run_world  # noqa: E402
 
@@ -190,6 +191,20 @@ def _tp2_one_rank_wrong(rank, world):
         with pytest.raises(ValueError, match=r"vocab-parallel rank 1: labels: got shape \(2, 15\)"):
             lm_head.fused_head_loss(model, hidden, labels)
         assert hidden.grad is None
+        labels = torch.randint(0, V, (B, S))
+        if rank == 1:  # a class id past the vocabulary: the op's own check, agreed at the head
+            labels[0, 3] = V
+        with pytest.raises(ValueError, match=rf"vocab-parallel rank 1: labels\[0, 3\]: got {V}, expected in \[0, {V}\)"):
+            lm_head.fused_head_loss(model, hidden, labels)
+    # one agreement (one host sync) a call: the head's stands for the op's
+    calls = []
+    agree = fusedloss._distributed.agree
+    fusedloss._distributed.agree = lambda *a, **k: calls.append(a) or agree(*a, **k)
+    try:
+        lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S))).sum().backward()
+    finally:
+        fusedloss._distributed.agree = agree
+    assert len(calls) == 1 and hidden.grad is not None
 
 
 def test_gpt_tp2_one_rank_with_wrong_labels_raises_on_every_rank():

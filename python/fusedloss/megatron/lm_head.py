@@ -7,10 +7,14 @@ output layer: with labels on the last pipeline stage (training or evaluation), t
 go through the vocab-parallel linear cross-entropy and the [s, b, V/tp] logits never exist;
 without labels, in inference, or before the last stage, Megatron's own _postprocess runs.
 """
+import zlib
+from types import SimpleNamespace
+
 import torch
 
 import fusedloss
 from fusedloss._distributed import rank_checks
+from fusedloss.cross_entropy import check_targets_on_host
 
 from . import state
 
@@ -98,6 +102,15 @@ def _run_forward_pre_hooks(module, args):
             hook(module, args)
 
 
+def _fingerprint(options, hidden, weight) -> int:
+    """The same int on every rank (crc32, not hash(): strings hash differently per process)
+    for what the op's own agreement compares besides the shapes: its options, the dtypes and
+    devices, and H (with rows and V_local, these set the op's chunking)."""
+    what = (sorted(options.items()), str(hidden.dtype), str(weight.dtype), hidden.device.type,
+            weight.device.type, weight.shape[-1])
+    return zlib.crc32(repr(what).encode())
+
+
 def _check_shapes(hidden, weight, labels, sequence_parallel, tp_size):
     """What the gather or copy before the op needs equal on every rank: a rank whose hidden
     states do not fit would hang or mix shards in Megatron's collective before the op's own
@@ -127,10 +140,22 @@ def fused_head_loss(model, hidden, labels):
     tp = tp if tp is not None else _tp_group(model)
     group = state.guard(tp, _OP)
     _run_forward_pre_hooks(layer, (hidden,))
+    options = state.lce_options()
     if group is not None:
-        with rank_checks(group, state.lce_options()["check_shard_agreement"], _OP,
-                         rows=hidden.shape[0] * hidden.shape[1], v_local=weight.shape[0]):
-            _check_shapes(hidden, weight, labels, layer.sequence_parallel, state.group_size(group))
+        # One agreement for the head and the op (one host sync a call): what the op's own
+        # would compare (rows, V_local, options, dtypes, and CPU targets) is agreed here, before
+        # Megatron's gather or copy, which would hang or mix shards on ranks that disagree.
+        check = options["check_shard_agreement"]
+        with rank_checks(group, check, _OP) as checks:
+            size = state.group_size(group)
+            _check_shapes(hidden, weight, labels, layer.sequence_parallel, size)
+            checks.rows, checks.v_local = labels.numel(), weight.shape[0]
+            checks.options = _fingerprint(options, hidden, weight)
+            if check:
+                check_targets_on_host(labels, SimpleNamespace(
+                    vocab_global=weight.shape[0] * size, ignore_index=options["ignore_index"]),
+                    "labels")
+        options = dict(options, check_shard_agreement=False)  # agreed above
         if layer.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(
                 hidden, tensor_parallel_output_grad=True, group=group)
@@ -143,7 +168,7 @@ def fused_head_loss(model, hidden, labels):
         else:
             added = [False]
         weight = _IntoMainGrad.apply(weight, added)
-    loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **state.lce_options(),
+    loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **options,
                                           tp_group=group, weight_grad_accumulator=accumulator)
     return loss.transpose(0, 1).contiguous()
 
