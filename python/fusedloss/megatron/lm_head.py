@@ -14,6 +14,7 @@ import torch
 
 import fusedloss
 from fusedloss._distributed import rank_checks
+from fusedloss._views import require_same_device
 from fusedloss.cross_entropy import check_targets_on_host
 
 from . import state
@@ -102,12 +103,12 @@ def _run_forward_pre_hooks(module, args):
             hook(module, args)
 
 
-def _fingerprint(options, hidden, weight) -> int:
+def _fingerprint(options, hidden, weight, labels) -> int:
     """The same int on every rank (crc32, not hash(): strings hash differently per process)
-    for what the op's own agreement compares besides the shapes: its options, the dtypes and
-    devices, and H (with rows and V_local, these set the op's chunking)."""
-    what = (sorted(options.items()), str(hidden.dtype), str(weight.dtype), hidden.device.type,
-            weight.device.type, weight.shape[-1])
+    for what the op's own agreement and checks compare besides the shapes: its options, the
+    dtypes and device types, and H (with rows and V_local, these set the op's chunking)."""
+    what = (sorted(options.items()), str(hidden.dtype), str(weight.dtype), str(labels.dtype),
+            hidden.device.type, weight.device.type, weight.shape[-1])
     return zlib.crc32(repr(what).encode())
 
 
@@ -150,7 +151,9 @@ def fused_head_loss(model, hidden, labels):
             size = state.group_size(group)
             _check_shapes(hidden, weight, labels, layer.sequence_parallel, size)
             checks.rows, checks.v_local = labels.numel(), weight.shape[0]
-            checks.options = _fingerprint(options, hidden, weight)
+            require_same_device(weight, "weight", hidden, "hidden_states")
+            require_same_device(labels, "labels", hidden, "hidden_states")
+            checks.options = _fingerprint(options, hidden, weight, labels)
             if check:
                 check_targets_on_host(labels, SimpleNamespace(
                     vocab_global=weight.shape[0] * size, ignore_index=options["ignore_index"]),
