@@ -196,15 +196,27 @@ def _tp2_one_rank_wrong(rank, world):
             labels[0, 3] = V
         with pytest.raises(ValueError, match=rf"vocab-parallel rank 1: labels\[0, 3\]: got {V}, expected in \[0, {V}\)"):
             lm_head.fused_head_loss(model, hidden, labels)
-    # one agreement (one host sync) a call: the head's stands for the op's
-    calls = []
-    agree = fusedloss._distributed.agree
-    fusedloss._distributed.agree = lambda *a, **k: calls.append(a) or agree(*a, **k)
-    try:
-        lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S))).sum().backward()
-    finally:
-        fusedloss._distributed.agree = agree
-    assert len(calls) == 1 and hidden.grad is not None
+        # what only the op checked before (it now runs without its own agreement): named by
+        # the rank that fails it, on every rank
+        weight = model.output_layer.weight
+        if rank == 1:
+            model.output_layer.weight = torch.nn.Parameter(weight.detach().unsqueeze(1))
+        with pytest.raises(ValueError, match=r"vocab-parallel rank 1: hidden_states: got shape .* output weight of shape \(128, 1, 64\)"):
+            lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)))
+        model.output_layer.weight = weight
+        with pytest.raises(ValueError, match="vocab-parallel rank 1: target.dtype: got torch.float32"):
+            lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)).float() if rank == 1
+                                    else torch.randint(0, V, (B, S)))
+        # one agreement (one host sync) a call: the head's stands for the op's
+        calls = []
+        agree = fusedloss._distributed.agree
+        fusedloss._distributed.agree = lambda *a, **k: calls.append(a) or agree(*a, **k)
+        try:
+            lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S))).sum().backward()
+        finally:
+            fusedloss._distributed.agree = agree
+        assert len(calls) == 1 and hidden.grad is not None
+        hidden.grad = None
 
 
 def test_gpt_tp2_one_rank_with_wrong_labels_raises_on_every_rank():

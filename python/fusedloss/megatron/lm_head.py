@@ -14,7 +14,8 @@ import torch
 
 import fusedloss
 from fusedloss._distributed import rank_checks
-from fusedloss._views import require_same_device
+from fusedloss._views import require_tensor
+from fusedloss.linear_cross_entropy import _validate as validate_linear_ce_inputs
 from fusedloss.cross_entropy import check_targets_on_host
 
 from . import state
@@ -105,25 +106,34 @@ def _run_forward_pre_hooks(module, args):
 
 def _fingerprint(options, hidden, weight, labels) -> int:
     """The same int on every rank (crc32, not hash(): strings hash differently per process)
-    for what the op's own agreement and checks compare besides the shapes: its options, the
-    dtypes and device types, and H (with rows and V_local, these set the op's chunking)."""
-    what = (sorted(options.items()), str(hidden.dtype), str(weight.dtype), str(labels.dtype),
-            hidden.device.type, weight.device.type, weight.shape[-1])
+    for what the op's own agreement compared besides rows and V_local: its options and torch's
+    TF32 setting, the dtypes and device types, H (with rows and V_local these set the op's
+    chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
+    shards in the gather)."""
+    what = (sorted(options.items()), bool(torch.backends.cuda.matmul.allow_tf32),
+            str(hidden.dtype), str(weight.dtype), hidden.device.type, weight.device.type,
+            weight.shape[-1], tuple(labels.shape))
     return zlib.crc32(repr(what).encode())
 
 
-def _check_shapes(hidden, weight, labels, sequence_parallel, tp_size):
-    """What the gather or copy before the op needs equal on every rank: a rank whose hidden
-    states do not fit would hang or mix shards in Megatron's collective before the op's own
-    agreement could name it."""
-    if hidden.dim() != 3 or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"hidden_states: got shape {tuple(hidden.shape)}, expected [s, b, "
-                         f"{weight.shape[-1]}] (the output weight's hidden size)")
+def _check_inputs(hidden, weight, labels, sequence_parallel, tp_size):
+    """What the gather or copy before the op needs equal on every rank (a rank whose hidden
+    states do not fit would hang or mix shards in Megatron's collective), and the op's own
+    per-tensor checks, which it skips under the head's agreement: a rank that fails any of them
+    fails inside the agreement, never alone."""
+    require_tensor(hidden, "hidden_states")
+    require_tensor(weight, "weight")
+    require_tensor(labels, "labels")
+    if hidden.dim() != 3 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden_states: got shape {tuple(hidden.shape)} for an output weight of "
+                         f"shape {tuple(weight.shape)}, expected [s, b, H] and [V_local, H]")
     s = hidden.shape[0] * (tp_size if sequence_parallel else 1)
     if labels.dim() != 2 or tuple(labels.shape) != (hidden.shape[1], s):
         raise ValueError(f"labels: got shape {tuple(labels.shape)}, expected [b, s] = "
                          f"[{hidden.shape[1]}, {s}] from hidden_states {tuple(hidden.shape)}"
                          + (f" gathered over {tp_size} sequence-parallel ranks" if sequence_parallel else ""))
+    # the op's checks (dtypes, devices, integer labels), on this rank's rows of the labels
+    validate_linear_ce_inputs(hidden, weight, labels.transpose(0, 1)[:hidden.shape[0]])
 
 
 def fused_head_loss(model, hidden, labels):
@@ -149,15 +159,15 @@ def fused_head_loss(model, hidden, labels):
         check = options["check_shard_agreement"]
         with rank_checks(group, check, _OP) as checks:
             size = state.group_size(group)
-            _check_shapes(hidden, weight, labels, layer.sequence_parallel, size)
-            checks.rows, checks.v_local = labels.numel(), weight.shape[0]
-            require_same_device(weight, "weight", hidden, "hidden_states")
-            require_same_device(labels, "labels", hidden, "hidden_states")
-            checks.options = _fingerprint(options, hidden, weight, labels)
+            _check_inputs(hidden, weight, labels, layer.sequence_parallel, size)
             if check:
                 check_targets_on_host(labels, SimpleNamespace(
                     vocab_global=weight.shape[0] * size, ignore_index=options["ignore_index"]),
                     "labels")
+            # last: a rank that failed above sends no shapes (rows = -1), so its own error is
+            # the one every rank raises
+            checks.rows, checks.v_local = labels.numel(), weight.shape[0]
+            checks.options = _fingerprint(options, hidden, weight, labels)
         options = dict(options, check_shard_agreement=False)  # agreed above
         if layer.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(
