@@ -389,6 +389,12 @@ def _check_tp_mismatch(rank, world):
     ww = torch.randn(64, h.size(1) - (1 if rank == 0 else 0))
     with pytest.raises(ValueError, match="rank 0"):
         fusedloss.linear_cross_entropy(h, ww, t, tp_group=dist.group.WORLD)
+    # one rank's weight gradient buffer of another dtype: refused on every rank, nothing written
+    w = torch.randn(64, h.size(1), requires_grad=True)
+    acc = torch.zeros(64, h.size(1), dtype=torch.bfloat16 if rank == 1 else torch.float32)
+    with pytest.raises(ValueError, match="vocab-parallel rank 1: weight_grad_accumulator: got torch.bfloat16"):
+        fusedloss.linear_cross_entropy(h, w, t, tp_group=dist.group.WORLD, weight_grad_accumulator=acc)
+    assert not acc.any()
 
 
 def test_gloo_tp_mismatch():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fusedloss
-from layouts import LAYOUTS, leaf
+from layouts import LAYOUTS, build, leaf
 
 DEVICE = os.environ.get("FUSEDLOSS_PROPERTY_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("FUSEDLOSS_PROPERTY_EXAMPLES", "60"))
@@ -272,22 +272,42 @@ def test_linear_cross_entropy_any_layout(run):
         if draw(st.booleans()) and t.numel():  # strided targets
             t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
+        # the weight's gradient into an fp32 buffer (Megatron's main_grad) in any layout: the
+        # ones rows can be written in are taken, the others refused
+        acc_layout = draw(st.sampled_from([None, "contiguous", "sliced", "offset", "transposed",
+                                           "expanded"]))
+        acc = None
+        if acc_layout is not None and V > 1:
+            acc_base, acc_view = build(acc_layout, (V, H),
+                                       lambda n: torch.randn(n, generator=gen).to(DEVICE))
+            acc, acc_before = acc_view(acc_base), acc_base.clone()
+            if acc_layout == "expanded" or acc_layout == "transposed" and H > 1:  # ([V, 1]^T: rows)
+                with pytest.raises(ValueError, match="weight_grad_accumulator: got strides"):
+                    fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
+                acc = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loss = fusedloss.linear_cross_entropy(h, w, t, **opts)
+            loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
         ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
         _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
         up, up64 = _upstream(draw, loss, gen)
         up(loss).backward()
+        w64.retain_grad()  # the gradient of the op's weight argument, the view, for the buffer
         up64(ref).backward()
         for x, before in owned:
             assert torch.equal(x.detach(), before), "the caller's tensor was written"
+        if acc is not None:  # added in the view's place, nothing else written; autograd got zeros
+            want = acc_before.clone()
+            acc_view(want).add_(w64.grad.float().to(DEVICE))
+            scale = max(w64.grad.abs().max().item() if w64.grad.numel() else 0.0, 1e-6)
+            _close(acc_base, want, tol, scale * max(V, H) + acc_before.abs().max().item())
+            assert not base_w.grad.any()
         # a gradient's natural scale is the other operand's (softmax weights are at most 1): its
         # entries can cancel to ~0 where fp32 still leaves that scale's rounding
         for base, base64, layout, shp, other in ((base_h, base_h64, layout_h, shape, w64),
-                                                 (base_w, base_w64, layout_w, (V, H), h64)):
+                                                 (base_w, base_w64, layout_w, (V, H), h64))[:1 if acc is not None else 2]:
             assert base.grad.dtype == dtype and base.grad.shape == base.shape
             scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
                         other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
