@@ -175,9 +175,11 @@ def test_weight_grad_accumulator(device, mode, reduction, accumulation):
     assert not torch.equal(zero.to(torch.bfloat16).float(), zero)  # not rounded to bf16
     if accumulation == "fp32" and mode == "in_forward":
         assert torch.equal(zero.to(torch.bfloat16), dw)  # the same fp32 sum, one rounding later
-    else:  # recompute into bf16 sums by vocabulary blocks (CUDA), the buffer chunk by chunk;
-        # weight_dtype rounds every pair of chunks: the same gradient up to bf16 roundings
-        torch.testing.assert_close(zero.to(torch.bfloat16), dw, rtol=1e-2, atol=1e-4)
+    else:  # recompute: a 16-bit dweight is computed by vocabulary blocks, the buffer is not: other
+        # GEMM shapes, so the bf16 logits and their gradient may round apart (and weight_dtype
+        # rounds every pair of chunks). The same gradient up to bf16 roundings of its terms,
+        # which an element that cancels out does not bound: the measure is the norm's.
+        assert _rel(zero.to(torch.bfloat16), dw) <= 2 ** -7
     h64 = h.double().cpu().requires_grad_()
     w64 = w.double().cpu().requires_grad_()
     ref = reference(h64, w64, t.cpu(), reduction=reduction)
