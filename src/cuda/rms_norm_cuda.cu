@@ -50,7 +50,6 @@
 #include "core/dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/reduce.cuh"
-#include "cuda/row_ring.cuh"
 #include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
@@ -76,7 +75,6 @@ constexpr int bwd_long_np() {
 }
 constexpr int kBwdPreferredNp = 4;
 constexpr int kAnyThreads = 256;
-constexpr int kMaxStages = 4;
 
 template <StorageKind X, StorageKind W>
 struct FwdArgs {
@@ -342,162 +340,6 @@ __global__ void __launch_bounds__(kAnyThreads) backward_any_kernel(BwdArgs<X, W>
   }
 }
 
-// ---- staged kernels (sm_90): the block's next rows copied into shared memory ahead ----
-//
-// One row per block at a time, blockDim.x threads on it (a multiple of 32), thread t owning
-// vectors t + k * blockDim.x as in the "rows" kernels; the row's tensors arrive in a RowRing
-// (row_ring.cuh) up to `stages` rows ahead, so HBM streams while the block reduces and stores.
-// The threads read their vectors from shared memory twice (the sum, then the outputs): no row
-// data lives in registers across the barrier, only the backward's column accumulators.
-// Per row one block barrier (the alternating group sum over the block), after which every
-// thread is done with the previous row's stage: that is where thread 0 refills it.
-
-constexpr int kStagedMaxThreads = 512;  // launch bound: <= 128 registers (8 accumulator vectors)
-constexpr int kStagedMaxNp = 8;
-
-template <StorageKind X>
-__device__ __forceinline__ Vec16 ring_vec(const RowRing& ring, int stage, int tensor, int p) {
-  return reinterpret_cast<const Vec16*>(ring.row(stage, tensor))[p];
-}
-
-template <StorageKind X, StorageKind W, int NP>
-__global__ void __launch_bounds__(kStagedMaxThreads) forward_staged_kernel(FwdArgs<X, W> a,
-                                                                           int stages) {
-  constexpr int VEC = vector_width<Elem<X>>();
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float scratch[2 * kStagedMaxThreads / 32];
-  const int t = threadIdx.x, tpr = blockDim.x;
-  const int nvec = int(a.hidden / VEC);
-  const int tensors = a.res ? 2 : 1;
-  RowRing ring(smem, stages, tensors, uint32_t(a.hidden * int64_t(sizeof(Elem<X>))));
-  ring.init();
-  auto fill = [&](int64_t r, int stage) {
-    if (r < a.rows) ring.fill(stage, {a.x + r * a.xs, a.res ? a.res + r * a.rs : nullptr});
-  };
-  for (int i = 0; i < stages; ++i) fill(blockIdx.x + int64_t(i) * gridDim.x, i);
-  int i = 0;
-  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x, ++i) {
-    const int stage = i % stages;
-    ring.wait(stage, uint32_t(i / stages) & 1u);
-    // s = x (+ residual), as stored; the same function of the stage in both passes
-    auto s_vec = [&](int p) {
-      Vec16 v = ring_vec<X>(ring, stage, 0, p);
-      if (a.res) {
-        float xf[VEC], rf[VEC];
-        to_floats<X>(v, xf);
-        to_floats<X>(ring_vec<X>(ring, stage, 1, p), rf);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) xf[e] += rf[e];
-        v = from_floats<X>(xf);
-      }
-      return v;
-    };
-    float sq = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      const int p = t + k * tpr;
-      if (p < nvec) {
-        const Vec16 v = s_vec(p);
-        if (a.res) store_vec(a.s_out + r * a.ss + p * VEC, v);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float f = get<X>(v, e);
-          sq += f * f;
-        }
-      }
-    }
-    const float rstd = core::rms_rstd(group_sum_alternating(sq, tpr, scratch, i & 1), a.hidden, a.eps);
-    if (tpr == 32) __syncwarp();  // (no block barrier in a one-warp sum)
-    // every thread is past its reads of the previous row: its stage takes the row `stages` on
-    if (i > 0) fill(r + int64_t(stages - 1) * gridDim.x, (i - 1) % stages);
-    if (t == 0) a.rstd[r] = rstd;
-#pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      const int p = t + k * tpr;
-      if (p < nvec) {
-        const Vec16 v = s_vec(p);
-        float w[VEC], o[VEC];
-        load_floats_ro<W, VEC>(a.w + p * VEC, w);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          o[e] = core::rms_y(get<X>(v, e), rstd, core::rms_gamma(w[e], a.zc));
-        store_vec(a.y + r * a.ys + p * VEC, from_floats<X>(o));
-      }
-    }
-  }
-}
-
-template <StorageKind X, StorageKind W, int NP>
-__global__ void __launch_bounds__(kStagedMaxThreads) backward_staged_kernel(BwdArgs<X, W> a,
-                                                                            int stages) {
-  constexpr int VEC = vector_width<Elem<X>>();
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float scratch[2 * kStagedMaxThreads / 32];
-  const int t = threadIdx.x, tpr = blockDim.x;
-  const int nvec = int(a.hidden / VEC);
-  RowRing ring(smem, stages, 2, uint32_t(a.hidden * int64_t(sizeof(Elem<X>))));
-  ring.init();
-  auto fill = [&](int64_t r, int stage) {
-    if (r < a.rows) ring.fill(stage, {a.x + r * a.xs, a.dy + r * a.dys});
-  };
-  for (int i = 0; i < stages; ++i) fill(blockIdx.x + int64_t(i) * gridDim.x, i);
-  float dg[NP][VEC] = {};
-  int i = 0;
-  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x, ++i) {
-    const int stage = i % stages;
-    const float rstd = a.rstd[r];
-    ring.wait(stage, uint32_t(i / stages) & 1u);
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      const int p = t + k * tpr;
-      if (p < nvec) {
-        const Vec16 xk = ring_vec<X>(ring, stage, 0, p), gk = ring_vec<X>(ring, stage, 1, p);
-        float w[VEC];
-        load_floats_ro<W, VEC>(a.w + p * VEC, w);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float xhat = get<X>(xk, e) * rstd, dy = get<X>(gk, e);
-          dot += dy * core::rms_gamma(w[e], a.zc) * xhat;
-          dg[k][e] += dy * xhat;
-        }
-      }
-    }
-    const float c = core::rms_dot_mean(group_sum_alternating(dot, tpr, scratch, i & 1), a.hidden);
-    if (tpr == 32) __syncwarp();  // (no block barrier in a one-warp sum)
-    // every thread is past its reads of the previous row: its stage takes the row `stages` on
-    if (i > 0) fill(r + int64_t(stages - 1) * gridDim.x, (i - 1) % stages);
-#pragma unroll
-    for (int k = 0; k < NP; ++k) {
-      const int p = t + k * tpr;
-      if (p < nvec) {
-        const Vec16 xk = ring_vec<X>(ring, stage, 0, p), gk = ring_vec<X>(ring, stage, 1, p);
-        float w[VEC], o[VEC], gr[VEC] = {};
-        load_floats_ro<W, VEC>(a.w + p * VEC, w);
-        if (a.gres) to_floats<X>(load_vec(a.gres + r * a.gs + p * VEC), gr);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          o[e] = core::rms_grad_s(get<X>(xk, e) * rstd, get<X>(gk, e),
-                                  core::rms_gamma(w[e], a.zc), rstd, c) + gr[e];
-        // in place (dx over dy or x): this row's values were copied into the stage before
-        store_vec(a.dx + r * a.dxs + p * VEC, from_floats<X>(o));
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < NP; ++k) {
-    const int p = t + k * tpr;
-    if (p < nvec) {
-      float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
-#pragma unroll
-      for (int q = 0; q < VEC; q += 4) {
-        const float part[4] = {dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]};
-        store_vec(out + q, from_floats<StorageKind::F32>(part));
-      }
-    }
-  }
-}
-
 // grad_weight[c] = sum over the partial rows, in row order per slice and slice order after:
 // 32 columns x 32 row slices per block.
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int parts,
@@ -507,7 +349,6 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
   float s = 0.0f;
   if (c < hidden)
-#pragma unroll 4  // the loads of four partial rows in flight at once; the adds stay in row order
     for (int k = ty; k < parts; k += 32) s += partial[int64_t(k) * hidden + c];
   sums[ty][tx] = s;
   __syncthreads();
@@ -521,20 +362,17 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
 // ---- host side ----
 
 // Per-device facts, queried once: the SM count, and blocks per SM of a kernel at a block size.
-// Per-device facts, queried once: the SM count, blocks per SM of a kernel at a block size and
-// dynamic shared memory, and what the staged kernels may use.
 std::mutex g_cache_mutex;
-std::map<std::tuple<int, const void*, int, int>, int> g_cache;
+std::map<std::tuple<int, const void*, int>, int> g_cache;
 
-int cached(const void* key, int threads, int smem,
-           int (*query)(int device, const void* key, int threads, int smem)) {
+int cached(const void* key, int threads, int (*query)(int device, const void* key, int threads)) {
   int device = 0;
   FL_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(g_cache_mutex);
-  auto [it, fresh] = g_cache.try_emplace({device, key, threads, smem}, 0);
+  auto [it, fresh] = g_cache.try_emplace({device, key, threads}, 0);
   if (fresh) {
     try {
-      it->second = query(device, key, threads, smem);
+      it->second = query(device, key, threads);
     } catch (...) {
       g_cache.erase(it);
       throw;
@@ -544,45 +382,19 @@ int cached(const void* key, int threads, int smem,
 }
 
 int sm_count() {
-  return cached(nullptr, 0, 0, [](int device, const void*, int, int) {
+  return cached(nullptr, 0, [](int device, const void*, int) {
     int n = 0;
     FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return std::max(n, 1);
   });
 }
 
-int blocks_per_sm(const void* kernel, int threads, int smem = 0) {
-  return cached(kernel, threads, smem, [](int, const void* k, int n, int bytes) {
+int blocks_per_sm(const void* kernel, int threads) {
+  return cached(kernel, threads, [](int, const void* k, int n) {
     int blocks = 0;
-    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, size_t(bytes)));
+    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, 0));
     return std::max(blocks, 1);
   });
-}
-
-// The dynamic shared memory a staged kernel may take on this device, 0 when the kernel is not
-// an sm_90 binary (its bulk copies would not exist): set as the kernel's limit on first use.
-int staged_smem_limit(const void* kernel) {
-  // (threads -1: this fact's key, apart from blocks_per_sm's)
-  return cached(kernel, -1, 0, [](int device, const void* k, int, int) {
-    cudaFuncAttributes attr{};
-    FL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-    if (attr.binaryVersion < 90) return 0;
-    int optin = 0;
-    FL_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    const int limit = optin - int(attr.sharedSizeBytes);
-    FL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-    return std::max(limit, 0);
-  });
-}
-
-// Stages for a staged kernel: the requested count, fewer where they do not fit its shared
-// memory; 0 (do not stage) when fewer than 2 fit or the tuning asks for none.
-int staged_stages(const void* kernel, int requested, int tensors, int64_t row_bytes) {
-  if (requested < 2) return 0;
-  const int64_t limit = staged_smem_limit(kernel);
-  int stages = requested;
-  while (stages >= 2 && int64_t(RowRing::bytes(stages, tensors, row_bytes)) > limit) --stages;
-  return stages >= 2 ? stages : 0;
 }
 
 // The tuning in force (set_rms_norm_tuning); read once per call.
@@ -617,18 +429,6 @@ RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr,
   if (tpr_of(np) > max_block) return {};
   const int t = int(tpr_of(np));
   return {np, t, np > preferred_np ? 1 : std::max(1, block_target / t)};
-}
-
-// The staged kernels: one row a block, NP the smallest power of two giving at most target_tpr
-// threads, up to 4 for 16-bit rows (the backward's 8 accumulator vectors of 8 floats spill) and
-// 8 for fp32; 8 beyond that only for rows needing more than kStagedMaxThreads threads at the
-// preferred NP; longer rows are not staged.
-template <class T>
-RowLayout staged_layout(int64_t nvec, int target_tpr) {
-  const int preferred = sizeof(T) == 4 ? kStagedMaxNp : 4;
-  const RowLayout l =
-      row_layout(nvec, preferred, kStagedMaxNp, target_tpr, 0, kStagedMaxThreads);
-  return l.np ? RowLayout{l.np, l.tpr, 1} : RowLayout{};
 }
 
 template <class F>
@@ -674,8 +474,6 @@ void set_rms_norm_tuning(const RmsNormTuning& t) {
   in("bwd_tpr", t.bwd_tpr, 32, kBwdMaxThreads, 32);
   in("bwd_block", t.bwd_block, 32, kBwdMaxThreads, 32);
   in("bwd_blocks_per_sm", t.bwd_blocks_per_sm, 1, 16, 1);
-  in("fwd_stages", t.fwd_stages, 0, kMaxStages, 1);
-  in("bwd_stages", t.bwd_stages, 0, kMaxStages, 1);
   std::lock_guard<std::mutex> lock(g_tuning_mutex);
   g_tuning = t;
 }
@@ -685,8 +483,7 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
   const std::pair<const char*, int*> ints[] = {
       {"fwd_tpr", &t.fwd_tpr}, {"fwd_block", &t.fwd_block},
       {"fwd_blocks_per_sm", &t.fwd_blocks_per_sm}, {"bwd_tpr", &t.bwd_tpr},
-      {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm},
-      {"fwd_stages", &t.fwd_stages}, {"bwd_stages", &t.bwd_stages}};
+      {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm}};
   const std::pair<const char*, bool*> flags[] = {{"fwd_prefetch", &t.fwd_prefetch},
                                                  {"bwd_prefetch", &t.bwd_prefetch}};
   size_t at = 0;
@@ -746,28 +543,7 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     const RowLayout l = vec ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
                                          tune.fwd_block, kFwdMaxThreads)
                             : RowLayout{};
-    const int64_t row_bytes = p.hidden * int64_t(sizeof(Elem<X>));
-    const RowLayout ls = vec && tune.fwd_stages
-                             ? staged_layout<Elem<X>>(p.hidden / VEC, tune.fwd_tpr)
-                             : RowLayout{};
-    bool staged = false;
-    if (ls.np) {
-      dispatch_np<kStagedMaxNp>(ls.np, [&](auto np) {
-        auto* kernel = forward_staged_kernel<X, W, decltype(np)::value>;
-        const int tensors = residual.data ? 2 : 1;
-        const int stages = staged_stages((const void*)kernel, tune.fwd_stages, tensors, row_bytes);
-        if (!stages) return;
-        const int smem = int(RowRing::bytes(stages, tensors, row_bytes));
-        int per_sm = blocks_per_sm((const void*)kernel, ls.tpr, smem);
-        if (tune.fwd_blocks_per_sm > 0) per_sm = std::min(per_sm, tune.fwd_blocks_per_sm);
-        const int64_t blocks = std::min<int64_t>(p.rows, int64_t(per_sm) * sm_count());
-        a.tpr = ls.tpr;
-        kernel<<<grid_of(blocks), ls.tpr, smem, as_cuda(stream)>>>(a, stages);
-        staged = true;
-      });
-    }
-    if (staged) {
-    } else if (l.np) {
+    if (l.np) {
       a.tpr = l.tpr;
       dispatch_np<kFwdMaxNp>(l.np, [&](auto np) {
         auto* kernel = forward_rows_kernel<X, W, decltype(np)::value>;
@@ -822,27 +598,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     const RowLayout l = vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr,
                                          tune.bwd_block, kBwdMaxThreads)
                             : RowLayout{};
-    const int64_t row_bytes = p.hidden * int64_t(sizeof(Elem<X>));
-    const RowLayout ls = vec && tune.bwd_stages
-                             ? staged_layout<Elem<X>>(p.hidden / VEC, tune.bwd_tpr)
-                             : RowLayout{};
-    bool staged = false;
-    if (ls.np) {
-      dispatch_np<kStagedMaxNp>(ls.np, [&](auto np) {
-        auto* kernel = backward_staged_kernel<X, W, decltype(np)::value>;
-        const int stages = staged_stages((const void*)kernel, tune.bwd_stages, 2, row_bytes);
-        if (!stages) return;
-        const int smem = int(RowRing::bytes(stages, 2, row_bytes));
-        const int per_sm =
-            std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, ls.tpr, smem));
-        parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts, p.rows}));
-        a.tpr = ls.tpr;
-        kernel<<<unsigned(parts), ls.tpr, smem, as_cuda(stream)>>>(a, stages);
-        staged = true;
-      });
-    }
-    if (staged) {
-    } else if (l.np) {
+    if (l.np) {
       a.tpr = l.tpr;
       dispatch_np<kLongNp>(l.np, [&](auto np) {
         auto* kernel = backward_rows_kernel<X, W, decltype(np)::value>;

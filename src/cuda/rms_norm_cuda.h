@@ -23,11 +23,6 @@ struct RmsNormTuning {
   int bwd_blocks_per_sm = 4;    // the backward grid per SM at most (its partial rows; see above)
   bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
   bool bwd_prefetch = true;
-  // Staged kernels (sm_90 binaries): a block's next rows copied into shared memory this many
-  // rows ahead (2..4; fewer where the rows do not fit shared memory, none below 2); 0: off.
-  // One row a block (its threads: the *_tpr target above); the forward's grid is persistent.
-  int fwd_stages = 0;
-  int bwd_stages = 0;
 };
 RmsNormTuning rms_norm_tuning();
 // Throws naming the field, its value and the range when a field is out of range.
