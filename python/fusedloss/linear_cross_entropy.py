@@ -352,6 +352,23 @@ def _validate_accumulator(acc, weight, hidden):
                                  "a separate buffer")
 
 
+def _resolve_mode(mode: int, reduction: int, parallel_cuda: bool) -> int:
+    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none; and recompute for
+    a tp_group of size > 1 on CUDA. There the in-forward form calls the group's all-gather from
+    inside the chunk loop once per chunk, and on an H200 that gave an infinite loss on some runs
+    (TP=2 over gloo, both ranks on one GPU; correct under CUDA_LAUNCH_BLOCKING=1, so a missing
+    ordering, not the math). The recompute form gathers once, after the loop, as the logits'
+    cross-entropy does, and was right in every run. Same results, one more GEMM."""
+    if mode == -1:
+        return _RECOMPUTE if reduction == _NONE or parallel_cuda else _IN_FORWARD
+    if mode == _IN_FORWARD and parallel_cuda:
+        raise ValueError("backward_mode: got 'in_forward' with a tp_group of size > 1 and CUDA "
+                         "tensors, expected 'auto' or 'recompute' (the per-chunk all-gather of "
+                         "the in-forward form is disabled on CUDA until its stream ordering is "
+                         "fixed; recompute gives the same gradients)")
+    return mode
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0,
                          smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
@@ -376,7 +393,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (default 256 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
-    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient).
+    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient) and
+    for a tp_group of size > 1 on CUDA, where "in_forward" is refused for now (see
+    _resolve_mode).
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
@@ -421,12 +440,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
         acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
         inplace = as_bool(inplace_backward, "inplace_backward")
-        if mode == -1:
-            mode = _RECOMPUTE if opts[5] == _NONE else _IN_FORWARD
+        _validate(hidden, weight, target)
+        mode = _resolve_mode(mode, opts[5], bool(name) and hidden.is_cuda)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, mode, tf32, 0, 1, 2, 1)
-        _validate(hidden, weight, target)
         if weight_grad_accumulator is not None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under "

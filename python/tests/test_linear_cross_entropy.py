@@ -370,12 +370,26 @@ def test_gloo_tp(world, reduction, options, dh_reduction):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
-@pytest.mark.parametrize("reduction, options", [("mean", {}), ("none", dict(label_smoothing=0.1)),
-                                                ("sum", dict(workspace_bytes=1, logit_softcap=3.0))])
+@pytest.mark.parametrize("reduction, options", [
+    ("mean", {}), ("sum", {}), ("mean", dict(workspace_bytes=1)), ("none", dict(label_smoothing=0.1)),
+    ("sum", dict(workspace_bytes=1, logit_softcap=3.0))])
 def test_gloo_tp_cuda(reduction, options):
-    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop with the per-chunk
-    # hook calling back into the group (in_forward) and the split form (recompute).
+    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop and the split form
+    # (recompute, what "auto" picks at TP > 1 on CUDA; sum/mean with one chunk and many are the
+    # cases whose in-forward form gave an infinite loss on some runs).
     run_world(2, _check_tp, reduction, options, "partial", "cuda", backend="gloo-cuda")
+
+
+def _check_tp_cuda_in_forward_refused(rank, world):
+    h, w, t = _problem("cuda", torch.float32, shape=(13,), V=192)
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with a tp_group"):
+        fusedloss.linear_cross_entropy(h, w[:96].contiguous(), t, tp_group=dist.group.WORLD,
+                                       backward_mode="in_forward")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
+def test_gloo_tp_cuda_in_forward_refused():
+    run_world(2, _check_tp_cuda_in_forward_refused, backend="gloo-cuda")
 
 
 def _check_tp_mismatch(rank, world):
