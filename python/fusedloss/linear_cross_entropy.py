@@ -68,6 +68,19 @@ class _DeviceBytes:
                                          "version": 2}
 
 
+def _torch_stream(handle: int, device) -> "torch.cuda.Stream":
+    """torch's stream for a raw cudaStream_t handle from the C++ side. Handle 0 (the legacy
+    default stream, what stream_of() passes for torch's default stream) must not go through
+    torch.cuda.ExternalStream: a stream_ptr of 0 reads as "none there" and torch hands out a
+    fresh pool stream, with no ordering against the kernels the handle's stream runs."""
+    current = torch.cuda.current_stream(device)
+    if current.cuda_stream == handle:
+        return current
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
 def _callback_communicator(group, device):
     """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
     torch.distributed call on the stream the C++ side names. Device memory is staged through
@@ -82,9 +95,8 @@ def _callback_communicator(group, device):
         return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
 
     def on(stream):
-        if device.type == "cpu":
-            return contextlib.nullcontext()
-        return torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device))
+        return contextlib.nullcontext() if device.type == "cpu" else torch.cuda.stream(
+            _torch_stream(stream, device))
 
     def gather(send, recv, nbytes, stream):
         with on(stream):
@@ -355,10 +367,13 @@ def _validate_accumulator(acc, weight, hidden):
 def _resolve_mode(mode: int, reduction: int, parallel_cuda: bool) -> int:
     """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none; and recompute for
     a tp_group of size > 1 on CUDA. There the in-forward form calls the group's all-gather from
-    inside the chunk loop once per chunk, and on an H200 that gave an infinite loss on some runs
-    (TP=2 over gloo, both ranks on one GPU; correct under CUDA_LAUNCH_BLOCKING=1, so a missing
-    ordering, not the math). The recompute form gathers once, after the loop, as the logits'
-    cross-entropy does, and was right in every run. Same results, one more GEMM."""
+    inside the chunk loop once per chunk (the callback communicator), and on an H200 that gave
+    an infinite loss on some runs (TP=2 over gloo, both ranks on one GPU; correct under
+    CUDA_LAUNCH_BLOCKING=1). The cause found since: the callback ran its copies on the stream
+    torch.cuda.ExternalStream(0) gives, a fresh pool stream unordered with the kernels on the
+    default stream (fixed in _torch_stream). Until that fix has run on a GPU, the in-forward
+    form stays off there. The recompute form gathers once, after the loop, on torch's own
+    stream, and was right in every run: the same results, one more GEMM."""
     if mode == -1:
         return _RECOMPUTE if reduction == _NONE or parallel_cuda else _IN_FORWARD
     if mode == _IN_FORWARD and parallel_cuda:

@@ -380,6 +380,21 @@ def test_gloo_tp_cuda(reduction, options):
     run_world(2, _check_tp, reduction, options, "partial", "cuda", backend="gloo-cuda")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
+def test_callback_stream_is_the_callers():
+    """The callback communicator runs its copies on the stream the C++ side names: handle 0 is
+    the default stream itself (torch.cuda.ExternalStream(0) would be a fresh pool stream, with
+    no ordering against the kernels that produced the data), a side stream is that stream."""
+    from fusedloss.linear_cross_entropy import _torch_stream
+    dev = torch.device("cuda", torch.cuda.current_device())
+    default = torch.cuda.default_stream(dev)
+    assert _torch_stream(0, dev) == default and _torch_stream(0, dev).cuda_stream == 0
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert _torch_stream(side.cuda_stream, dev) == side
+        assert _torch_stream(0, dev).cuda_stream == 0  # the default stream, not the current one
+
+
 def _check_tp_cuda_in_forward_refused(rank, world):
     h, w, t = _problem("cuda", torch.float32, shape=(13,), V=192)
     with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with a tp_group"):
