@@ -12,7 +12,8 @@ backward modes (chosen here, both exact):
 tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
 stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
 of every row and merges them after one all-gather. The hidden gradient is this rank's partial
-sum unless dhidden_reduction="all_reduce".
+sum unless dhidden_reduction="all_reduce". On CUDA at TP > 1 only recompute runs for now
+(_resolve_mode says why).
 """
 import contextlib
 import ctypes
@@ -369,7 +370,7 @@ def _resolve_mode(mode: int, reduction: int, parallel_cuda: bool) -> int:
     a tp_group of size > 1 on CUDA. There the in-forward form calls the group's all-gather from
     inside the chunk loop once per chunk (the callback communicator), and on an H200 that gave
     an infinite loss on some runs (TP=2 over gloo, both ranks on one GPU; correct under
-    CUDA_LAUNCH_BLOCKING=1). The cause found since: the callback ran its copies on the stream
+    CUDA_LAUNCH_BLOCKING=1). The likely cause, found since: the callback ran its copies on the stream
     torch.cuda.ExternalStream(0) gives, a fresh pool stream unordered with the kernels on the
     default stream (fixed in _torch_stream). Until that fix has run on a GPU, the in-forward
     form stays off there. The recompute form gathers once, after the loop, on torch's own
