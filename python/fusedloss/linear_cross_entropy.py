@@ -370,18 +370,19 @@ def _resolve_mode(mode: int, reduction: int, parallel_cuda: bool) -> int:
     a tp_group of size > 1 on CUDA. There the in-forward form calls the group's all-gather from
     inside the chunk loop once per chunk (the callback communicator), and on an H200 that gave
     an infinite loss on some runs (TP=2 over gloo, both ranks on one GPU; correct under
-    CUDA_LAUNCH_BLOCKING=1). The likely cause, found since: the callback ran its copies on the stream
-    torch.cuda.ExternalStream(0) gives, a fresh pool stream unordered with the kernels on the
-    default stream (fixed in _torch_stream). Until that fix has run on a GPU, the in-forward
-    form stays off there. The recompute form gathers once, after the loop, on torch's own
-    stream, and was right in every run: the same results, one more GEMM."""
+    CUDA_LAUNCH_BLOCKING=1). The likely cause, found since: the callback ran its copies on the
+    stream torch.cuda.ExternalStream(0) gives, a fresh pool stream unordered with the kernels on
+    the default stream (fixed in _torch_stream). Until that fix has run on a GPU
+    (test_gloo_tp_cuda_in_forward_callback), the in-forward form stays off there. The recompute
+    form gathers once, after the loop, on torch's own stream, and was right in every run: the
+    same results, one more GEMM."""
     if mode == -1:
         return _RECOMPUTE if reduction == _NONE or parallel_cuda else _IN_FORWARD
     if mode == _IN_FORWARD and parallel_cuda:
         raise ValueError("backward_mode: got 'in_forward' with a tp_group of size > 1 and CUDA "
                          "tensors, expected 'auto' or 'recompute' (the per-chunk all-gather of "
-                         "the in-forward form is disabled on CUDA until its stream ordering is "
-                         "fixed; recompute gives the same gradients)")
+                         "the in-forward form is off on CUDA until its stream-ordering fix has "
+                         "run on a GPU; recompute gives the same gradients)")
     return mode
 
 
