@@ -83,6 +83,15 @@ def as_int(value, name):
     return v
 
 
+def validated(validate, *args) -> None:
+    """Runs a C++ options validator; its message names the field without the C++ struct's
+    "options." prefix (Python callers know the keyword)."""
+    try:
+        validate(*args)
+    except _C.Error as e:
+        raise _C.Error(str(e).replace("options.", "", 1)) from None
+
+
 def as_float(value, name):
     """A real number (int, float, numpy scalar, 0-d real tensor), never a string, a bool or a
     complex value losing its imaginary part."""

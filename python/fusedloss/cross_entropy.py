@@ -18,7 +18,7 @@ from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, storage_is_ours, stream_of, values_in)
+                     require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated, values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
@@ -50,10 +50,7 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, r
     and checking it field by field costs more host time than the rest of a small call)."""
     o = make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
                      v_local)
-    try:
-        _C.validate_cross_entropy_options(o, 1, v_local)
-    except _C.Error as e:  # the C++ message names the field; callers know the keyword
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    validated(_C.validate_cross_entropy_options, o, 1, v_local)
     return o
 
 

@@ -28,7 +28,7 @@ from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (_DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, stream_of)
+                     require_tensor, require_values, rows_of, stream_of, validated)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
 _NONE = _REDUCTIONS["none"]
@@ -54,10 +54,7 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     lo.allow_tf32 = tf32
     lo.backward_mode = _C.LinearCeBackward(mode)
     lo.vocab_block = vocab_block
-    try:
-        _C.validate_linear_cross_entropy_options(o, lo, 1, v_local, hidden)
-    except _C.Error as e:  # the C++ message names the field; callers know the keyword
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    validated(_C.validate_linear_cross_entropy_options, o, lo, 1, v_local, hidden)
     return o, lo
 
 

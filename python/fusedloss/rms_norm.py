@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _C
 from ._op import FusedOp
 from ._views import (as_bool, as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
-                     rows_of, stream_of, values_in, vector)
+                     rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.rms_norm"
 _ABSENT = _C.MatrixView(0, 0, 1, 1, _C.DType.F32, _C.Device.CPU)
@@ -29,10 +29,7 @@ _WEIGHT_AS_IS = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
 def _options(eps: float, zero_centered_gamma: bool):
     o = _C.RmsNormOptions()  # read only by the C++ side: one per setting
     o.eps, o.zero_centered_gamma = float(eps), bool(zero_centered_gamma)
-    try:
-        _C.validate_rms_norm_options(o)
-    except _C.Error as e:  # the C++ message names the field; callers know the keyword
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    validated(_C.validate_rms_norm_options, o)
     return o
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import _C
 from ._op import FusedOp
 from ._views import (as_bool, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
-                     require_values, rows_of, stream_of, values_in, vector)
+                     require_values, rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.swiglu"
 
@@ -49,10 +49,7 @@ def _check_clamp(clamp_value: float) -> None:
     (they run a backward: on first use, not while a module is built)."""
     o = _C.SwigluOptions()
     o.clamp, o.clamp_value = True, float(clamp_value)
-    try:
-        _C.validate_swiglu_options(o)
-    except _C.Error as e:
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    validated(_C.validate_swiglu_options, o)
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,10 +59,7 @@ def _options(clamp_value: Optional[float]):
     if clamp_value is not None:
         o.clamp, o.clamp_value = True, float(clamp_value)
         o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound = _torch_clamp_passes_at_bound()
-    try:
-        _C.validate_swiglu_options(o)
-    except _C.Error as e:
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+    validated(_C.validate_swiglu_options, o)
     return o
 
 
