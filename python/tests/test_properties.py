@@ -272,18 +272,29 @@ def test_linear_cross_entropy_any_layout(run):
         if draw(st.booleans()) and t.numel():  # strided targets
             t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
-        # the weight's gradient into an fp32 buffer (Megatron's main_grad) in any layout: the
-        # ones rows can be written in are taken, the others refused
+        # the weight's gradient into an fp32 buffer (Megatron's main_grad) in any layout, dtype,
+        # as a plain buffer or a parameter-like leaf (or a view of one): fp32 buffers whose rows
+        # can be written in are taken, every other one refused with nothing written
         acc_layout = draw(st.sampled_from([None, "contiguous", "sliced", "offset", "transposed",
                                            "expanded"]))
+        acc_dtype = draw(st.sampled_from([torch.float32] * 3 + [torch.bfloat16, torch.float16,
+                                                                torch.float64]))
+        acc_needs_grad = draw(st.sampled_from([False, False, True]))
         acc = None
         if acc_layout is not None and V > 1:
             acc_base, acc_view = build(acc_layout, (V, H),
-                                       lambda n: torch.randn(n, generator=gen).to(DEVICE))
-            acc, acc_before = acc_view(acc_base), acc_base.clone()
-            if acc_layout == "expanded" or acc_layout == "transposed" and H > 1:  # ([V, 1]^T: rows)
-                with pytest.raises(ValueError, match="weight_grad_accumulator: got strides"):
+                                       lambda n: torch.randn(n, generator=gen).to(DEVICE, acc_dtype))
+            acc_base.requires_grad_(acc_needs_grad)
+            acc, acc_before = acc_view(acc_base), acc_base.detach().clone()
+            refused = (f"got {acc_dtype}" if acc_dtype != torch.float32 else
+                       "got a tensor that requires grad" if acc_needs_grad else
+                       # ([V, 1] transposed is still rows)
+                       "got strides" if acc_layout == "expanded" or acc_layout == "transposed" and H > 1
+                       else None)
+            if refused:
+                with pytest.raises(ValueError, match="weight_grad_accumulator: " + refused):
                     fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
+                assert torch.equal(acc_base.detach(), acc_before)
                 acc = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
