@@ -418,9 +418,14 @@ def test_gloo_tp_cuda_in_forward_callback(buffers):
 
 def _check_tp_cuda_in_forward_refused(rank, world):
     h, w, t = _problem("cuda", torch.float32, shape=(13,), V=192)
+    shard = w[rank * 96:(rank + 1) * 96].contiguous()
     with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with a tp_group"):
-        fusedloss.linear_cross_entropy(h, w[:96].contiguous(), t, tp_group=dist.group.WORLD,
+        fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD,
                                        backward_mode="in_forward")
+    # rank 1 alone asks for it: every rank raises rank 1's error at the same call
+    mode = "in_forward" if rank == 1 else "auto"
+    with pytest.raises(ValueError, match="rank 1: backward_mode: got 'in_forward'"):
+        fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, backward_mode=mode)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
