@@ -12,8 +12,7 @@ backward modes (chosen here, both exact):
 tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
 stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
 of every row and merges them after one all-gather. The hidden gradient is this rank's partial
-sum unless dhidden_reduction="all_reduce". On CUDA at TP > 1 only recompute runs for now
-(_resolve_mode says why).
+sum unless dhidden_reduction="all_reduce".
 """
 import contextlib
 import ctypes
@@ -362,24 +361,10 @@ def _validate_accumulator(acc, weight, hidden):
                                  "a separate buffer")
 
 
-def _resolve_mode(mode: int, reduction: int, parallel_cuda: bool) -> int:
-    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none; and recompute for
-    a tp_group of size > 1 on CUDA. There the in-forward form calls the group's all-gather from
-    inside the chunk loop once per chunk (the callback communicator), and on an H200 that gave
-    an infinite loss on some runs (TP=2 over gloo, both ranks on one GPU; correct under
-    CUDA_LAUNCH_BLOCKING=1). The likely cause, found since: the callback ran its copies on the
-    stream torch.cuda.ExternalStream(0) gives, a fresh pool stream unordered with the kernels on
-    the default stream (fixed in _torch_stream). Until that fix has run on a GPU
-    (test_gloo_tp_cuda_in_forward_callback), the in-forward form stays off there. The recompute
-    form gathers once, after the loop, on torch's own stream, and was right in every run: the
-    same results, one more GEMM."""
+def _resolve_mode(mode: int, reduction: int) -> int:
+    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none."""
     if mode == -1:
-        return _RECOMPUTE if reduction == _NONE or parallel_cuda else _IN_FORWARD
-    if mode == _IN_FORWARD and parallel_cuda:
-        raise ValueError("backward_mode: got 'in_forward' with a tp_group of size > 1 and CUDA "
-                         "tensors, expected 'auto' or 'recompute' (the per-chunk all-gather of "
-                         "the in-forward form is off on CUDA until its stream-ordering fix has "
-                         "run on a GPU; recompute gives the same gradients)")
+        return _RECOMPUTE if reduction == _NONE else _IN_FORWARD
     return mode
 
 
@@ -407,9 +392,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (default 256 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
-    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient) and
-    for a tp_group of size > 1 on CUDA, where "in_forward" is refused for now (see
-    _resolve_mode).
+    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient).
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
@@ -455,7 +438,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
         inplace = as_bool(inplace_backward, "inplace_backward")
         _validate(hidden, weight, target)
-        mode = _resolve_mode(mode, opts[5], bool(name) and hidden.is_cuda)
+        mode = _resolve_mode(mode, opts[5])
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, mode, tf32, 0, 1, 2, 1)

@@ -352,12 +352,15 @@ def _check_tp(rank, world, reduction, options, dh_reduction, device="cpu"):
     dist.broadcast(g, 0)
     loss.backward(g)
     ref.backward(g.double().cpu())
+    # A gradient element sums 13 (sum) products of size ~1 that cancel to ~1e-2; fp32 GEMMs and
+    # the 2-instruction exponential on the GPU leave ~2e-7 of it (measured on an H200).
+    atol = 1e-7 if device == "cpu" else 1e-6
     torch.testing.assert_close(shard.grad.double().cpu(),
-                               w64.grad[rank * V_local:(rank + 1) * V_local], rtol=1e-5, atol=1e-7)
+                               w64.grad[rank * V_local:(rank + 1) * V_local], rtol=1e-5, atol=atol)
     dh = hh.grad.clone()
     if dh_reduction == "partial":
         dist.all_reduce(dh)
-    torch.testing.assert_close(dh.double().cpu(), h64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(dh.double().cpu(), h64.grad, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -374,9 +377,8 @@ def test_gloo_tp(world, reduction, options, dh_reduction):
     ("mean", {}), ("sum", {}), ("mean", dict(workspace_bytes=1)), ("none", dict(label_smoothing=0.1)),
     ("sum", dict(workspace_bytes=1, logit_softcap=3.0))])
 def test_gloo_tp_cuda(reduction, options):
-    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop and the split form
-    # (recompute, what "auto" picks at TP > 1 on CUDA; sum/mean with one chunk and many are the
-    # cases whose in-forward form gave an infinite loss on some runs).
+    # CUDA tensors through gloo, both ranks on one GPU: the CUDA chunk loop, the in-forward form
+    # (sum/mean: the all-gather runs per chunk through the callback) and the recompute form.
     run_world(2, _check_tp, reduction, options, "partial", "cuda", backend="gloo-cuda")
 
 
@@ -397,12 +399,10 @@ def test_callback_stream_is_the_callers():
 
 
 def _check_tp_in_forward_callback(rank, world, buffers):
-    # the per-chunk callback communicator of the in-forward form, past the refusal that keeps it
-    # off at TP > 1 on CUDA until this passes on a GPU (then drop the refusal and this patch)
+    # the per-chunk callback communicator of the in-forward form: its copies must run on the
+    # stream the C++ loop names (on an unordered stream the loss came out infinite on some runs)
     import os
-    import fusedloss.linear_cross_entropy as lce
     os.environ["FUSEDLOSS_LCE_BUFFERS"] = buffers  # 2: the callback runs on the loop's side stream
-    lce._resolve_mode = lambda mode, reduction, parallel_cuda: mode
     for reduction, options in [("sum", {}), ("mean", dict(workspace_bytes=1)),
                                ("sum", dict(workspace_bytes=1, logit_softcap=3.0))]:
         for _ in range(3):  # the unordered stream failed on some runs, not all
@@ -414,23 +414,6 @@ def _check_tp_in_forward_callback(rank, world, buffers):
 @pytest.mark.parametrize("buffers", ["1", "2"])
 def test_gloo_tp_cuda_in_forward_callback(buffers):
     run_world(2, _check_tp_in_forward_callback, buffers, backend="gloo-cuda")
-
-
-def _check_tp_cuda_in_forward_refused(rank, world):
-    h, w, t = _problem("cuda", torch.float32, shape=(13,), V=192)
-    shard = w[rank * 96:(rank + 1) * 96].contiguous()
-    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with a tp_group"):
-        fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD,
-                                       backward_mode="in_forward")
-    # rank 1 alone asks for it: every rank raises rank 1's error at the same call
-    mode = "in_forward" if rank == 1 else "auto"
-    with pytest.raises(ValueError, match="rank 1: backward_mode: got 'in_forward'"):
-        fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, backward_mode=mode)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
-def test_gloo_tp_cuda_in_forward_refused():
-    run_world(2, _check_tp_cuda_in_forward_refused, backend="gloo-cuda")
 
 
 def _check_tp_mismatch(rank, world):
