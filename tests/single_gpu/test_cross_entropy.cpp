@@ -177,6 +177,31 @@ TEST_P(CrossEntropy, GradientInForward) {
   many.ignore_fraction = 0.1;
   many.opt.reduction = Reduction::Sum;
   check(many);
+  // Rows that start on 16 bytes take the cluster kernel on sm_90: rows of 200 KB (2 blocks a
+  // row, 70 rows: some clusters take two), 256 KB + 16 B (4 blocks, the last one's slice
+  // shorter) and fp32 rows of 800 KB (8 blocks); then bodies with a tail (a stride padded to
+  // 16 bytes: the last block reads and writes the n % VEC columns itself).
+  struct Long {
+    DType d;
+    int64_t V, rows, pad;
+  };
+  for (const Long& l : {Long{DType::BF16, 100000, 70, 0}, Long{DType::BF16, 131080, 9, 0},
+                        Long{DType::F32, 200000, 5, 0}, Long{DType::BF16, 4093, 40, 3},
+                        Long{DType::F32, 4094, 40, 2}, Long{DType::F16, 100003, 9, 5}}) {
+    CeCase c;
+    c.grad_in_forward = true;
+    c.dtype = l.d;
+    c.V = l.V;
+    c.rows = l.rows;
+    c.pad = l.pad;
+    c.in_place = l.rows != 9;
+    c.ignore_fraction = 0.2;
+    c.opt.reduction = l.pad ? Reduction::Sum : Reduction::Mean;
+    c.opt.label_smoothing = l.d == DType::F32 ? 0.1f : 0.0f;  // the sum of logits over a cluster
+    c.opt.z_loss = l.pad ? 1e-3f : 0.0f;
+    c.upstream = l.rows == 9 ? 0.0f : 1.0f;
+    check(c);
+  }
 }
 
 TEST_P(CrossEntropy, AllRowsIgnoredGivesZeroNotNaN) {
