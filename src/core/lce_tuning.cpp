@@ -50,11 +50,6 @@ LceTuning lce_tuning() {
   return t;
 }
 
-int ce_cluster_min_blocks() {
-  static const int kSizes[] = {1, 2, 4, 8, 0};
-  return kSizes[choice("FUSEDLOSS_CE_CLUSTER", {"1", "2", "4", "8", "0"}, 0)];
-}
-
 void lce_add_phase_times(const LinearCePhaseTimes& t) {
   std::lock_guard<std::mutex> lock(phase_mu);
   phase_sums.logits_ms += t.logits_ms;

@@ -1,5 +1,4 @@
-// The one home of the tuning knobs: the linear cross-entropy's chunk pipeline, and the
-// cross-entropy's cluster kernel (ce_cluster_min_blocks). They are read from
+// Linear cross-entropy: the one home of the chunk pipeline's tuning knobs. They are read from
 // the environment at every call (getenv, no caching) so that one benchmark process can measure
 // every variant (bench/lce_bench.py sets them per provider); unset, each takes the default
 // that ships. Also the per-phase device time the CUDA loop adds up when FUSEDLOSS_LCE_TIMING=1.
@@ -44,12 +43,6 @@ struct LceTuning {
 // The knobs as the environment sets them now; throws Error naming the variable, its value and
 // what it accepts.
 LceTuning lce_tuning();
-
-// FUSEDLOSS_CE_CLUSTER = 1 | 2 | 4 | 8 | 0: the smallest cluster over which the cross-entropy's
-// gradient-in-forward kernel splits a row (sm_90, rows on 16 bytes); 0: never (those rows take
-// the one-block-per-row kernel or the 3 passes). 1, the default, takes the fewest blocks whose
-// shared memory holds the row.
-int ce_cluster_min_blocks();
 
 // Adds one loop's phase times to the process-wide sums.
 void lce_add_phase_times(const LinearCePhaseTimes& t);

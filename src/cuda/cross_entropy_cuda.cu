@@ -6,18 +6,15 @@
 #include "cuda/cross_entropy_cuda.h"
 
 #include <algorithm>
-#include <cooperative_groups.h>
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 
 #include "core/dispatch.h"
-#include "core/lce_tuning.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
-#include "cuda/row_ring.cuh"
 #include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
@@ -428,149 +425,6 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
   }
 }
 
-// The forward that writes the gradient with each row split over a thread-block cluster (sm_90):
-// block q of a cluster of C holds vectors [q S, (q + 1) S) of the row's 16-byte body in shared
-// memory (S = slice_vecs), copied there by the copy engine one row ahead (RowRing, two stages),
-// so the next row's read is in flight while this row is reduced and its gradient written. Per
-// row: each block's (max, sum-exp, sum, target logit) over its slice, one cluster barrier, every
-// warp merges the C parts in rank order from the peers' shared memory (distributed shared
-// memory: the same bits in every block), then each block writes the gradient of its slice from
-// shared memory. The row is read from memory once and written once, however long it is.
-// Why not stats_grad_kernel: its threads load the row themselves, so a block has nothing in
-// flight while it reduces and writes; and a row longer than twice its cache is read twice.
-// The last block also takes the row's n % VEC tail columns (rows whose stride is padded to
-// 16 bytes), read and written directly.
-#ifndef FUSEDLOSS_CE_CLUSTER_THREADS
-#define FUSEDLOSS_CE_CLUSTER_THREADS 512
-#endif
-#ifndef FUSEDLOSS_CE_CLUSTER_BLOCKS_PER_SM
-#define FUSEDLOSS_CE_CLUSTER_BLOCKS_PER_SM 1
-#endif
-constexpr int kClusterThreads = FUSEDLOSS_CE_CLUSTER_THREADS;
-constexpr int kClusterBlocksPerSm = FUSEDLOSS_CE_CLUSTER_BLOCKS_PER_SM;
-constexpr int kClusterMaxBlocks = 8;  // the portable cluster size
-
-template <StorageKind K, class Index, bool kSumLogits>
-__global__ void __launch_bounds__(kClusterThreads, kClusterBlocksPerSm)
-    stats_grad_cluster_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
-                              typename core::Storage<K>::type* g, int64_t g_stride,
-                              const Index* target, CeParams p, int64_t slice_vecs,
-                              const float* valid_count, float* lse_out, float* row_loss_out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  using S = core::Storage<K>;
-  using T = typename S::type;
-  constexpr int VEC = vector_width<T>();
-  extern __shared__ __align__(128) unsigned char stages[];
-  __shared__ RowPartT scratch[kClusterThreads / 32];
-  __shared__ RowPartT part[2];  // this block's share of a row, by row parity: the peers read it
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank()), blocks = int(cluster.num_blocks());
-  const int64_t n = p.vocab_local;
-  const int64_t first_vec = int64_t(rank) * slice_vecs;
-  const int64_t left = n / VEC - first_vec;  // the body's vectors from this block's first on
-  const int64_t vecs = left < 0 ? 0 : left < slice_vecs ? left : slice_vecs;
-  const int64_t tail_begin = rank == blocks - 1 ? n / VEC * VEC : n;
-  const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);  // the same for every row
-  const int64_t clusters = gridDim.x / blocks;
-  RowRing ring(stages, 2, 1, uint32_t(vecs * kVectorBytes));
-  ring.init();
-  auto fill = [&](int s, int64_t row) {
-    const void* const src[kRingMaxTensors] = {x + row * x_stride + first_vec * VEC, nullptr};
-    ring.fill(s, src);
-  };
-  int64_t r = blockIdx.x / blocks;
-  if (r < p.rows) fill(0, r);
-  int64_t t = r < p.rows ? int64_t(target[r]) : 0;
-  for (int64_t i = 0; r < p.rows; ++i, r += clusters) {
-    const int s = int(i & 1);
-    const int64_t next = r + clusters;
-    if (next < p.rows) fill(s ^ 1, next);  // its stage was freed by the last row's barrier
-    const T* xr = x + r * x_stride;
-    T* gr = g + r * g_stride;
-    const TargetKind kind =
-        core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
-    const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
-    const int64_t t_next = next < p.rows ? int64_t(target[next]) : 0;  // in flight over the row
-    ring.wait(s, uint32_t(i >> 1) & 1u);
-    const Vec16* cache = reinterpret_cast<const Vec16*>(ring.row(s, 0));
-
-    float m = -INFINITY, sum = 0.0f, sx = 0.0f, tl = -INFINITY;
-#pragma unroll 4
-    for (int64_t v = threadIdx.x; v < vecs; v += kClusterThreads) {
-      float f[VEC];
-      to_floats<K>(cache[v], f);
-      core::online_add_chunk<VEC>(m, sum, f);
-      if (kSumLogits) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) sx += f[k];
-      }
-      const int tk = target_in_vector<VEC>(local_t, (first_vec + v) * VEC);
-      if (tk >= 0) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          if (k == tk) tl = f[k];
-      }
-    }
-    for (int64_t j = tail_begin + threadIdx.x; j < n; j += kClusterThreads) {
-      const float f = S::load(xr[j]);
-      core::online_add(m, sum, f);
-      if (kSumLogits) sx += f;
-      if (j == local_t) tl = f;
-    }
-    const RowPartT mine = block_reduce(RowPartT{RowPart{m, sum, sx}, tl}, MergePartsT{}, scratch);
-    if (threadIdx.x == 0) part[s] = mine;
-    // Every block's part is in. A block rewrites part[s] two rows later, after the next row's
-    // barrier, which no block passes before every block has read this row's parts.
-    cluster.sync();
-    const int lane = int(threadIdx.x) % 32;
-    RowPartT peer{};
-    if (lane < blocks) peer = *cluster.map_shared_rank(&part[s], lane);
-    RowPartT row{RowPart{-INFINITY, 0.0f, 0.0f}, -INFINITY};
-    for (int q = 0; q < blocks; ++q) {  // rank order in every warp of every block
-      const RowPartT pq{RowPart{__shfl_sync(~0u, peer.part.m, q), __shfl_sync(~0u, peer.part.s, q),
-                                __shfl_sync(~0u, peer.part.sx, q)},
-                        __shfl_sync(~0u, peer.target_logit, q)};
-      row = q == 0 ? pq : MergePartsT{}(row, pq);
-    }
-    const float lse = row.part.m + logf(row.part.s);  // finish_row's lse, bit for bit
-    if (rank == 0 && threadIdx.x == 0) {
-      if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
-      core::finish_row(RowStats{row.part.m, row.part.s, row.target_logit, row.part.sx},
-                       row.part.sx, kind, p, lse_out[r], row_loss_out[r]);
-    }
-
-    T* body = gr + first_vec * VEC;
-    if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {  // the whole cluster
-      const float fill_value = kind == TargetKind::Ignored ? 0.0f : NAN;
-      Vec16 filled{};
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) put<K>(filled, k, fill_value);
-      for (int64_t v = threadIdx.x; v < vecs; v += kClusterThreads) store_vec(body + v * VEC, filled);
-      for (int64_t j = tail_begin + threadIdx.x; j < n; j += kClusterThreads) gr[j] = S::store(fill_value);
-    } else {
-      const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
-#pragma unroll 4
-      for (int64_t v = threadIdx.x; v < vecs; v += kClusterThreads) {
-        const Vec16 raw = cache[v];
-        Vec16 out{};
-        const int tk = target_in_vector<VEC>(local_t, (first_vec + v) * VEC);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
-        store_vec(body + v * VEC, out);
-      }
-      for (int64_t j = tail_begin + threadIdx.x; j < n; j += kClusterThreads)
-        gr[j] = S::store(core::grad_element(gc, S::load(xr[j]), j == local_t));
-    }
-    t = t_next;
-    __syncthreads();  // stage s is the row after next's
-  }
-  cluster.sync();  // no block leaves while a peer may still read its part
-#else
-  __trap();  // the host launches it only from an sm_90 binary (cluster_kernel_ok)
-#endif
-}
-
 // The backward of the gradient written in the forward: g *= grad_loss[0]. Every block reads
 // the scale first and leaves when it is exactly 1 (the usual loss.backward()): no host sync
 // and no pass over g. Rows are strided over a bounded grid.
@@ -669,8 +523,6 @@ struct FusedLaunch {
   int device = -1;
   int sms = 0;
   int64_t cache_bytes = 0;
-  int major = 0;             // compute capability: clusters and bulk copies from 9
-  int64_t stage_bytes = 0;   // the cluster kernel's largest slice (two stages a block)
 };
 
 const FusedLaunch& fused_launch() {
@@ -687,16 +539,9 @@ const FusedLaunch& fused_launch() {
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                        device));
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int major = 0;
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   const int64_t cache = std::min<int64_t>(
       int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
-  // kClusterBlocksPerSm cluster blocks an SM: two stages each, the ring's barriers and 1 KiB
-  // for the static shared memory and the driver's reserve.
-  const int64_t stage = (std::min<int64_t>(block_shared, sm_shared / kClusterBlocksPerSm) - 1024 -
-                         int64_t(RowRing::bytes(0, 1, 0))) / 2;
-  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes,
-                                     major, std::max<int64_t>(stage, 0) / kVectorBytes * kVectorBytes};
+  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes};
 }
 
 // Lets `kernel` take the whole cache on the current device, once: the attribute is the
@@ -709,62 +554,6 @@ void allow_shared(const void* kernel, const FusedLaunch& l) {
   if (!done.insert({l.device, kernel}).second) return;
   FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      int(l.cache_bytes)));
-}
-
-// The cluster kernel's first launch on a device: its binary must be sm_90 (a build for other
-// architectures runs it as a trap), and it may take the largest stages any call needs.
-bool cluster_kernel_ok(const void* kernel, const FusedLaunch& l) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, bool> known;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find({l.device, kernel});
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attr{};
-  FL_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const bool ok = attr.ptxVersion >= 90;  // compiled with __CUDA_ARCH__ >= 900 (not JIT from older PTX)
-  if (ok)
-    FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(RowRing::bytes(2, 1, l.stage_bytes))));
-  return known[{l.device, kernel}] = ok;
-}
-
-// The cluster size for rows of `row_vecs` 16-byte vectors: the smallest power of two (from
-// FUSEDLOSS_CE_CLUSTER's, core/lce_tuning.h) whose slices fit a stage, or 0 (an older GPU, the
-// knob at 0, or a row longer than 8 blocks hold: 8 x 113 KiB on an H200, bf16 V up to ~460k).
-int cluster_blocks(int64_t row_vecs, const FusedLaunch& l) {
-  const int least = core::ce_cluster_min_blocks();
-  if (least == 0 || l.major < 9) return 0;
-  for (int c = least; c <= kClusterMaxBlocks; c *= 2)
-    if ((row_vecs + c - 1) / c * kVectorBytes <= l.stage_bytes) return c;
-  return 0;
-}
-
-template <StorageKind K, class Index, bool kSumLogits>
-void launch_cluster(const MatrixView& logits, const Index* t, const CeParams& p,
-                    const CrossEntropyOutputs& out, const MatrixView& grad, float* row_losses,
-                    int blocks, const FusedLaunch& l, Stream stream) {
-  using T = typename core::Storage<K>::type;
-  auto kernel = stats_grad_cluster_kernel<K, Index, kSumLogits>;
-  const int64_t row_vecs = logits.cols / vector_width<T>();
-  const int64_t slice_vecs = (row_vecs + blocks - 1) / blocks;
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = unsigned(blocks);
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  config.blockDim = dim3(kClusterThreads);
-  config.dynamicSmemBytes = RowRing::bytes(2, 1, slice_vecs * kVectorBytes);
-  config.stream = as_cuda(stream);
-  config.gridDim = dim3(unsigned(blocks));
-  int resident = 0;  // clusters resident at once: the grid, each cluster striding over rows
-  FL_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
-  config.gridDim = dim3(unsigned(std::min<int64_t>(p.rows, std::max(resident, 1)) * blocks));
-  FL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(logits.data),
-                                   logits.row_stride, static_cast<T*>(grad.data), grad.row_stride,
-                                   t, p, slice_vecs, static_cast<const float*>(out.valid_count),
-                                   out.lse, row_losses));
 }
 
 }  // namespace
@@ -787,13 +576,7 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
   // backward kernels in sequence, rows of 256 and 297 KB 7% and 9% slower (pass 2's rest
   // no longer fits L2). Longer rows, and vectors of one row that would not land on the other's
   // boundary, take the two kernels: the same results, 3 passes.
-  // Rows that start on 16 bytes (both tensors) take the cluster kernel where the GPU has one.
-  const bool rows_on_vectors =
-      row_starts_aligned(logits.data, logits.row_stride, esize) &&
-      ((logits.data == grad.data && logits.row_stride == grad.row_stride) ||
-       row_starts_aligned(grad.data, grad.row_stride, esize));
-  const int cluster = rows_on_vectors ? cluster_blocks(logits.cols * esize / kVectorBytes, launch_shape) : 0;
-  const bool fused = cluster > 0 || (same_alignment && logits.cols * esize <= 2 * int64_t(shared));
+  const bool fused = same_alignment && logits.cols * esize <= 2 * int64_t(shared);
   if (!fused || p.rows == 0) {
     ce_forward_tp1(logits, target, p, out, stream);
     ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad, stream);
@@ -808,14 +591,6 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
     // Mean: the gradient divides by the valid count, so it is counted first (one small block).
     if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
     auto launch = [&](auto sum_logits) {
-      if (cluster > 0) {
-        auto* ck = stats_grad_cluster_kernel<K, Index, decltype(sum_logits)::value>;
-        if (cluster_kernel_ok(reinterpret_cast<const void*>(ck), launch_shape)) {
-          launch_cluster<K, Index, decltype(sum_logits)::value>(logits, t, p, out, grad, row_losses,
-                                                                cluster, launch_shape, stream);
-          return;
-        }
-      }
       auto kernel = stats_grad_kernel<K, Index, decltype(sum_logits)::value>;
       allow_shared(reinterpret_cast<const void*>(kernel), launch_shape);
       // The resident grid: every block strides over rows.

@@ -177,10 +177,8 @@ TEST_P(CrossEntropy, GradientInForward) {
   many.ignore_fraction = 0.1;
   many.opt.reduction = Reduction::Sum;
   check(many);
-  // Rows that start on 16 bytes take the cluster kernel on sm_90: rows of 200 KB (2 blocks a
-  // row, 70 rows: some clusters take two), 256 KB + 16 B (4 blocks, the last one's slice
-  // shorter) and fp32 rows of 800 KB (8 blocks); then bodies with a tail (a stride padded to
-  // 16 bytes: the last block reads and writes the n % VEC columns itself).
+  // Rows longer than twice the fused kernel's cache (200 KB, 256 KB + 16 B, fp32 800 KB: the
+  // 3 passes), and rows on 16 bytes whose body ends in a tail (a stride padded to 16 bytes).
   struct Long {
     DType d;
     int64_t V, rows, pad;
