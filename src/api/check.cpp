@@ -27,16 +27,31 @@ void check_index(const IndexView& t, const char* name, int64_t expected_size, De
   require(t.data != nullptr || t.size == 0, name, ".data: got null, expected a pointer");
 }
 
+namespace {
+std::pair<const char*, const char*> span(const MatrixView& m) {
+  auto lo = static_cast<const char*>(m.data);
+  return {lo, lo + ((m.rows - 1) * m.row_stride + m.cols) * element_size(m.dtype)};
+}
+}  // namespace
+
 bool overlaps(const MatrixView& a, const MatrixView& b) {
   if (a.rows == 0 || b.rows == 0) return false;
-  auto span = [](const MatrixView& m) {
-    auto lo = static_cast<const char*>(m.data);
-    auto hi = lo + ((m.rows - 1) * m.row_stride + m.cols) * element_size(m.dtype);
-    return std::pair{lo, hi};
-  };
   auto [alo, ahi] = span(a);
   auto [blo, bhi] = span(b);
   return alo < bhi && blo < ahi;
+}
+
+bool overlaps(const MatrixView& m, const void* p, int64_t bytes) {
+  if (m.rows == 0 || m.cols == 0 || p == nullptr || bytes <= 0) return false;
+  auto [lo, hi] = span(m);
+  auto plo = static_cast<const char*>(p);
+  return lo < plo + bytes && plo < hi;
+}
+
+void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,
+                   const char* what) {
+  require(!overlaps(grad, p, bytes), name, ": overlaps ", what, ", expected a separate buffer (",
+          what, " is read while ", name, " is written)");
 }
 
 void check_targets_on_host(const IndexView& target, const core::CeParams& p) {

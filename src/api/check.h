@@ -12,6 +12,13 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false)
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
 // true when the two views cover overlapping memory
 bool overlaps(const MatrixView& a, const MatrixView& b);
+// true when m's elements and the `bytes` bytes at p overlap (false when either is empty)
+bool overlaps(const MatrixView& m, const void* p, int64_t bytes);
+// Refuses a gradient buffer `grad` (named `name`) that shares memory with a buffer its kernel
+// reads while writing it: `bytes` bytes at p, named `what`. In place over its own input is the
+// caller's check; this is for the auxiliary inputs (targets, scales, biases, saved stats).
+void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,
+                   const char* what);
 // CPU targets are checked before anything is written (throws naming the first bad row); CUDA
 // kernels check them in flight, so this does nothing for CUDA targets.
 void check_targets_on_host(const IndexView& target, const core::CeParams& p);

@@ -52,6 +52,18 @@ void check_grad_logits(const MatrixView& logits, const MatrixView& grad_logits) 
           "themselves (in place) or a disjoint buffer");
 }
 
+// The buffers the gradient kernels read (or the forward writes) beside the logits: none may
+// share grad_logits' memory.
+void check_grad_apart(const MatrixView& grad_logits, const IndexView& target, const float* lse,
+                      const float* grad_loss, int64_t grad_loss_floats, const float* valid_count) {
+  const int64_t rows = grad_logits.rows;
+  const int64_t index_bytes = target.type == IndexType::I32 ? 4 : 8;
+  detail::require_apart(grad_logits, "grad_logits", target.data, target.size * index_bytes, "target");
+  detail::require_apart(grad_logits, "grad_logits", lse, rows * 4, "lse");
+  detail::require_apart(grad_logits, "grad_logits", grad_loss, grad_loss_floats * 4, "grad_loss");
+  detail::require_apart(grad_logits, "grad_logits", valid_count, 4, "valid_count");
+}
+
 }  // namespace
 
 void validate_cross_entropy_options(const CrossEntropyOptions& options, int64_t rows,
@@ -172,6 +184,8 @@ void cross_entropy_backward(const MatrixView& logits, const IndexView& target, c
   check_grad_logits(logits, grad_logits);
   detail::check_index(target, "target", logits.rows, logits.device);
   require(lse != nullptr || logits.rows == 0, "lse: got null, expected the forward's lse");
+  check_grad_apart(grad_logits, target, lse, grad_loss,
+                   p.reduction == Reduction::None ? logits.rows : 1, valid_count);
   require(valid_count != nullptr || p.reduction != Reduction::Mean || logits.rows == 0,
           "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
   check_targets_on_host(target, p);
@@ -192,6 +206,7 @@ void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& 
     check_grad_logits(logits, grad_logits);
     require(options.reduction != Reduction::Mean || out.valid_count != nullptr || logits.rows == 0,
             "out.valid_count: got null, expected a float (Reduction::Mean divides by it)");
+    check_grad_apart(grad_logits, target, out.lse, out.loss, 1, out.valid_count);
   };
   // The forward, then the backward for a unit upstream gradient (grad_loss null); at TP=1 on
   // CUDA one kernel does both where that pays. Vocab-parallel the merged lse comes first.

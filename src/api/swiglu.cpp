@@ -98,6 +98,10 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   require(in_place || !detail::overlaps(grad_y, y),
           "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
   require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
+  detail::require_apart(grad_y, "grad_y", bias.data, bias.size * detail::element_size(bias.dtype),
+                        "bias");
+  detail::require_apart(grad_y, "grad_y", weights.data,
+                        weights.size * detail::element_size(weights.dtype), "weights");
   require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
           grad_weights ? "a buffer" : "null", ", expected ",
           p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");

@@ -157,6 +157,24 @@ TEST_P(BadInputs, BackwardBuffers) {
                            gl.data_as<float>(), cnt.data_as<float>(), {}, shifted);
   }, {"grad_logits", "overlaps"});
   expect_error([&] { backward(g, nullptr); }, {"valid_count", "Mean"});
+  // The buffers the kernel reads while it writes the gradient must not be the gradient's memory.
+  MatrixView logits_in_place = f.xv();
+  expect_error([&] {
+    cross_entropy_backward(f.xv(), {f.x.data(), f.rows, IndexType::I64, f.dev}, f.lse.data_as<float>(),
+                           gl.data_as<float>(), cnt.data_as<float>(), {}, logits_in_place);
+  }, {"grad_logits: overlaps target", "expected a separate buffer"});
+  expect_error([&] {
+    cross_entropy_backward(f.xv(), f.tv(), f.lse.data_as<float>(),
+                           static_cast<float*>(grad.data()) + 5, cnt.data_as<float>(), {}, g);
+  }, {"grad_logits: overlaps grad_loss"});
+  expect_error([&] {
+    cross_entropy_backward(f.xv(), f.tv(), static_cast<float*>(grad.data()) + 30,
+                           gl.data_as<float>(), cnt.data_as<float>(), {}, g);
+  }, {"grad_logits: overlaps lse"});
+  expect_error([&] {
+    cross_entropy_backward(f.xv(), f.tv(), f.lse.data_as<float>(), gl.data_as<float>(),
+                           static_cast<float*>(grad.data()) + 39, {}, g);
+  }, {"grad_logits: overlaps valid_count"});
 }
 
 TEST_P(BadInputs, GradientInForward) {

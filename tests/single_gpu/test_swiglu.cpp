@@ -359,6 +359,15 @@ TEST(SwigluBadInputs, ClearErrors) {
   expect_error([&] { swiglu_backward({g.data(), 3, 4, 4, DType::F32, Device::CPU}, {y.data(), 3, 8, 8, DType::F32, Device::CPU},
                                      none, none, {}, shifted); },
                "grad_y", "overlaps");
+  // In place over y while the bias or the scale is y's own memory: the kernel would read
+  // them after writing over them.
+  std::vector<float> gb(8), gw(4);
+  expect_error([&] { swiglu_backward(gv, yv, {y.data() + 8, 8, DType::F32, Device::CPU}, none, {}, yv,
+                                     nullptr, gb.data()); },
+               "grad_y: overlaps bias", "expected a separate buffer");
+  expect_error([&] { swiglu_backward(gv, yv, none, {y.data() + 2, 4, DType::F32, Device::CPU}, {}, yv,
+                                     gw.data(), nullptr); },
+               "grad_y: overlaps weights", "expected a separate buffer");
 }
 
 }  // namespace
