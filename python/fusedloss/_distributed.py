@@ -147,9 +147,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
 
 
 class rank_checks:
-    """The local checks of one vocab-parallel call, as a with-block. With the agreement on
-    (check) and a group of size > 1, a ValueError or TypeError raised inside does not leave
-    this rank alone: it becomes this rank's rejection in agree(), which every rank then raises
+    """The local checks of one vocab-parallel call, as a with-block (local work only: no
+    collective inside). With the agreement on (check) and a group of size > 1, an exception
+    raised inside (a bad argument, an overflow converting one) does not leave this rank alone: it becomes this rank's rejection in agree(), which every rank then raises
     at the same call; a block that passes takes part in agree() with its shapes (unless
     only_on_error: the op's forward agrees later). Otherwise errors propagate as they are.
     chunk_rows may be set inside the block."""
@@ -165,8 +165,8 @@ class rank_checks:
     def __exit__(self, kind, error, _traceback):
         if self.group is None or not self.check:
             return False
-        if kind is not None and not issubclass(kind, (ValueError, TypeError)):
-            return False
+        if kind is not None and not issubclass(kind, Exception):
+            return False  # an interrupt: nothing to agree on
         if kind is None and self.only_on_error:
             return False
         agree(self.group, self.rows, self.v_local, self.options,

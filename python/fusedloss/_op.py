@@ -48,14 +48,16 @@ def _guard(grad, op, anchors):
 
 class FusedOp:
     def __init__(self, name, *, forward, forward_fake, kernels, setup, backward, inplace_flag,
-                 n_outputs=1):
+                 n_outputs=1, consumed="overwrote the input with its gradient"):
         """forward: the annotated forward implementation (its first n_outputs outputs are what
         callers get: a tensor, or a tuple when n_outputs > 1, and backward() then receives a
         tuple of their gradients, None or zeros where unused); kernels: {suffix:
-        (implementation, fake, mutated argument names)}, fake None for an eager-only kernel."""
+        (implementation, fake, mutated argument names)}, fake None for an eager-only kernel;
+        consumed: what the in-place backward does, as the second-backward error says it."""
         self.name = f"fusedloss.{name}"
         self._n = n_outputs
         self._inplace_flag = inplace_flag
+        self._consumed = consumed  # what the in-place backward did, for the second-backward error
         self._setup, self._op_backward = setup, backward
         self._forward = forward
         self.forward_op = torch.library.custom_op(f"fusedloss::{name}_fwd", mutates_args=())(forward)
@@ -114,8 +116,8 @@ class FusedOp:
         if getattr(ctx, "consumed", False):
             raise RuntimeError(
                 f"{self.name}: second backward through a result computed with "
-                f"{self._inplace_flag}=True; the first backward overwrote the input with its "
-                f"gradient, so it cannot be differentiated again. Use {self._inplace_flag}=False "
+                f"{self._inplace_flag}=True; the first backward {self._consumed}, so it "
+                f"cannot be differentiated again. Use {self._inplace_flag}=False "
                 "to backward twice (retain_graph=True).")
         if not torch.is_grad_enabled():  # a plain backward: nothing to guard
             grads, overwritten = self._op_backward(ctx, grad, kernels)

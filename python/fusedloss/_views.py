@@ -36,7 +36,19 @@ def require_tensor(t, name):
         raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
     if not (t.is_cpu or t.is_cuda):
         raise ValueError(f"{name}.device: got {t.device}, expected a cpu or cuda tensor")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}.layout: got {t.layout}, expected torch.strided (a dense tensor)")
     return t
+
+
+def agreement_flag(value):
+    """(check_shard_agreement as a bool, or True; the TypeError to raise inside the agreement or
+    None): a bad flag on one rank must not leave that rank to raise alone before the others
+    reach the agreement."""
+    try:
+        return as_bool(value, "check_shard_agreement"), None
+    except TypeError as error:
+        return True, error
 
 
 def require_values(t, name):
@@ -176,6 +188,17 @@ def _caller_stacklevel() -> int:
 
 
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def apart_from(t, written):
+    """t, or a copy of it when it shares memory with `written`: for an auxiliary input (target,
+    bias, scale, upstream gradient) that a kernel reads while it overwrites `written` in place.
+    A caller may pass views of one storage as both; the copy keeps the values it passed."""
+    if t is None or not t.numel() or not written.numel():
+        return t
+    if t.untyped_storage().data_ptr() != written.untyped_storage().data_ptr():
+        return t
+    return t.clone()
 
 
 def values_in(t, dtype):

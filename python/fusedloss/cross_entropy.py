@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
+from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
                      require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated, values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
@@ -75,7 +75,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
     x, _ = rows_of(logits)
-    t, tv = index(target, "target")
+    t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
     rows, v_local = x.shape
     g = resolve_group(group)
     rank, world = rank_and_size(g)
@@ -94,7 +94,9 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         else:
             _C.cross_entropy_forward(matrix(x), tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
-    fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction))
+    # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
+    fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction,
+                        tuple(target.shape)))
     with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint):
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
@@ -155,7 +157,7 @@ def _backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Te
                       z_loss: float, reduction: int, group: str) -> None:
     x, _ = rows_of(logits)  # a view: setup() checked storage_is_ours
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
-    _backward_into(grad_loss, x, target, lse, count, opts, x)
+    _backward_into(apart_from(grad_loss, logits), x, apart_from(target, logits), lse, count, opts, x)
 
 
 def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
@@ -210,6 +212,16 @@ def _validate(logits, target):
 
 
 _PLAIN = (int, float, str, bool)
+
+
+def _flags(inplace_backward, grad_in_forward, reduction: int) -> Tuple[bool, bool]:
+    """(inplace_backward, grad_in_forward) as bools, the pair checked against the reduction."""
+    inplace = as_bool(inplace_backward, "inplace_backward")
+    in_forward = as_bool(grad_in_forward, "grad_in_forward")
+    if in_forward and reduction == _NONE:
+        raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
+                         "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
+    return inplace, in_forward
 
 
 def _option_args(*options):
@@ -280,15 +292,13 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     is raised by fusedloss.check_device_errors().
     """
     name = group_name(tp_group)
-    check = as_bool(check_shard_agreement, "check_shard_agreement")
+    check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
+        if bad_flag is not None:
+            raise bad_flag
         opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                             reduction, z_loss)
-        inplace = as_bool(inplace_backward, "inplace_backward")
-        in_forward = as_bool(grad_in_forward, "grad_in_forward")
-        if in_forward and opts[-1] == _NONE:
-            raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
-                             "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
+        inplace, in_forward = _flags(inplace_backward, grad_in_forward, opts[-1])
         _validate(logits, target)
     inplace = inplace or in_forward
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
@@ -308,8 +318,10 @@ class CrossEntropyLoss(torch.nn.Module):
             raise TypeError(f"CrossEntropyLoss: unknown options {sorted(unknown)}; expected some of "
                             f"{sorted(cross_entropy.__kwdefaults__)}")
         kw = {**cross_entropy.__kwdefaults__, **options}
-        _option_args(kw["ignore_index"], kw["label_smoothing"], kw["smoothing_formula"],
-                     kw["smoothing_scope"], kw["reduction"], kw["z_loss"])
+        opts = _option_args(kw["ignore_index"], kw["label_smoothing"], kw["smoothing_formula"],
+                            kw["smoothing_scope"], kw["reduction"], kw["z_loss"])
+        _flags(kw["inplace_backward"], kw["grad_in_forward"], opts[-1])
+        as_bool(kw["check_shard_agreement"], "check_shard_agreement")
         group_name(kw["tp_group"])
         self.options = options
 

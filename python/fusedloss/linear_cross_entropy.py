@@ -26,7 +26,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (_DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+from ._views import (agreement_flag, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of, validated)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
@@ -155,8 +155,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), dhv, dwv, stream)
         return loss, lse, count, dh, dw
-    # the fingerprint leaves the workspace out: the chunking it sets is its own field
-    with rank_checks(g, check_agreement, _OP, rows, v_local, hash(args[:7] + args[8:])) as checks:
+    # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
+    # holds what changes the collectives (mode, dhidden_reduction), the dtype and the target's
+    # shape ([s, b] on one rank and [b, s] on another have equal rows)
+    fingerprint = hash(args[:7] + args[8:] + (dhidden_reduction, int(_DTYPES[h.dtype]),
+                                             tuple(target.shape)))
+    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint) as checks:
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
             checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
@@ -288,7 +292,12 @@ def _accumulator_at_backward(ctx, weight, hidden):
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
     nones = (None,) * (len(ctx.opts) + 2)  # target, the options, the accumulator
-    accumulator = _accumulator_at_backward(ctx, weight, hidden)
+    group, check = ctx.opts[10], ctx.opts[11]
+    g = resolve_group(group) if callable(ctx.accumulator) and check else None
+    # A callable's buffer is known only now: at TP > 1 every rank takes part in one agreement,
+    # so a bad buffer on one rank raises its error on every rank (not a hang in the all-reduce).
+    with rank_checks(g, check, _OP):
+        accumulator = _accumulator_at_backward(ctx, weight, hidden)
     if accumulator is not None:  # eager only (see _setup)
         out_dh = dh if ctx.inplace else torch.empty(target.numel(), hidden.size(-1),
                                                     dtype=hidden.dtype, device=hidden.device)
@@ -308,6 +317,7 @@ def _grads(ctx, grad_loss, kernels):
 _linear_cross_entropy = FusedOp(
     "linear_cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup,
     backward=_grads, inplace_flag="inplace_backward",
+    consumed="scaled the gradients its forward saved in place (the inputs are untouched)",
     kernels={"bwd": (_backward, _backward_fake, ()),
              "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw"))})
 
@@ -361,11 +371,18 @@ def _validate_accumulator(acc, weight, hidden):
                                  "a separate buffer")
 
 
-def _resolve_mode(mode: int, reduction: int) -> int:
-    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none."""
+def _resolve_mode(mode: int, reduction: int, needs_grad: bool) -> int:
+    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none. A call that no
+    gradient will follow (no_grad, or neither hidden nor weight requires one) runs the forward
+    alone whatever the mode: in_forward would compute and keep dhidden and an fp32 dweight for
+    nothing (3 GEMMs instead of 1)."""
+    if mode == _IN_FORWARD and reduction == _NONE:
+        raise ValueError("backward_mode: got 'in_forward' with reduction='none', expected "
+                         "'recompute' or 'auto' (per-row losses have per-row upstream gradients, "
+                         "known only in the backward)")
     if mode == -1:
-        return _RECOMPUTE if reduction == _NONE else _IN_FORWARD
-    return mode
+        mode = _RECOMPUTE if reduction == _NONE else _IN_FORWARD
+    return mode if needs_grad else _RECOMPUTE
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
@@ -392,7 +409,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     (default 256 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
-    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient).
+    backward scales them: 3 GEMMs), "recompute" for none (4 GEMMs, any upstream gradient). A
+    call no gradient follows (no_grad, or no input requiring one) runs the forward alone.
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
@@ -413,7 +431,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
 
     weight_grad_accumulator: an fp32 tensor of weight's shape (Megatron's main_grad under
     gradient-accumulation fusion), or a callable that returns one (or None: then autograd gets
-    the gradient) when the backward runs, for a buffer bound late. The backward adds the
+    the gradient) when the backward runs, for a buffer bound late (at tp_group size > 1 with
+    check_shard_agreement, the ranks agree on its buffer in the backward: one more 40 B
+    all-gather, read on the host). The backward adds the
     weight's gradient to it in fp32, never rounded to the weight's dtype (dweight_accumulation
     is "fp32" then), and autograd gets zeros for the weight (expanded from one element; a leaf
     weight's .grad materialises them). Nothing is added when the weight needs no gradient.
@@ -423,8 +443,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     raised by fusedloss.check_device_errors().
     """
     name = group_name(tp_group)
-    check = as_bool(check_shard_agreement, "check_shard_agreement")
+    check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
+        if bad_flag is not None:
+            raise bad_flag
         opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
                 as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
                 as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
@@ -438,7 +460,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
         inplace = as_bool(inplace_backward, "inplace_backward")
         _validate(hidden, weight, target)
-        mode = _resolve_mode(mode, opts[5])
+        mode = _resolve_mode(mode, opts[5], torch.is_grad_enabled() and
+                             (hidden.requires_grad or weight.requires_grad))
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, mode, tf32, 0, 1, 2, 1)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (as_bool, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
+from ._views import (apart_from, as_bool, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.swiglu"
@@ -123,7 +123,9 @@ def _backward_fake(g, y, saved, bias, weights, clamp_value, fp8_input_store):
 def _backward_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
                       clamp_value: Optional[float]) -> List[Tensor]:
     x, _ = rows_of(y)  # a view: setup() checked storage_is_ours
-    return _backward_into(g, x, bias, weights, clamp_value, x)
+    # the kernel overwrites y while it reads these: none may be a view of y's memory
+    return _backward_into(apart_from(g, y), x, apart_from(bias, y), apart_from(weights, y),
+                          clamp_value, x)
 
 
 def _setup(ctx, inputs, output):
@@ -156,6 +158,15 @@ _swiglu = FusedOp(
     inplace_flag="inplace_backward",
     kernels={"bwd": (_backward, _backward_fake, ()),
              "bwd_": (_backward_inplace, None, ("y",))})  # eager only
+
+
+def _check_fp8_store(fp8_input_store, inplace: bool) -> bool:
+    """fp8_input_store as a bool, checked against inplace_backward."""
+    fp8_input_store = as_bool(fp8_input_store, "fp8_input_store")
+    if fp8_input_store and inplace:
+        raise ValueError("inplace_backward=True with fp8_input_store=True: the fp8 store frees y for "
+                         "an e4m3 copy, so there is no y left to write the gradient into; pick one")
+    return fp8_input_store
 
 
 def _inplace_flag(inplace_backward, in_place):
@@ -203,10 +214,7 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
         clamp_value = as_float(clamp_value, "clamp_value")
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _check_clamp(clamp_value)
-    fp8_input_store = as_bool(fp8_input_store, "fp8_input_store")
-    if fp8_input_store and inplace:
-        raise ValueError("inplace_backward=True with fp8_input_store=True: the fp8 store frees y for "
-                         "an e4m3 copy, so there is no y left to write the gradient into; pick one")
+    fp8_input_store = _check_fp8_store(fp8_input_store, inplace)
     return _swiglu(y, bias, per_token_scale, clamp_value, fp8_input_store, inplace)
 
 
@@ -223,9 +231,11 @@ class SwiGLU(torch.nn.Module):
                             f"{sorted(self._OPTIONS)}")
         if options.get("clamp_value") is not None:
             _check_clamp(as_float(options["clamp_value"], "clamp_value"))
-        for flag in ("fp8_input_store", "inplace_backward", "in_place"):
+        inplace = swiglu.__kwdefaults__["inplace_backward"]
+        for flag in ("inplace_backward", "in_place"):
             if options.get(flag) is not None:
-                as_bool(options[flag], flag)
+                inplace = as_bool(options[flag], flag)
+        _check_fp8_store(options.get("fp8_input_store", False), inplace)
         self.options = options
 
     def forward(self, y: Tensor, bias: Optional[Tensor] = None,

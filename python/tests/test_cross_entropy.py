@@ -188,3 +188,33 @@ def test_zero_rows_and_single_class(device, reduction):
     if reduction != "none":
         assert loss.item() == 0.0
     check(device, shape=(9, 1), reduction=reduction, ignore_frac=0.0)
+
+
+@pytest.mark.parametrize("mode", ["inplace_backward", "grad_in_forward"])
+def test_in_place_with_a_target_that_is_a_view_of_the_logits(device, mode):
+    """Targets kept in the logits' own memory (the bits of row 0's first elements, tiny
+    subnormal logits) are read as the caller passed them while the gradient overwrites the
+    logits."""
+    N, V = 8, 16
+    ids = torch.randint(0, V, (N,), dtype=torch.int32)
+    x0 = torch.randn(N, V)
+    x0.view(-1)[:N] = ids.view(torch.float32)
+    leaf = x0.to(device, copy=True).requires_grad_(True)
+    x = leaf * 1  # an intermediate: eligible for the in-place paths
+    target = x.detach().view(-1).view(torch.int32)[:N]
+    assert target.data_ptr() == x.data_ptr() and torch.equal(target.cpu(), ids)
+    loss = fusedloss.cross_entropy(x, target, reduction="sum", **{mode: True})
+    loss.backward(torch.tensor(0.5, device=device))
+    ref_leaf = x0.double().requires_grad_(True)
+    ref = F.cross_entropy(ref_leaf, ids.long(), reduction="sum")
+    (ref * 0.5).backward()
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf.grad.double().cpu(), ref_leaf.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_module_checks_the_option_pair_at_construction():
+    with pytest.raises(ValueError, match="grad_in_forward: got True with reduction='none'"):
+        fusedloss.CrossEntropyLoss(grad_in_forward=True, reduction="none")
+    with pytest.raises(TypeError, match="check_shard_agreement: got 'yes'"):
+        fusedloss.CrossEntropyLoss(check_shard_agreement="yes")
+    fusedloss.CrossEntropyLoss(grad_in_forward=True, reduction="sum")

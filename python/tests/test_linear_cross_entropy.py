@@ -1,6 +1,9 @@
 """fusedloss.linear_cross_entropy against float64 torch (F.linear + the cross-entropy written
 from its definition): every option, both backward modes, chunking, layouts, torch.compile,
 gloo TP 2 and 4, bad inputs."""
+import contextlib
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -235,6 +238,28 @@ def test_weight_grad_accumulator_refused(device):
         fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc.tolist())
 
 
+@pytest.mark.parametrize("how", ["no_grad", "no_input_requires_grad", "inference_mode"])
+def test_forward_alone_when_no_gradient_follows(device, how, monkeypatch):
+    """A sum/mean call that nothing will differentiate runs the forward alone (1 GEMM): no
+    dhidden [N, H] and fp32 dweight [V, H] computed and kept for nothing."""
+    lce = sys.modules["fusedloss.linear_cross_entropy"]
+    h, w, t = _problem(device, torch.float32)
+    expected = fusedloss.linear_cross_entropy(h, w, t, backward_mode="recompute")
+    calls = []
+    real = lce._absent  # the empty dhidden/dweight views of a forward that keeps no gradients
+    monkeypatch.setattr(lce, "_absent", lambda *a: calls.append("absent") or real(*a))
+    hh, ww = (h.clone().requires_grad_(), w.clone().requires_grad_()) if how != "no_input_requires_grad" else (h, w)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+    for mode in ("auto", "in_forward"):
+        with ctx() if ctx else contextlib.nullcontext():
+            loss = fusedloss.linear_cross_entropy(hh, ww, t, backward_mode=mode)
+        torch.testing.assert_close(loss, expected)
+        assert not loss.requires_grad
+    assert calls == ["absent", "absent"]  # no dhidden or dweight buffer: the forward alone
+    loss = fusedloss.linear_cross_entropy(h.clone().requires_grad_(), w, t)  # a gradient follows
+    assert len(calls) == 2 and loss.requires_grad  # in_forward: the gradients' buffers
+
+
 def test_second_backward(device):
     h, w, t = _problem(device, torch.float32)
     for inplace in (True, False):
@@ -243,8 +268,10 @@ def test_second_backward(device):
         loss.backward(retain_graph=True)
         first = (hh.grad.clone(), ww.grad.clone())
         if inplace:  # the saved gradients were scaled where they are: a second pass raises
-            with pytest.raises(RuntimeError, match="second backward"):
+            with pytest.raises(RuntimeError, match="second backward.*scaled the gradients its "
+                               r"forward saved in place \(the inputs are untouched\)"):
                 loss.backward()
+            torch.testing.assert_close(hh.detach(), h)  # as the message says
         else:
             loss.backward()
             torch.testing.assert_close(hh.grad, 2 * first[0])
@@ -308,7 +335,8 @@ def test_bad_inputs(device):
         fusedloss.linear_cross_entropy(h, w, t[:-1])
     with pytest.raises(ValueError, match="target.dtype"):
         fusedloss.linear_cross_entropy(h, w, t.float())
-    with pytest.raises(ValueError, match="backward_mode.*None"):
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with reduction='none', "
+                       "expected 'recompute' or 'auto'"):
         fusedloss.linear_cross_entropy(h, w, t, reduction="none", backward_mode="in_forward")
     with pytest.raises(ValueError, match="logit_softcap: got -1"):
         fusedloss.linear_cross_entropy(h, w, t, logit_softcap=-1.0)
@@ -416,14 +444,49 @@ def test_gloo_tp_cuda_in_forward_callback(buffers):
     run_world(2, _check_tp_in_forward_callback, buffers, backend="gloo-cuda")
 
 
+def _check_tp_disagreement(rank, world, what):
+    from test_vocab_parallel import _same_error_everywhere
+    h, w, t = _problem("cpu", torch.float32, shape=(8,), V=64 * world)
+    shard = w[rank * 64:(rank + 1) * 64].clone()
+    G = dist.group.WORLD
+    if what == "dhidden_reduction":  # the backward's all-reduce on one rank only: a hang before
+        red = "all_reduce" if rank == 1 else "partial"
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            h, shard, t, tp_group=G, dhidden_reduction=red), "vocab-parallel options: rank 1's differ")
+    elif what == "dtype":
+        hh, ww = (h.bfloat16(), shard.bfloat16()) if rank == 1 else (h, shard)
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(hh, ww, t, tp_group=G),
+                               "vocab-parallel options: rank 1's differ")
+    elif what == "check_flag":
+        kw = dict(check_shard_agreement=1) if rank == 1 else {}
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, **kw),
+                               "vocab-parallel rank 1: check_shard_agreement: got 1 (int)")
+    elif what == "accumulator_at_backward":  # a callable's bad buffer on one rank, with all_reduce
+        acc = torch.zeros(64 + (1 if rank == 1 else 0), h.size(1))
+        hh, ww = h.clone().requires_grad_(), shard.clone().requires_grad_()
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=G, dhidden_reduction="all_reduce",
+                                              weight_grad_accumulator=lambda: acc)
+        _same_error_everywhere(loss.backward, "vocab-parallel rank 1: weight_grad_accumulator: got "
+                               "torch.float32 (65, 24)")
+    # the group is still usable: a good call agrees again
+    assert torch.isfinite(fusedloss.linear_cross_entropy(h, shard, t, tp_group=G))
+
+
+@pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "check_flag", "accumulator_at_backward"])
+def test_gloo_tp_disagreement_raises_everywhere(what):
+    run_world(2, _check_tp_disagreement, what, timeout_s=30)
+
+
 def _check_tp_mismatch(rank, world):
     h, w, t = _problem("cpu", torch.float32, shape=(8,), V=64 * world)
     V_local = 64 + (1 if rank == 1 else 0)
     with pytest.raises(ValueError, match="V_local"):
         fusedloss.linear_cross_entropy(h, torch.randn(V_local, h.size(1)), t, tp_group=dist.group.WORLD)
-    # one rank chunks differently (its per-chunk collectives would not pair with the others')
+    # one rank chunks differently (the in-forward form's per-chunk collectives would not pair
+    # with the others'; a gradient must follow, or the forward alone runs)
     with pytest.raises(ValueError, match="chunking"):
-        fusedloss.linear_cross_entropy(h, torch.randn(64, h.size(1)), t, tp_group=dist.group.WORLD,
+        fusedloss.linear_cross_entropy(h.clone().requires_grad_(), torch.randn(64, h.size(1)), t,
+                                       tp_group=dist.group.WORLD,
                                        workspace_bytes=2 * 64 * 4 * (3 if rank else 4))
     # one rank's own bad argument raises on every rank
     ww = torch.randn(64, h.size(1) - (1 if rank == 0 else 0))

@@ -290,7 +290,11 @@ def test_stand_in_binds_by_name_and_tells_omitted_from_default():
     t = torch.randint(0, 32, (4, 2))
     omitted = unfused._VocabParallelCrossEntropy.apply(x.clone(), t)  # the patch's smoothing
     torch.testing.assert_close(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.1))
-    assert not torch.equal(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.0))
+    # 0.0 is what Megatron's own wrapper passes on when its caller (GPT's loss) passes nothing:
+    # the patch's smoothing, as on the fused route and the linear head
+    torch.testing.assert_close(omitted, unfused.vocab_parallel_cross_entropy(x.clone(), t))
+    torch.testing.assert_close(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.0))
+    assert not torch.equal(omitted, unfused._VocabParallelCrossEntropy.apply(x.clone(), t, 0.3))
     with pytest.raises(TypeError, match=r"missing \['target'\]"):
         unfused._VocabParallelCrossEntropy.apply(x.clone())
     with pytest.raises(TypeError, match="takes"):

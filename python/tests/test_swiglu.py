@@ -96,6 +96,45 @@ def test_in_place_second_backward_raises(device):
         out.backward()
 
 
+@pytest.mark.parametrize("alias", ["bias", "per_token_scale", "grad_out"])
+def test_in_place_with_inputs_that_are_views_of_y(device, alias):
+    """The in-place backward overwrites y while it reads the bias, the scale and the upstream
+    gradient: passed as views of y's own memory they must still be read as they were."""
+    y0 = torch.randn(6, 8, dtype=torch.float64, device=device)
+    up = torch.randn(6, 4, dtype=torch.float64, device=device)
+
+    def grad_of_y(fused):
+        leaf = y0.clone().requires_grad_(True) if not fused else y0.float().requires_grad_(True)
+        y = leaf * 1  # an intermediate: eligible for the in-place backward
+        kw = {}
+        if alias == "bias":
+            kw["bias"] = y[0]
+        elif alias == "per_token_scale":
+            kw["per_token_scale"] = y.view(-1)[:6].view(6, 1)
+        if fused:
+            out = fusedloss.swiglu(y, kw.get("bias"), per_token_scale=kw.get("per_token_scale"),
+                                   inplace_backward=True)
+        else:
+            v = y + kw["bias"] if "bias" in kw else y
+            a, u = v.chunk(2, -1)
+            out = F.silu(a) * u * (kw["per_token_scale"] if "per_token_scale" in kw else 1)
+        g = up.to(out.dtype) if alias != "grad_out" else y[:, 4:].detach()  # y's up half itself
+        if alias == "grad_out" and not fused:
+            g = g.clone()
+        out.backward(g)
+        return leaf.grad
+
+    torch.testing.assert_close(grad_of_y(True).double(), grad_of_y(False), rtol=1e-5, atol=1e-5)
+
+
+def test_module_checks_the_option_pair_at_construction():
+    with pytest.raises(ValueError, match="inplace_backward=True with fp8_input_store=True"):
+        fusedloss.SwiGLU(fp8_input_store=True, inplace_backward=True)
+    with pytest.raises(ValueError, match="inplace_backward=True with fp8_input_store=True"):
+        fusedloss.SwiGLU(fp8_input_store=True, in_place=True)
+    fusedloss.SwiGLU(fp8_input_store=True)
+
+
 def test_bad_inputs(device):
     y = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"y: got shape \(4, 7\)"):

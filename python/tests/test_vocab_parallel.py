@@ -152,6 +152,23 @@ def _check_later_disagreement(rank, world, what):
         _same_error_everywhere(lambda: _ce(x, bad, grad_in_forward=True),
                                "vocab-parallel rank 0: target[2]: got -7")
         assert torch.equal(x.detach(), before)  # refused before anything was written
+    elif what == "check_flag":  # the agreement's own flag, bad on one rank
+        kw = dict(check_shard_agreement=1) if rank == 1 else {}
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, **kw),
+                               "vocab-parallel rank 1: check_shard_agreement: got 1 (int)")
+    elif what == "overflow":  # an option whose conversion raises OverflowError, on one rank
+        ls = 10 ** 400 if rank == 1 else 0.0
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
+                               "vocab-parallel rank 1:", "too large")
+    elif what == "sparse":  # logits of another layout on one rank
+        x = torch.randn(rows, V_local)
+        _same_error_everywhere(lambda: _ce(x.to_sparse() if rank == 1 else x, t),
+                               "vocab-parallel rank 1: logits.layout: got torch.sparse_coo")
+    elif what == "transposed_3d":  # [s, b, V] on one rank, [b, s, V] on another: equal rows
+        x, t3 = torch.randn(3, 2, V_local), t.view(3, 2)
+        if rank == 1:
+            x, t3 = x.transpose(0, 1).contiguous(), t3.transpose(0, 1).contiguous()
+        _same_error_everywhere(lambda: _ce(x, t3), "vocab-parallel options: rank 1's differ")
     # and the group is still usable afterwards: a good call agrees again
     loss = _ce(torch.randn(rows, V_local), t)
     assert torch.isfinite(loss)
@@ -159,7 +176,8 @@ def _check_later_disagreement(rank, world, what):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype", "options", "bad_option",
-                                  "V_local_and_target", "grad_in_forward", "grad_in_forward_target"])
+                                  "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
+                                  "check_flag", "overflow", "sparse", "transposed_3d"])
 def test_gloo_disagreement_raises_everywhere(world, what):
     run_world(world, _check_later_disagreement, what, timeout_s=30)
 

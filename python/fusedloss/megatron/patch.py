@@ -133,9 +133,12 @@ def _make_ce(original, where):
         group = a.get("tp_group")
         if group is None and where == "unfused":
             group = state.tp_group_from_parallel_state()  # what Megatron's unfused path defaults to
+        # Megatron's vocab_parallel_cross_entropy() passes its default 0.0 on to the Function
+        # whoever called it (GPT's loss passes nothing), so 0.0 reads as "none given": the
+        # patch's smoothing then applies on this route as on the fused one and the linear head.
         ls = a.get("label_smoothing")
         return state.cross_entropy(a["vocab_parallel_logits"], a["target"], state.guard(group, what),
-                                   None if ls is None else float(ls))
+                                   None if ls is None or float(ls) == 0.0 else float(ls))
 
     return _stand_in(original, f"FusedLoss{where.capitalize()}VocabParallelCrossEntropy", run)
 
@@ -191,8 +194,9 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       other route warns at its first call and runs Megatron's own. Per-token fp32 loss as
       Megatron returns, Megatron's label-smoothing formula averaged over the local shard;
       positions whose label is `ignore_index` get loss 0 and gradient 0 (Megatron would compute
-      lse there and rely on loss_mask). `label_smoothing` applies where Megatron's caller passes
-      none. `inplace_backward` writes the gradient into the logits (Megatron does not read them
+      lse there and rely on loss_mask). `label_smoothing` applies on every route where Megatron's
+      caller passes none or 0.0 (its unfused wrapper passes its default 0.0 on); a non-zero
+      value passed wins. `inplace_backward` writes the gradient into the logits (Megatron does not read them
       again).
     swiglu: SwiGLUFunction / BiasSwiGLUFunction / WeightedSwiGLUFunction natively (bias,
       per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
