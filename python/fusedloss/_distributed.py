@@ -138,7 +138,10 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         if oo != opt0:
             raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
                            "the same options (ignore_index, label_smoothing, smoothing_formula, "
-                           "smoothing_scope, z_loss, reduction, ...) on every rank")
+                           "smoothing_scope, z_loss, reduction; for the linear cross-entropy also "
+                           "logit_softcap, the backward mode, which a call no gradient follows "
+                           "changes, dhidden_reduction and the dtype) and the same target shape "
+                           "on every rank")
         if cc != chunk0:  # a chunked op runs one collective per chunk
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
                            f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")
