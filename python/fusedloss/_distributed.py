@@ -139,9 +139,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
                            "the same options (ignore_index, label_smoothing, smoothing_formula, "
                            "smoothing_scope, z_loss, reduction; for the linear cross-entropy also "
-                           "logit_softcap, the backward mode, which a call no gradient follows "
-                           "changes, dhidden_reduction and the dtype) and the same target shape "
-                           "on every rank")
+                           "logit_softcap, the backward mode, the grad state (a call no gradient "
+                           "follows runs the forward alone), dhidden_reduction, the dtype and "
+                           "torch's allow_tf32) and the same target shape on every rank")
         if cc != chunk0:  # a chunked op runs one collective per chunk
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
                            f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")

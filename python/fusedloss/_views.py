@@ -111,7 +111,11 @@ def as_float(value, name):
         isinstance(value, Tensor) and (value.is_complex() or value.numel() != 1))
     if isinstance(value, (bool, str)) or complex_like or not hasattr(value, "__float__"):
         raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a real number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: got an integer too large for a float ({str(value)[:20]}...), "
+                         "expected a real number") from None
 
 
 def as_bool(value, name):

@@ -164,7 +164,7 @@ def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
     """The backward of a gradient written in the forward: logits (holding it) *= grad_loss,
     skipped on the device when grad_loss is exactly 1."""
     x, _ = rows_of(logits)
-    gl = values_in(grad_loss, torch.float32).reshape(-1)
+    gl = values_in(apart_from(grad_loss, logits), torch.float32).reshape(-1)
     _C.cross_entropy_scale_grad(matrix(x), gl.data_ptr(), stream_of(x))
 
 

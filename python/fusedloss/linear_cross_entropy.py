@@ -33,6 +33,9 @@ from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_hos
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
 _MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
+# A call no gradient follows: the recompute form's forward (no gradients kept), told apart from
+# recompute in the TP agreement, since only ranks with a gradient to compute run a backward.
+_FORWARD_ONLY = -2
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
@@ -127,7 +130,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
              weight_grad_accumulator: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    mode = lce_mode  # ("mode" would clash with torch's functionalization of the ops)
+    # ("mode" would clash with torch's functionalization of the ops)
+    mode = _RECOMPUTE if lce_mode == _FORWARD_ONLY else lce_mode
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -158,7 +162,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
     # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
     # holds what changes the collectives (mode, dhidden_reduction), the dtype and the target's
     # shape ([s, b] on one rank and [b, s] on another have equal rows)
-    fingerprint = hash(args[:7] + args[8:] + (dhidden_reduction, int(_DTYPES[h.dtype]),
+    fingerprint = hash(args[:7] + args[8:] + (lce_mode, dhidden_reduction, int(_DTYPES[h.dtype]),
                                              tuple(target.shape)))
     with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint) as checks:
         o, lo = _options(*args, rank, world, v_local, h.size(1))
@@ -382,7 +386,7 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool) -> int:
                          "known only in the backward)")
     if mode == -1:
         mode = _RECOMPUTE if reduction == _NONE else _IN_FORWARD
-    return mode if needs_grad else _RECOMPUTE
+    return mode if needs_grad else _FORWARD_ONLY
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
@@ -464,7 +468,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                              (hidden.requires_grad or weight.requires_grad))
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
-            _options(*opts, mode, tf32, 0, 1, 2, 1)
+            _options(*opts, _RECOMPUTE if mode == _FORWARD_ONLY else mode, tf32, 0, 1, 2, 1)
         if weight_grad_accumulator is not None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under "

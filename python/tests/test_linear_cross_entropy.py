@@ -457,6 +457,10 @@ def _check_tp_disagreement(rank, world, what):
         hh, ww = (h.bfloat16(), shard.bfloat16()) if rank == 1 else (h, shard)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(hh, ww, t, tp_group=G),
                                "vocab-parallel options: rank 1's differ")
+    elif what == "grad_state":  # one rank with nothing to differentiate would skip the backward
+        hh = h.clone().requires_grad_(rank == 0)  # (its collectives: dhidden's all-reduce, the
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # accumulator's agreement)
+            hh, shard, t, tp_group=G, reduction="none"), "vocab-parallel options: rank 1's differ")
     elif what == "check_flag":
         kw = dict(check_shard_agreement=1) if rank == 1 else {}
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, **kw),
@@ -472,7 +476,8 @@ def _check_tp_disagreement(rank, world, what):
     assert torch.isfinite(fusedloss.linear_cross_entropy(h, shard, t, tp_group=G))
 
 
-@pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "check_flag", "accumulator_at_backward"])
+@pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "check_flag",
+                                  "accumulator_at_backward"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 

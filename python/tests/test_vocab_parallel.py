@@ -159,7 +159,7 @@ def _check_later_disagreement(rank, world, what):
     elif what == "overflow":  # an option whose conversion raises OverflowError, on one rank
         ls = 10 ** 400 if rank == 1 else 0.0
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
-                               "vocab-parallel rank 1:", "too large")
+                               "vocab-parallel rank 1: label_smoothing: got an integer too large")
     elif what == "sparse":  # logits of another layout on one rank
         x = torch.randn(rows, V_local)
         _same_error_everywhere(lambda: _ce(x.to_sparse() if rank == 1 else x, t),

@@ -12,7 +12,8 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false)
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
 // true when the two views cover overlapping memory
 bool overlaps(const MatrixView& a, const MatrixView& b);
-// true when m's elements and the `bytes` bytes at p overlap (false when either is empty)
+// true when m's address range (its first to last element, row padding included) and the
+// `bytes` bytes at p overlap (false when either is empty)
 bool overlaps(const MatrixView& m, const void* p, int64_t bytes);
 // Refuses a gradient buffer `grad` (named `name`) that shares memory with a buffer its kernel
 // reads while writing it: `bytes` bytes at p, named `what`. In place over its own input is the

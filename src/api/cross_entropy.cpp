@@ -236,6 +236,7 @@ void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_l
   detail::check_matrix(grad_logits, "grad_logits");
   require(grad_loss != nullptr || grad_logits.rows == 0,
           "grad_loss: got null, expected the loss's gradient (1 float)");
+  detail::require_apart(grad_logits, "grad_logits", grad_loss, 4, "grad_loss");
   if (grad_logits.rows == 0 || grad_logits.cols == 0) return;
   FL_DISPATCH(grad_logits.device, "cross_entropy_scale_grad",
               cpu::ce_scale_grad(grad_logits, grad_loss),

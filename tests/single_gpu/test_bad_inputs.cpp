@@ -210,6 +210,8 @@ TEST_P(BadInputs, GradientInForward) {
   EXPECT_EQ(f.x.host_as<float>()[5], 5.0f);
   EXPECT_TRUE(std::isnan(f.lse.host_as<float>()[0]));
   expect_error([&] { cross_entropy_scale_grad(g, nullptr); }, {"grad_loss", "null"});
+  expect_error([&] { cross_entropy_scale_grad(g, static_cast<const float*>(grad.data()) + 3); },
+               {"grad_logits: overlaps grad_loss"});
 }
 
 // A communicator whose collectives fail, as a broken MPI/NCCL hook would.
