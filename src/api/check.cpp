@@ -5,7 +5,10 @@
 namespace fusedloss::detail {
 
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
-  element_size(m.dtype);
+  const bool known = m.dtype == DType::F32 || m.dtype == DType::F16 || m.dtype == DType::BF16 ||
+                     m.dtype == DType::FP8_E4M3;
+  require(known, name, ".dtype: got ", int(m.dtype), ", expected fp32, fp16 or bf16",
+          allow_fp8 ? " (or fp8_e4m3)" : "");
   require(allow_fp8 || m.dtype != DType::FP8_E4M3, name, ".dtype: got fp8_e4m3, expected fp32, fp16 or bf16");
   require(m.device == Device::CPU || m.device == Device::CUDA, name, ".device: got ",
           int(m.device), ", expected cpu or cuda");
@@ -15,6 +18,14 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
           ", expected >= cols (", m.cols, ")");
   require(m.data != nullptr || m.rows == 0, name, ".data: got null for ", m.rows,
           " rows, expected a pointer");
+  // the view's extent in bytes must be a number (the overlap checks and the kernels add it)
+  int64_t elems = 0, bytes = 0;
+  const bool fits = m.rows == 0 ||
+                    (!__builtin_mul_overflow(m.rows - 1, m.row_stride, &elems) &&
+                     !__builtin_add_overflow(elems, m.cols, &elems) &&
+                     !__builtin_mul_overflow(elems, element_size(m.dtype), &bytes));
+  require(fits, name, ": got [", m.rows, ", ", m.cols, "] with row_stride ", m.row_stride,
+          ", expected an extent that fits in 2^63 bytes");
 }
 
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device) {
@@ -46,6 +57,30 @@ bool overlaps(const MatrixView& m, const void* p, int64_t bytes) {
   auto [lo, hi] = span(m);
   auto plo = static_cast<const char*>(p);
   return lo < plo + bytes && plo < hi;
+}
+
+Span span_of(const MatrixView& m, const char* name) {
+  if (m.rows == 0 || m.cols == 0 || m.data == nullptr) return {nullptr, 0, name};
+  auto [lo, hi] = span(m);
+  return {lo, int64_t(hi - lo), name};
+}
+
+Span span_of(const IndexView& t, const char* name) {
+  return {t.data, t.data ? t.size * (t.type == IndexType::I32 ? 4 : 8) : 0, name};
+}
+
+Span span_of(const VectorView& v, const char* name) {
+  return {v.data, v.data ? v.size * element_size(v.dtype) : 0, name};
+}
+
+void require_disjoint(std::initializer_list<Span> spans) {
+  for (auto a = spans.begin(); a != spans.end(); ++a)
+    for (auto b = a + 1; b != spans.end(); ++b) {
+      if (!a->p || !b->p || a->bytes <= 0 || b->bytes <= 0) continue;
+      auto alo = static_cast<const char*>(a->p), blo = static_cast<const char*>(b->p);
+      require(!(alo < blo + b->bytes && blo < alo + a->bytes), a->name, ": overlaps ", b->name,
+              ", expected separate buffers");
+    }
 }
 
 void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,

@@ -1,6 +1,7 @@
 // Argument checks shared by the public entry points. Each throws fusedloss::Error with a
 // message that names the argument, the value and what was expected.
 #pragma once
+#include <initializer_list>
 #include "common/error.h"
 #include "core/ce_params.h"
 #include "fusedloss/types.h"
@@ -15,6 +16,18 @@ bool overlaps(const MatrixView& a, const MatrixView& b);
 // true when m's address range (its first to last element, row padding included) and the
 // `bytes` bytes at p overlap (false when either is empty)
 bool overlaps(const MatrixView& m, const void* p, int64_t bytes);
+// A buffer's address range for the overlap checks: `bytes` bytes at p (null or 0: absent).
+struct Span {
+  const void* p;
+  int64_t bytes;
+  const char* name;
+};
+Span span_of(const MatrixView& m, const char* name);  // first to last element, padding included
+Span span_of(const IndexView& t, const char* name);
+Span span_of(const VectorView& v, const char* name);  // absent (null data): any dtype
+// Every pair of the given buffers is disjoint (an absent one always is); else an Error naming
+// the first overlapping pair.
+void require_disjoint(std::initializer_list<Span> spans);
 // Refuses a gradient buffer `grad` (named `name`) that shares memory with a buffer its kernel
 // reads while writing it: `bytes` bytes at p, named `what`. In place over its own input is the
 // caller's check; this is for the auxiliary inputs (targets, scales, biases, saved stats).

@@ -92,6 +92,8 @@ core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
                        DType dtype, int64_t buffers) {
   const int64_t es = detail::element_size(dtype);
+  require(vocab_local <= (int64_t(1) << 40), "weight.rows (vocab_local): got ", vocab_local,
+          ", expected at most 2^40 (a row of the chunk buffer must fit in memory)");
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
@@ -213,6 +215,13 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
       require(!detail::overlaps(out.dhidden, out.dweight),
               "out.dhidden: overlaps out.dweight; expected separate buffers");
     }
+    const bool grads = mode == LinearCeBackward::InForward;
+    detail::require_disjoint({{out.loss, nloss * 4, "out.loss"}, {out.lse, N * 4, "out.lse"},
+                              {out.valid_count, 4, "out.valid_count"},
+                              detail::span_of(grads ? out.dhidden : MatrixView{}, "out.dhidden"),
+                              detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight"),
+                              detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
+                              detail::span_of(target, "target")});
     check_targets_on_host(target, p);
     if (parallel) {
       vocab_parallel::check_shard_position(p, *comm, dev);
@@ -315,6 +324,14 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
           "grads.dhidden: overlaps grads.dweight; expected separate buffers");
   require(grad_loss != nullptr || (p.reduction == Reduction::None && N == 0),
           "grad_loss: got null, expected ", p.reduction == Reduction::None ? N : 1, " floats");
+  // what the backward reads beside the inputs, never under the gradients it writes
+  const int64_t ngrad = p.reduction == Reduction::None ? N : 1;
+  for (auto [m, name] : {std::pair{&grads.dhidden, "grads.dhidden"}, {&grads.dweight, "grads.dweight"}}) {
+    detail::require_apart(*m, name, grad_loss, ngrad * 4, "grad_loss");
+    detail::require_apart(*m, name, lse, N * 4, "lse");
+    detail::require_apart(*m, name, valid_count, 4, "valid_count");
+    detail::require_apart(*m, name, target.data, detail::span_of(target, "").bytes, "target");
+  }
 
   if (mode == LinearCeBackward::InForward) {
     check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight);

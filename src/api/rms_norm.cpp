@@ -124,7 +124,8 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   const MatrixView w = as_row(weight.data, weight.size, weight.dtype);
   const MatrixView r = as_row(rstd, x_or_s.rows, DType::F32);
   const MatrixView gw = as_row(grad_weight, x_or_s.cols, DType::F32);
-  const bool gres = grad_residual_out.data != nullptr && grad_residual_out.rows > 0;
+  // given (data) means checked: a [0, H] view for T > 0 rows is refused, not ignored
+  const bool gres = grad_residual_out.data != nullptr;
   if (gres) check_like(grad_residual_out, "grad_residual_out", x_or_s, "x_or_s");
   // grad_x: in place over grad_y, x_or_s or grad_residual_out (each element is read by the
   // thread that writes it, before it writes it), or disjoint from every input.

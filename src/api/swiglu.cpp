@@ -77,6 +77,9 @@ void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorVie
     check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
     require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
   }
+  detail::require_disjoint({detail::span_of(out, "out"),
+                            detail::span_of(y_fp8.data ? y_fp8 : MatrixView{}, "y_fp8"),
+                            detail::span_of(bias, "bias"), detail::span_of(weights, "weights")});
   FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, p, out, y_fp8),
               cuda::swiglu_forward(y, p, out, y_fp8, stream));
 }
@@ -98,10 +101,18 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   require(in_place || !detail::overlaps(grad_y, y),
           "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
   require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
-  detail::require_apart(grad_y, "grad_y", bias.data, bias.size * detail::element_size(bias.dtype),
-                        "bias");
-  detail::require_apart(grad_y, "grad_y", weights.data,
-                        weights.size * detail::element_size(weights.dtype), "weights");
+  const detail::Span b = detail::span_of(bias, "bias"), w = detail::span_of(weights, "weights");
+  detail::require_apart(grad_y, "grad_y", b.p, b.bytes, "bias");
+  detail::require_apart(grad_y, "grad_y", w.p, w.bytes, "weights");
+  // the per-row and per-column gradients: apart from everything the kernel reads or writes
+  // (grad_y may be y itself: in place)
+  const detail::Span gw{grad_weights, grad_weights ? y.rows * 4 : 0, "grad_weights"},
+      gb{grad_bias, grad_bias ? y.cols * 4 : 0, "grad_bias"};
+  detail::require_disjoint({gw, gb});
+  for (const detail::Span& mine : {gw, gb})
+    for (const detail::Span& other : {detail::span_of(grad_y, "grad_y"), detail::span_of(grad_out, "grad_out"),
+                                      detail::span_of(y, "y"), b, w})
+      detail::require_disjoint({mine, other});
   require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
           grad_weights ? "a buffer" : "null", ", expected ",
           p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");

@@ -20,7 +20,7 @@ CeParams resolve_params(const CrossEntropyOptions& o, int64_t rows, int64_t voca
   p.ignore_index = o.ignore_index;
   require(o.vocab_global == -1 || o.vocab_global >= vocab_local, "options.vocab_global: got ",
           o.vocab_global, ", expected -1 or >= the shard's columns (", vocab_local, ")");
-  require(o.vocab_start >= 0 && o.vocab_start + vocab_local <= p.vocab_global,
+  require(o.vocab_start >= 0 && o.vocab_start <= p.vocab_global - vocab_local,  // no overflow
           "options.vocab_start: got ", o.vocab_start, ", expected in [0, ",
           p.vocab_global - vocab_local, "] so the shard of ", vocab_local,
           " columns fits in vocab_global ", p.vocab_global);

@@ -177,6 +177,36 @@ TEST_P(BadInputs, BackwardBuffers) {
   }, {"grad_logits: overlaps valid_count"});
 }
 
+// Outputs that overlap each other or the inputs: refused, naming the pair, before any write.
+TEST_P(BadInputs, ForwardOutputsApart) {
+  Fixture f(GetParam());
+  Buffer cnt(f.dev, 4);
+  CrossEntropyOptions none;
+  none.reduction = Reduction::None;
+  float* lse = f.lse.data_as<float>();
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), {}, {lse, lse, nullptr}); },
+               {"out.loss: overlaps out.lse"});
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), {}, {f.loss.data_as<float>(), lse, lse + 1}); },
+               {"out.lse: overlaps out.valid_count"});
+  expect_error([&] {
+    cross_entropy_forward(f.xv(), f.tv(), none, {f.loss.data_as<float>(), f.x.data_as<float>() + 10, nullptr});
+  }, {"out.lse: overlaps logits"});
+  expect_error([&] {
+    cross_entropy_forward(f.xv(), f.tv(), {}, {f.loss.data_as<float>(), lse, static_cast<float*>(f.t.data())});
+  }, {"out.valid_count: overlaps target"});
+  // a logits extent past 2^63 bytes is refused, not wrapped (the overlap checks add it)
+  expect_error([&] {
+    cross_entropy_forward({f.x.data(), int64_t(1) << 61, 2, 8, DType::F32, f.dev}, f.tv(), {}, f.out());
+  }, {"logits: got [", "fits in 2^63 bytes"});
+  expect_error([&] {
+    cross_entropy_forward({f.x.data(), f.rows, f.V, f.V, DType(7), f.dev}, f.tv(), {}, f.out());
+  }, {"logits.dtype: got 7", "expected fp32, fp16 or bf16"});
+  CrossEntropyOptions far;
+  far.vocab_start = INT64_MAX;
+  far.vocab_global = 8;
+  expect_error([&] { validate_cross_entropy_options(far, 4, 8); }, {"options.vocab_start", "expected in [0, 0]"});
+}
+
 TEST_P(BadInputs, GradientInForward) {
   Fixture f(GetParam());
   Buffer grad(f.dev, f.rows * f.V * 4), cnt(f.dev, 4);

@@ -455,6 +455,22 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
   o.dhidden.data = f.hidden.data();
   expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
                {"out.dhidden", "overlaps"});
+  // outputs over each other or over the inputs
+  o = f.out();
+  o.loss = f.lse.data_as<float>();
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.loss: overlaps out.lse"});
+  o = f.out();
+  o.lse = static_cast<float*>(f.dh.data());
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.lse: overlaps out.dhidden"});
+  o = f.out();
+  o.valid_count = static_cast<float*>(f.hidden.data()) + 3;
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.valid_count: overlaps hidden"});
+  // a vocabulary whose chunk row would overflow: an Error, not a division by zero
+  expect_error([&] { linear_cross_entropy_chunk_rows({}, 4, int64_t(1) << 62, DType::F32); },
+               {"vocab_local", "2^40"});
   // Nothing was written by any rejected call.
   f.loss.download();
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
@@ -466,6 +482,10 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
     linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(), nullptr,
                                   f.count.data_as<float>(), {}, {}, f.out(), g);
   }, {"grad_loss", "null"});
+  expect_error([&] {  // what the backward reads must not lie under what it writes
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), static_cast<float*>(f.dh.data()) + 2,
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, f.out(), g);
+  }, {"grads.dhidden: overlaps lse"});
   LinearCrossEntropyGrads g2 = g;
   g2.dhidden.cols = BadFixture::H + 1;
   g2.dhidden.row_stride = BadFixture::H + 1;

@@ -542,6 +542,10 @@ TEST(RmsNormBadInputs, ClearErrors) {
   expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, gw.data(), nullptr,
                                        {r.data(), 4, 9, 9, DType::F32, C}); },
                "grad_residual_out: got shape [4, 9]", "[4, 8]");
+  // given with no rows for 4 rows of x: refused, not taken for absent (its gradient dropped)
+  expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, gw.data(), nullptr,
+                                       {r.data(), 0, 8, 8, DType::F32, C}); },
+               "grad_residual_out: got shape [0, 8]", "[4, 8]");
   expect_error([&] { rms_norm_backward_workspace_bytes(-1, 8, C); }, "rows", "-1");
   expect_error([&] { rms_norm_backward_workspace_bytes(4, 0, C); }, "hidden", "0");
 }

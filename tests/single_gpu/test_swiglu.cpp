@@ -368,6 +368,21 @@ TEST(SwigluBadInputs, ClearErrors) {
   expect_error([&] { swiglu_backward(gv, yv, none, {y.data() + 2, 4, DType::F32, Device::CPU}, {}, yv,
                                      gw.data(), nullptr); },
                "grad_y: overlaps weights", "expected a separate buffer");
+  // the forward's output over the scale or the bias, the backward's small gradients over the
+  // buffers the kernel reads or writes
+  expect_error([&] { swiglu_forward(yv, none, {out.data(), 4, DType::F32, Device::CPU}, {}, ov); },
+               "out: overlaps weights", "expected separate buffers");
+  expect_error([&] { swiglu_forward(yv, {out.data() + 4, 8, DType::F32, Device::CPU}, none, {}, ov); },
+               "out: overlaps bias", "expected separate buffers");
+  expect_error([&] { swiglu_backward(gv, yv, none, {w.data(), 4, DType::F32, Device::CPU}, {}, gyv,
+                                     gy.data() + 3, nullptr); },
+               "grad_weights: overlaps grad_y", "expected separate buffers");
+  expect_error([&] { swiglu_backward(gv, yv, {bias.data(), 8, DType::F32, Device::CPU}, none, {}, gyv,
+                                     nullptr, g.data()); },
+               "grad_bias: overlaps grad_out", "expected separate buffers");
+  expect_error([&] { swiglu_backward(gv, yv, none, {w.data(), 4, DType::F32, Device::CPU}, {}, gyv,
+                                     w.data(), nullptr); },
+               "grad_weights: overlaps weights", "expected separate buffers");
 }
 
 }  // namespace
