@@ -83,6 +83,12 @@ void require_disjoint(std::initializer_list<Span> spans) {
     }
 }
 
+void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer_list<Span> inputs) {
+  require_disjoint(outputs);
+  for (const Span& out : outputs)
+    for (const Span& in : inputs) require_disjoint({out, in});
+}
+
 void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,
                    const char* what) {
   require(!overlaps(grad, p, bytes), name, ": overlaps ", what, ", expected a separate buffer (",

@@ -28,6 +28,8 @@ Span span_of(const VectorView& v, const char* name);  // absent (null data): any
 // Every pair of the given buffers is disjoint (an absent one always is); else an Error naming
 // the first overlapping pair.
 void require_disjoint(std::initializer_list<Span> spans);
+// Outputs disjoint from each other and from every input (inputs may share memory: both read).
+void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer_list<Span> inputs);
 // Refuses a gradient buffer `grad` (named `name`) that shares memory with a buffer its kernel
 // reads while writing it: `bytes` bytes at p, named `what`. In place over its own input is the
 // caller's check; this is for the auxiliary inputs (targets, scales, biases, saved stats).

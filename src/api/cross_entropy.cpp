@@ -30,9 +30,9 @@ core::CeParams forward_params(const MatrixView& logits, const IndexView& target,
           nloss, " elements");
   require(out.lse != nullptr || logits.rows == 0,
           "out.lse: got null, expected a float buffer of ", logits.rows, " elements");
-  detail::require_disjoint({{out.loss, nloss * 4, "out.loss"}, {out.lse, logits.rows * 4, "out.lse"},
-                            {out.valid_count, 4, "out.valid_count"}, detail::span_of(logits, "logits"),
-                            detail::span_of(target, "target")});
+  detail::require_outputs_apart({{out.loss, nloss * 4, "out.loss"}, {out.lse, logits.rows * 4, "out.lse"},
+                                 {out.valid_count, 4, "out.valid_count"}},
+                                {detail::span_of(logits, "logits"), detail::span_of(target, "target")});
   check_targets_on_host(target, p);
   return p;
 }

@@ -216,12 +216,13 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
               "out.dhidden: overlaps out.dweight; expected separate buffers");
     }
     const bool grads = mode == LinearCeBackward::InForward;
-    detail::require_disjoint({{out.loss, nloss * 4, "out.loss"}, {out.lse, N * 4, "out.lse"},
-                              {out.valid_count, 4, "out.valid_count"},
-                              detail::span_of(grads ? out.dhidden : MatrixView{}, "out.dhidden"),
-                              detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight"),
-                              detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
-                              detail::span_of(target, "target")});
+    detail::require_outputs_apart(
+        {{out.loss, nloss * 4, "out.loss"}, {out.lse, N * 4, "out.lse"},
+         {out.valid_count, 4, "out.valid_count"},
+         detail::span_of(grads ? out.dhidden : MatrixView{}, "out.dhidden"),
+         detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight")},
+        {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
+         detail::span_of(target, "target")});
     check_targets_on_host(target, p);
     if (parallel) {
       vocab_parallel::check_shard_position(p, *comm, dev);

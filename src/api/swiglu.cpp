@@ -77,9 +77,9 @@ void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorVie
     check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
     require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
   }
-  detail::require_disjoint({detail::span_of(out, "out"),
-                            detail::span_of(y_fp8.data ? y_fp8 : MatrixView{}, "y_fp8"),
-                            detail::span_of(bias, "bias"), detail::span_of(weights, "weights")});
+  detail::require_outputs_apart(
+      {detail::span_of(out, "out"), detail::span_of(y_fp8.data ? y_fp8 : MatrixView{}, "y_fp8")},
+      {detail::span_of(bias, "bias"), detail::span_of(weights, "weights")});
   FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, p, out, y_fp8),
               cuda::swiglu_forward(y, p, out, y_fp8, stream));
 }
