@@ -194,15 +194,26 @@ def _caller_stacklevel() -> int:
 _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
 
+def byte_range(t):
+    """[first, last] byte address of t's elements (a tensor with elements)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size() - 1
+
+
+def shares_memory(a, b) -> bool:
+    """Whether the address ranges of a's and b's elements meet (same device, both non-empty)."""
+    if not a.numel() or not b.numel() or a.device != b.device:
+        return False
+    a_first, a_last = byte_range(a)
+    b_first, b_last = byte_range(b)
+    return a_first <= b_last and b_first <= a_last
+
+
 def apart_from(t, written):
     """t, or a copy of it when it shares memory with `written`: for an auxiliary input (target,
     bias, scale, upstream gradient) that a kernel reads while it overwrites `written` in place.
     A caller may pass views of one storage as both; the copy keeps the values it passed."""
-    if t is None or not t.numel() or not written.numel():
-        return t
-    if t.untyped_storage().data_ptr() != written.untyped_storage().data_ptr():
-        return t
-    return t.clone()
+    return t.clone() if t is not None and shares_memory(t, written) else t
 
 
 def values_in(t, dtype):

@@ -26,7 +26,7 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (agreement_flag, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      require_tensor, require_values, rows_of, stream_of, validated)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
@@ -36,6 +36,11 @@ _MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
 # A call no gradient follows: the recompute form's forward (no gradients kept), told apart from
 # recompute in the TP agreement, since only ranks with a gradient to compute run a backward.
 _FORWARD_ONLY = -2
+
+
+def _cpp_mode(mode: int) -> int:
+    """The C++ backward mode that runs `mode`: the forward alone is the recompute form's."""
+    return _RECOMPUTE if mode == _FORWARD_ONLY else mode
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
@@ -130,8 +135,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
              weight_grad_accumulator: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # ("mode" would clash with torch's functionalization of the ops)
-    mode = _RECOMPUTE if lce_mode == _FORWARD_ONLY else lce_mode
+    mode = _cpp_mode(lce_mode)  # ("mode" would clash with torch's functionalization of the ops)
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -347,12 +351,6 @@ def _validate(hidden, weight, target):
     require_same_device(target, "target", hidden, "hidden")
 
 
-def _byte_range(t):
-    """[first, last] byte of t's elements (a tensor with elements)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size() - 1
-
-
 def _validate_accumulator(acc, weight, hidden):
     require_tensor(acc, "weight_grad_accumulator")
     if acc.dtype != torch.float32 or tuple(acc.shape) != tuple(weight.shape):
@@ -366,13 +364,10 @@ def _validate_accumulator(acc, weight, hidden):
         raise ValueError(f"weight_grad_accumulator: got strides {acc.stride()}, expected rows of "
                          "unit-stride columns that do not overlap (the backward writes there, "
                          "not into a copy)")
-    first, last = _byte_range(acc)
     for other, name in ((weight, "weight"), (hidden, "hidden")):
-        if other.numel() and acc.numel() and other.device == acc.device:
-            o_first, o_last = _byte_range(other)
-            if first <= o_last and o_first <= last:
-                raise ValueError(f"weight_grad_accumulator: overlaps {name}'s memory, expected "
-                                 "a separate buffer")
+        if shares_memory(acc, other):
+            raise ValueError(f"weight_grad_accumulator: overlaps {name}'s memory, expected "
+                             "a separate buffer")
 
 
 def _resolve_mode(mode: int, reduction: int, needs_grad: bool) -> int:
@@ -468,7 +463,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                              (hidden.requires_grad or weight.requires_grad))
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
-            _options(*opts, _RECOMPUTE if mode == _FORWARD_ONLY else mode, tf32, 0, 1, 2, 1)
+            _options(*opts, _cpp_mode(mode), tf32, 0, 1, 2, 1)
         if weight_grad_accumulator is not None:
             if torch.compiler.is_compiling():
                 raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under "

@@ -52,13 +52,6 @@ bool overlaps(const MatrixView& a, const MatrixView& b) {
   return alo < bhi && blo < ahi;
 }
 
-bool overlaps(const MatrixView& m, const void* p, int64_t bytes) {
-  if (m.rows == 0 || m.cols == 0 || p == nullptr || bytes <= 0) return false;
-  auto [lo, hi] = span(m);
-  auto plo = static_cast<const char*>(p);
-  return lo < plo + bytes && plo < hi;
-}
-
 Span span_of(const MatrixView& m, const char* name) {
   if (m.rows == 0 || m.cols == 0 || m.data == nullptr) return {nullptr, 0, name};
   auto [lo, hi] = span(m);
@@ -73,14 +66,18 @@ Span span_of(const VectorView& v, const char* name) {
   return {v.data, v.data ? v.size * element_size(v.dtype) : 0, name};
 }
 
+namespace {
+bool meet(const Span& a, const Span& b) {
+  if (!a.p || !b.p || a.bytes <= 0 || b.bytes <= 0) return false;
+  auto alo = static_cast<const char*>(a.p), blo = static_cast<const char*>(b.p);
+  return alo < blo + b.bytes && blo < alo + a.bytes;
+}
+}  // namespace
+
 void require_disjoint(std::initializer_list<Span> spans) {
   for (auto a = spans.begin(); a != spans.end(); ++a)
-    for (auto b = a + 1; b != spans.end(); ++b) {
-      if (!a->p || !b->p || a->bytes <= 0 || b->bytes <= 0) continue;
-      auto alo = static_cast<const char*>(a->p), blo = static_cast<const char*>(b->p);
-      require(!(alo < blo + b->bytes && blo < alo + a->bytes), a->name, ": overlaps ", b->name,
-              ", expected separate buffers");
-    }
+    for (auto b = a + 1; b != spans.end(); ++b)
+      require(!meet(*a, *b), a->name, ": overlaps ", b->name, ", expected separate buffers");
 }
 
 void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer_list<Span> inputs) {
@@ -89,10 +86,10 @@ void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer
     for (const Span& in : inputs) require_disjoint({out, in});
 }
 
-void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,
-                   const char* what) {
-  require(!overlaps(grad, p, bytes), name, ": overlaps ", what, ", expected a separate buffer (",
-          what, " is read while ", name, " is written)");
+void require_read_apart(const Span& written, std::initializer_list<Span> read) {
+  for (const Span& r : read)
+    require(!meet(written, r), written.name, ": overlaps ", r.name, ", expected a separate buffer (",
+            r.name, " is read while ", written.name, " is written)");
 }
 
 void check_targets_on_host(const IndexView& target, const core::CeParams& p) {

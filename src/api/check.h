@@ -13,9 +13,6 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false)
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
 // true when the two views cover overlapping memory
 bool overlaps(const MatrixView& a, const MatrixView& b);
-// true when m's address range (its first to last element, row padding included) and the
-// `bytes` bytes at p overlap (false when either is empty)
-bool overlaps(const MatrixView& m, const void* p, int64_t bytes);
 // A buffer's address range for the overlap checks: `bytes` bytes at p (null or 0: absent).
 struct Span {
   const void* p;
@@ -30,11 +27,10 @@ Span span_of(const VectorView& v, const char* name);  // absent (null data): any
 void require_disjoint(std::initializer_list<Span> spans);
 // Outputs disjoint from each other and from every input (inputs may share memory: both read).
 void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer_list<Span> inputs);
-// Refuses a gradient buffer `grad` (named `name`) that shares memory with a buffer its kernel
-// reads while writing it: `bytes` bytes at p, named `what`. In place over its own input is the
-// caller's check; this is for the auxiliary inputs (targets, scales, biases, saved stats).
-void require_apart(const MatrixView& grad, const char* name, const void* p, int64_t bytes,
-                   const char* what);
+// Refuses a buffer a kernel writes (`written`) that shares memory with one it reads at the same
+// time (`read`: targets, scales, biases, saved stats), naming both. In place over its own
+// input is the caller's check; this is for the auxiliary inputs.
+void require_read_apart(const Span& written, std::initializer_list<Span> read);
 // CPU targets are checked before anything is written (throws naming the first bad row); CUDA
 // kernels check them in flight, so this does nothing for CUDA targets.
 void check_targets_on_host(const IndexView& target, const core::CeParams& p);

@@ -59,12 +59,10 @@ void check_grad_logits(const MatrixView& logits, const MatrixView& grad_logits) 
 // share grad_logits' memory.
 void check_grad_apart(const MatrixView& grad_logits, const IndexView& target, const float* lse,
                       const float* grad_loss, int64_t grad_loss_floats, const float* valid_count) {
-  const int64_t rows = grad_logits.rows;
-  const int64_t index_bytes = target.type == IndexType::I32 ? 4 : 8;
-  detail::require_apart(grad_logits, "grad_logits", target.data, target.size * index_bytes, "target");
-  detail::require_apart(grad_logits, "grad_logits", lse, rows * 4, "lse");
-  detail::require_apart(grad_logits, "grad_logits", grad_loss, grad_loss_floats * 4, "grad_loss");
-  detail::require_apart(grad_logits, "grad_logits", valid_count, 4, "valid_count");
+  detail::require_read_apart(detail::span_of(grad_logits, "grad_logits"),
+                             {detail::span_of(target, "target"), {lse, grad_logits.rows * 4, "lse"},
+                              {grad_loss, grad_loss_floats * 4, "grad_loss"},
+                              {valid_count, 4, "valid_count"}});
 }
 
 }  // namespace
@@ -239,7 +237,7 @@ void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_l
   detail::check_matrix(grad_logits, "grad_logits");
   require(grad_loss != nullptr || grad_logits.rows == 0,
           "grad_loss: got null, expected the loss's gradient (1 float)");
-  detail::require_apart(grad_logits, "grad_logits", grad_loss, 4, "grad_loss");
+  detail::require_read_apart(detail::span_of(grad_logits, "grad_logits"), {{grad_loss, 4, "grad_loss"}});
   if (grad_logits.rows == 0 || grad_logits.cols == 0) return;
   FL_DISPATCH(grad_logits.device, "cross_entropy_scale_grad",
               cpu::ce_scale_grad(grad_logits, grad_loss),

@@ -327,12 +327,11 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
           "grad_loss: got null, expected ", p.reduction == Reduction::None ? N : 1, " floats");
   // what the backward reads beside the inputs, never under the gradients it writes
   const int64_t ngrad = p.reduction == Reduction::None ? N : 1;
-  for (auto [m, name] : {std::pair{&grads.dhidden, "grads.dhidden"}, {&grads.dweight, "grads.dweight"}}) {
-    detail::require_apart(*m, name, grad_loss, ngrad * 4, "grad_loss");
-    detail::require_apart(*m, name, lse, N * 4, "lse");
-    detail::require_apart(*m, name, valid_count, 4, "valid_count");
-    detail::require_apart(*m, name, target.data, detail::span_of(target, "").bytes, "target");
-  }
+  for (const detail::Span& written : {detail::span_of(grads.dhidden, "grads.dhidden"),
+                                      detail::span_of(grads.dweight, "grads.dweight")})
+    detail::require_read_apart(written, {{grad_loss, ngrad * 4, "grad_loss"}, {lse, N * 4, "lse"},
+                                         {valid_count, 4, "valid_count"},
+                                         detail::span_of(target, "target")});
 
   if (mode == LinearCeBackward::InForward) {
     check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight);

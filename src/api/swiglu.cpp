@@ -101,18 +101,14 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   require(in_place || !detail::overlaps(grad_y, y),
           "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
   require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
-  const detail::Span b = detail::span_of(bias, "bias"), w = detail::span_of(weights, "weights");
-  detail::require_apart(grad_y, "grad_y", b.p, b.bytes, "bias");
-  detail::require_apart(grad_y, "grad_y", w.p, w.bytes, "weights");
+  const detail::Span b = detail::span_of(bias, "bias"), w = detail::span_of(weights, "weights"),
+                     gy = detail::span_of(grad_y, "grad_y");
+  detail::require_read_apart(gy, {b, w});
   // the per-row and per-column gradients: apart from everything the kernel reads or writes
   // (grad_y may be y itself: in place)
-  const detail::Span gw{grad_weights, grad_weights ? y.rows * 4 : 0, "grad_weights"},
-      gb{grad_bias, grad_bias ? y.cols * 4 : 0, "grad_bias"};
-  detail::require_disjoint({gw, gb});
-  for (const detail::Span& mine : {gw, gb})
-    for (const detail::Span& other : {detail::span_of(grad_y, "grad_y"), detail::span_of(grad_out, "grad_out"),
-                                      detail::span_of(y, "y"), b, w})
-      detail::require_disjoint({mine, other});
+  detail::require_outputs_apart({{grad_weights, grad_weights ? y.rows * 4 : 0, "grad_weights"},
+                                 {grad_bias, grad_bias ? y.cols * 4 : 0, "grad_bias"}},
+                                {gy, detail::span_of(grad_out, "grad_out"), detail::span_of(y, "y"), b, w});
   require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
           grad_weights ? "a buffer" : "null", ", expected ",
           p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
