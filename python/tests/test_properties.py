@@ -4,6 +4,7 @@ torch reference; memory the caller owns (leaves, targets, scales, biases) is nev
 
 CI runs a fixed-seed batch and a few random examples; FUSEDLOSS_PROPERTY_EXAMPLES and
 FUSEDLOSS_PROPERTY_DEVICE=cuda give the long run on a GPU."""
+import contextlib
 import os
 import warnings
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fusedloss
+from fusedloss._views import storage_is_ours
 from layouts import LAYOUTS, build, leaf
 
 DEVICE = os.environ.get("FUSEDLOSS_PROPERTY_DEVICE", "cpu")
@@ -199,17 +201,32 @@ def test_swiglu_any_layout(run):
         b, b_view, b64 = _aux(draw, (y.size(-1),), gen, "bias")
         w, w_view, w64 = _aux(draw, (rows, 1), gen, "scale")
         owned = [(t, t.detach().clone()) for t in (base, b, w) if t is not None]
+        b_arg = b_view(b) if b is not None else None
+        w_arg = w_view(w) if w is not None else None
+        b_ref = None if b is None else b_view(b64)
+        w_ref = None if w is None else w_view(w64)
+        # a bias or scale that is y's own memory (constants: no gradient asked), read as passed
+        # while the in-place backward overwrites y
+        if opts["inplace_backward"] and rows > 0 and storage_is_ours(y) and draw(st.sampled_from([True, True, False])):
+            k = y.size(-1) if draw(st.booleans()) else rows  # the bias [2n] or the scale [T, 1]
+            room = y.untyped_storage().nbytes() // y.element_size() - y.storage_offset()
+            alias = y.detach().as_strided((min(k, room),), (1,), y.storage_offset())
+            alias = alias if alias.numel() == k else alias[:1].expand(k)  # y's first elements
+            if k == y.size(-1):
+                b, b_arg = None, alias
+                b_ref = alias.double().clone()
+            else:
+                w, w_arg = None, alias.view(rows, 1)
+                w_ref = w_arg.double().clone()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = fusedloss.swiglu(y, b_view(b) if b is not None else None,
-                                   per_token_scale=w_view(w) if w is not None else None, **opts)
+            out = fusedloss.swiglu(y, b_arg, per_token_scale=w_arg, **opts)
         y_bwd = y64
         if opts["fp8_input_store"]:  # the backward sees only the e4m3 copy of y
             y_bwd = y64.detach().to(torch.float8_e4m3fn).double().requires_grad_(True)
-        ref_out = _swiglu_reference(y64.detach(), None if b is None else b_view(b64).detach(),
-                                    None if w is None else w_view(w64).detach(), clamp)
-        ref = _swiglu_reference(y_bwd, None if b is None else b_view(b64),
-                                None if w is None else w_view(w64), clamp)
+        ref_out = _swiglu_reference(y64.detach(), None if b_ref is None else b_ref.detach(),
+                                    None if w_ref is None else w_ref.detach(), clamp)
+        ref = _swiglu_reference(y_bwd, b_ref, w_ref, clamp)
         assert out.dtype == dtype and out.shape == ref.shape
         tol = TOL[dtype]
         _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
@@ -296,13 +313,19 @@ def test_linear_cross_entropy_any_layout(run):
                     fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
                 assert torch.equal(acc_base.detach(), acc_before)
                 acc = None
-        with warnings.catch_warnings():
+        no_grad = draw(st.sampled_from([False, False, False, True]))  # evaluation: forward alone
+        with warnings.catch_warnings(), torch.no_grad() if no_grad else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
         ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
         _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        if no_grad:  # nothing to differentiate, nothing written
+            assert not loss.requires_grad
+            for x, before in owned + ([(acc_base, acc_before)] if acc is not None else []):
+                assert torch.equal(x.detach(), before), "a tensor was written without a backward"
+            return
         up, up64 = _upstream(draw, loss, gen)
         up(loss).backward()
         w64.retain_grad()  # the gradient of the op's weight argument, the view, for the buffer
