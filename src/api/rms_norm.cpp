@@ -16,11 +16,6 @@ namespace {
 
 using detail::require;
 
-// A vector (or a raw fp32 buffer) as a one-row matrix, for the overlap checks.
-MatrixView as_row(const void* data, int64_t size, DType dtype) {
-  return MatrixView{const_cast<void*>(data), data && size ? 1 : 0, size, size, dtype, Device::CPU};
-}
-
 void check_like(const MatrixView& m, const char* name, const MatrixView& ref, const char* ref_name) {
   detail::check_matrix(m, name);
   require(m.rows == ref.rows && m.cols == ref.cols, name, ": got shape [", m.rows, ", ", m.cols,
@@ -72,27 +67,20 @@ void rms_norm_forward(const MatrixView& x, const VectorView& weight, const RmsNo
   core::RmsNormParams p = resolve_params(x, weight, options);
   check_like(y, "y", x, "x");
   require(rstd != nullptr || x.rows == 0, "rstd: got null, expected a [", x.rows, "] fp32 buffer");
-  const MatrixView w = as_row(weight.data, weight.size, weight.dtype);
-  const MatrixView r = as_row(rstd, x.rows, DType::F32);
-  require(!detail::overlaps(y, x), "y: overlaps x, expected a separate buffer");
-  require(!detail::overlaps(y, w), "y: overlaps weight, expected a separate buffer");
-  require(!detail::overlaps(r, x) && !detail::overlaps(r, y) && !detail::overlaps(r, w),
-          "rstd: overlaps x, y or weight, expected a separate buffer");
   if (residual.data) {
     check_like(residual, "residual", x, "x");
     require(residual_out.data != nullptr, "residual_out: got null, expected a [", x.rows, ", ",
             x.cols, "] buffer (residual was given; it receives x + residual for the backward)");
     check_like(residual_out, "residual_out", x, "x");
-    require(!detail::overlaps(y, residual), "y: overlaps residual, expected a separate buffer");
-    require(!detail::overlaps(r, residual), "rstd: overlaps residual, expected a separate buffer");
-    for (auto [m, name] : {std::pair{&x, "x"}, {&residual, "residual"}, {&y, "y"}, {&w, "weight"},
-                           {&r, "rstd"}})
-      require(!detail::overlaps(residual_out, *m), "residual_out: overlaps ", name,
-              ", expected a separate buffer");
   } else {
     require(residual_out.data == nullptr || residual_out.rows == 0,
             "residual_out: got a buffer, expected null (no residual was given)");
   }
+  using detail::span_of;
+  detail::require_outputs_apart(
+      {{rstd, rstd ? x.rows * 4 : 0, "rstd"},
+       span_of(residual.data ? residual_out : MatrixView{}, "residual_out"), span_of(y, "y")},
+      {span_of(x, "x"), span_of(weight, "weight"), span_of(residual, "residual")});
   FL_DISPATCH(x.device, "rms_norm_forward",
               cpu::rms_norm_forward(x, p, y, rstd, residual, residual_out),
               cuda::rms_norm_forward(x, p, y, rstd, residual, residual_out, stream));
@@ -121,9 +109,6 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
           x_or_s.rows, "] fp32 buffer");
   require(grad_weight != nullptr, "grad_weight: got null, expected a [", x_or_s.cols,
           "] fp32 buffer");
-  const MatrixView w = as_row(weight.data, weight.size, weight.dtype);
-  const MatrixView r = as_row(rstd, x_or_s.rows, DType::F32);
-  const MatrixView gw = as_row(grad_weight, x_or_s.cols, DType::F32);
   // given (data) means checked: a [0, H] view for T > 0 rows is refused, not ignored
   const bool gres = grad_residual_out.data != nullptr;
   if (gres) check_like(grad_residual_out, "grad_residual_out", x_or_s, "x_or_s");
@@ -133,13 +118,13 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
                          {&grad_residual_out, "grad_residual_out"}})
     require(same_view(grad_x, *m) || !detail::overlaps(grad_x, *m), "grad_x: overlaps ", name,
             " without being the same view; expected ", name, " itself or a separate buffer");
-  require(!detail::overlaps(grad_x, w) && !detail::overlaps(grad_x, r) &&
-              !detail::overlaps(grad_x, gw),
-          "grad_x: overlaps weight, rstd or grad_weight, expected a separate buffer");
-  for (auto [m, name] : {std::pair{&grad_y, "grad_y"}, {&x_or_s, "x_or_s"}, {&w, "weight"},
-                         {&r, "rstd"}, {&grad_residual_out, "grad_residual_out"}})
-    require(!detail::overlaps(gw, *m), "grad_weight: overlaps ", name,
-            ", expected a separate buffer");
+  using detail::span_of;
+  const detail::Span gw{grad_weight, x_or_s.cols * 4, "grad_weight"};
+  detail::require_outputs_apart({span_of(grad_x, "grad_x"), gw},
+                                {span_of(weight, "weight"), {rstd, rstd ? x_or_s.rows * 4 : 0, "rstd"}});
+  detail::require_outputs_apart({gw}, {span_of(grad_y, "grad_y"), span_of(x_or_s, "x_or_s"),
+                                       span_of(gres ? grad_residual_out : MatrixView{},
+                                               "grad_residual_out")});
   require(workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
           "workspace: got an address that is not 16-byte aligned, expected an aligned buffer of "
           "rms_norm_backward_workspace_bytes() bytes");
