@@ -152,10 +152,11 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
 class rank_checks:
     """The local checks of one vocab-parallel call, as a with-block (local work only: no
     collective inside). With the agreement on (check) and a group of size > 1, an exception
-    raised inside (a bad argument, an overflow converting one) does not leave this rank alone: it becomes this rank's rejection in agree(), which every rank then raises
-    at the same call; a block that passes takes part in agree() with its shapes (unless
-    only_on_error: the op's forward agrees later). Otherwise errors propagate as they are.
-    chunk_rows may be set inside the block."""
+    raised inside (a bad argument, an overflow converting one) does not leave this rank alone:
+    it becomes this rank's rejection in agree(), which every rank then raises at the same call;
+    a block that passes takes part in agree() with its shapes (unless only_on_error: the op's
+    forward agrees later). Otherwise errors propagate as they are. chunk_rows may be set inside
+    the block."""
 
     def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False):
         self.group, self.check, self.op = group, check, op

@@ -38,12 +38,14 @@ _MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
 _FORWARD_ONLY = -2
 
 
-def _cpp_mode(mode: int) -> int:
-    """The C++ backward mode that runs `mode`: the forward alone is the recompute form's."""
-    return _RECOMPUTE if mode == _FORWARD_ONLY else mode
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
+
+
+def _cpp_mode(mode: int) -> int:
+    """The C++ backward mode that runs `mode`: the forward alone is the recompute form's."""
+    return _RECOMPUTE if mode == _FORWARD_ONLY else mode
 
 
 @functools.lru_cache(maxsize=256)
