@@ -2,7 +2,9 @@
 // forward, backward (with the weight gradient's finish) and forward+backward; the floor from
 // the copy bandwidth measured in the same run: forward moves 2 elements per element of x (read
 // x, write y), backward 3 (read x and dy, write dx): 4 and 10 B/element in bf16 for forward and
-// forward+backward. Output: CSV on stdout.
+// forward+backward. copy_ms: device-to-device copies moving the same bytes, timed the same way
+// (forward: one copy of x's size; backward: one of 1.5 times it; forward+backward: both): what
+// the copy engine reaches at this size, launch and tail included. Output: CSV on stdout.
 //
 // Kernel variants, in one run: each argument is a launch shape of the CUDA kernels,
 // "field=value,..." over the shipped defaults (src/cuda/rms_norm_cuda.h, RmsNormTuning;
@@ -34,8 +36,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw = copy_bandwidth_gbs();
-  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_gbs,gpu\n"
-                       : "provider,op,T,H,dtype,ms,floor_ms,copy_gbs,gpu\n");
+  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_ms,ratio_copy,copy_gbs,gpu\n"
+                       : "provider,op,T,H,dtype,ms,floor_ms,copy_ms,copy_gbs,gpu\n");
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
                           {16384, 8192}, {8192, 16384}};
@@ -65,12 +67,29 @@ int main(int argc, char** argv) {
         const double floor_ms[3] = {2 * elem_ms, 3 * elem_ms, 5 * elem_ms};
         const double ms[3] = {median_ms(iters, [] {}, fwd), median_ms(iters, [] {}, bwd),
                               median_ms(iters, [] {}, [&] { fwd(); bwd(); })};
+        // The same bytes by copies: dx (n * es) and y, dy (n * es each) hold 3 * n * es.
+        const size_t fwd_bytes = size_t(n * es), bwd_bytes = fwd_bytes * 3 / 2;
+        void *from, *to;
+        CHECK(cudaMalloc(&from, bwd_bytes));
+        CHECK(cudaMalloc(&to, bwd_bytes));
+        CHECK(cudaMemset(from, 0, bwd_bytes));
+        auto copy = [&](size_t bytes) {
+          CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice));
+        };
+        const double copy_ms[3] = {
+            median_ms(iters, [] {}, [&] { copy(fwd_bytes); }),
+            median_ms(iters, [] {}, [&] { copy(bwd_bytes); }),
+            median_ms(iters, [] {}, [&] { copy(fwd_bytes); copy(bwd_bytes); })};
+        CHECK(cudaFree(from));
+        CHECK(cudaFree(to));
         const char* ops[3] = {"forward", "backward", "fwd+bwd"};
         for (int i = 0; i < 3; ++i) {
           if (labelled) std::printf("\"%s\",", v.c_str());
           std::printf("fusedloss,%s,%lld,%lld,%s,%.4f,%.4f,", ops[i], (long long)s.T,
                       (long long)s.H, es == 4 ? "fp32" : "bf16", ms[i], floor_ms[i]);
           if (labelled) std::printf("%.3f,", ms[i] / floor_ms[i]);
+          std::printf("%.4f,", copy_ms[i]);
+          if (labelled) std::printf("%.3f,", ms[i] / copy_ms[i]);
           std::printf("%.1f,%s\n", bw, prop.name);
         }
         std::fflush(stdout);
