@@ -95,6 +95,8 @@ void cross_entropy_scale_grad(const MatrixView& grad_logits, const float* grad_l
                               Stream stream = nullptr);
 
 // ---- The split passes, for trainers that run their own collective between them. ----
+// Each refuses (Error naming both) an output that shares memory with another output or with
+// anything it reads.
 
 // Pass 1: stats[rows] of this rank's shard. Validates targets against [0, V_global).
 void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target,
@@ -104,7 +106,7 @@ void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target
 // All-reduce form, between the MAX all-reduce of the maxima and the SUM all-reduce:
 // given global_max[rows], writes summable[rows] (max = global max on rank 0 and 0 elsewhere,
 // sum_exp rescaled to the global max, target_logit 0 off its owner) so that an element-wise
-// SUM over ranks gives the merged statistics. `summable` must not overlap `local`.
+// SUM over ranks gives the merged statistics.
 void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
                                const IndexView& target, const CrossEntropyOptions& options,
                                int64_t vocab_local, int rank, RowStats* summable,

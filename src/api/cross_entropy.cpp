@@ -2,6 +2,7 @@
 #include "fusedloss/cross_entropy.h"
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 #include "api/check.h"
@@ -35,6 +36,12 @@ core::CeParams forward_params(const MatrixView& logits, const IndexView& target,
                                 {detail::span_of(logits, "logits"), detail::span_of(target, "target")});
   check_targets_on_host(target, p);
   return p;
+}
+
+// `rows` RowStats at p, for the overlap checks.
+constexpr int64_t kStatsBytes = sizeof(RowStats);
+detail::Span stats_span(const RowStats* p, int64_t rows, const char* name) {
+  return {p, rows * kStatsBytes, name};
 }
 
 // grad_logits beside the logits: the same shape, dtype and device, and either the logits
@@ -80,6 +87,8 @@ void cross_entropy_local_stats(const MatrixView& logits, const IndexView& target
   detail::check_index(target, "target", logits.rows, logits.device);
   require(stats != nullptr || logits.rows == 0, "stats: got null, expected ", logits.rows,
           " RowStats");
+  detail::require_outputs_apart({stats_span(stats, logits.rows, "stats")},
+                                {detail::span_of(logits, "logits"), detail::span_of(target, "target")});
   check_targets_on_host(target, p);
   FL_DISPATCH(logits.device, "cross_entropy_local_stats",
               cpu::ce_local_stats(logits, target, p, stats),
@@ -96,6 +105,10 @@ void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
   require((local && global_max && summable) || target.size == 0,
           "local/global_max/summable: got a null pointer, expected buffers of ", target.size,
           " rows");
+  detail::require_outputs_apart({stats_span(summable, target.size, "summable")},
+                                {stats_span(local, target.size, "local"),
+                                 {global_max, target.size * 4, "global_max"},
+                                 detail::span_of(target, "target")});
   FL_DISPATCH(device, "cross_entropy_prepare_sum",
               cpu::ce_prepare_sum(local, global_max, target, p, rank, summable),
               cuda::ce_prepare_sum(local, global_max, target, p, rank, summable, stream));
@@ -106,6 +119,7 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
                          int64_t vocab_local, const CrossEntropyOutputs& out,
                          [[maybe_unused]] Stream stream) {
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
+  detail::check_index(target, "target", target.size, target.device);
   require(parts >= 1, "parts: got ", parts, ", expected >= 1");
   require(combined != nullptr || target.size == 0, "combined: got null, expected ", parts,
           " x ", target.size, " RowStats");
@@ -115,6 +129,15 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
           "out.loss: got null, expected a float buffer");
   require(out.lse != nullptr || target.size == 0, "out.lse: got null, expected ", target.size,
           " floats");
+  const int64_t nloss = p.reduction == Reduction::None ? target.size : 1;
+  const int64_t combined_rows =  // saturated: a span past the address space overlaps anything
+      target.size > INT64_MAX / kStatsBytes / parts ? INT64_MAX / kStatsBytes : parts * target.size;
+  detail::require_outputs_apart(
+      {{out.loss, nloss * 4, "out.loss"}, {out.lse, target.size * 4, "out.lse"},
+       {out.valid_count, 4, "out.valid_count"}},
+      {stats_span(combined, combined_rows, "combined"),
+       stats_span(p.partition_scope ? local : nullptr, target.size, "local"),
+       detail::span_of(target, "target")});
   FL_DISPATCH(target.device, "cross_entropy_merge",
               cpu::ce_merge(combined, parts, local, target, p, out),
               cuda::ce_merge(combined, parts, local, target, p, out, stream));

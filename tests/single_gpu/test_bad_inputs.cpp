@@ -207,6 +207,45 @@ TEST_P(BadInputs, ForwardOutputsApart) {
   expect_error([&] { validate_cross_entropy_options(far, 4, 8); }, {"options.vocab_start", "expected in [0, 0]"});
 }
 
+// The split passes refuse outputs that share memory with what they read (or each other), as
+// the whole forward does; a well-formed call with separate buffers runs.
+TEST_P(BadInputs, SplitPassOutputsApart) {
+  Fixture f(GetParam());
+  constexpr int64_t R = Fixture::rows;
+  Buffer stats(f.dev, R * sizeof(RowStats) * 3), gmax(f.dev, R * 4), cnt(f.dev, 4);
+  stats.poison();
+  RowStats* s = stats.data_as<RowStats>();
+  expect_error([&] { cross_entropy_local_stats(f.xv(), f.tv(), {}, f.x.data_as<RowStats>()); },
+               {"stats: overlaps logits"});
+  expect_error([&] { cross_entropy_local_stats(f.xv(), f.tv(), {}, static_cast<RowStats*>(f.t.data())); },
+               {"stats: overlaps target"});
+  cross_entropy_local_stats(f.xv(), f.tv(), {}, s);
+  expect_error([&] { cross_entropy_prepare_sum(s, gmax.data_as<float>(), f.tv(), {}, f.V, 0, s, f.dev); },
+               {"summable: overlaps local"});
+  expect_error([&] {
+    cross_entropy_prepare_sum(s, reinterpret_cast<float*>(s + R) + 2, f.tv(), {}, f.V, 0, s + R, f.dev);
+  }, {"summable: overlaps global_max"});
+  float* inside = reinterpret_cast<float*>(s + 1);
+  expect_error([&] { cross_entropy_merge(s, 1, s, f.tv(), {}, f.V, {f.loss.data_as<float>(), inside, nullptr}); },
+               {"out.lse: overlaps combined"});
+  expect_error([&] {
+    cross_entropy_merge(s, 1, s, f.tv(), {}, f.V, {f.loss.data_as<float>(), f.lse.data_as<float>(),
+                                                   f.lse.data_as<float>() + 2});
+  }, {"out.lse: overlaps out.valid_count"});
+  CrossEntropyOptions partition;
+  partition.label_smoothing = 0.1f;
+  partition.smoothing_scope = SmoothingScope::Partition;
+  expect_error([&] {
+    cross_entropy_merge(s, 1, s + R, f.tv(), partition, f.V,
+                        {f.loss.data_as<float>(), reinterpret_cast<float*>(s + R), nullptr});
+  }, {"out.lse: overlaps local"});
+  // separate buffers: the merge writes the loss
+  f.loss.poison();
+  cross_entropy_merge(s, 1, s, f.tv(), {}, f.V, {f.loss.data_as<float>(), f.lse.data_as<float>(), nullptr});
+  f.loss.download();
+  EXPECT_TRUE(std::isfinite(f.loss.host_as<float>()[0]));
+}
+
 TEST_P(BadInputs, GradientInForward) {
   Fixture f(GetParam());
   Buffer grad(f.dev, f.rows * f.V * 4), cnt(f.dev, 4);
