@@ -12,7 +12,9 @@
 // rows. A thread owns the same columns in every row, so it accumulates dy * xhat for them in
 // registers across its rows; at the end the block's groups add their accumulators in group
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
-// kernel adds the partial rows of each column in a fixed order. No float atomics anywhere: the
+// kernel adds the partial rows of each column in a fixed order (launched as a programmatic
+// dependent of the row kernel: its launch overlaps the row kernel's tail, its reads wait for
+// the row kernel's end). No float atomics anywhere: the
 // weight gradient has the same bits on every call on a given device (the grid depends on the
 // device's SM count, H and the tuning, never on timing).
 //
@@ -117,22 +119,7 @@ struct BwdArgs {
 
 // ---- forward ----
 
-// This thread's NP vectors of row r of m (row stride rs), zeros past the row or the matrix:
-// zero bits are 0.0 in every storage kind, so absent vectors add nothing.
-template <int NP, class T>
-__device__ __forceinline__ void load_row_vectors(const T* m, int64_t rs, int64_t r, int64_t rows,
-                                                 int t, int tpr, int nvec, Vec16 (&v)[NP]) {
-  constexpr int VEC = vector_width<T>();
-#pragma unroll
-  for (int k = 0; k < NP; ++k) {
-    const int p = t + k * tpr;
-    v[k] = r < rows && p < nvec ? load_vec(m + r * rs + p * VEC) : Vec16{};
-  }
-}
-
-// PIPE: the group's next row of x is loaded into registers (`ahead`) as it starts a row, so its
-// loads are in flight while this row is reduced, scaled and stored.
-template <StorageKind X, StorageKind W, int NP, bool PIPE>
+template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kFwdMaxThreads / 32];
@@ -141,9 +128,6 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
   const int64_t step = int64_t(gridDim.x) * groups;
   const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
   int parity = 0;
-  Vec16 ahead[PIPE ? NP : 1];
-  if constexpr (PIPE)
-    load_row_vectors(a.x, a.xs, int64_t(blockIdx.x) * groups + g, a.rows, t, a.tpr, nvec, ahead);
   // The loop bounds are the block's, not the group's: every thread reaches every group_sum.
   for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
@@ -152,13 +136,11 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
       prefetch_l2(a.x + (r + step) * a.xs, row_bytes);
       if (a.res) prefetch_l2(a.res + (r + step) * a.rs, row_bytes);
     }
-    Vec16 v[NP];
-    if constexpr (PIPE) {
+    Vec16 v[NP] = {};  // zero bits are 0.0 in every storage kind: absent vectors add nothing
 #pragma unroll
-      for (int k = 0; k < NP; ++k) v[k] = ahead[k];
-      load_row_vectors(a.x, a.xs, r + step, a.rows, t, a.tpr, nvec, ahead);
-    } else {
-      load_row_vectors(a.x, a.xs, r, a.rows, t, a.tpr, nvec, v);
+    for (int k = 0; k < NP; ++k) {
+      const int p = t + k * a.tpr;
+      if (live && p < nvec) v[k] = load_vec(a.x + r * a.xs + p * VEC);
     }
     if (a.res) {
 #pragma unroll
@@ -229,11 +211,8 @@ __global__ void __launch_bounds__(kAnyThreads) forward_any_kernel(FwdArgs<X, W> 
 
 // ---- backward ----
 
-// PIPE (NP <= kBwdPreferredNp): the group's next row of x and dy, and its rstd, are loaded into
-// registers as it starts a row, as in the forward.
-template <StorageKind X, StorageKind W, int NP, bool PIPE>
+template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X, W> a) {
-  static_assert(!PIPE || NP <= kBwdPreferredNp, "the pipelined rows hold every vector");
   allow_dependent_launch();  // the column sum's launch may start (it waits for this grid's end)
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kBwdMaxThreads / 32];
@@ -254,14 +233,6 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
   __shared__ float exchange[kBwdMaxThreads * VEC];
   float dg[NP][VEC] = {};
   int parity = 0;
-  Vec16 x_ahead[PIPE ? NP : 1], dy_ahead[PIPE ? NP : 1];
-  float rstd_ahead = 0.0f;
-  if constexpr (PIPE) {
-    const int64_t r0 = int64_t(blockIdx.x) * groups + g;
-    load_row_vectors(a.x, a.xs, r0, a.rows, t, a.tpr, nvec, x_ahead);
-    load_row_vectors(a.dy, a.dys, r0, a.rows, t, a.tpr, nvec, dy_ahead);
-    rstd_ahead = r0 < a.rows ? a.rstd[r0] : 0.0f;
-  }
   for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
     const bool live = r < a.rows;
@@ -279,19 +250,9 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       }
     };
     Vec16 xv[kHeld] = {}, gv[kHeld] = {};
-    float rstd;
-    if constexpr (PIPE) {  // rows r + step and r never overlap (row_stride >= hidden): in place
-#pragma unroll               // the loads of the next row cannot see this row's stores
-      for (int k = 0; k < NP; ++k) xv[k] = x_ahead[k], gv[k] = dy_ahead[k];
-      rstd = rstd_ahead;
-      load_row_vectors(a.x, a.xs, r + step, a.rows, t, a.tpr, nvec, x_ahead);
-      load_row_vectors(a.dy, a.dys, r + step, a.rows, t, a.tpr, nvec, dy_ahead);
-      rstd_ahead = r + step < a.rows ? a.rstd[r + step] : 0.0f;
-    } else {
 #pragma unroll
-      for (int k = 0; k < kHeld; ++k) load_xdy(k, xv[k], gv[k]);
-      rstd = live ? a.rstd[r] : 0.0f;
-    }
+    for (int k = 0; k < kHeld; ++k) load_xdy(k, xv[k], gv[k]);
+    const float rstd = live ? a.rstd[r] : 0.0f;
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
@@ -501,13 +462,6 @@ void dispatch_np(int np, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
-// Calls f(std::bool_constant<b>): both kernels compiled, one chosen at run time.
-template <class F>
-void dispatch_bool(bool b, F&& f) {
-  if (b) f(std::true_type{});
-  else f(std::false_type{});
-}
-
 unsigned grid_of(int64_t blocks) { return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 30)); }
 
 }  // namespace
@@ -535,10 +489,9 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
       {"fwd_tpr", &t.fwd_tpr}, {"fwd_block", &t.fwd_block},
       {"fwd_blocks_per_sm", &t.fwd_blocks_per_sm}, {"bwd_tpr", &t.bwd_tpr},
       {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm}};
-  const std::pair<const char*, bool*> flags[] = {
-      {"fwd_prefetch", &t.fwd_prefetch}, {"bwd_prefetch", &t.bwd_prefetch},
-      {"fwd_pipeline", &t.fwd_pipeline}, {"bwd_pipeline", &t.bwd_pipeline},
-      {"bwd_overlap_sum", &t.bwd_overlap_sum}};
+  const std::pair<const char*, bool*> flags[] = {{"fwd_prefetch", &t.fwd_prefetch},
+                                                 {"bwd_prefetch", &t.bwd_prefetch},
+                                                 {"bwd_overlap_sum", &t.bwd_overlap_sum}};
   size_t at = 0;
   while (at < spec.size()) {
     const size_t end = std::min(spec.find(',', at), spec.size());
@@ -599,17 +552,15 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     if (l.np) {
       a.tpr = l.tpr;
       dispatch_np<kFwdMaxNp>(l.np, [&](auto np) {
-        dispatch_bool(tune.fwd_pipeline && tune.fwd_blocks_per_sm > 0, [&](auto pipe) {
-          auto* kernel = forward_rows_kernel<X, W, decltype(np)::value, decltype(pipe)::value>;
-          const int threads = l.tpr * l.groups;
-          int64_t blocks = (p.rows + l.groups - 1) / l.groups;
-          if (tune.fwd_blocks_per_sm > 0) {  // persistent: the blocks resident at once
-            const int per_sm =
-                std::min(tune.fwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
-            blocks = std::min<int64_t>(blocks, int64_t(per_sm) * sm_count());
-          }
-          kernel<<<grid_of(blocks), threads, 0, as_cuda(stream)>>>(a);
-        });
+        auto* kernel = forward_rows_kernel<X, W, decltype(np)::value>;
+        const int threads = l.tpr * l.groups;
+        int64_t blocks = (p.rows + l.groups - 1) / l.groups;
+        if (tune.fwd_blocks_per_sm > 0) {  // persistent: the blocks resident at once
+          const int per_sm =
+              std::min(tune.fwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
+          blocks = std::min<int64_t>(blocks, int64_t(per_sm) * sm_count());
+        }
+        kernel<<<grid_of(blocks), threads, 0, as_cuda(stream)>>>(a);
       });
     } else {
       a.tpr = kAnyThreads;
@@ -656,16 +607,13 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     if (l.np) {
       a.tpr = l.tpr;
       dispatch_np<kLongNp>(l.np, [&](auto np) {
-        constexpr int NP = decltype(np)::value;
-        dispatch_bool(tune.bwd_pipeline && NP <= kBwdPreferredNp, [&](auto pipe) {
-          auto* kernel = backward_rows_kernel<X, W, NP, decltype(pipe)::value && NP <= kBwdPreferredNp>;
-          const int threads = l.tpr * l.groups;
-          const int per_sm =
-              std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
-          parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
-                                         (p.rows + l.groups - 1) / l.groups}));
-          kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
-        });
+        auto* kernel = backward_rows_kernel<X, W, decltype(np)::value>;
+        const int threads = l.tpr * l.groups;
+        const int per_sm =
+            std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
+        parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
+                                       (p.rows + l.groups - 1) / l.groups}));
+        kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
       });
     } else {
       a.tpr = kAnyThreads;

@@ -23,14 +23,9 @@ struct RmsNormTuning {
   int bwd_blocks_per_sm = 4;    // the backward grid per SM at most (its partial rows; see above)
   bool fwd_prefetch = false;    // the group's next row into L2 (matters with a persistent grid)
   bool bwd_prefetch = true;
-  // The group's next row loaded into registers while it reduces and stores the current one
-  // (twice the row registers; the forward's only with a persistent grid; the backward's for
-  // rows of at most 4 vectors a thread).
-  bool fwd_pipeline = false;
-  bool bwd_pipeline = false;
   // The weight gradient's column sum launched while the row kernel still runs
-  // (dependent_launch.cuh); sm_90 and later.
-  bool bwd_overlap_sum = false;
+  // (dependent_launch.cuh; sm_90 and later): 1-2% of the backward.
+  bool bwd_overlap_sum = true;
 };
 RmsNormTuning rms_norm_tuning();
 // Throws naming the field, its value and the range when a field is out of range.
