@@ -11,6 +11,9 @@
 // "default" for the defaults themselves); the CSV then starts with a variant column and has
 // the ratio over the floor:
 //   rms_norm_bench default bwd_block=512 "bwd_block=128,bwd_blocks_per_sm=4" bwd_prefetch=0
+// RMS_SHAPES="16384x2048,16384x8192" (environment) runs only those T x H (both dtypes), e.g.
+// under a profiler.
+#include <cstdlib>
 #include <string>
 #include <vector>
 #include "bench_util.cuh"
@@ -41,9 +44,16 @@ int main(int argc, char** argv) {
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
                           {16384, 8192}, {8192, 16384}};
+  const char* only = std::getenv("RMS_SHAPES");
+  auto wanted = [&](Shape s) {
+    if (!only) return true;
+    const std::string list = std::string(",") + only + ",";
+    return list.find("," + std::to_string(s.T) + "x" + std::to_string(s.H) + ",") != std::string::npos;
+  };
   for (const std::string& v : variants)
     for (fl::DType dt : {fl::DType::BF16, fl::DType::F32})
       for (Shape s : shapes) {
+        if (!wanted(s)) continue;
         tune(v);
         const int64_t es = dt == fl::DType::F32 ? 4 : 2, n = s.T * s.H;
         void *x, *y, *dy, *dx, *w, *ws;
