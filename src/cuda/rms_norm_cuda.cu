@@ -345,28 +345,16 @@ __global__ void __launch_bounds__(kAnyThreads) backward_any_kernel(BwdArgs<X, W>
 }
 
 // grad_weight[c] = sum over the partial rows, in row order per slice and slice order after:
-// 32 columns x 32 row slices per block. A slice's rows are loaded kBatch at a time and then
-// added in row order: the loads are in flight together (the kernel is a few microseconds of
-// latency, not of bandwidth: at H = 2048 it has 64 blocks), the sum is the same.
+// 32 columns x 32 row slices per block.
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int parts,
                                                           int64_t hidden, float* out) {
-  constexpr int kBatch = 8;
   wait_for_preceding_grid();  // the partial rows are complete and visible past this
   __shared__ float sums[32][33];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
   const int64_t c = int64_t(blockIdx.x) * 32 + tx;
   float s = 0.0f;
   if (c < hidden)
-    for (int k0 = ty; k0 < parts; k0 += 32 * kBatch) {
-      float v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int k = k0 + 32 * i;
-        v[i] = k < parts ? partial[int64_t(k) * hidden + c] : 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) s += v[i];
-    }
+    for (int k = ty; k < parts; k += 32) s += partial[int64_t(k) * hidden + c];
   sums[ty][tx] = s;
   __syncthreads();
   if (ty == 0 && c < hidden) {
