@@ -48,7 +48,7 @@ def group_size(group) -> int:
 
 def group_name(group) -> str:
     """The name an op carries for `group` ("" when the group has one rank)."""
-    if check_group(group) == 1:
+    if group is None or check_group(group) == 1:  # (None: the common case, without the call)
         return ""
     name = group.group_name
     if not torch.compiler.is_compiling():

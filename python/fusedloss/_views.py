@@ -7,6 +7,7 @@ allows (expanded/stride-0 rows, transposes, step slices, overlapping `as_strided
 copied here first; auxiliary tensors (bias, scales, grad_output, targets) are small and always
 made contiguous in the dtype the kernel computes with.
 """
+import functools
 import numbers
 import operator
 import os
@@ -70,8 +71,9 @@ def require_float_aux(t, name):
 
 def require_index_dtype(t, name):
     """Class indices: any integer dtype whose values fit int64 (uint64's may not)."""
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype in (torch.bool, torch.uint64):
-        raise ValueError(f"{name}.dtype: got {t.dtype}, expected an integer dtype (class indices; "
+    dtype = t.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint64):
+        raise ValueError(f"{name}.dtype: got {dtype}, expected an integer dtype (class indices; "
                          "signed, or uint8/uint16/uint32)")
     return t
 
@@ -107,6 +109,8 @@ def validated(validate, *args) -> None:
 def as_float(value, name):
     """A real number (int, float, numpy scalar, 0-d real tensor), never a string, a bool or a
     complex value losing its imaginary part."""
+    if type(value) is float:  # the common case, taken as is (float(value) is value)
+        return value
     complex_like = (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)) or (
         isinstance(value, Tensor) and (value.is_complex() or value.numel() != 1))
     if isinstance(value, (bool, str)) or complex_like or not hasattr(value, "__float__"):
@@ -131,18 +135,42 @@ def as_choice(value, name, allowed):
     return allowed[value]
 
 
+_PLAIN = frozenset((int, float, str, bool, type(None)))
+
+
+def parsed_once(parse):
+    """parse(*options) of an op's keyword options, run once per distinct combination of plain
+    Python values (typed: True and 1 are different arguments, one of them may be refused): the
+    parsing costs more host time than the rest of a small call, and adapters such as the
+    Megatron patch pass the same options every step. Anything else (a tensor, a numpy scalar, a
+    traced call) is parsed every time; a call that raises is never cached."""
+    cached = functools.lru_cache(maxsize=64, typed=True)(parse)
+
+    @functools.wraps(parse)
+    def parsed(*options):
+        if _PLAIN.issuperset(map(type, options)) and not torch.compiler.is_compiling():
+            return cached(*options)
+        return parse(*options)
+    return parsed
+
+
 # ---- layouts ----
 
 def _rows_view(t):
     """[rows, cols] over t's own memory when the kernels can read it as is, else None."""
-    cols = t.size(-1)
-    if t.stride(-1) != 1 and cols > 1:
+    shape, strides = t.shape, t.stride()
+    cols = shape[-1]
+    if strides[-1] != 1 and cols > 1:
         return None
-    try:
-        r = t.view(-1, cols)
-    except RuntimeError:  # leading dims not flattenable without a copy
-        return None
-    if r.size(0) > 1 and r.stride(0) < cols:  # overlapping (expanded / as_strided) rows
+    if len(shape) == 2 and cols:  # already [rows, cols]: t itself (a view costs host time)
+        r, rows, row_stride = t, shape[0], strides[0]
+    else:
+        try:
+            r = t.view(-1, cols)
+        except RuntimeError:  # leading dims not flattenable without a copy
+            return None
+        rows, row_stride = r.shape[0], r.stride()[0]
+    if rows > 1 and row_stride < cols:  # overlapping (expanded / as_strided) rows
         return None
     return r
 
@@ -196,8 +224,12 @@ _INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path
 
 def byte_range(t):
     """[first, last] byte address of t's elements (a tensor with elements)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size() - 1
+    last = 0
+    for n, st in zip(t.shape, t.stride()):  # (a loop: a generator costs more for so few dims)
+        if n > 0:
+            last += (n - 1) * st
+    first = t.data_ptr()
+    return first, first + (last + 1) * t.element_size() - 1
 
 
 def shares_memory(a, b) -> bool:
@@ -216,9 +248,14 @@ def apart_from(t, written):
     return t.clone() if t is not None and shares_memory(t, written) else t
 
 
+def as_dtype(t, dtype):
+    """t.to(dtype), without the dispatch (host time) when t has that dtype: to() returns t then."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def values_in(t, dtype):
     """A small auxiliary tensor (bias, scale, grad_output) contiguous in `dtype`."""
-    return t.to(dtype).contiguous()
+    return as_dtype(t, dtype).contiguous()
 
 
 # ---- C++ views ----
@@ -229,29 +266,44 @@ def device_of(t):
 
 def stream_of(t):
     """The current stream of t's device as an integer handle (0 for CPU)."""
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+    return _current_raw_stream(t.get_device()) if t.is_cuda else 0
+
+
+try:  # torch.cuda.current_stream(i).cuda_stream without building a Stream object per call
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # a torch without it
+    def _current_raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
 
 
 def matrix(t):
     """The C++ view of a [rows, cols] tensor from rows_of() (or one allocated contiguous)."""
     rows, cols = t.shape
-    stride = t.stride(0) if rows > 1 else cols  # a single row's stride is never used
-    if rows and ((t.stride(1) != 1 and cols > 1) or stride < cols):
-        raise AssertionError(f"fusedloss internal: unreadable layout {tuple(t.shape)} {t.stride()}")
+    strides = t.stride()
+    stride = strides[0] if rows > 1 else cols  # a single row's stride is never used
+    if rows and ((strides[1] != 1 and cols > 1) or stride < cols):
+        raise AssertionError(f"fusedloss internal: unreadable layout {tuple(t.shape)} {strides}")
     return _C.MatrixView(t.data_ptr(), rows, cols, stride, _DTYPES[t.dtype], device_of(t))
 
 
 def index(t, name):
-    """Class indices as a contiguous int32/int64 vector (other integer dtypes are widened)."""
+    """Class indices as the kernels read them, a vector of int32/int64 (other integer dtypes are
+    widened): (a contiguous tensor of them, in t's shape or flattened, to keep alive while the
+    kernel runs; its view)."""
     if t.dtype not in _INDEX:
         require_index_dtype(t, name)
         t = t.to(torch.int64)
-    t = t.reshape(-1).contiguous()
+    if not t.is_contiguous():  # (a contiguous one is its own flat vector: no reshape to pay for)
+        t = t.reshape(-1).contiguous()
     return t, _C.IndexView(t.data_ptr(), t.numel(), _INDEX[t.dtype], device_of(t))
 
 
 def vector(t):
     """A contiguous vector; None is "absent"."""
     if t is None:
-        return _C.VectorView()
+        return _NO_VECTOR
     return _C.VectorView(t.data_ptr(), t.numel(), _DTYPES[t.dtype], device_of(t))
+
+
+# "absent": one object for every call (the views are immutable from Python, read as const)
+_NO_VECTOR = _C.VectorView()

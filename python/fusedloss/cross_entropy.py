@@ -18,7 +18,8 @@ from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated, values_in)
+                     parsed_once, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
+                     values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
@@ -78,7 +79,6 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
     rows, v_local = x.shape
     g = resolve_group(group)
-    rank, world = rank_and_size(g)
     dev = x.device
     loss = torch.empty(rows if reduction == _NONE else (), dtype=torch.float32, device=dev)
     lse = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -94,13 +94,14 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         else:
             _C.cross_entropy_forward(matrix(x), tv, o, loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
         return loss, lse, count
+    rank, world = rank_and_size(g)
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
     fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction,
                         tuple(target.shape)))
     with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint):
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
-            check_targets_on_host(t, o)
+            check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
     stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
@@ -133,7 +134,7 @@ def _backward_into(grad_loss, x, target, lse, count, opts, out):
     *head, group = opts
     rank, world = rank_and_size(resolve_group(group))
     o = _options(*head, rank, world, x.size(1))
-    gl = values_in(grad_loss, torch.float32).reshape(-1)  # may arrive expanded
+    gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr
     t, tv = index(target, "target")
     _C.cross_entropy_backward(matrix(x), tv, lse.data_ptr(), gl.data_ptr(), count.data_ptr(), o,
                               matrix(out), stream_of(x))
@@ -144,7 +145,7 @@ def _backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, co
               reduction: int, group: str) -> Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
-    _backward_into(grad_loss, rows_of(logits)[0], target, lse, count, opts, grad.view(-1, grad.size(-1)))
+    _backward_into(grad_loss, rows_of(logits)[0], target, lse, count, opts, rows_of(grad)[0])
     return grad
 
 
@@ -164,7 +165,7 @@ def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
     """The backward of a gradient written in the forward: logits (holding it) *= grad_loss,
     skipped on the device when grad_loss is exactly 1."""
     x, _ = rows_of(logits)
-    gl = values_in(apart_from(grad_loss, logits), torch.float32).reshape(-1)
+    gl = values_in(apart_from(grad_loss, logits), torch.float32)  # the kernel reads its data_ptr
     _C.cross_entropy_scale_grad(matrix(x), gl.data_ptr(), stream_of(x))
 
 
@@ -204,49 +205,31 @@ def _validate(logits, target):
     if logits.dim() not in (2, 3) or logits.size(-1) == 0:
         raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected a 2-D [N, V] or 3-D "
                          "[s, b, V] tensor with V >= 1")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
+    if target.shape != logits.shape[:-1]:
         raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(logits.shape[:-1])} "
                          "(the logits' shape without the vocab dim)")
     require_index_dtype(target, "target")
     require_same_device(target, "target", logits, "the logits")
 
 
-_PLAIN = (int, float, str, bool)
-
-
-def _flags(inplace_backward, grad_in_forward, reduction: int) -> Tuple[bool, bool]:
-    """(inplace_backward, grad_in_forward) as bools, the pair checked against the reduction."""
-    inplace = as_bool(inplace_backward, "inplace_backward")
-    in_forward = as_bool(grad_in_forward, "grad_in_forward")
-    if in_forward and reduction == _NONE:
-        raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
-                         "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
-    return inplace, in_forward
-
-
-def _option_args(*options):
-    """Keyword options -> the plain values the op schema carries, parsed once per distinct
-    combination of plain Python values: the parsing costs more host time than the rest of a
-    small call, and adapters such as the Megatron patch pass the same options every step.
-    Anything else (a tensor, a traced call) is parsed every time."""
-    if all(type(o) in _PLAIN for o in options) and not torch.compiler.is_compiling():
-        return _parsed_option_args(*options)
-    return _parse_option_args(*options)
-
-
-def _parse_option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss):
-    """(the ranges are checked by the C++ validator)"""
+@parsed_once
+def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
+                 z_loss, inplace_backward, grad_in_forward):
+    """Keyword options -> (the plain values the op schema carries, inplace_backward,
+    grad_in_forward). The ranges are checked by the C++ validator; grad_in_forward against the
+    reduction."""
     args = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
             as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
             as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
             as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*args, 0, 1, 2)  # raises on a bad range or enum
-    return args
-
-
-# typed: True and 1 are different arguments (one of them may be refused)
-_parsed_option_args = functools.lru_cache(maxsize=64, typed=True)(_parse_option_args)
+    inplace = as_bool(inplace_backward, "inplace_backward")
+    in_forward = as_bool(grad_in_forward, "grad_in_forward")
+    if in_forward and args[-1] == _NONE:
+        raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
+                         "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
+    return args, inplace, in_forward
 
 
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
@@ -296,9 +279,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
         if bad_flag is not None:
             raise bad_flag
-        opts = _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
-                            reduction, z_loss)
-        inplace, in_forward = _flags(inplace_backward, grad_in_forward, opts[-1])
+        opts, inplace, in_forward = _option_args(ignore_index, label_smoothing, smoothing_formula,
+                                                 smoothing_scope, reduction, z_loss,
+                                                 inplace_backward, grad_in_forward)
         _validate(logits, target)
     inplace = inplace or in_forward
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
@@ -318,9 +301,9 @@ class CrossEntropyLoss(torch.nn.Module):
             raise TypeError(f"CrossEntropyLoss: unknown options {sorted(unknown)}; expected some of "
                             f"{sorted(cross_entropy.__kwdefaults__)}")
         kw = {**cross_entropy.__kwdefaults__, **options}
-        opts = _option_args(kw["ignore_index"], kw["label_smoothing"], kw["smoothing_formula"],
-                            kw["smoothing_scope"], kw["reduction"], kw["z_loss"])
-        _flags(kw["inplace_backward"], kw["grad_in_forward"], opts[-1])
+        _option_args(kw["ignore_index"], kw["label_smoothing"], kw["smoothing_formula"],
+                     kw["smoothing_scope"], kw["reduction"], kw["z_loss"], kw["inplace_backward"],
+                     kw["grad_in_forward"])
         as_bool(kw["check_shard_agreement"], "check_shard_agreement")
         group_name(kw["tp_group"])
         self.options = options

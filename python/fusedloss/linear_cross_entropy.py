@@ -26,8 +26,9 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
-                     require_tensor, require_values, rows_of, stream_of, validated)
+from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_index_dtype, require_same_device,
+                     parsed_once, require_tensor, require_values, rows_of, stream_of, validated,
+                     values_in)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
 _NONE = _REDUCTIONS["none"]
@@ -175,7 +176,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
             checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
         if check_agreement:
-            check_targets_on_host(t, o)
+            check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
         dw = torch.empty(v_local, h.size(1), **unit_dw)
@@ -221,7 +222,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
         block = max(64, (128 << 20) // (4 * h.size(1)) // 64 * 64)
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                      workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
-    gl = grad_loss.to(torch.float32).reshape(-1).contiguous()  # may arrive expanded
+    gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr
     if mode == _IN_FORWARD:
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
@@ -348,8 +349,7 @@ def _validate(hidden, weight, target):
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target: got shape {tuple(target.shape)}, expected "
                          f"{tuple(hidden.shape[:-1])} (hidden's shape without the hidden dim)")
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise ValueError(f"target.dtype: got {target.dtype}, expected an integer dtype (class indices)")
+    require_index_dtype(target, "target")  # here, inside the TP agreement (uint64 too)
     require_same_device(target, "target", hidden, "hidden")
 
 
@@ -384,6 +384,26 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool) -> int:
     if mode == -1:
         mode = _RECOMPUTE if reduction == _NONE else _IN_FORWARD
     return mode if needs_grad else _FORWARD_ONLY
+
+
+@parsed_once
+def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
+                 z_loss, logit_softcap, workspace_bytes, backward_mode, dhidden_reduction,
+                 dweight_accumulation, inplace_backward):
+    """Keyword options -> (the plain values the op schema carries, the backward mode (auto
+    unresolved), dhidden_reduction, fp32 accumulation, inplace_backward)."""
+    opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+            as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
+            as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
+            as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
+            0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
+            0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
+    if opts[-1] < 0 or workspace_bytes is not None and opts[-1] == 0:
+        raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
+    return (opts, as_choice(backward_mode, "backward_mode", _MODES),
+            as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN),
+            as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION),
+            as_bool(inplace_backward, "inplace_backward"))
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
@@ -448,18 +468,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
         if bad_flag is not None:
             raise bad_flag
-        opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-                as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-                as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-                as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
-                0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
-                0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
-        if opts[-1] < 0 or workspace_bytes is not None and opts[-1] == 0:
-            raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
-        mode = as_choice(backward_mode, "backward_mode", _MODES)
-        dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
-        acc32 = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
-        inplace = as_bool(inplace_backward, "inplace_backward")
+        opts, mode, dh_red, acc32, inplace = _option_args(
+            ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
+            logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
+            inplace_backward)
         _validate(hidden, weight, target)
         mode = _resolve_mode(mode, opts[5], torch.is_grad_enabled() and
                              (hidden.requires_grad or weight.requires_grad))

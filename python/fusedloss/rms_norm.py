@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (as_bool, as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
+from ._views import (as_bool, as_dtype, as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
                      rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.rms_norm"
@@ -68,19 +68,19 @@ def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Option
               eps: float, zero_centered_gamma: bool) -> List[Tensor]:
     xr, _ = rows_of(x)
     rows, hidden = xr.shape
-    gr = rows_of(g.to(x.dtype))[0]  # may arrive expanded (the gradient of a sum) or strided
+    gr = rows_of(as_dtype(g, x.dtype))[0]  # may arrive expanded (the gradient of a sum) or strided
     # kept alive until the kernel has run: a view holds only the pointer
-    gsr = rows_of(grad_s.to(x.dtype))[0] if grad_s is not None else None
+    gsr = rows_of(as_dtype(grad_s, x.dtype))[0] if grad_s is not None else None
     gs = matrix(gsr) if gsr is not None else _ABSENT
-    dx = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dw = torch.empty(hidden, dtype=torch.float32, device=x.device)
     # the weight gradient's partials through torch's allocator (CUDA graphs, the caching pool)
     ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, _C.Device.CUDA if x.is_cuda else _C.Device.CPU)
-    ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device)
+    ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device) if ws_bytes else None
     _C.rms_norm_backward(matrix(gr), matrix(xr), vector(weight), rstd.data_ptr(),
-                         _options(eps, zero_centered_gamma), matrix(dx), dw.data_ptr(),
+                         _options(eps, zero_centered_gamma), matrix(rows_of(dx)[0]), dw.data_ptr(),
                          ws.data_ptr() if ws_bytes else 0, gs, stream_of(x))
-    return [dx.view(x.shape), dw]
+    return [dx, dw]
 
 
 def _backward_fake(g, x, weight, rstd, grad_s, eps, zero_centered_gamma):
@@ -91,7 +91,7 @@ def _setup(ctx, inputs, output):
     x, weight, residual, eps, zc = inputs
     _, s, rstd = output
     ctx.eps, ctx.zc, ctx.residual = eps, zc, residual is not None
-    ctx.w_meta = (weight.shape, weight.dtype)
+    ctx.w_dtype = weight.dtype
     ctx.x_dtypes = (x.dtype, None if residual is None else residual.dtype)
     # the backward reads what was normalised: x, or s = x + residual
     ctx.save_for_backward(s if residual is not None else x, _weight_for(weight, x.dtype), rstd)
@@ -103,7 +103,7 @@ def _grads(ctx, grads, kernels):
     if g is None:  # only s was used
         g = torch.zeros_like(src)
     dx, dw = kernels.bwd(g, src, w, rstd, grad_s, ctx.eps, ctx.zc)
-    d_weight = dw.view(ctx.w_meta[0]).to(ctx.w_meta[1])
+    d_weight = as_dtype(dw, ctx.w_dtype)  # dw is [H] fp32: the weight's shape (checked)
     # with the residual, x and residual both receive the gradient of s
     return (dx, d_weight, dx if ctx.residual else None, None, None), None
 
@@ -127,7 +127,7 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight: got {type(weight).__name__}, expected a torch.Tensor")
     require_float_aux(weight, "weight")
-    if tuple(weight.shape) != (hidden,):
+    if weight.shape != (hidden,):
         raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected ({hidden},) = [H], "
                          "one weight per column of x")
     require_same_device(weight, "weight", x, "x")

@@ -13,10 +13,11 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (apart_from, as_bool, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
+from ._views import (apart_from, as_bool, as_dtype, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.swiglu"
+_NO_E4M3 = _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)  # no e4m3 copy kept
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +80,7 @@ def _forward(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp
     x, _ = rows_of(y)
     out = torch.empty(x.size(0), x.size(1) // 2, dtype=x.dtype, device=x.device)
     saved = torch.empty(x.shape if fp8_input_store else (0,), dtype=torch.float8_e4m3fn, device=x.device)
-    y8 = matrix(saved) if fp8_input_store else _C.MatrixView(0, 0, 1, 1, _C.DType.FP8_E4M3, _C.Device.CPU)
+    y8 = matrix(saved) if fp8_input_store else _NO_E4M3
     b, w = _bias_for(bias, x), _scale_for(weights)
     _C.swiglu_forward(matrix(x), vector(b), vector(w), _options(clamp_value), matrix(out), y8,
                       stream_of(x))
@@ -96,7 +97,7 @@ def _forward_fake(y, bias, weights, clamp_value, fp8_input_store, inplace_backwa
 def _backward_into(grad_out, x, bias, weights, clamp_value, grad_y):
     """Kernel backward from rows x (y's rows, or its e4m3 copy) into rows grad_y; returns the
     fp32 per-row scale gradient and bias gradient (empty when absent)."""
-    g = values_in(grad_out, grad_y.dtype).view(-1, grad_y.size(1) // 2)  # may arrive expanded
+    g = rows_of(values_in(grad_out, grad_y.dtype))[0]  # may arrive expanded
     b, w = _bias_for(bias, grad_y), _scale_for(weights)
     gw = torch.empty(g.size(0) if w is not None else 0, dtype=torch.float32, device=g.device)
     gb = torch.empty(grad_y.size(1) if b is not None else 0, dtype=torch.float32, device=g.device)
@@ -110,7 +111,7 @@ def _backward(g: Tensor, y: Tensor, saved: Tensor, bias: Optional[Tensor], weigh
               clamp_value: Optional[float], fp8_input_store: bool) -> List[Tensor]:
     grad = torch.empty(y.shape, dtype=g.dtype, device=g.device)
     src = saved if fp8_input_store else rows_of(y)[0]
-    return [grad, *_backward_into(g, src, bias, weights, clamp_value, grad.view(-1, grad.size(-1)))]
+    return [grad, *_backward_into(g, src, bias, weights, clamp_value, rows_of(grad)[0])]
 
 
 def _backward_fake(g, y, saved, bias, weights, clamp_value, fp8_input_store):
@@ -146,10 +147,12 @@ def _grads(ctx, grad_out, kernels):
     else:
         dy, gw, gb = kernels.bwd(grad_out, y if y is not None else saved, saved, bias, weights,
                                  ctx.clamp_value, ctx.fp8)
-        dy, overwritten = dy.view(ctx.y_shape), None  # with the fp8 store, y's shape, not the copy's
+        if ctx.fp8:  # the gradient has the e4m3 copy's [rows, 2n] shape: y's, not the copy's
+            dy = dy.view(ctx.y_shape)
+        overwritten = None
     (bias_meta, w_meta) = ctx.aux
-    d_bias = gb.view(bias_meta[0]).to(bias_meta[1]) if bias_meta else None
-    d_w = gw.view(w_meta[0]).to(w_meta[1]) if w_meta else None
+    d_bias = as_dtype(gb.view(bias_meta[0]), bias_meta[1]) if bias_meta else None
+    d_w = as_dtype(gw.view(w_meta[0]), w_meta[1]) if w_meta else None
     return (dy, d_bias, d_w, None, None, None), overwritten
 
 
