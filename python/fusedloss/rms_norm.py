@@ -43,19 +43,21 @@ def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float,
              zero_centered_gamma: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, s, rstd): s = x + residual (empty without a residual), rstd [T] fp32 for the backward."""
     xr, _ = rows_of(x)
-    y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    # outputs allocated in x's shape and returned as they are: an output that is a view made
+    # here could not be modified in place by the caller (autograd refuses it for custom Functions)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(xr.size(0), dtype=torch.float32, device=x.device)
     if residual is not None:
         rr = rows_of(residual)[0]
-        s = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
-        r_view, s_view = matrix(rr), matrix(s)
+        s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        r_view, s_view = matrix(rr), matrix(rows_of(s)[0])
     else:
         s = x.new_empty(0)
         r_view = s_view = _ABSENT
     w = _weight_for(weight, x.dtype)
-    _C.rms_norm_forward(matrix(xr), vector(w), _options(eps, zero_centered_gamma), matrix(y),
-                        rstd.data_ptr(), r_view, s_view, stream_of(x))
-    return y.view(x.shape), (s.view(x.shape) if residual is not None else s), rstd
+    _C.rms_norm_forward(matrix(xr), vector(w), _options(eps, zero_centered_gamma),
+                        matrix(rows_of(y)[0]), rstd.data_ptr(), r_view, s_view, stream_of(x))
+    return y, s, rstd
 
 
 def _forward_fake(x, weight, residual, eps, zero_centered_gamma):

@@ -78,13 +78,15 @@ def _scale_for(weights: Optional[Tensor]) -> Optional[Tensor]:
 def _forward(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
              fp8_input_store: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor]:
     x, _ = rows_of(y)
-    out = torch.empty(x.size(0), x.size(1) // 2, dtype=x.dtype, device=x.device)
+    # allocated in the caller's shape and returned as is: an output that is a view made here
+    # could not be modified in place by the caller (autograd refuses it for custom Functions)
+    out = torch.empty(*y.shape[:-1], y.size(-1) // 2, dtype=x.dtype, device=x.device)
     saved = torch.empty(x.shape if fp8_input_store else (0,), dtype=torch.float8_e4m3fn, device=x.device)
     y8 = matrix(saved) if fp8_input_store else _NO_E4M3
     b, w = _bias_for(bias, x), _scale_for(weights)
-    _C.swiglu_forward(matrix(x), vector(b), vector(w), _options(clamp_value), matrix(out), y8,
-                      stream_of(x))
-    return out.view(*y.shape[:-1], y.size(-1) // 2), saved
+    _C.swiglu_forward(matrix(x), vector(b), vector(w), _options(clamp_value),
+                      matrix(rows_of(out)[0]), y8, stream_of(x))
+    return out, saved
 
 
 def _forward_fake(y, bias, weights, clamp_value, fp8_input_store, inplace_backward):

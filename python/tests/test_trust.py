@@ -376,3 +376,46 @@ def test_clear_errors_for_types_and_ranges(device, call, error, match):
 
 def test_swiglu_module_repr_shows_its_options():
     assert "clamp_value=0.5" in repr(fusedloss.SwiGLU(clamp_value=0.5))
+
+
+@pytest.mark.parametrize("case", ["rms_norm", "rms_norm_3d", "rms_norm_residual_y", "swiglu", "swiglu_3d"])
+def test_outputs_can_be_modified_in_place(device, case):
+    # as with torch's ops: `out.mul_(2)` (or `out += r`) on a result, then backward through it;
+    # an output that was a view made inside the autograd node made autograd refuse this
+    torch.manual_seed(0)
+    shape = (2, 3, 8) if case.endswith("3d") or case.endswith("_y") else (3, 8)
+    w = torch.rand(8, device=device) + 0.5
+    x = torch.randn(*shape[:-1], 16 if case.startswith("swiglu") else 8, device=device)
+    r = torch.randn(shape, device=device)
+
+    def run(op, inplace):
+        xx = x.clone().requires_grad_()
+        ww = w.clone().requires_grad_()
+        if case.startswith("swiglu"):
+            out = op(xx)
+        elif case == "rms_norm_residual_y":
+            out = op(xx, ww, r)[0]
+        else:
+            out = op(xx, ww, None)
+        out = out.mul_(2.0) if inplace else out * 2.0
+        (out * torch.arange(out.numel(), device=device).view(out.shape)).sum().backward()
+        return out.detach(), xx.grad, ww.grad
+
+    def reference(xx, ww, rr):
+        if rr is not None:
+            s = xx + rr
+            return F.rms_norm(s, (8,), ww, 1e-5), s
+        return F.rms_norm(xx, (8,), ww, 1e-5)
+
+    if case.startswith("swiglu"):
+        fused, ref = fusedloss.swiglu, lambda t: F.silu(t[..., :8]) * t[..., 8:]
+    else:
+        fused = lambda xx, ww, rr: (fusedloss.rms_norm(xx, ww, residual=rr) if rr is not None
+                                    else fusedloss.rms_norm(xx, ww))
+        ref = reference
+    got, want = run(fused, inplace=True), run(ref, inplace=False)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
