@@ -69,11 +69,17 @@ def require_float_aux(t, name):
     return t
 
 
+# Class-index dtypes: those whose every value fits int64 and that index() can widen to it. An
+# allow-list: torch has integer-like dtypes that cannot be converted (bits8, int4, qint8, ...),
+# and a refusal later, in index(), would come after the TP agreement.
+_INDEX_DTYPES = frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                           getattr(torch, "uint16", torch.int64), getattr(torch, "uint32", torch.int64)))
+
+
 def require_index_dtype(t, name):
-    """Class indices: any integer dtype whose values fit int64 (uint64's may not)."""
-    dtype = t.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype in (torch.bool, torch.uint64):
-        raise ValueError(f"{name}.dtype: got {dtype}, expected an integer dtype (class indices; "
+    """Class indices: signed integers, or uint8/uint16/uint32 (uint64's may not fit int64)."""
+    if t.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name}.dtype: got {t.dtype}, expected an integer dtype (class indices; "
                          "signed, or uint8/uint16/uint32)")
     return t
 

@@ -465,10 +465,12 @@ def _check_tp_disagreement(rank, world, what):
         kw = dict(check_shard_agreement=1) if rank == 1 else {}
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, **kw),
                                "vocab-parallel rank 1: check_shard_agreement: got 1 (int)")
-    elif what == "uint64_target":  # refused on that rank inside the agreement, not after it
-        tt = t.to(torch.uint64) if rank == 1 else t
+    elif what in ("uint64_target", "bits8_target"):  # refused on that rank inside the agreement,
+        tt = t  # not after it (where the others already wait)
+        if rank == 1:
+            tt = t.to(torch.uint64) if what == "uint64_target" else t.to(torch.uint8).view(torch.bits8)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, tt, tp_group=G),
-                               "vocab-parallel rank 1: target.dtype: got torch.uint64")
+                               f"vocab-parallel rank 1: target.dtype: got torch.{what[:-7]}")
     elif what == "accumulator_at_backward":  # a callable's bad buffer on one rank, with all_reduce
         acc = torch.zeros(64 + (1 if rank == 1 else 0), h.size(1))
         hh, ww = h.clone().requires_grad_(), shard.clone().requires_grad_()
@@ -481,7 +483,7 @@ def _check_tp_disagreement(rank, world, what):
 
 
 @pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "check_flag",
-                                  "uint64_target", "accumulator_at_backward"])
+                                  "uint64_target", "bits8_target", "accumulator_at_backward"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 

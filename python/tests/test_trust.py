@@ -356,6 +356,9 @@ def test_inplace_warning_points_at_the_callers_line(device):
                                        ignore_index=2**63), ValueError, "ignore_index: got 9223372036854775808"),
     (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.uint64, device=d)),
      ValueError, "target.dtype: got torch.uint64"),
+    (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d),
+                                       torch.zeros(4, dtype=torch.uint8, device=d).view(torch.bits8)),
+     ValueError, "target.dtype: got torch.bits8"),  # integer-like, not convertible
     (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),
                                        inplace_backward="no"), TypeError, "inplace_backward: got 'no'"),
     (lambda d: fusedloss.cross_entropy(torch.randn(4, 5, device=d), torch.zeros(4, dtype=torch.long, device=d),

@@ -160,6 +160,10 @@ def _check_later_disagreement(rank, world, what):
         ls = 10 ** 400 if rank == 1 else 0.0
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
                                "vocab-parallel rank 1: label_smoothing: got an integer too large")
+    elif what == "bits8_target":  # an integer-like dtype that cannot be widened, on one rank
+        tt = t.to(torch.uint8).view(torch.bits8) if rank == 1 else t
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), tt),
+                               "vocab-parallel rank 1: target.dtype: got torch.bits8")
     elif what == "sparse":  # logits of another layout on one rank
         x = torch.randn(rows, V_local)
         _same_error_everywhere(lambda: _ce(x.to_sparse() if rank == 1 else x, t),
@@ -177,7 +181,7 @@ def _check_later_disagreement(rank, world, what):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype", "options", "bad_option",
                                   "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
-                                  "check_flag", "overflow", "sparse", "transposed_3d"])
+                                  "check_flag", "overflow", "sparse", "transposed_3d", "bits8_target"])
 def test_gloo_disagreement_raises_everywhere(world, what):
     run_world(world, _check_later_disagreement, what, timeout_s=30)
 

@@ -402,6 +402,18 @@ int blocks_per_sm(const void* kernel, int threads) {
   });
 }
 
+// Whether `kernel`, as this device runs it, was compiled for sm_90 or later (the virtual
+// architecture of its code: an sm_80-only build JIT-compiled for an H100 reports 80), i.e.
+// whether its dependent-launch instructions are in it (dependent_launch.cuh). Key -1: not a
+// block size.
+bool has_dependent_launch(const void* kernel) {
+  return cached(kernel, -1, [](int, const void* k, int) {
+    cudaFuncAttributes attributes{};
+    FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, k));
+    return int(attributes.ptxVersion >= 90);
+  }) != 0;
+}
+
 // The tuning in force (set_rms_norm_tuning); read once per call.
 std::mutex g_tuning_mutex;
 RmsNormTuning g_tuning;
@@ -622,9 +634,13 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     }
     FL_CUDA_CHECK_LAUNCH();
   });
+  // Overlapped only where the column sum's wait is compiled in: without it, its reads would
+  // not be ordered after the row kernel's writes.
+  const bool overlap =
+      tune.bwd_overlap_sum && has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel));
   launch_dependent(column_sum_kernel, dim3(grid_of((p.hidden + 31) / 32)), dim3(1024),
-                   as_cuda(stream), tune.bwd_overlap_sum, static_cast<const float*>(partial),
-                   parts, p.hidden, grad_weight);
+                   as_cuda(stream), overlap, static_cast<const float*>(partial), parts, p.hidden,
+                   grad_weight);
 }
 
 }  // namespace fusedloss::cuda
