@@ -14,9 +14,9 @@
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
 // kernel adds the partial rows of each column in a fixed order (launched as a programmatic
 // dependent of the row kernel: its launch overlaps the row kernel's tail, its reads wait for
-// the row kernel's end). No float atomics anywhere: the
-// weight gradient has the same bits on every call on a given device (the grid depends on the
-// device's SM count, H and the tuning, never on timing).
+// the row kernel's end). No float atomics anywhere: the weight gradient has the same bits on
+// every call on a given device (the grid depends on the device's SM count, H and the tuning,
+// never on timing).
 //
 // Synchronisation: only __syncthreads, reached by every thread of the block (the row loops'
 // bounds are the block's, not the group's), so the proof is short and compute-sanitizer
