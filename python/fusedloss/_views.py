@@ -89,6 +89,16 @@ def require_same_device(t, name, ref, ref_name):
         raise ValueError(f"{name}.device: got {t.device}, expected {ref.device} ({ref_name}'s device)")
 
 
+def require_targets(target, ref, ref_name, shape_note):
+    """Class-index targets beside `ref` (logits or hidden states): one per row, in ref's shape
+    without its last dim, an index dtype, ref's device. shape_note says what that shape is."""
+    if target.shape != ref.shape[:-1]:
+        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(ref.shape[:-1])} "
+                         f"({shape_note})")
+    require_index_dtype(target, "target")
+    require_same_device(target, "target", ref, ref_name)
+
+
 def as_int(value, name):
     """An integer argument that fits int64: ints and integer-like objects (numpy, 0-d int
     tensors), never a float or bool truncated silently."""

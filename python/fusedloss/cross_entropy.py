@@ -17,8 +17,8 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, require_index_dtype, inplace_refused, matrix, require_same_device,
-                     parsed_once, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
+from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
+                     parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
                      values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
@@ -205,11 +205,7 @@ def _validate(logits, target):
     if logits.dim() not in (2, 3) or logits.size(-1) == 0:
         raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected a 2-D [N, V] or 3-D "
                          "[s, b, V] tensor with V >= 1")
-    if target.shape != logits.shape[:-1]:
-        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(logits.shape[:-1])} "
-                         "(the logits' shape without the vocab dim)")
-    require_index_dtype(target, "target")
-    require_same_device(target, "target", logits, "the logits")
+    require_targets(target, logits, "the logits", "the logits' shape without the vocab dim")
 
 
 @parsed_once

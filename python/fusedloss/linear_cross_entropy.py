@@ -26,8 +26,8 @@ from torch import Tensor
 from . import _C
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_index_dtype, require_same_device,
-                     parsed_once, require_tensor, require_values, rows_of, stream_of, validated,
+from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+                     parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
                      values_in)
 from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
 
@@ -346,11 +346,7 @@ def _validate(hidden, weight, target):
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
     require_same_device(weight, "weight", hidden, "hidden")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"target: got shape {tuple(target.shape)}, expected "
-                         f"{tuple(hidden.shape[:-1])} (hidden's shape without the hidden dim)")
-    require_index_dtype(target, "target")  # here, inside the TP agreement (uint64 too)
-    require_same_device(target, "target", hidden, "hidden")
+    require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
 
 
 def _validate_accumulator(acc, weight, hidden):

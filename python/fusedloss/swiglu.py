@@ -236,11 +236,10 @@ class SwiGLU(torch.nn.Module):
                             f"{sorted(self._OPTIONS)}")
         if options.get("clamp_value") is not None:
             _check_clamp(as_float(options["clamp_value"], "clamp_value"))
-        inplace = swiglu.__kwdefaults__["inplace_backward"]
-        for flag in ("inplace_backward", "in_place"):
-            if options.get(flag) is not None:
-                inplace = as_bool(options[flag], flag)
-        _check_fp8_store(options.get("fp8_input_store", False), inplace)
+        defaults = swiglu.__kwdefaults__
+        inplace = _inplace_flag(options.get("inplace_backward", defaults["inplace_backward"]),
+                                options.get("in_place"))
+        _check_fp8_store(options.get("fp8_input_store", defaults["fp8_input_store"]), inplace)
         self.options = options
 
     def forward(self, y: Tensor, bias: Optional[Tensor] = None,

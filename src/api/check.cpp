@@ -38,24 +38,9 @@ void check_index(const IndexView& t, const char* name, int64_t expected_size, De
   require(t.data != nullptr || t.size == 0, name, ".data: got null, expected a pointer");
 }
 
-namespace {
-std::pair<const char*, const char*> span(const MatrixView& m) {
-  auto lo = static_cast<const char*>(m.data);
-  return {lo, lo + ((m.rows - 1) * m.row_stride + m.cols) * element_size(m.dtype)};
-}
-}  // namespace
-
-bool overlaps(const MatrixView& a, const MatrixView& b) {
-  if (a.rows == 0 || b.rows == 0) return false;
-  auto [alo, ahi] = span(a);
-  auto [blo, bhi] = span(b);
-  return alo < bhi && blo < ahi;
-}
-
 Span span_of(const MatrixView& m, const char* name) {
   if (m.rows == 0 || m.cols == 0 || m.data == nullptr) return {nullptr, 0, name};
-  auto [lo, hi] = span(m);
-  return {lo, int64_t(hi - lo), name};
+  return {m.data, ((m.rows - 1) * m.row_stride + m.cols) * element_size(m.dtype), name};
 }
 
 Span span_of(const IndexView& t, const char* name) {
@@ -73,6 +58,10 @@ bool meet(const Span& a, const Span& b) {
   return alo < blo + b.bytes && blo < alo + a.bytes;
 }
 }  // namespace
+
+bool overlaps(const MatrixView& a, const MatrixView& b) {
+  return meet(span_of(a, ""), span_of(b, ""));
+}
 
 void require_disjoint(std::initializer_list<Span> spans) {
   for (auto a = spans.begin(); a != spans.end(); ++a)

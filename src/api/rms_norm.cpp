@@ -78,7 +78,7 @@ void rms_norm_forward(const MatrixView& x, const VectorView& weight, const RmsNo
   }
   using detail::span_of;
   detail::require_outputs_apart(
-      {{rstd, rstd ? x.rows * 4 : 0, "rstd"},
+      {{rstd, x.rows * 4, "rstd"},
        span_of(residual.data ? residual_out : MatrixView{}, "residual_out"), span_of(y, "y")},
       {span_of(x, "x"), span_of(weight, "weight"), span_of(residual, "residual")});
   FL_DISPATCH(x.device, "rms_norm_forward",
@@ -121,7 +121,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   using detail::span_of;
   const detail::Span gw{grad_weight, x_or_s.cols * 4, "grad_weight"};
   detail::require_outputs_apart({span_of(grad_x, "grad_x"), gw},
-                                {span_of(weight, "weight"), {rstd, rstd ? x_or_s.rows * 4 : 0, "rstd"}});
+                                {span_of(weight, "weight"), {rstd, x_or_s.rows * 4, "rstd"}});
   detail::require_outputs_apart({gw}, {span_of(grad_y, "grad_y"), span_of(x_or_s, "x_or_s"),
                                        span_of(gres ? grad_residual_out : MatrixView{},
                                                "grad_residual_out")});

@@ -72,14 +72,10 @@ void swiglu_forward(const MatrixView& y, const VectorView& bias, const VectorVie
   detail::check_matrix(y, "y");
   core::SwigluParams p = resolve_params(y, bias, weights, options, y.dtype);
   check_same_place(out, "out", y, p.n, y.dtype);
-  require(!detail::overlaps(out, y), "out: overlaps y, expected a separate buffer");
-  if (y_fp8.data) {
-    check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
-    require(!detail::overlaps(y_fp8, y), "y_fp8: overlaps y, expected a separate buffer");
-  }
+  if (y_fp8.data) check_same_place(y_fp8, "y_fp8", y, y.cols, DType::FP8_E4M3);
   detail::require_outputs_apart(
-      {detail::span_of(out, "out"), detail::span_of(y_fp8.data ? y_fp8 : MatrixView{}, "y_fp8")},
-      {detail::span_of(bias, "bias"), detail::span_of(weights, "weights")});
+      {detail::span_of(out, "out"), detail::span_of(y_fp8, "y_fp8")},
+      {detail::span_of(y, "y"), detail::span_of(bias, "bias"), detail::span_of(weights, "weights")});
   FL_DISPATCH(y.device, "swiglu_forward", cpu::swiglu_forward(y, p, out, y_fp8),
               cuda::swiglu_forward(y, p, out, y_fp8, stream));
 }
@@ -100,15 +96,14 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
                         grad_y.dtype == y.dtype;
   require(in_place || !detail::overlaps(grad_y, y),
           "grad_y: overlaps y without being the same view; expected y itself or a disjoint buffer");
-  require(!detail::overlaps(grad_y, grad_out), "grad_y: overlaps grad_out");
   const detail::Span b = detail::span_of(bias, "bias"), w = detail::span_of(weights, "weights"),
-                     gy = detail::span_of(grad_y, "grad_y");
-  detail::require_read_apart(gy, {b, w});
+                     gy = detail::span_of(grad_y, "grad_y"), go = detail::span_of(grad_out, "grad_out");
+  detail::require_read_apart(gy, {go, b, w});
   // the per-row and per-column gradients: apart from everything the kernel reads or writes
   // (grad_y may be y itself: in place)
-  detail::require_outputs_apart({{grad_weights, grad_weights ? y.rows * 4 : 0, "grad_weights"},
-                                 {grad_bias, grad_bias ? y.cols * 4 : 0, "grad_bias"}},
-                                {gy, detail::span_of(grad_out, "grad_out"), detail::span_of(y, "y"), b, w});
+  detail::require_outputs_apart({{grad_weights, y.rows * 4, "grad_weights"},
+                                 {grad_bias, y.cols * 4, "grad_bias"}},
+                                {gy, go, detail::span_of(y, "y"), b, w});
   require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
           grad_weights ? "a buffer" : "null", ", expected ",
           p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
