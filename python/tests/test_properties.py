@@ -1,5 +1,5 @@
 """Property-based: shapes, layouts (expanded, transposed, sliced, offset, overlapping rows),
-dtypes, options and in-place flags for both ops and every tensor argument, against a float64
+dtypes, options and in-place flags for every op and every tensor argument, against a float64
 torch reference; memory the caller owns (leaves, targets, scales, biases) is never written.
 
 CI runs a fixed-seed batch and a few random examples; FUSEDLOSS_PROPERTY_EXAMPLES and
@@ -346,5 +346,77 @@ def test_linear_cross_entropy_any_layout(run):
             scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
                         other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
             _close(base.grad, base64.grad, tol, scale * _multiplicity(layout, shp) * max(shp))
+
+    check()
+
+
+def _rms_reference(x, w, r, eps, zero_centered):
+    s = x + r if r is not None else x
+    gamma = w + 1 if zero_centered else w
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * gamma, s
+
+
+def _weight_leaf(draw, H, dtype, gen):
+    """(leaf, the weight the op gets, the float64 reference weight) in a drawn layout."""
+    layout = draw(st.sampled_from(["contiguous", "sliced", "expanded"]))
+    n = {"contiguous": H, "sliced": 2 * H, "expanded": 1}[layout]
+    base = (torch.rand(n, generator=gen, dtype=torch.float64) + 0.5).to(dtype).to(DEVICE).requires_grad_()
+    view = {"contiguous": lambda b: b, "sliced": lambda b: b[::2], "expanded": lambda b: b.expand(H)}[layout]
+    base64 = base.detach().double().requires_grad_(True)
+    through_intermediate = draw(st.booleans())
+    return base, view(base * 1 if through_intermediate else base), base64, view(base64), layout
+
+
+@st.composite
+def _rms_case(draw):
+    H = draw(st.integers(1, 48))
+    shape = _shape(draw, H)
+    dtype = draw(st.sampled_from(DTYPES))
+    # the weight in x's dtype, or one the kernels read in fp32 (any other float dtype)
+    w_dtype = draw(st.sampled_from([dtype, torch.float32, torch.bfloat16, torch.float16]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    opts = dict(eps=draw(st.sampled_from([1e-5, 1e-2])),
+                zero_centered_gamma=draw(st.booleans()))
+    return draw, shape, dtype, w_dtype, gen, opts, draw(st.booleans()), draw(st.booleans())
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_rms_norm_any_layout(run):
+    @RUNS[run]
+    @given(_rms_case())
+    def check(case):
+        draw, shape, dtype, w_dtype, gen, opts, with_residual, modify_output = case
+        base, x, base64, x64, layout = _input(draw, shape, dtype, gen, 2.0)
+        wbase, w, wbase64, w64, w_layout = _weight_leaf(draw, shape[-1], w_dtype, gen)
+        r = r64 = rbase = rbase64 = None
+        if with_residual:
+            rbase, r, rbase64, r64, _ = _input(draw, shape, dtype, gen, 2.0)
+        before = [t.detach().clone() for t in (base, wbase, rbase) if t is not None]
+        if with_residual:
+            y, s = fusedloss.rms_norm(x, w, residual=r, **opts)
+        else:
+            y, s = fusedloss.rms_norm(x, w, **opts), None
+        y64, s64 = _rms_reference(x64, w64, r64, opts["eps"], opts["zero_centered_gamma"])
+        assert y.shape == x.shape and y.dtype == x.dtype
+        tol = max(TOL[dtype], TOL[w_dtype])
+        _close(y, y64, tol, max(1.0, y64.abs().max().item() if y64.numel() else 1.0))
+        if modify_output:  # as with torch's ops, a result may be modified in place
+            y.mul_(2.0)
+            y64 = y64 * 2.0
+        up, up64 = _upstream(draw, y, gen)
+        loss = up(y) + (s.float().sum() if s is not None else 0.0)
+        loss64 = up64(y64) + (s64.sum() if s is not None else 0.0)
+        loss.backward()
+        loss64.backward()
+        for t, t0 in zip((base, wbase, rbase), before):
+            assert torch.equal(t.detach(), t0), "the caller's tensor was written"
+        rows = max(1, x.numel() // max(shape[-1], 1))
+        for got, want, lay, mult in ((base, base64, layout, 1), (wbase, wbase64, w_layout, rows),
+                                     (rbase, rbase64, layout, 1)):
+            if got is None:
+                continue
+            gmax = want.grad.abs().max().item() if want.grad.numel() else 1.0
+            spread = mult * (shape[-1] if lay == "expanded" and got is wbase else 1)
+            _close(got.grad, want.grad, tol, gmax * spread * _multiplicity(lay, shape) + 1e-6)
 
     check()
