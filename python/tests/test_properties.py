@@ -230,6 +230,9 @@ def test_swiglu_any_layout(run):
         assert out.dtype == dtype and out.shape == ref.shape
         tol = TOL[dtype]
         _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
+        if draw(st.booleans()):  # as with torch's ops, a result may be modified in place
+            out.mul_(2.0)
+            ref = ref * 2.0
         up, up64 = _upstream(draw, out, gen)
         up(out).backward()
         up64(ref).backward()
