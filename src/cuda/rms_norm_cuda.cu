@@ -414,6 +414,13 @@ bool has_dependent_launch(const void* kernel) {
   }) != 0;
 }
 
+// Overlapped only where the column sum's wait is compiled in: without it, its reads would not
+// be ordered after the row kernel's writes.
+bool column_sum_overlapped(const RmsNormTuning& tune) {
+  return tune.bwd_overlap_sum &&
+         has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel));
+}
+
 // The tuning in force (set_rms_norm_tuning); read once per call.
 std::mutex g_tuning_mutex;
 RmsNormTuning g_tuning;
@@ -634,13 +641,11 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     }
     FL_CUDA_CHECK_LAUNCH();
   });
-  // Overlapped only where the column sum's wait is compiled in: without it, its reads would
-  // not be ordered after the row kernel's writes.
-  const bool overlap =
-      tune.bwd_overlap_sum && has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel));
   launch_dependent(column_sum_kernel, dim3(grid_of((p.hidden + 31) / 32)), dim3(1024),
-                   as_cuda(stream), overlap, static_cast<const float*>(partial), parts, p.hidden,
-                   grad_weight);
+                   as_cuda(stream), column_sum_overlapped(tune), static_cast<const float*>(partial),
+                   parts, p.hidden, grad_weight);
 }
+
+bool rms_norm_column_sum_overlapped() { return column_sum_overlapped(rms_norm_tuning()); }
 
 }  // namespace fusedloss::cuda

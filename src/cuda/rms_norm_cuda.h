@@ -35,6 +35,9 @@ void set_rms_norm_tuning(const RmsNormTuning& t);
 RmsNormTuning parse_rms_norm_tuning(const std::string& spec);
 
 size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden);
+// Whether the backward on the current device launches its column sum overlapped
+// (bwd_overlap_sum and the column sum's code compiled for sm_90 or later).
+bool rms_norm_column_sum_overlapped();
 void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const MatrixView& y,
                       float* rstd, const MatrixView& residual, const MatrixView& residual_out,
                       Stream stream);

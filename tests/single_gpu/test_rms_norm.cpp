@@ -2,6 +2,9 @@
 // fresh random inputs and poisoned outputs: every variant (eps, zero-centred gamma, weight
 // dtypes, fused residual, the residual's gradient), layouts on and off the 16-byte path, rows
 // too long for registers, edge shapes, determinism and bad inputs.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <sstream>
 
@@ -456,6 +459,25 @@ TEST(RmsNormTuning, WorkspaceSizeIgnoresTheTuning) {
   } restore{shipped};
   cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("bwd_blocks_per_sm=16"));
   EXPECT_EQ(rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA), before);
+}
+
+// The column sum overlaps the row kernel (dependent_launch.cuh) on every device whose code
+// was built for sm_90 or later; the guard that keeps it off elsewhere must not keep it off there.
+TEST(RmsNormTuning, ColumnSumOverlappedOnHopper) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  int best_arch = 0;  // the highest architecture the build has SASS for at or below the device's
+  std::stringstream archs(FUSEDLOSS_TEST_CUDA_ARCHS);
+  for (std::string a; std::getline(archs, a, ',');) {
+    const int arch = std::atoi(a.c_str());  // "90", "90a", "90-real": the leading number
+    if (arch <= major * 10 + 9) best_arch = std::max(best_arch, arch);
+  }
+  std::printf("device sm_%d0, built for %s: column sum overlapped = %d\n", major,
+              FUSEDLOSS_TEST_CUDA_ARCHS, int(cuda::rms_norm_column_sum_overlapped()));
+  if (best_arch == 0) GTEST_SKIP() << "architectures not numeric: " << FUSEDLOSS_TEST_CUDA_ARCHS;
+  EXPECT_EQ(cuda::rms_norm_column_sum_overlapped(), best_arch >= 90 && major >= 9);
 }
 
 TEST(RmsNormTuning, ClearErrors) {
