@@ -6,8 +6,9 @@
 //                                                     zero_centered_gamma (the weight stores g - 1)
 //   backward  xhat = s * rstd,  c = mean_j(dy_j * gamma_j * xhat_j)
 //             grad_s = rstd * (dy * gamma - xhat * c)  (+ grad_residual_out, when given)
-//             grad_weight = sum over rows of dy * xhat  (fp32; a fixed reduction order:
-//                                                       the same bits on every call)
+//             grad_weight = sum over rows of dy * xhat  (fp32 sums in a fixed order: the
+//                                                       same bits on every call; rounded
+//                                                       once into grad_weight's dtype)
 //
 // All math is fp32 whatever the storage dtype; every output is rounded once. Each row is
 // independent, so a row of zeros gives y = 0 and grad_s = rstd * dy * gamma (finite: eps > 0).
@@ -58,14 +59,20 @@ size_t rms_norm_backward_workspace_bytes(int64_t rows, int64_t hidden, Device de
 // grad_x             [T, H] of x_or_s's dtype, any row stride: receives the gradient of s (of x
 //                    and of residual, with the fused residual). It may be grad_y itself or x_or_s
 //                    itself (the same view: in place); otherwise it must not overlap any input.
-// grad_weight        [H] fp32, receives sum_rows(dy * xhat) (also with zero-centred gamma, whose
-//                    gamma - weight is a constant). Zeros when T == 0.
+// grad_weight        [H] of grad_weight_dtype (fp32, fp16 or bf16; the overload without it:
+//                    fp32), contiguous, receives sum_rows(dy * xhat) summed in fp32 and rounded
+//                    once (also with zero-centred gamma, whose gamma - weight is a constant):
+//                    a 16-bit weight's gradient needs no conversion pass. Zeros when T == 0.
 // workspace          absent (nullptr: allocated and freed stream-ordered inside), or a buffer
 //                    of rms_norm_backward_workspace_bytes(T, H, device) bytes on the views'
 //                    device, 16-byte aligned, not overlapping anything else; its contents on
 //                    entry do not matter.
 // grad_residual_out  absent or [T, H] of x_or_s's dtype: the gradient reaching residual_out in
 //                    the forward, added into grad_x (one pass instead of two).
+void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const VectorView& weight,
+                       const float* rstd, const RmsNormOptions& options, const MatrixView& grad_x,
+                       void* grad_weight, DType grad_weight_dtype, void* workspace = nullptr,
+                       const MatrixView& grad_residual_out = {}, Stream stream = nullptr);
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const VectorView& weight,
                        const float* rstd, const RmsNormOptions& options, const MatrixView& grad_x,
                        float* grad_weight, void* workspace = nullptr,

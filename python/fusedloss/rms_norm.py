@@ -14,8 +14,9 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._views import (as_bool, as_dtype, as_float, as_int, matrix, require_float_aux, require_same_device, require_values,
-                     rows_of, stream_of, validated, values_in, vector)
+from ._views import (_DTYPES, as_bool, as_dtype, as_float, as_int, matrix, require_float_aux,
+                     require_same_device, require_values, rows_of, stream_of, validated, values_in,
+                     vector)
 
 _OP = "fusedloss.rms_norm"
 _ABSENT = _C.MatrixView(0, 0, 1, 1, _C.DType.F32, _C.Device.CPU)
@@ -75,18 +76,19 @@ def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Option
     gsr = rows_of(as_dtype(grad_s, x.dtype))[0] if grad_s is not None else None
     gs = matrix(gsr) if gsr is not None else _ABSENT
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = torch.empty(hidden, dtype=torch.float32, device=x.device)
+    # in the dtype the weight is read in (its own, or fp32): summed in fp32, rounded once there
+    dw = torch.empty(hidden, dtype=weight.dtype, device=x.device)
     # the weight gradient's partials through torch's allocator (CUDA graphs, the caching pool)
     ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, _C.Device.CUDA if x.is_cuda else _C.Device.CPU)
     ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device) if ws_bytes else None
     _C.rms_norm_backward(matrix(gr), matrix(xr), vector(weight), rstd.data_ptr(),
                          _options(eps, zero_centered_gamma), matrix(rows_of(dx)[0]), dw.data_ptr(),
-                         ws.data_ptr() if ws_bytes else 0, gs, stream_of(x))
+                         _DTYPES[dw.dtype], ws.data_ptr() if ws_bytes else 0, gs, stream_of(x))
     return [dx, dw]
 
 
 def _backward_fake(g, x, weight, rstd, grad_s, eps, zero_centered_gamma):
-    return [x.new_empty(x.shape), x.new_empty(x.size(-1), dtype=torch.float32)]
+    return [x.new_empty(x.shape), x.new_empty(x.size(-1), dtype=weight.dtype)]
 
 
 def _setup(ctx, inputs, output):
@@ -105,7 +107,8 @@ def _grads(ctx, grads, kernels):
     if g is None:  # only s was used
         g = torch.zeros_like(src)
     dx, dw = kernels.bwd(g, src, w, rstd, grad_s, ctx.eps, ctx.zc)
-    d_weight = as_dtype(dw, ctx.w_dtype)  # dw is [H] fp32: the weight's shape (checked)
+    d_weight = as_dtype(dw, ctx.w_dtype)  # dw is [H] (the weight's shape, checked) in the dtype
+                                          # read: the weight's own unless it was read in fp32
     # with the residual, x and residual both receive the gradient of s
     return (dx, d_weight, dx if ctx.residual else None, None, None), None
 

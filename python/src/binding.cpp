@@ -195,10 +195,10 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("rms_norm_backward",
         [](const MatrixView& gy, const MatrixView& x, const VectorView& w, uintptr_t rstd,
-           const RmsNormOptions& o, const MatrixView& gx, uintptr_t gw, uintptr_t workspace,
-           const MatrixView& gres, uintptr_t stream) {
+           const RmsNormOptions& o, const MatrixView& gx, uintptr_t gw, DType gw_dtype,
+           uintptr_t workspace, const MatrixView& gres, uintptr_t stream) {
           guarded([&] {
-            rms_norm_backward(gy, x, w, fptr(rstd), o, gx, fptr(gw), ptr(workspace), gres,
+            rms_norm_backward(gy, x, w, fptr(rstd), o, gx, ptr(gw), gw_dtype, ptr(workspace), gres,
                               ptr(stream));
           });
         });

@@ -99,16 +99,23 @@ size_t rms_norm_backward_workspace_bytes(int64_t rows, int64_t hidden, Device de
 
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const VectorView& weight,
                        const float* rstd, const RmsNormOptions& options, const MatrixView& grad_x,
-                       float* grad_weight, void* workspace, const MatrixView& grad_residual_out,
-                       [[maybe_unused]] Stream stream) {
+                       void* grad_weight, DType grad_weight_dtype, void* workspace,
+                       const MatrixView& grad_residual_out, [[maybe_unused]] Stream stream) {
   detail::check_matrix(x_or_s, "x_or_s");
   core::RmsNormParams p = resolve_params(x_or_s, weight, options);
   check_like(grad_y, "grad_y", x_or_s, "x_or_s");
   check_like(grad_x, "grad_x", x_or_s, "x_or_s");
   require(rstd != nullptr || x_or_s.rows == 0, "rstd: got null, expected the forward's [",
           x_or_s.rows, "] fp32 buffer");
-  require(grad_weight != nullptr, "grad_weight: got null, expected a [", x_or_s.cols,
-          "] fp32 buffer");
+  require(grad_weight_dtype == DType::F32 || grad_weight_dtype == DType::BF16 ||
+              grad_weight_dtype == DType::F16,
+          "grad_weight_dtype: got ", to_string(grad_weight_dtype), ", expected fp32, bf16 or fp16");
+  const int64_t gw_size = detail::element_size(grad_weight_dtype);
+  require(grad_weight != nullptr, "grad_weight: got null, expected a [", x_or_s.cols, "] ",
+          to_string(grad_weight_dtype), " buffer");
+  require(reinterpret_cast<uintptr_t>(grad_weight) % uintptr_t(gw_size) == 0,
+          "grad_weight: got an address that is not ", gw_size, "-byte aligned, expected a [",
+          x_or_s.cols, "] ", to_string(grad_weight_dtype), " buffer");
   // given (data) means checked: a [0, H] view for T > 0 rows is refused, not ignored
   const bool gres = grad_residual_out.data != nullptr;
   if (gres) check_like(grad_residual_out, "grad_residual_out", x_or_s, "x_or_s");
@@ -119,7 +126,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
     require(same_view(grad_x, *m) || !detail::overlaps(grad_x, *m), "grad_x: overlaps ", name,
             " without being the same view; expected ", name, " itself or a separate buffer");
   using detail::span_of;
-  const detail::Span gw{grad_weight, x_or_s.cols * 4, "grad_weight"};
+  const detail::Span gw{grad_weight, x_or_s.cols * gw_size, "grad_weight"};
   detail::require_outputs_apart({span_of(grad_x, "grad_x"), gw},
                                 {span_of(weight, "weight"), {rstd, x_or_s.rows * 4, "rstd"}});
   detail::require_outputs_apart({gw}, {span_of(grad_y, "grad_y"), span_of(x_or_s, "x_or_s"),
@@ -131,9 +138,18 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   const MatrixView none{};
   FL_DISPATCH(x_or_s.device, "rms_norm_backward",
               cpu::rms_norm_backward(grad_y, x_or_s, p, rstd, grad_x, grad_weight,
-                                     gres ? grad_residual_out : none),
-              cuda::rms_norm_backward(grad_y, x_or_s, p, rstd, grad_x, grad_weight, workspace,
+                                     grad_weight_dtype, gres ? grad_residual_out : none),
+              cuda::rms_norm_backward(grad_y, x_or_s, p, rstd, grad_x, grad_weight,
+                                      grad_weight_dtype, workspace,
                                       gres ? grad_residual_out : none, stream));
+}
+
+void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const VectorView& weight,
+                       const float* rstd, const RmsNormOptions& options, const MatrixView& grad_x,
+                       float* grad_weight, void* workspace, const MatrixView& grad_residual_out,
+                       Stream stream) {
+  rms_norm_backward(grad_y, x_or_s, weight, rstd, options, grad_x, grad_weight, DType::F32,
+                    workspace, grad_residual_out, stream);
 }
 
 }  // namespace fusedloss

@@ -57,8 +57,8 @@ constexpr int64_t kChunks = 64;
 
 template <StorageKind X>
 void backward_impl(const MatrixView& grad_y, const MatrixView& xs, const core::RmsNormParams& p,
-                   const float* rstd, const MatrixView& grad_x, float* grad_weight,
-                   const MatrixView& gres) {
+                   const float* rstd, const MatrixView& grad_x, void* grad_weight,
+                   DType gw_dtype, const MatrixView& gres) {
   const std::vector<float> g = gammas(p);
   const int64_t H = p.hidden, chunks = std::min<int64_t>(kChunks, std::max<int64_t>(p.rows, 1));
   std::vector<double> partial(chunks * H, 0.0);
@@ -88,11 +88,14 @@ void backward_impl(const MatrixView& grad_y, const MatrixView& xs, const core::R
       }
     }
   }
-  for (int64_t c = 0; c < H; ++c) {
-    double s = 0.0;
-    for (int64_t k = 0; k < chunks; ++k) s += partial[k * H + c];
-    grad_weight[c] = float(s);
-  }
+  core::dispatch_dtype(gw_dtype, [&](auto kw) {
+    constexpr StorageKind W = decltype(kw)::value;
+    for (int64_t c = 0; c < H; ++c) {
+      double s = 0.0;
+      for (int64_t k = 0; k < chunks; ++k) s += partial[k * H + c];
+      static_cast<Elem<W>*>(grad_weight)[c] = St<W>::store(float(s));  // fp32, rounded once
+    }
+  });
 }
 
 }  // namespace
@@ -106,10 +109,11 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
 
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                        const core::RmsNormParams& p, const float* rstd, const MatrixView& grad_x,
-                       float* grad_weight, const MatrixView& grad_residual_out) {
+                       void* grad_weight, DType grad_weight_dtype,
+                       const MatrixView& grad_residual_out) {
   core::dispatch_dtype(x_or_s.dtype, [&](auto k) {
     backward_impl<decltype(k)::value>(grad_y, x_or_s, p, rstd, grad_x, grad_weight,
-                                      grad_residual_out);
+                                      grad_weight_dtype, grad_residual_out);
   });
 }
 

@@ -9,6 +9,7 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
 // grad_residual_out: rows == 0 when absent.
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                        const core::RmsNormParams& p, const float* rstd, const MatrixView& grad_x,
-                       float* grad_weight, const MatrixView& grad_residual_out);
+                       void* grad_weight, DType grad_weight_dtype,
+                       const MatrixView& grad_residual_out);
 
 }  // namespace fusedloss::cpu

@@ -345,9 +345,11 @@ __global__ void __launch_bounds__(kAnyThreads) backward_any_kernel(BwdArgs<X, W>
 }
 
 // grad_weight[c] = sum over the partial rows, in row order per slice and slice order after:
-// 32 columns x 32 row slices per block.
+// 32 columns x 32 row slices per block; the fp32 sum rounded once into the weight gradient's
+// dtype (a 16-bit weight's gradient needs no conversion pass after this one).
+template <StorageKind G>
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, int parts,
-                                                          int64_t hidden, float* out) {
+                                                          int64_t hidden, Elem<G>* out) {
   wait_for_preceding_grid();  // the partial rows are complete and visible past this
   __shared__ float sums[32][33];
   const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
@@ -360,7 +362,7 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
   if (ty == 0 && c < hidden) {
     float total = 0.0f;
     for (int k = 0; k < 32; ++k) total += sums[k][tx];
-    out[c] = total;
+    out[c] = St<G>::store(total);
   }
 }
 
@@ -418,7 +420,7 @@ bool has_dependent_launch(const void* kernel) {
 // be ordered after the row kernel's writes.
 bool column_sum_overlapped(const RmsNormTuning& tune) {
   return tune.bwd_overlap_sum &&
-         has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel));
+         has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel<StorageKind::F32>));
 }
 
 // The tuning in force (set_rms_norm_tuning); read once per call.
@@ -591,10 +593,11 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
 
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                        const core::RmsNormParams& p, const float* rstd, const MatrixView& grad_x,
-                       float* grad_weight, void* workspace, const MatrixView& grad_residual_out,
-                       Stream stream) {
-  if (p.rows == 0) {
-    FL_CUDA_CHECK(cudaMemsetAsync(grad_weight, 0, sizeof(float) * p.hidden, as_cuda(stream)));
+                       void* grad_weight, DType grad_weight_dtype, void* workspace,
+                       const MatrixView& grad_residual_out, Stream stream) {
+  if (p.rows == 0) {  // zeros: all-zero bits in every float dtype
+    FL_CUDA_CHECK(cudaMemsetAsync(grad_weight, 0, detail::element_size(grad_weight_dtype) * p.hidden,
+                                  as_cuda(stream)));
     return;
   }
   const RmsNormTuning tune = current_tuning();
@@ -641,9 +644,13 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     }
     FL_CUDA_CHECK_LAUNCH();
   });
-  launch_dependent(column_sum_kernel, dim3(grid_of((p.hidden + 31) / 32)), dim3(1024),
-                   as_cuda(stream), column_sum_overlapped(tune), static_cast<const float*>(partial),
-                   parts, p.hidden, grad_weight);
+  core::dispatch_dtype(grad_weight_dtype, [&](auto gk) {
+    constexpr StorageKind G = decltype(gk)::value;
+    launch_dependent(column_sum_kernel<G>, dim3(grid_of((p.hidden + 31) / 32)), dim3(1024),
+                     as_cuda(stream), column_sum_overlapped(tune),
+                     static_cast<const float*>(partial), parts, p.hidden,
+                     static_cast<Elem<G>*>(grad_weight));
+  });
 }
 
 bool rms_norm_column_sum_overlapped() { return column_sum_overlapped(rms_norm_tuning()); }

@@ -253,6 +253,23 @@ void RmsNorm::check(const RmsCase& c) {
       EXPECT_TRUE(gwbytes == first_gw) << "grad_weight differs between two identical calls";
     }
   }
+  if (c.in_place || c.in_place_x) return;  // their inputs are gone
+  // The weight gradient in a 16-bit dtype: the same fp32 sums rounded once, nothing written
+  // past H.
+  const float* gw32 = reinterpret_cast<const float*>(first_gw.data());
+  for (DType gd : {DType::BF16, DType::F16}) {
+    SCOPED_TRACE(std::string("grad_weight_dtype ") + to_string(gd));
+    Buffer g16(dev, (H + 8) * 2);
+    g16.poison();
+    rms_norm_backward(dy.view(), src.view(), wview, rstd.data_as<float>(), opt, dx.view(),
+                      g16.data(), gd, c.caller_workspace ? ws.data() : nullptr,
+                      c.grad_residual ? gres.view() : MatrixView{});
+    g16.download();
+    for (int64_t j = 0; j < H; ++j)
+      ASSERT_EQ(load_as(gd, g16.host(), j), through(gd, gw32[j])) << "grad_weight[" << j << "]";
+    const auto* tail = static_cast<const unsigned char*>(g16.host()) + H * 2;
+    for (int64_t k = 0; k < 16; ++k) ASSERT_EQ(tail[k], 0xff) << "byte " << k << " past H written";
+  }
 }
 
 TEST_P(RmsNorm, EveryDtypeAndWeightDtype) {
@@ -552,6 +569,12 @@ TEST(RmsNormBadInputs, ClearErrors) {
   expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, nullptr); }, "grad_weight",
                "null");
   expect_error([&] { rms_norm_backward(gv, xv, wv, nullptr, o, gxv, gw.data()); }, "rstd", "null");
+  expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, gw.data(), DType::FP8_E4M3); },
+               "grad_weight_dtype: got fp8_e4m3", "fp32, bf16 or fp16");
+  expect_error([&] {
+    rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv,
+                      reinterpret_cast<char*>(gw.data()) + 1, DType::BF16);
+  }, "grad_weight", "2-byte aligned");
   expect_error([&] { rms_norm_backward(gv, xv, {w.data(), 9, DType::F32, C}, rstd.data(), o, gxv, gw.data()); },
                "weight.size", "9");
   expect_error([&] { rms_norm_backward({g.data(), 4, 8, 8, DType::BF16, C}, xv, wv, rstd.data(), o, gxv, gw.data()); },
