@@ -49,11 +49,17 @@ VARIANTS = {
     "two-buffers+algos8": ({"FUSEDLOSS_LCE_BUFFERS": "2", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "ce-rows128": ({"FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
     "dh-group+ce-rows128": ({"FUSEDLOSS_LCE_DHIDDEN": "group", "FUSEDLOSS_LCE_CE_ROWS": "128"}, None),
+    "ce-rows64": ({"FUSEDLOSS_LCE_CE_ROWS": "64"}, None),
+    "dh-pieces2": ({"FUSEDLOSS_LCE_DH_PIECES": "2"}, None),
+    "dh-pieces3": ({"FUSEDLOSS_LCE_DH_PIECES": "3"}, None),
+    "dh-pieces2+algos8": ({"FUSEDLOSS_LCE_DH_PIECES": "2", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
+    "dh-pieces2+ce-rows64": ({"FUSEDLOSS_LCE_DH_PIECES": "2", "FUSEDLOSS_LCE_CE_ROWS": "64"}, None),
     "ws512": ({}, 512 << 20),
     "ws1024": ({}, 1024 << 20),
 }
 KNOBS = ("FUSEDLOSS_LCE_BUFFERS", "FUSEDLOSS_LCE_DHIDDEN", "FUSEDLOSS_LCE_SIDE_STREAM",
-         "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_CE_ROWS", "FUSEDLOSS_LCE_TIMING")
+         "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_CE_ROWS", "FUSEDLOSS_LCE_DH_PIECES",
+         "FUSEDLOSS_LCE_TIMING")
 
 
 def set_knobs(env):

@@ -102,7 +102,7 @@ def test_chunk_of_one_token_and_odd_vocab(device):
 @pytest.mark.parametrize("knob, value", [
     ("FUSEDLOSS_LCE_BUFFERS", "1"), ("FUSEDLOSS_LCE_DHIDDEN", "group"),
     ("FUSEDLOSS_LCE_SIDE_STREAM", "0"), ("FUSEDLOSS_LCE_GEMM_ALGOS", "4"),
-    ("FUSEDLOSS_LCE_TIMING", "1"), ("FUSEDLOSS_LCE_CE_ROWS", "3")])
+    ("FUSEDLOSS_LCE_TIMING", "1"), ("FUSEDLOSS_LCE_CE_ROWS", "3"), ("FUSEDLOSS_LCE_DH_PIECES", "3")])
 @pytest.mark.parametrize("reduction, mode", [("mean", "in_forward"), ("none", "recompute")])
 def test_pipeline_variants(device, monkeypatch, knob, value, reduction, mode):
     # the chunk pipeline's variants (src/core/lce_tuning.h), read at every call, over many

@@ -45,6 +45,7 @@ LceTuning lce_tuning() {
   t.dhidden_group = choice("FUSEDLOSS_LCE_DHIDDEN", {"chunk", "group"}, 0) == 1;
   t.side_stream = choice("FUSEDLOSS_LCE_SIDE_STREAM", {"1", "0"}, 0) == 0;
   t.gemm_algos = int(integer("FUSEDLOSS_LCE_GEMM_ALGOS", 1, 1, 32));
+  t.dhidden_pieces = int(integer("FUSEDLOSS_LCE_DH_PIECES", 1, 1, 16));
   t.ce_rows = integer("FUSEDLOSS_LCE_CE_ROWS", 0, 0, int64_t(1) << 30);
   t.timing = choice("FUSEDLOSS_LCE_TIMING", {"0", "1"}, 0) == 1;
   return t;

@@ -264,13 +264,18 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
         gemm_(group, false, weight, false, rows_of(grads.dhidden, j * plan.chunk, group.rows),
               grads.accumulate_dhidden);
         clock.end(t, S);
-      } else {  // per chunk, each as soon as its steps are done
+      } else {  // per chunk, each as soon as its steps are done, in row pieces
         for (int64_t i = j; i < end; ++i) {
           const MatrixView g = buffer(i);
           FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
           const size_t t = clock.begin(PhaseClock::kDhidden, S);
-          gemm_(g, false, weight, false, rows_of(grads.dhidden, i * plan.chunk, g.rows),
-                grads.accumulate_dhidden);
+          const int64_t piece = (g.rows + tune.dhidden_pieces - 1) / tune.dhidden_pieces;
+          const int64_t step = piece >= 64 ? (piece + 63) / 64 * 64 : std::max<int64_t>(piece, 1);
+          for (int64_t r = 0; r < g.rows; r += step) {
+            const int64_t n = std::min(step, g.rows - r);
+            gemm_(rows_of(g, r, n), false, weight, false,
+                  rows_of(grads.dhidden, i * plan.chunk + r, n), grads.accumulate_dhidden);
+          }
           clock.end(t, S);
         }
       }

@@ -286,7 +286,8 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
       {"FUSEDLOSS_LCE_BUFFERS", "1"},       {"FUSEDLOSS_LCE_DHIDDEN", "group"},
       {"FUSEDLOSS_LCE_SIDE_STREAM", "0"},   {"FUSEDLOSS_LCE_GEMM_ALGOS", "4"},
       {"FUSEDLOSS_LCE_TIMING", "1"},        {"FUSEDLOSS_LCE_CE_ROWS", "5"},
-      {"FUSEDLOSS_LCE_CE_ROWS", "1"},       {"FUSEDLOSS_LCE_CE_ROWS", "16"}};
+      {"FUSEDLOSS_LCE_CE_ROWS", "1"},       {"FUSEDLOSS_LCE_CE_ROWS", "16"},
+      {"FUSEDLOSS_LCE_DH_PIECES", "3"},     {"FUSEDLOSS_LCE_DH_PIECES", "16"}};
   for (auto [name, value] : variants) {
     SCOPED_TRACE(std::string(name) + "=" + value);
     // over two buffers, so the overlap, the two-chunk dweight GEMM and DHIDDEN=group run
@@ -332,7 +333,8 @@ TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
       {"FUSEDLOSS_LCE_BUFFERS", "3"},      {"FUSEDLOSS_LCE_DHIDDEN", "pair"},
       {"FUSEDLOSS_LCE_SIDE_STREAM", "yes"}, {"FUSEDLOSS_LCE_GEMM_ALGOS", "0"},
       {"FUSEDLOSS_LCE_GEMM_ALGOS", "4x"},   {"FUSEDLOSS_LCE_TIMING", "2"},
-      {"FUSEDLOSS_LCE_CE_ROWS", "-1"}};
+      {"FUSEDLOSS_LCE_CE_ROWS", "-1"},     {"FUSEDLOSS_LCE_DH_PIECES", "0"},
+      {"FUSEDLOSS_LCE_DH_PIECES", "17"}};
   for (auto [name, value] : bad) {
     ScopedEnv env(name, value);
     expect_error([&] { linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16); },
