@@ -97,14 +97,15 @@ def _ce_case(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     ls = draw(st.sampled_from([0.0, 0.1])) if cols > 1 else 0.0
     reduction = draw(st.sampled_from(["none", "sum", "mean"]))
-    opts = dict(ignore_index=-100, label_smoothing=ls,
+    tdtype = draw(st.sampled_from([torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]))
+    ignore = 255 if tdtype == torch.uint8 else -100  # an unsigned index cannot hold -100
+    opts = dict(ignore_index=ignore, label_smoothing=ls,
                 smoothing_formula=draw(st.sampled_from(["pytorch", "megatron"])),
                 reduction=reduction, z_loss=draw(st.sampled_from([0.0, 1e-3])),
                 inplace_backward=draw(st.booleans()),
                 grad_in_forward=reduction != "none" and draw(st.booleans()))
-    tdtype = draw(st.sampled_from([torch.int64, torch.int32, torch.int16]))
     t = torch.randint(0, cols, shape[:-1], generator=gen)
-    t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
+    t[torch.rand(shape[:-1], generator=gen) < 0.2] = ignore
     t_layout = draw(st.sampled_from(["contiguous", "strided", "expanded"]))
     if t_layout == "strided" and t.numel():
         t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
