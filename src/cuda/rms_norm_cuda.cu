@@ -64,14 +64,9 @@ using core::St;
 
 constexpr int kFwdMaxThreads = 1024;  // launch bound: <= 64 registers a thread
 constexpr int kBwdMaxThreads = 512;   // launch bound: <= 128 (the accumulators live in registers)
-// Vectors per thread in the forward: 4 (16 registers of row data) within the 64 registers of
-// a 1024-thread launch bound; 8 (RmsNormTuning::fwd_np) in blocks of at most 512 threads, whose
-// 128 registers hold them without spills (64 spill 96 bytes).
-constexpr int kFwdMaxNp = 8;
-template <int NP>
-constexpr int fwd_max_threads() {
-  return NP > 4 ? 512 : kFwdMaxThreads;
-}
+// Vectors per thread in the forward: 4 (16 registers of row data), within the 64 registers of
+// the launch bound without spills (8 spilled with the residual add).
+constexpr int kFwdMaxNp = 4;
 // The backward holds x, dy and an fp32 accumulator per column: 4 vectors a thread (16-bit rows:
 // 16 + 16 + 32 registers; fp32: 16 + 16 + 16). fp32 rows that do not fit 512 threads that way
 // (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x and dy of 4 held (32; 2 on
@@ -125,7 +120,7 @@ struct BwdArgs {
 // ---- forward ----
 
 template <StorageKind X, StorageKind W, int NP>
-__global__ void __launch_bounds__(fwd_max_threads<NP>()) forward_rows_kernel(FwdArgs<X, W> a) {
+__global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kFwdMaxThreads / 32];
   const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
@@ -459,7 +454,7 @@ RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr,
   while (np < max_np && tpr_of(np) > max_block) np *= 2;
   if (tpr_of(np) > max_block) return {};
   const int t = int(tpr_of(np));
-  return {np, t, np > preferred_np ? 1 : std::max(1, std::min(block_target, max_block) / t)};
+  return {np, t, np > preferred_np ? 1 : std::max(1, block_target / t)};
 }
 
 template <class F>
@@ -500,8 +495,6 @@ void set_rms_norm_tuning(const RmsNormTuning& t) {
                     ", expected ", lo, "..", hi, multiple > 1 ? " in multiples of 32" : "");
   };
   in("fwd_tpr", t.fwd_tpr, 32, kFwdMaxThreads, 32);
-  detail::require(t.fwd_np == 4 || t.fwd_np == 8, "RmsNormTuning.fwd_np: got ", t.fwd_np,
-                  ", expected 4 or 8");
   in("fwd_block", t.fwd_block, 32, kFwdMaxThreads, 32);
   in("fwd_blocks_per_sm", t.fwd_blocks_per_sm, 0, 64, 1);
   in("bwd_tpr", t.bwd_tpr, 32, kBwdMaxThreads, 32);
@@ -514,7 +507,7 @@ void set_rms_norm_tuning(const RmsNormTuning& t) {
 RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
   RmsNormTuning t;
   const std::pair<const char*, int*> ints[] = {
-      {"fwd_tpr", &t.fwd_tpr}, {"fwd_np", &t.fwd_np}, {"fwd_block", &t.fwd_block},
+      {"fwd_tpr", &t.fwd_tpr}, {"fwd_block", &t.fwd_block},
       {"fwd_blocks_per_sm", &t.fwd_blocks_per_sm}, {"bwd_tpr", &t.bwd_tpr},
       {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm}};
   const std::pair<const char*, bool*> flags[] = {{"fwd_prefetch", &t.fwd_prefetch},
@@ -574,9 +567,8 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     const bool vec = rows_vectorisable(x) && rows_vectorisable(y) && rows_vectorisable(residual) &&
                      rows_vectorisable(residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    const int max_threads = tune.fwd_np > 4 ? fwd_max_threads<8>() : fwd_max_threads<4>();
-    const RowLayout l = vec ? row_layout(p.hidden / VEC, tune.fwd_np, tune.fwd_np, tune.fwd_tpr,
-                                         tune.fwd_block, max_threads)
+    const RowLayout l = vec ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
+                                         tune.fwd_block, kFwdMaxThreads)
                             : RowLayout{};
     if (l.np) {
       a.tpr = l.tpr;

@@ -16,9 +16,6 @@ struct RmsNormTuning {
   // Threads per row, a target: a row gets the fewest vectors a thread (1, 2, 4) that need at
   // most this many threads (rounded up to warps); rows too long for that take more threads.
   int fwd_tpr = 64;
-  // Vectors a thread the forward prefers (4 or 8; more only for rows too long for its blocks):
-  // with fwd_tpr = 32, fwd_np = 8 gives a row of H = 2048 (16-bit) one warp, no block barrier.
-  int fwd_np = 4;
   int fwd_block = 256;          // threads per block, a target (several rows when they are short)
   int fwd_blocks_per_sm = 0;    // 0: a block per `fwd_block / tpr` rows; n: a persistent grid
   int bwd_tpr = 64;             // 4 vectors a thread from 2048 bf16 columns: bytes in flight
