@@ -417,7 +417,8 @@ bool has_dependent_launch(const void* kernel) {
 }
 
 // Overlapped only where the column sum's wait is compiled in: without it, its reads would not
-// be ordered after the row kernel's writes.
+// be ordered after the row kernel's writes. (Every instantiation of it is built for the same
+// architectures, so the fp32 one answers for all.)
 bool column_sum_overlapped(const RmsNormTuning& tune) {
   return tune.bwd_overlap_sum &&
          has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel<StorageKind::F32>));
