@@ -99,6 +99,9 @@ void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
                                const IndexView& target, const CrossEntropyOptions& options,
                                int64_t vocab_local, int rank, RowStats* summable, Device device,
                                [[maybe_unused]] Stream stream) {
+  require(device == Device::CPU || device == Device::CUDA, "device: got ", int(device),
+          ", expected cpu or cuda");
+  require(target.size >= 0, "target.size: got ", target.size, ", expected >= 0 (one per row)");
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
   detail::check_index(target, "target", target.size, device);
   require(rank >= 0, "rank: got ", rank, ", expected >= 0");
@@ -118,6 +121,7 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
                          const IndexView& target, const CrossEntropyOptions& options,
                          int64_t vocab_local, const CrossEntropyOutputs& out,
                          [[maybe_unused]] Stream stream) {
+  require(target.size >= 0, "target.size: got ", target.size, ", expected >= 0 (one per row)");
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
   detail::check_index(target, "target", target.size, target.device);
   require(parts >= 1, "parts: got ", parts, ", expected >= 1");
@@ -138,6 +142,7 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
       {stats_span(combined, combined_rows, "combined"),
        stats_span(p.partition_scope ? local : nullptr, target.size, "local"),
        detail::span_of(target, "target")});
+  check_targets_on_host(target, p);
   FL_DISPATCH(target.device, "cross_entropy_merge",
               cpu::ce_merge(combined, parts, local, target, p, out),
               cuda::ce_merge(combined, parts, local, target, p, out, stream));
@@ -161,8 +166,9 @@ void forward_tp1(const MatrixView& logits, const IndexView& target, const core::
 template <class MoreChecks, class RunTp1>
 void forward_checked(const MatrixView& logits, const IndexView& target,
                      const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
-                     Communicator* comm, Stream stream, MoreChecks&& more_checks,
-                     RunTp1&& run_tp1) {
+                     Communicator* comm, Stream stream, const char* fn,
+                     MoreChecks&& more_checks, RunTp1&& run_tp1) {
+  if (comm) vocab_parallel::check_communicator(*comm);
   if (!comm || comm->size() == 1) {
     core::CeParams p = forward_params(logits, target, options, out);
     more_checks();
@@ -175,6 +181,9 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
   // Vocab-parallel: this rank's argument errors travel to every rank instead of being thrown
   // here, so no rank waits in a collective that a peer will not join.
   vocab_parallel::ShardClaim mine{logits.rows, logits.cols, {}};
+  mine.collective = options.collective;
+  mine.options = vocab_parallel::fingerprint(options);
+  mine.fn = fn;
   core::CeParams p;
   try {
     p = forward_params(logits, target, options, out);
@@ -187,7 +196,7 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
     vocab_parallel::agree(*comm, mine, stream);
   else if (!mine.error.empty())
     throw Error(mine.error);
-  vocab_parallel::forward(logits, target, p, options.collective, out, *comm, stream);
+  vocab_parallel::forward(logits, target, p, options.collective, out, *comm, stream, fn);
 }
 
 }  // namespace
@@ -195,7 +204,7 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
 void cross_entropy_forward(const MatrixView& logits, const IndexView& target,
                            const CrossEntropyOptions& options, const CrossEntropyOutputs& out,
                            Communicator* comm, Stream stream) {
-  forward_checked(logits, target, options, out, comm, stream, [] {},
+  forward_checked(logits, target, options, out, comm, stream, "cross_entropy_forward", [] {},
                   [&](const core::CeParams& p) { forward_tp1(logits, target, p, out, stream); });
 }
 
@@ -240,7 +249,8 @@ void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& 
                 cuda::ce_backward(logits, target, out.lse, nullptr, out.valid_count, p,
                                   grad_logits, stream));
   };
-  forward_checked(logits, target, options, out, comm, stream, more_checks,
+  forward_checked(logits, target, options, out, comm, stream, "cross_entropy_forward_with_grad",
+                  more_checks,
                   [&](const core::CeParams& p) {
                     if (logits.device == Device::CUDA) {
                       FL_CUDA_BRANCH("cross_entropy_forward_with_grad",

@@ -183,6 +183,12 @@ void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
 
 int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int64_t rows,
                                         int64_t vocab_local, DType dtype) {
+  require(rows >= 0, "rows: got ", rows, ", expected >= 0");
+  require(vocab_local >= 1, "vocab_local: got ", vocab_local, ", expected >= 1");
+  require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
+          ", expected 0 (from workspace_bytes) or >= 1");
+  require(o.chunk_rows > 0 || o.workspace_bytes > 0,
+          "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
   return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning().buffers);
 }
 
@@ -192,6 +198,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
                                   const LinearCrossEntropyOutputs& out, Communicator* comm,
                                   Stream stream) {
   constexpr const char* kFn = "linear_cross_entropy_forward";
+  if (comm) vocab_parallel::check_communicator(*comm);
   const bool parallel = comm && comm->size() > 1;
   const Device dev = hidden.device;
   const int64_t N = hidden.rows;
@@ -200,6 +207,8 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   // At TP > 1 this rank's argument errors travel to every rank through the agreement, as in
   // cross_entropy_forward.
   vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}, 0};
+  mine.collective = ce.collective;
+  mine.fn = kFn;
   try {
     p = check_inputs(hidden, weight, target, ce, options);
     mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
@@ -235,6 +244,11 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     mine.error = e.what();
   }
   if (parallel) {
+    // the options that change the values beside the cross-entropy's
+    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode), options.vocab_block};
+    uint64_t h = vocab_parallel::fingerprint(ce);
+    h = vocab_parallel::fingerprint_more(h, &options.logit_softcap, sizeof(float));
+    mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
     if (ce.check_shard_agreement)
       vocab_parallel::agree(*comm, mine, stream);
     else if (!mine.error.empty())
@@ -247,7 +261,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
   // upstream gradient of the in-forward mode.
   const bool reduced = p.reduction != Reduction::None;
-  vocab_parallel::Scratch scratch(dev, sizeof(float) * size_t((reduced ? N : 0) + 2), stream);
+  vocab_parallel::Scratch scratch(dev, sizeof(float) * size_t((reduced ? N : 0) + 2), stream, kFn);
   float* row_loss = reduced ? scratch.as<float>() : out.loss;
   float* count = out.valid_count ? out.valid_count : scratch.as<float>(reduced ? N : 0);
   float* one = scratch.as<float>((reduced ? N : 0) + 1);
@@ -259,7 +273,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     const IndexView tc = target_rows(target, row0, logits.rows);
     const CrossEntropyOutputs oc{row_loss + row0, out.lse + row0, nullptr};
     if (parallel) {
-      vocab_parallel::forward(logits, tc, pc, ce.collective, oc, *comm, s);
+      vocab_parallel::forward(logits, tc, pc, ce.collective, oc, *comm, s, kFn);
       return;
     }
     std::vector<RowStats> stats(logits.device == Device::CPU ? size_t(logits.rows) : 0);
@@ -293,6 +307,10 @@ void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView
   const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
   require(stats != nullptr || hidden.rows == 0, "stats: got null, expected ", hidden.rows,
           " RowStats");
+  detail::require_outputs_apart(
+      {{stats, hidden.rows * int64_t(sizeof(RowStats)), "stats"}},
+      {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
+       detail::span_of(target, "target")});
   check_targets_on_host(target, p);
   core::LceSteps steps;
   steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
@@ -343,6 +361,11 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     };
     same_or_apart(grads.dhidden, saved.dhidden, "grads.dhidden");
     same_or_apart(grads.dweight, saved.dweight, "grads.dweight");
+    // and never over the other saved gradient: dhidden is scaled first, dweight read after it
+    detail::require_read_apart(detail::span_of(grads.dhidden, "grads.dhidden"),
+                               {detail::span_of(saved.dweight, "saved.dweight")});
+    detail::require_read_apart(detail::span_of(grads.dweight, "grads.dweight"),
+                               {detail::span_of(saved.dhidden, "saved.dhidden")});
     FL_DISPATCH(dev, kFn,
                 cpu::lce_scale(saved.dhidden, grads.dhidden, grad_loss, false);
                 cpu::lce_scale(saved.dweight, grads.dweight, grad_loss, grads.accumulate_dweight),
@@ -379,7 +402,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   const core::LceTuning tuning = core::lce_tuning();
   const bool all_direct = make_plan(hidden, block_of(0, block), options, tuning).chunk >= N;
   const int64_t block_floats = all_direct ? 0 : block * H;
-  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block_floats + 1), stream);
+  vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block_floats + 1), stream, kFn);
   const MatrixView dh32{acc.as<float>(), N, H, H, DType::F32, dev};
   float* one = acc.as<float>(size_t(N * H + block_floats));
   FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));

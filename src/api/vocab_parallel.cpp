@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include "common/error.h"
 #include "cpu/cross_entropy_cpu.h"
 #ifdef FUSEDLOSS_WITH_CUDA
@@ -10,13 +11,14 @@
 
 namespace fusedloss::vocab_parallel {
 
-Scratch::Scratch(Device device, size_t bytes, Stream stream) : device_(device), stream_(stream) {
+Scratch::Scratch(Device device, size_t bytes, Stream stream, const char* fn)
+    : device_(device), stream_(stream) {
   if (bytes == 0) return;
   if (device == Device::CPU) {
     host_.resize((bytes + sizeof(RowStats) - 1) / sizeof(RowStats));
     ptr_ = host_.data();
   } else {
-    FL_CUDA_BRANCH("cross_entropy_forward", ptr_ = cuda::alloc_async(bytes, stream));
+    FL_CUDA_BRANCH(fn, ptr_ = cuda::alloc_async(bytes, stream));
   }
 }
 
@@ -31,30 +33,83 @@ namespace {
 // The fixed-size part every rank contributes. Sizes that differ here would make the
 // size-dependent collectives that follow mismatch, so they are compared before any of them.
 struct Header {
-  int64_t rows, vocab_local, has_error, chunk_rows;
+  int64_t rows, vocab_local, has_error, chunk_rows, collective;
+  uint64_t options;
 };
+
+const char* collective_name(int64_t form) {
+  return form == int64_t(CollectiveForm::AllGather)   ? "AllGather"
+         : form == int64_t(CollectiveForm::AllReduce) ? "AllReduce"
+                                                      : "unknown";
+}
+
+// A call into the caller's communicator: its own exceptions reach the caller as Error, naming
+// the collective (an Error passes as it is).
+template <class F>
+void hook(const char* what, F&& call) {
+  try {
+    call();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    detail::fail("comm.", what, ": ", e.what());
+  }
+}
 
 // all[r * bytes, (r + 1) * bytes) on the host receives rank r's `mine`, whatever memory the
 // communicator works in (device communicators go through a device buffer and a host sync).
 void gather_to_host(Communicator& comm, const void* mine, void* all, size_t bytes,
-                    Stream stream) {
+                    Stream stream, const char* fn) {
   const Device dev = comm.device();
   if (dev == Device::CPU) {
-    comm.all_gather(mine, all, bytes, stream);
+    hook("all_gather", [&] { comm.all_gather(mine, all, bytes, stream); });
     return;
   }
   const size_t world = size_t(comm.size());
-  Scratch buf(dev, bytes * (world + 1), stream);
+  Scratch buf(dev, bytes * (world + 1), stream, fn);
   char* staged = buf.as<char>();
-  FL_CUDA_BRANCH("cross_entropy_forward",
-                 cuda::copy_async(staged + bytes * world, mine, bytes, true, stream));
-  comm.all_gather(staged + bytes * world, staged, bytes, stream);
-  FL_CUDA_BRANCH("cross_entropy_forward",
-                 cuda::copy_async(all, staged, bytes * world, false, stream);
+  FL_CUDA_BRANCH(fn, cuda::copy_async(staged + bytes * world, mine, bytes, true, stream));
+  hook("all_gather", [&] { comm.all_gather(staged + bytes * world, staged, bytes, stream); });
+  FL_CUDA_BRANCH(fn, cuda::copy_async(all, staged, bytes * world, false, stream);
                  cuda::synchronize(stream));
 }
 
+uint64_t mix(uint64_t h, const void* bytes, size_t n) {  // FNV-1a
+  const auto* b = static_cast<const unsigned char*>(bytes);
+  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+
+template <class T>
+uint64_t mix(uint64_t h, const T& v) {
+  return mix(h, &v, sizeof(v));
+}
+
 }  // namespace
+
+void check_communicator(const Communicator& comm) {
+  const int world = comm.size(), rank = comm.rank();
+  detail::require(world >= 1 && world <= kMaxRanks, "comm.size(): got ", world, ", expected 1..",
+                  kMaxRanks);
+  detail::require(rank >= 0 && rank < world, "comm.rank(): got ", rank, ", expected 0..",
+                  world - 1, " (comm.size() is ", world, ")");
+}
+
+uint64_t fingerprint(const CrossEntropyOptions& o) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  h = mix(h, o.ignore_index);
+  h = mix(h, o.label_smoothing);
+  h = mix(h, int(o.smoothing_formula));
+  h = mix(h, int(o.smoothing_scope));
+  h = mix(h, o.z_loss);
+  h = mix(h, int(o.reduction));
+  h = mix(h, o.vocab_global);
+  return h;
+}
+
+uint64_t fingerprint_more(uint64_t seed, const void* bytes, size_t n) {
+  return mix(seed, bytes, n);
+}
 
 void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device) {
   const int64_t world = comm.size(), rank = comm.rank();
@@ -71,9 +126,15 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
-  const Header header{mine.rows, mine.vocab_local, mine.error.empty() ? 0 : 1, mine.chunk_rows};
+  const Header header{mine.rows,       mine.vocab_local, mine.error.empty() ? 0 : 1,
+                      mine.chunk_rows, int64_t(mine.collective), mine.options};
   std::vector<Header> all(world);
-  gather_to_host(comm, &header, all.data(), sizeof(Header), stream);
+  gather_to_host(comm, &header, all.data(), sizeof(Header), stream, mine.fn);
+  // A communicator that did not deliver this rank's own header cannot have carried its error.
+  detail::require(std::memcmp(&all[comm.rank()], &header, sizeof(Header)) == 0,
+                  "comm.all_gather: rank ", comm.rank(), "'s header came back altered or in ",
+                  "another rank's slot; expected recv[r] to receive rank r's send buffer",
+                  mine.error.empty() ? "" : " (this rank's own error: " + mine.error + ")");
 
   // The shapes first: a rank whose rows or shard differ is the likeliest cause of any error
   // that follows from them. Every rank reads the same headers, so every rank builds the
@@ -91,12 +152,22 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
     return h.has_error != 0;
   });
   if (!any_error) {
-    // Ranks whose arguments were valid: a chunked caller's collectives follow its chunking.
-    for (int r = 0; r < world; ++r)
-      detail::require(all[r].chunk_rows == h0.chunk_rows, "vocab-parallel chunking: rank ", r,
-                      " computes ", all[r].chunk_rows, " tokens per chunk, rank 0 ",
-                      h0.chunk_rows,
+    // Ranks whose arguments were valid: a chunked caller's collectives follow its chunking,
+    // and everyone's follow the collective form.
+    for (int r = 0; r < world; ++r) {
+      const Header& h = all[r];
+      detail::require(h.chunk_rows == h0.chunk_rows, "vocab-parallel chunking: rank ", r,
+                      " computes ", h.chunk_rows, " tokens per chunk, rank 0 ", h0.chunk_rows,
                       "; expected the same workspace_bytes / chunk_rows and dtype on every rank");
+      detail::require(h.collective == h0.collective, "vocab-parallel options.collective: rank ",
+                      r, " uses ", collective_name(h.collective), ", rank 0 ",
+                      collective_name(h0.collective), "; expected the same on every rank");
+      detail::require(h.options == h0.options, "vocab-parallel options: rank ", r,
+                      "'s differ from rank 0's (ignore_index, label_smoothing, smoothing_formula, ",
+                      "smoothing_scope, z_loss, reduction, vocab_global",
+                      mine.chunk_rows ? ", logit_softcap, allow_tf32, backward_mode, vocab_block" : "",
+                      "); expected the same options on every rank");
+    }
     return;
   }
 
@@ -105,7 +176,7 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   char text[kErrorBytes] = {};
   std::memcpy(text, mine.error.data(), std::min(mine.error.size(), kErrorBytes - 1));
   std::vector<char> texts(kErrorBytes * size_t(world));
-  gather_to_host(comm, text, texts.data(), kErrorBytes, stream);
+  gather_to_host(comm, text, texts.data(), kErrorBytes, stream, mine.fn);
   for (int r = 0; r < world; ++r) {
     if (!all[r].has_error) continue;
     const char* t = texts.data() + kErrorBytes * size_t(r);
@@ -115,36 +186,38 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
 
 void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
              CollectiveForm form, const CrossEntropyOutputs& out, Communicator& comm,
-             [[maybe_unused]] Stream stream) {
+             [[maybe_unused]] Stream stream, const char* fn) {
   const int world = comm.size(), rank = comm.rank();
   const Device dev = logits.device;
   const int64_t rows = logits.rows;
   const bool gather = form == CollectiveForm::AllGather;
   // gather: [local][rank 0 .. world-1]; reduce: [local][summable] + rows floats of maxima
   const size_t stat_rows = gather ? size_t(world + 1) * rows : size_t(2) * rows;
-  Scratch buf(dev, sizeof(RowStats) * stat_rows + sizeof(float) * rows, stream);
+  Scratch buf(dev, sizeof(RowStats) * stat_rows + sizeof(float) * rows, stream, fn);
   RowStats* local = buf.as<RowStats>();
   RowStats* combined = local + rows;
   float* maxima = reinterpret_cast<float*>(local + stat_rows);
 
-  FL_DISPATCH(dev, "cross_entropy_forward", cpu::ce_local_stats(logits, target, p, local),
+  FL_DISPATCH(dev, fn, cpu::ce_local_stats(logits, target, p, local),
               cuda::ce_local_stats(logits, target, p, local, stream));
   if (gather) {
-    comm.all_gather(local, combined, sizeof(RowStats) * rows, stream);
-    FL_DISPATCH(dev, "cross_entropy_forward",
+    hook("all_gather", [&] { comm.all_gather(local, combined, sizeof(RowStats) * rows, stream); });
+    FL_DISPATCH(dev, fn,
                 cpu::ce_merge(combined, world, local, target, p, out),
                 cuda::ce_merge(combined, world, local, target, p, out, stream));
     return;
   }
-  FL_DISPATCH(dev, "cross_entropy_forward",
+  FL_DISPATCH(dev, fn,
               for (int64_t r = 0; r < rows; ++r) maxima[r] = local[r].max,
               cuda::ce_extract_max(local, rows, maxima, stream));
-  comm.all_reduce(maxima, rows, ReduceOp::Max, stream);
-  FL_DISPATCH(dev, "cross_entropy_forward",
+  hook("all_reduce", [&] { comm.all_reduce(maxima, rows, ReduceOp::Max, stream); });
+  FL_DISPATCH(dev, fn,
               cpu::ce_prepare_sum(local, maxima, target, p, rank, combined),
               cuda::ce_prepare_sum(local, maxima, target, p, rank, combined, stream));
-  comm.all_reduce(reinterpret_cast<float*>(combined), 4 * size_t(rows), ReduceOp::Sum, stream);
-  FL_DISPATCH(dev, "cross_entropy_forward", cpu::ce_merge(combined, 1, local, target, p, out),
+  hook("all_reduce", [&] {
+    comm.all_reduce(reinterpret_cast<float*>(combined), 4 * size_t(rows), ReduceOp::Sum, stream);
+  });
+  FL_DISPATCH(dev, fn, cpu::ce_merge(combined, 1, local, target, p, out),
               cuda::ce_merge(combined, 1, local, target, p, out, stream));
 }
 

@@ -11,10 +11,11 @@
 
 namespace fusedloss::vocab_parallel {
 
-// Scratch memory on `device`, released at scope exit (stream-ordered on CUDA).
+// Scratch memory on `device`, released at scope exit (stream-ordered on CUDA); `fn` names the
+// entry point in the error of a CUDA call without a usable device.
 class Scratch {
  public:
-  Scratch(Device device, size_t bytes, Stream stream);
+  Scratch(Device device, size_t bytes, Stream stream, const char* fn);
   ~Scratch();
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -30,9 +31,20 @@ class Scratch {
   void* ptr_ = nullptr;
 };
 
+// The communicator's own size and rank: 1 <= size <= kMaxRanks, 0 <= rank < size. Checked before
+// anything relies on them, and thrown at once: a communicator that reports them wrong cannot
+// carry an agreement either.
+constexpr int kMaxRanks = 1 << 16;
+void check_communicator(const Communicator& comm);
+
 // Equal contiguous shards in rank order, on the communicator's device. Local facts only (this
 // rank's options, rank and size), so callers check them before the agreement.
 void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device);
+
+// A fingerprint of the options every rank must share (all but vocab_start, which is the rank's
+// own); `seed` chains a caller's further options (fingerprint_more).
+uint64_t fingerprint(const CrossEntropyOptions& o);
+uint64_t fingerprint_more(uint64_t seed, const void* bytes, size_t n);
 
 // What this rank brings to the agreement: its shape and, when its own arguments were
 // rejected, the error it would have thrown (empty when none).
@@ -42,13 +54,19 @@ struct ShardClaim {
   // Tokens per chunk of a chunked caller (the linear cross-entropy runs one collective per
   // chunk, so the chunking must agree too); 0 for an unchunked call.
   int64_t chunk_rows = 0;
+  // The collective form (the collectives that follow differ with it) and the fingerprint of
+  // the options (ranks that differ would compute different losses without an error).
+  CollectiveForm collective = CollectiveForm::AllGather;
+  uint64_t options = 0;
+  const char* fn = "cross_entropy_forward";  // the entry point, for its errors
 };
 
 // Collective over `comm` (every rank calls it, whatever its arguments): one all-gather of a
 // fixed-size header, then, only if some rank has an error, one all-gather of every rank's
 // error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
 // the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
-// "vocab-parallel: rank R: "). On a device communicator it synchronises `stream`.
+// "vocab-parallel: rank R: "), or, with no error anywhere, when the chunking, the collective
+// form or the options differ. On a device communicator it synchronises `stream`.
 constexpr size_t kErrorBytes = 512;
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
 
@@ -56,6 +74,6 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
 // valid on this rank and agreed on every rank.
 void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
              CollectiveForm form, const CrossEntropyOutputs& out, Communicator& comm,
-             Stream stream);
+             Stream stream, const char* fn);
 
 }  // namespace fusedloss::vocab_parallel

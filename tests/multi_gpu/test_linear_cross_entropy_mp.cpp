@@ -115,6 +115,15 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   LinearCrossEntropyOptions lo;
   lo.chunk_rows = rank == 1 ? 3 : 4;
   expect_error_everywhere([&] { call(Vl, H, lo); }, "chunking");
+  // Rank 1 takes the other collective form: its collectives would not pair either.
+  ce.collective = rank == 1 ? CollectiveForm::AllReduce : CollectiveForm::AllGather;
+  expect_error_everywhere([&] { call(Vl, H); }, "options.collective: rank 1 uses AllReduce");
+  ce.collective = CollectiveForm::AllGather;
+  // Rank 1 soft-caps its logits: no hang, but every rank would compute another loss.
+  lo = {};
+  lo.logit_softcap = rank == 1 ? 30.0f : 0.0f;
+  expect_error_everywhere([&] { call(Vl, H, lo); }, "options: rank 1's differ from rank 0's");
+  call(Vl, H);  // agreed again: fine
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {
     if (rank == 0) target.host_as<int64_t>()[3] = Vl * world;

@@ -218,6 +218,26 @@ void expect_later_disagreement_fails_everywhere(Device dev, Communicator& comm) 
   s.forward(comm);
 }
 
+// One rank alone takes the other collective form (its collectives would not pair with the
+// others'), then another label smoothing (no hang, but another loss): every rank throws at that
+// call, and the agreed calls after it work.
+void expect_option_disagreement_fails_everywhere(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  Shard s(dev, comm, 8, 64);
+  const bool odd = comm.rank() == 1;
+  for (auto form : {CollectiveForm::AllGather, CollectiveForm::AllReduce}) {
+    s.o.collective = odd ? form : (form == CollectiveForm::AllGather ? CollectiveForm::AllReduce
+                                                                       : CollectiveForm::AllGather);
+    std::string m = expect_same_error_everywhere([&] { s.forward(comm); }, "options.collective");
+    EXPECT_NE(m.find("rank 1 uses"), std::string::npos) << m;
+  }
+  s.o.collective = CollectiveForm::AllGather;
+  s.o.label_smoothing = odd ? 0.1f : 0.0f;
+  expect_same_error_everywhere([&] { s.forward(comm); }, "options: rank 1's differ from rank 0's");
+  s.o.label_smoothing = 0.0f;
+  s.forward(comm);
+}
+
 // A rank whose own arguments are rejected (a bad target, a missing output): every rank throws
 // that rank's message, prefixed with its rank, at the same call.
 void expect_local_error_everywhere(Device dev, Communicator& comm) {
@@ -303,6 +323,11 @@ TEST(VocabParallelMpi, LaterDisagreementFailsOnEveryRank) {
   expect_later_disagreement_fails_everywhere(Device::CPU, *comm);
 }
 
+TEST(VocabParallelMpi, OptionDisagreementFailsOnEveryRank) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_option_disagreement_fails_everywhere(Device::CPU, *comm);
+}
+
 TEST(VocabParallelMpi, OneRanksErrorIsEveryRanksError) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_local_error_everywhere(Device::CPU, *comm);
@@ -382,6 +407,13 @@ TEST(VocabParallelNccl, LaterDisagreementFailsOnEveryRank) {
   if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
   NcclComm comm;
   expect_later_disagreement_fails_everywhere(Device::CUDA, comm.get());
+}
+
+TEST(VocabParallelNccl, OptionDisagreementFailsOnEveryRank) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  NcclComm comm;
+  expect_option_disagreement_fails_everywhere(Device::CUDA, comm.get());
 }
 
 TEST(VocabParallelNccl, OneRanksErrorIsEveryRanksError) {

@@ -1,5 +1,9 @@
 // BAD_INPUTS.md rows that apply to the C++ API: every bad argument gets a fusedloss::Error that
 // names the argument and the value, and nothing is written before the check.
+#include <cstring>
+#include <stdexcept>
+#include <tuple>
+
 #include "common/ce_harness.h"
 #include "fusedloss/swiglu.h"
 
@@ -305,6 +309,53 @@ TEST(BadInputsHook, CollectiveFailurePropagatesWithItsMessage) {
   expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
                {"MPI_Allgather failed", "simulated"});
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written despite the failure";
+}
+
+// A communicator whose own size, rank or gather is wrong; throws a foreign exception on demand.
+class BrokenCommunicator final : public Communicator {
+ public:
+  BrokenCommunicator(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Device device() const override { return Device::CPU; }
+  void all_gather(const void* send, void* recv, size_t bytes, Stream) override {
+    if (foreign) throw std::runtime_error("transport closed");
+    // every slot gets a zeroed header: this rank's own never comes back
+    std::memset(recv, 0, bytes * size_t(size_));
+    (void)send;
+  }
+  void all_reduce(float*, size_t, ReduceOp, Stream) override {}
+  bool foreign = false;
+
+ private:
+  int rank_, size_;
+};
+
+// The communicator's size and rank are checked before anything relies on them (a size of 0
+// used to leave this rank's checks unread and return -inf after reading past a buffer); its
+// foreign exceptions arrive as Error; a gather that loses this rank's header is refused.
+TEST(BadInputsHook, BrokenCommunicatorIsRefused) {
+  Fixture f(Device::CPU);
+  CrossEntropyOptions o;
+  for (auto [rank, size, what] : {std::tuple{0, 0, "comm.size(): got 0, expected 1..65536"},
+                                  std::tuple{0, -1, "comm.size(): got -1"},
+                                  std::tuple{0, 1 << 30, "comm.size(): got 1073741824"},
+                                  std::tuple{2, 2, "comm.rank(): got 2, expected 0..1"},
+                                  std::tuple{-1, 1, "comm.rank(): got -1, expected 0..0"}}) {
+    BrokenCommunicator comm(rank, size);
+    expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); }, {what});
+    expect_error([&] { cross_entropy_forward_with_grad(f.xv(), f.tv(), o, f.out(), f.xv(), &comm); },
+                 {what});
+    EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << what;
+  }
+  BrokenCommunicator comm(0, 2);
+  o.vocab_global = 2 * f.V;
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
+               {"comm.all_gather: rank 0's header came back altered"});
+  comm.foreign = true;
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
+               {"comm.all_gather: transport closed"});
+  EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
 }
 
 // The shape-only validator runs the entry points' own option checks, with their messages,

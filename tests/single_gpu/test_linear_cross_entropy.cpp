@@ -502,6 +502,42 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
     linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
                                   f.gl.data_as<float>(), nullptr, {}, rec, f.out(), g);
   }, {"valid_count", "Mean"});
+  // In-forward backward: a gradient over the *other* saved gradient (the first scaling would
+  // overwrite what the second reads).
+  constexpr int64_t N = BadFixture::N, H = BadFixture::H, V = BadFixture::V;
+  Buffer big(f.dev, V * H * 4), apart(f.dev, V * H * 4);
+  LinearCrossEntropyGrads cross = g;
+  cross.dhidden = {f.dw.data(), N, H, H, DType::F32, f.dev};  // over saved.dweight
+  cross.dweight = {apart.data(), V, H, H, DType::F32, f.dev};
+  expect_error([&] {
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, f.out(),
+                                  cross);
+  }, {"grads.dhidden: overlaps saved.dweight"});
+  LinearCrossEntropyOutputs saved = f.out();
+  saved.dhidden = {big.data(), N, H, H, DType::F32, f.dev};
+  cross = g;
+  cross.dweight = {big.data(), V, H, H, DType::F32, f.dev};  // over saved.dhidden
+  expect_error([&] {
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, saved,
+                                  cross);
+  }, {"grads.dweight: overlaps saved.dhidden"});
+  // The split form's stats are refused over what it reads.
+  expect_error([&] {
+    linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), {}, {},
+                                     static_cast<RowStats*>(f.hidden.data()));
+  }, {"stats: overlaps hidden"});
+  expect_error([&] {
+    linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), {}, {},
+                                     static_cast<RowStats*>(f.target.data()));
+  }, {"stats: overlaps target"});
+  // The chunking query checks what it is given.
+  expect_error([&] { linear_cross_entropy_chunk_rows({}, -1, 10, DType::F32); }, {"rows: got -1"});
+  LinearCrossEntropyOptions zero;
+  zero.workspace_bytes = 0;
+  expect_error([&] { linear_cross_entropy_chunk_rows(zero, 4, 10, DType::F32); },
+               {"options.workspace_bytes: got 0"});
 }
 
 TEST_P(LinearCrossEntropyBadInputs, OutOfRangeTarget) {
