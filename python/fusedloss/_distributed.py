@@ -19,7 +19,8 @@ import torch.distributed as dist
 from . import _C
 
 _GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
-_HEADER = 5   # int64: rows, V_local, options fingerprint, rejected (0/1), tokens per chunk (0: unchunked)
+_HEADER = 6   # int64: rows, V_local, options fingerprint, rejected (0/1), tokens per chunk
+              # (0: unchunked), the targets' checksum
 _MESSAGE_BYTES = 512
 
 try:  # c10d's own name -> group map (what functional collectives use)
@@ -93,14 +94,23 @@ def _header_device(group):
     return torch.device("cpu")
 
 
+def _target_checksum(target, device):
+    """sum_i (t_i + 2)(2i + 1), wrapping in int64 (the C++ agreement's checksum): 2i + 1 is
+    odd, so a change of any one target changes it. A 1-element int64 tensor on `device`."""
+    t = target.reshape(-1).to(torch.int64)
+    odd = torch.arange(1, 2 * t.numel() + 1, 2, dtype=torch.int64, device=t.device)
+    return ((t + 2) * odd).sum().reshape(1).to(device)
+
+
 def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,
-          chunk_rows: int = 0) -> None:
+          chunk_rows: int = 0, target=None) -> None:
     """Every rank learns every rank's rows, V_local, options fingerprint (any int the ranks must
-    share, e.g. hash() of the options: numbers hash the same in every process), rejection and
-    tokens per chunk (a chunked op runs one collective per chunk) at the same call, and raises
-    the same ValueError when anything disagrees. Costs one all-gather of 40 B per rank and its
-    host sync (plus one of 512 B per rank when a rank rejected its arguments). rows = -1: the
-    rank rejected its arguments before its shapes were known."""
+    share, e.g. hash() of the options: numbers hash the same in every process), rejection,
+    tokens per chunk (a chunked op runs one collective per chunk) and a checksum of its targets
+    (every rank computes the loss of the same tokens) at the same call, and raises the same
+    ValueError when anything disagrees. Costs one all-gather of 48 B per rank and its host sync
+    (plus one of 512 B per rank when a rank rejected its arguments). rows = -1: the rank
+    rejected its arguments before its shapes were known."""
     device = _header_device(group)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -108,8 +118,10 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None, chunk_rows],
+    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None, chunk_rows, 0],
                         dtype=torch.int64, device=device)
+    if target is not None and error is None:  # a rejected rank's targets may not be readable
+        mine[5:] = _target_checksum(target, device)
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
@@ -127,8 +139,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                   f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
         if any(headers[r][0] < 0 for r in rejected):  # before its shapes: nothing else to compare
             raise _C.Error(reason)
-    rows0, v0, opt0, _, chunk0 = headers[0]
-    for r, (rr, vv, oo, _, cc) in enumerate(headers):
+    rows0, v0, opt0, _, chunk0, sum0 = headers[0]
+    for r, (rr, vv, oo, _, cc, ss) in enumerate(headers):
         if rr != rows0:
             raise _C.Error(f"{op}: vocab-parallel rows: rank {r} has {rr} rows, rank 0 has {rows0}; "
                            "expected the same rows on every rank")
@@ -145,6 +157,10 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         if cc != chunk0:  # a chunked op runs one collective per chunk
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
                            f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")
+        if ss != sum0 and not rejected:
+            raise _C.Error(f"{op}: vocab-parallel targets: rank {r}'s differ from rank 0's (a "
+                           "checksum of their values); expected the same targets on every rank "
+                           "(each rank computes the loss of the same tokens)")
     if reason is not None:
         raise _C.Error(reason)
 
@@ -158,10 +174,11 @@ class rank_checks:
     forward agrees later). Otherwise errors propagate as they are. chunk_rows may be set inside
     the block."""
 
-    def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False):
+    def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False,
+                 target=None):
         self.group, self.check, self.op = group, check, op
         self.rows, self.v_local, self.options = rows, v_local, options
-        self.only_on_error, self.chunk_rows = only_on_error, 0
+        self.only_on_error, self.chunk_rows, self.target = only_on_error, 0, target
 
     def __enter__(self):
         return self
@@ -174,5 +191,5 @@ class rank_checks:
         if kind is None and self.only_on_error:
             return False
         agree(self.group, self.rows, self.v_local, self.options,
-              None if error is None else str(error), self.op, self.chunk_rows)
+              None if error is None else str(error), self.op, self.chunk_rows, self.target)
         return False  # a rejection raised in agree(); a passing block has nothing to suppress

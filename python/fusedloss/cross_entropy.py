@@ -98,7 +98,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
     fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction,
                         tuple(target.shape)))
-    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint):
+    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint, target=t):
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)

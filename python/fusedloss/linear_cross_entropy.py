@@ -171,7 +171,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
     # shape ([s, b] on one rank and [b, s] on another have equal rows)
     fingerprint = hash(args[:7] + args[8:] + (lce_mode, dhidden_reduction, int(_DTYPES[h.dtype]),
                                              tuple(target.shape)))
-    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint) as checks:
+    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint, target=t) as checks:
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
             checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])

@@ -461,6 +461,14 @@ def _check_tp_disagreement(rank, world, what):
         hh = h.clone().requires_grad_(rank == 0)  # (its collectives: dhidden's all-reduce, the
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # accumulator's agreement)
             hh, shard, t, tp_group=G, reduction="none"), "vocab-parallel options: rank 1's differ")
+    elif what in ("target_values", "target_values_recompute"):  # another token on one rank
+        other = t.clone()
+        if rank == 1:
+            other[5] = (int(t[5]) + 1) % (64 * world)
+        mode = "recompute" if what.endswith("recompute") else "auto"
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            h, shard, other, tp_group=G, backward_mode=mode),
+            "vocab-parallel targets: rank 1's differ from rank 0's")
     elif what == "check_flag":
         kw = dict(check_shard_agreement=1) if rank == 1 else {}
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, **kw),
@@ -482,7 +490,8 @@ def _check_tp_disagreement(rank, world, what):
     assert torch.isfinite(fusedloss.linear_cross_entropy(h, shard, t, tp_group=G))
 
 
-@pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "check_flag",
+@pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "target_values",
+                                  "target_values_recompute", "check_flag",
                                   "uint64_target", "bits8_target", "accumulator_at_backward"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)

@@ -120,6 +120,12 @@ def _check_later_disagreement(rank, world, what):
             bad[3] = V_local * world + 5
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), bad),
                                f"vocab-parallel rank {world - 1}: target[3]: got {V_local * world + 5}")
+    elif what == "target_values":  # in range on every rank, but another token on one rank
+        other = t.clone()
+        if rank == 1:
+            other[4] = (int(t[4]) + 1) % (V_local * world)
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), other),
+                               "vocab-parallel targets: rank 1's differ from rank 0's")
     elif what == "dtype":  # a rank whose own arguments are rejected before the op
         x = torch.randn(rows, V_local, dtype=torch.float64 if rank == 0 else torch.float32)
         _same_error_everywhere(lambda: _ce(x, t), "vocab-parallel rank 0: logits.dtype: got torch.float64")
@@ -179,7 +185,8 @@ def _check_later_disagreement(rank, world, what):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("what", ["rows", "V_local", "target", "dtype", "options", "bad_option",
+@pytest.mark.parametrize("what", ["rows", "V_local", "target", "target_values", "dtype", "options",
+                                  "bad_option",
                                   "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
                                   "check_flag", "overflow", "sparse", "transposed_3d", "bits8_target"])
 def test_gloo_disagreement_raises_everywhere(world, what):
@@ -196,8 +203,9 @@ def _check_opt_out_skips_the_exchange(rank, world):
 
     dist.all_gather_into_tensor = counting
     try:
-        x, t = torch.randn(4, 16), torch.randint(0, 16 * world, (4,))
-        _ce(x, t)
+        x = torch.randn(4, 16)
+        t = torch.randint(0, 16 * world, (4,), generator=torch.Generator().manual_seed(3))  # one
+        _ce(x, t)  # set of tokens on every rank
         checked = len(calls)
         calls.clear()
         _ce(x, t, check_shard_agreement=False)

@@ -183,6 +183,7 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
   vocab_parallel::ShardClaim mine{logits.rows, logits.cols, {}};
   mine.collective = options.collective;
   mine.options = vocab_parallel::fingerprint(options);
+  mine.target = target;
   mine.fn = fn;
   core::CeParams p;
   try {

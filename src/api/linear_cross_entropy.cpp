@@ -208,6 +208,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   // cross_entropy_forward.
   vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}, 0};
   mine.collective = ce.collective;
+  mine.target = target;
   mine.fn = kFn;
   try {
     p = check_inputs(hidden, weight, target, ce, options);

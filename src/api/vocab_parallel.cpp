@@ -1,8 +1,12 @@
 #include "api/vocab_parallel.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include "core/cross_entropy_math.h"
+#include "core/dispatch.h"
 #include "common/error.h"
 #include "cpu/cross_entropy_cpu.h"
 #ifdef FUSEDLOSS_WITH_CUDA
@@ -35,7 +39,19 @@ namespace {
 struct Header {
   int64_t rows, vocab_local, has_error, chunk_rows, collective;
   uint64_t options;
+  uint64_t targets;  // last: on a device communicator it is written on the device
 };
+constexpr size_t kHostPart = offsetof(Header, targets);
+
+uint64_t host_checksum(const IndexView& t) {
+  uint64_t sum = 0;
+  core::dispatch_index(t.type, [&](auto idx) {
+    using Index = decltype(idx);
+    const auto* v = static_cast<const Index*>(t.data);
+    for (int64_t r = 0; r < t.size; ++r) sum += core::target_checksum_term(int64_t(v[r]), r);
+  });
+  return sum;
+}
 
 const char* collective_name(int64_t form) {
   return form == int64_t(CollectiveForm::AllGather)   ? "AllGather"
@@ -58,8 +74,11 @@ void hook(const char* what, F&& call) {
 
 // all[r * bytes, (r + 1) * bytes) on the host receives rank r's `mine`, whatever memory the
 // communicator works in (device communicators go through a device buffer and a host sync).
+// On a device communicator, `on_device` (if any) may complete this rank's staged copy on the
+// device before the gather (stream-ordered: no extra host sync).
 void gather_to_host(Communicator& comm, const void* mine, void* all, size_t bytes,
-                    Stream stream, const char* fn) {
+                    Stream stream, const char* fn,
+                    const std::function<void(char*)>& on_device = {}) {
   const Device dev = comm.device();
   if (dev == Device::CPU) {
     hook("all_gather", [&] { comm.all_gather(mine, all, bytes, stream); });
@@ -69,6 +88,7 @@ void gather_to_host(Communicator& comm, const void* mine, void* all, size_t byte
   Scratch buf(dev, bytes * (world + 1), stream, fn);
   char* staged = buf.as<char>();
   FL_CUDA_BRANCH(fn, cuda::copy_async(staged + bytes * world, mine, bytes, true, stream));
+  if (on_device) on_device(staged + bytes * world);
   hook("all_gather", [&] { comm.all_gather(staged + bytes * world, staged, bytes, stream); });
   FL_CUDA_BRANCH(fn, cuda::copy_async(all, staged, bytes * world, false, stream);
                  cuda::synchronize(stream));
@@ -126,12 +146,25 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
-  const Header header{mine.rows,       mine.vocab_local, mine.error.empty() ? 0 : 1,
-                      mine.chunk_rows, int64_t(mine.collective), mine.options};
+  Header header{mine.rows,       mine.vocab_local,          mine.error.empty() ? 0 : 1,
+                mine.chunk_rows, int64_t(mine.collective), mine.options, 0};
+  // The targets' checksum: on the host for a host communicator (whose targets are host
+  // memory: the devices were checked), else on the device into the staged header.
+  const bool sum_targets = mine.error.empty() && mine.target.size > 0;
+  std::function<void(char*)> on_device;
+  if (sum_targets && comm.device() == Device::CPU) {
+    header.targets = host_checksum(mine.target);
+  } else if (sum_targets) {
+    on_device = [&](char* staged) {
+      FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(
+                                  mine.target, reinterpret_cast<uint64_t*>(staged + kHostPart),
+                                  stream));
+    };
+  }
   std::vector<Header> all(world);
-  gather_to_host(comm, &header, all.data(), sizeof(Header), stream, mine.fn);
+  gather_to_host(comm, &header, all.data(), sizeof(Header), stream, mine.fn, on_device);
   // A communicator that did not deliver this rank's own header cannot have carried its error.
-  detail::require(std::memcmp(&all[comm.rank()], &header, sizeof(Header)) == 0,
+  detail::require(std::memcmp(&all[comm.rank()], &header, kHostPart) == 0,
                   "comm.all_gather: rank ", comm.rank(), "'s header came back altered or in ",
                   "another rank's slot; expected recv[r] to receive rank r's send buffer",
                   mine.error.empty() ? "" : " (this rank's own error: " + mine.error + ")");
@@ -162,6 +195,9 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       detail::require(h.collective == h0.collective, "vocab-parallel options.collective: rank ",
                       r, " uses ", collective_name(h.collective), ", rank 0 ",
                       collective_name(h0.collective), "; expected the same on every rank");
+      detail::require(h.targets == h0.targets, "vocab-parallel targets: rank ", r,
+                      "'s differ from rank 0's (a checksum of their values); expected the same ",
+                      "targets on every rank (each rank computes the loss of the same tokens)");
       detail::require(h.options == h0.options, "vocab-parallel options: rank ", r,
                       "'s differ from rank 0's (ignore_index, label_smoothing, smoothing_formula, ",
                       "smoothing_scope, z_loss, reduction, vocab_global",

@@ -58,6 +58,9 @@ struct ShardClaim {
   // the options (ranks that differ would compute different losses without an error).
   CollectiveForm collective = CollectiveForm::AllGather;
   uint64_t options = 0;
+  // The targets, whose checksum every rank must share (the same tokens on every rank); read
+  // only when this rank has no error.
+  IndexView target;
   const char* fn = "cross_entropy_forward";  // the entry point, for its errors
 };
 
@@ -66,7 +69,8 @@ struct ShardClaim {
 // error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
 // the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
 // "vocab-parallel: rank R: "), or, with no error anywhere, when the chunking, the collective
-// form or the options differ. On a device communicator it synchronises `stream`.
+// form, the options or the targets (a checksum of their values) differ. On a device
+// communicator it synchronises `stream` (the checksum is computed on the device, inside it).
 constexpr size_t kErrorBytes = 512;
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
 

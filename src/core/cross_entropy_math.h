@@ -184,4 +184,10 @@ FL_HD float reported_loss(TargetKind kind, float max, float log_s, float target_
   return row_loss(max, log_s, target_logit, sum_logits, sm, z_loss);
 }
 
+// Row i's term of the targets' checksum the vocab-parallel agreement compares (sums wrap mod
+// 2^64): 2i + 1 is odd, so a change of any one target changes the sum.
+FL_HD uint64_t target_checksum_term(int64_t target, int64_t row) {
+  return uint64_t(target + 2) * (2 * uint64_t(row) + 1);
+}
+
 }  // namespace fusedloss::core

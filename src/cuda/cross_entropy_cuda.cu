@@ -202,6 +202,24 @@ __global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* m
   if (r < rows) maxima[r] = stats[r].max;
 }
 
+// One block: the targets' checksum (a wrapping uint64 sum; the order does not matter).
+template <class Index>
+__global__ void __launch_bounds__(1024) target_checksum_kernel(const Index* target, int64_t rows,
+                                                               uint64_t* out) {
+  __shared__ unsigned long long part[32];
+  unsigned long long s = 0;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+    s += core::target_checksum_term(int64_t(target[r]), r);
+  for (int o = 16; o > 0; o /= 2) s += __shfl_down_sync(0xffffffffu, s, o);
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) total += part[w];
+    *out = total;
+  }
+}
+
 // Pass 2: merge the parts of each row; per-row loss and lse.
 template <class Index>
 __global__ void merge_kernel(const RowStats* combined, int parts, const RowStats* local,
@@ -629,6 +647,15 @@ void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream s
   extract_max_kernel<<<RowPerThread::grid(rows), RowPerThread::kThreads, 0, as_cuda(stream)>>>(
       stats, rows, maxima);
   FL_CUDA_CHECK_LAUNCH();
+}
+
+void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream) {
+  core::dispatch_index(target.type, [&](auto idx) {
+    using Index = decltype(idx);
+    target_checksum_kernel<<<1, 1024, 0, as_cuda(stream)>>>(static_cast<const Index*>(target.data),
+                                                           target.size, out);
+    FL_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,

@@ -124,6 +124,13 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   lo.logit_softcap = rank == 1 ? 30.0f : 0.0f;
   expect_error_everywhere([&] { call(Vl, H, lo); }, "options: rank 1's differ from rank 0's");
   call(Vl, H);  // agreed again: fine
+  // Rank 1 alone changes a target (in range): refused everywhere.
+  target.download();
+  if (rank == 1) target.host_as<int64_t>()[2] = 0;
+  target.upload();
+  expect_error_everywhere([&] { call(Vl, H); }, "targets: rank 1's differ from rank 0's");
+  target.host_as<int64_t>()[2] = 2;
+  target.upload();
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {
     if (rank == 0) target.host_as<int64_t>()[3] = Vl * world;

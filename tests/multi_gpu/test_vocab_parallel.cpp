@@ -235,6 +235,14 @@ void expect_option_disagreement_fails_everywhere(Device dev, Communicator& comm)
   s.o.label_smoothing = odd ? 0.1f : 0.0f;
   expect_same_error_everywhere([&] { s.forward(comm); }, "options: rank 1's differ from rank 0's");
   s.o.label_smoothing = 0.0f;
+  // Rank 1 alone changes one target (in range: its own checks pass): every rank would return
+  // a loss of other tokens than its gradient's.
+  s.t.download();
+  if (odd) s.t.host_as<int64_t>()[3] = 0;
+  s.t.upload();
+  expect_same_error_everywhere([&] { s.forward(comm); }, "targets: rank 1's differ from rank 0's");
+  s.t.host_as<int64_t>()[3] = 3;
+  s.t.upload();
   s.forward(comm);
 }
 
