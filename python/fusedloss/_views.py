@@ -131,6 +131,9 @@ def as_float(value, name):
         isinstance(value, Tensor) and (value.is_complex() or value.numel() != 1))
     if isinstance(value, (bool, str)) or complex_like or not hasattr(value, "__float__"):
         raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a real number")
+    if isinstance(value, Tensor) and value.requires_grad:  # read as a number: no gradient for it
+        raise TypeError(f"{name}: got a tensor that requires grad, expected a real number (it is "
+                        "read as a constant; pass a float, or .item() / .detach() it)")
     try:
         return float(value)
     except OverflowError:

@@ -174,3 +174,12 @@ def test_double_backward_raises_instead_of_treating_the_gradient_as_constant(dev
     assert w.grad is not None
     with pytest.raises(RuntimeError, match=f"fusedloss.{op}: differentiating its gradient"):
         (g * w).sum().backward()
+
+
+def test_an_option_given_as_a_tensor_that_requires_grad_is_refused():
+    """An option is read as a number: a tensor that requires grad would silently get none."""
+    x, t = torch.randn(4, 8, requires_grad=True), torch.randint(0, 8, (4,))
+    ls = torch.tensor(0.1, requires_grad=True)
+    with pytest.raises(TypeError, match="label_smoothing: got a tensor that requires grad"):
+        fusedloss.cross_entropy(x, t, label_smoothing=ls)
+    assert torch.isfinite(fusedloss.cross_entropy(x, t, label_smoothing=ls.detach()))

@@ -180,7 +180,9 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
   }
   // Vocab-parallel: this rank's argument errors travel to every rank instead of being thrown
   // here, so no rank waits in a collective that a peer will not join.
-  vocab_parallel::ShardClaim mine{logits.rows, logits.cols, {}};
+  vocab_parallel::ShardClaim mine;
+  mine.rows = logits.rows;
+  mine.vocab_local = logits.cols;
   mine.collective = options.collective;
   mine.options = vocab_parallel::fingerprint(options);
   mine.target = target;

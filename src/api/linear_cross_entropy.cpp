@@ -206,7 +206,9 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   LinearCeBackward mode = LinearCeBackward::Recompute;
   // At TP > 1 this rank's argument errors travel to every rank through the agreement, as in
   // cross_entropy_forward.
-  vocab_parallel::ShardClaim mine{hidden.rows, weight.rows, {}, 0};
+  vocab_parallel::ShardClaim mine;
+  mine.rows = hidden.rows;
+  mine.vocab_local = weight.rows;
   mine.collective = ce.collective;
   mine.target = target;
   mine.fn = kFn;

@@ -5,14 +5,29 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include "fusedloss/types.h"
 
 namespace fusedloss::detail {
 
+// A message part as written: floating-point values keep a decimal point (a user who passed
+// 1.0 reads "1.0", not "1"); everything else as operator<< writes it.
+template <class T>
+void write_part(std::ostringstream& os, const T& v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    std::ostringstream f;
+    f << v;
+    const std::string s = f.str();
+    os << s << (s.find_first_not_of("-0123456789") == std::string::npos ? ".0" : "");
+  } else {
+    os << v;
+  }
+}
+
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream os;
-  (os << ... << parts);
+  (write_part(os, parts), ...);
   throw Error(os.str());
 }
 

@@ -374,6 +374,8 @@ TEST(BadInputsValidators, CrossEntropyOptionsWithoutData) {
   }
   expect_error([&] { validate_cross_entropy_options(o, 4, 10); }, {from_forward.c_str()});
   EXPECT_NE(from_forward.find("options.label_smoothing"), std::string::npos) << from_forward;
+  // a floating-point value keeps its decimal point: the user passed 1.0, not the integer 1
+  EXPECT_NE(from_forward.find("got 1.0,"), std::string::npos) << from_forward;
   o = {};
   o.vocab_start = 8;
   o.vocab_global = 16;
