@@ -5,6 +5,9 @@
 #include <tuple>
 
 #include "common/ce_harness.h"
+#if FUSEDLOSS_HAS_CUDA
+#include <cuda_runtime.h>
+#endif
 #include "fusedloss/swiglu.h"
 
 namespace fusedloss::test {
@@ -386,6 +389,47 @@ TEST(BadInputsValidators, CrossEntropyOptionsWithoutData) {
 }
 
 #if FUSEDLOSS_HAS_CUDA
+// Two ranks on one GPU as a device communicator sees them: rank 0's buffers gathered into
+// both slots (a peer with identical inputs); `tamper` alters the peer's copy of the first
+// gather (the agreement's header) at `byte`.
+class MirrorCudaCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  Device device() const override { return Device::CUDA; }
+  void all_gather(const void* send, void* recv, size_t bytes, Stream stream) override {
+    auto s = static_cast<cudaStream_t>(stream);
+    char* out = static_cast<char*>(recv);
+    for (int r = 0; r < 2; ++r)
+      ASSERT_EQ(cudaMemcpyAsync(out + r * bytes, send, bytes, cudaMemcpyDeviceToDevice, s), cudaSuccess);
+    if (tamper && ++gathers == 1)
+      ASSERT_EQ(cudaMemsetAsync(out + bytes + byte, 0x5a, 1, s), cudaSuccess);
+  }
+  void all_reduce(float*, size_t, ReduceOp, Stream) override {}
+  bool tamper = false;
+  size_t byte = 0;
+  int gathers = 0;
+};
+
+// The agreement's checksum of CUDA targets is computed on the device into the staged header:
+// identical peers pass, a peer whose checksum differs is refused.
+TEST(BadInputsHook, DeviceAgreementComparesTheTargets) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  Fixture f(Device::CUDA);
+  CrossEntropyOptions o;
+  o.vocab_global = 2 * f.V;
+  MirrorCudaCommunicator comm;
+  EXPECT_NO_THROW(cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm));
+  comm.tamper = true;
+  comm.byte = 48;  // the header's last field: the targets' checksum
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
+               {"vocab-parallel targets: rank 1's differ from rank 0's"});
+  comm.gathers = 0;
+  comm.byte = 40;  // the options' fingerprint
+  expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
+               {"vocab-parallel options: rank 1's differ from rank 0's"});
+}
+
 // A CUDA build on a machine with no GPU, or a driver too old for the build: the error names
 // the public function and says so, never a CUDA runtime string with a source path.
 TEST(BadInputsNoGpu, CudaCallSaysNoUsableDevice) {
