@@ -29,9 +29,10 @@ struct CrossEntropyOptions {
   int64_t vocab_global = -1;  // V_global; -1 means the logits' column count (no sharding)
   CollectiveForm collective = CollectiveForm::AllGather;
   // Vocab-parallel only (a communicator of size > 1). true: every call first all-gathers a
-  // fixed-size header (rows, V_local, vocab_start, vocab_global, an error flag) so that a rank
-  // whose shape differs or whose own arguments were rejected makes every rank throw the same
-  // Error at the same call, instead of leaving its peers in a mismatched collective. On a
+  // fixed-size header (rank, rows, V_local, an error flag, the collective form, a fingerprint
+  // of the options, a checksum of the targets) so that a rank whose shape, options or tokens
+  // differ, or whose own arguments were rejected, makes every rank throw the same Error at the
+  // same call, instead of leaving its peers in a mismatched collective or with another loss. On a
   // device communicator this costs one small all-gather and one host synchronisation per call.
   // false: the caller guarantees that every rank passes agreeing shapes and valid arguments;
   // no header, no host synchronisation (needed inside CUDA graph capture). A rank that then

@@ -4,10 +4,12 @@ Custom-op schemas cannot carry process groups, so an op carries its group's name
 which torch.compile traces as a constant, and resolves it back at run time.
 
 Shard agreement: before any collective whose size depends on the arguments, every rank
-contributes a fixed-size header (its rows, its V_local, a fingerprint of its options and whether
-it rejected its own arguments), so a disagreement, or a rank whose arguments were bad, raises the
-same ValueError on every rank at the same call instead of leaving the others waiting in a collective (or merging
-mismatched shards). The same guarantee as the C++ API's header exchange.
+contributes a fixed-size header (its rows, its V_local, a fingerprint of its options, whether it
+rejected its own arguments, its tokens per chunk and a checksum of its targets), so a
+disagreement, or a rank whose arguments were bad, raises the same fusedloss._C.Error (a
+ValueError) on every rank at the same call instead of leaving the others waiting in a collective
+(or merging mismatched shards, or computing the loss of other tokens). The same guarantee as the
+C++ API's header exchange.
 
 The vocab-parallel hook itself (merge_over_group): every rank's stats of every row, gathered once.
 """
@@ -94,12 +96,33 @@ def _header_device(group):
     return torch.device("cpu")
 
 
+def _signed(c):
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_MIX = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
+
+
+def _shr(z, k):
+    """The logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z):
+    """splitmix64's finaliser on int64 bits (wrapping, as the C++ one on uint64)."""
+    z = z + _MIX[0]
+    z = (z ^ _shr(z, 30)) * _MIX[1]
+    z = (z ^ _shr(z, 27)) * _MIX[2]
+    return z ^ _shr(z, 31)
+
+
 def _target_checksum(target, device):
-    """sum_i (t_i + 2)(2i + 1), wrapping in int64 (the C++ agreement's checksum): 2i + 1 is
-    odd, so a change of any one target changes it. A 1-element int64 tensor on `device`."""
+    """sum_i mix(t_i ^ mix(i)) in wrapping 64-bit arithmetic (the C++ agreement's checksum,
+    src/core/cross_entropy_math.h): a change of one target always changes it, permuted rows or
+    several changes only by a 2^-64 coincidence. A 1-element int64 tensor on `device`."""
     t = target.reshape(-1).to(torch.int64)
-    odd = torch.arange(1, 2 * t.numel() + 1, 2, dtype=torch.int64, device=t.device)
-    return ((t + 2) * odd).sum().reshape(1).to(device)
+    rows = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
+    return _mix(t ^ _mix(rows)).sum().reshape(1).to(device)
 
 
 def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,

@@ -449,7 +449,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     weight_grad_accumulator: an fp32 tensor of weight's shape (Megatron's main_grad under
     gradient-accumulation fusion), or a callable that returns one (or None: then autograd gets
     the gradient) when the backward runs, for a buffer bound late (at tp_group size > 1 with
-    check_shard_agreement, the ranks agree on its buffer in the backward: one more 40 B
+    check_shard_agreement, the ranks agree on its buffer in the backward: one more 48 B
     all-gather, read on the host). The backward adds the
     weight's gradient to it in fp32, never rounded to the weight's dtype (dweight_accumulation
     is "fp32" then), and autograd gets zeros for the weight (expanded from one element; a leaf

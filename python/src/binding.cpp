@@ -1,6 +1,7 @@
 // fusedloss._C: the C++ API for Python, over raw pointers. Plain C++ (no LibTorch): the Python
 // layer passes tensor.data_ptr() and the current stream, so this module does not depend on
 // which CUDA version torch was built with.
+#include <exception>
 #include <pybind11/pybind11.h>
 
 #include "fusedloss/fusedloss.h"
@@ -16,12 +17,21 @@ float* fptr(uintptr_t p) { return reinterpret_cast<float*>(p); }
 PyObject* g_error_type = nullptr;  // fusedloss._C.Error (a ValueError), set at import
 
 // Runs one C++ API call. A fusedloss::Error becomes fusedloss._C.Error (a ValueError) right
-// here, with its message, without going through pybind11's exception translator registry.
+// here, with its message, without going through pybind11's exception translator registry;
+// one that wraps a Python exception raised in a callback (the library nests a communicator's
+// own exception in the Error it throws) re-raises that exception as it was, type and
+// traceback (a torch.distributed timeout stays one).
 template <class Body>
 void guarded(Body&& body) {
   try {
     body();
   } catch (const Error& e) {
+    try {
+      std::rethrow_if_nested(e);
+    } catch (py::error_already_set&) {
+      throw;
+    } catch (...) {
+    }
     PyErr_SetString(g_error_type, e.what());
     throw py::error_already_set();
   }
@@ -30,7 +40,8 @@ void guarded(Body&& body) {
 // A Communicator whose collectives are Python callables (a torch.distributed group, in
 // fusedloss/_distributed.py): gather(send, recv, bytes_per_rank, stream) and
 // reduce(data, count, "max" | "sum", stream) over raw addresses. The GIL is held throughout
-// (see below), and a Python exception propagates through the C++ call as it unwinds.
+// (see below); a Python exception unwinds through the C++ call nested in an Error, and
+// guarded() raises the Python exception itself.
 class CallbackCommunicator : public Communicator {
  public:
   CallbackCommunicator(int rank, int size, Device device, py::function gather,

@@ -469,6 +469,22 @@ def _check_tp_disagreement(rank, world, what):
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
             h, shard, other, tp_group=G, backward_mode=mode),
             "vocab-parallel targets: rank 1's differ from rank 0's")
+    elif what == "group_error_type":  # the process group's own exception, raised inside the
+        class GroupDown(RuntimeError):  # C++ chunk loop's callback, arrives as it was raised
+            pass
+
+        real = dist.all_gather_into_tensor
+
+        def failing(*args, **kw):
+            raise GroupDown("simulated collective timeout")
+
+        dist.all_gather_into_tensor = failing
+        try:
+            with pytest.raises(GroupDown, match="simulated collective timeout"):
+                fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, backward_mode="in_forward",
+                                               check_shard_agreement=False)
+        finally:
+            dist.all_gather_into_tensor = real
     elif what == "check_flag":
         kw = dict(check_shard_agreement=1) if rank == 1 else {}
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, **kw),
@@ -491,7 +507,7 @@ def _check_tp_disagreement(rank, world, what):
 
 
 @pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "target_values",
-                                  "target_values_recompute", "check_flag",
+                                  "target_values_recompute", "group_error_type", "check_flag",
                                   "uint64_target", "bits8_target", "accumulator_at_backward"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)

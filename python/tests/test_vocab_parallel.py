@@ -126,6 +126,12 @@ def _check_later_disagreement(rank, world, what):
             other[4] = (int(t[4]) + 1) % (V_local * world)
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), other),
                                "vocab-parallel targets: rank 1's differ from rank 0's")
+    elif what == "target_rows_swapped":  # the same tokens, two blocks of rows in another order
+        other = t.clone()
+        if rank == 1:
+            other = torch.cat([t[3:], t[:3]])
+        _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), other),
+                               "vocab-parallel targets: rank 1's differ from rank 0's")
     elif what == "dtype":  # a rank whose own arguments are rejected before the op
         x = torch.randn(rows, V_local, dtype=torch.float64 if rank == 0 else torch.float32)
         _same_error_everywhere(lambda: _ce(x, t), "vocab-parallel rank 0: logits.dtype: got torch.float64")
@@ -185,7 +191,8 @@ def _check_later_disagreement(rank, world, what):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("what", ["rows", "V_local", "target", "target_values", "dtype", "options",
+@pytest.mark.parametrize("what", ["rows", "V_local", "target", "target_values",
+                                  "target_rows_swapped", "dtype", "options",
                                   "bad_option",
                                   "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
                                   "check_flag", "overflow", "sparse", "transposed_3d", "bits8_target"])

@@ -247,11 +247,14 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     mine.error = e.what();
   }
   if (parallel) {
-    // the options that change the values beside the cross-entropy's
-    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode), options.vocab_block};
+    // the options that change the loss or the gradients beside the cross-entropy's
+    // (vocab_block only orders the local backward's sums: not among them)
+    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode)};
+    const float softcap = options.logit_softcap + 0.0f;  // -0 and 0 are one option
     uint64_t h = vocab_parallel::fingerprint(ce);
-    h = vocab_parallel::fingerprint_more(h, &options.logit_softcap, sizeof(float));
+    h = vocab_parallel::fingerprint_more(h, &softcap, sizeof(float));
     mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
+    mine.more_options = ", logit_softcap, allow_tf32, backward_mode";
     if (ce.check_shard_agreement)
       vocab_parallel::agree(*comm, mine, stream);
     else if (!mine.error.empty())

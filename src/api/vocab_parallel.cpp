@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <type_traits>
 #include "core/cross_entropy_math.h"
 #include "core/dispatch.h"
 #include "common/error.h"
@@ -37,11 +38,15 @@ namespace {
 // The fixed-size part every rank contributes. Sizes that differ here would make the
 // size-dependent collectives that follow mismatch, so they are compared before any of them.
 struct Header {
+  int64_t rank;  // comm.rank(): every rank checks that slot r holds rank r's header
   int64_t rows, vocab_local, has_error, chunk_rows, collective;
   uint64_t options;
-  uint64_t targets;  // last: on a device communicator it is written on the device
+  uint64_t targets;  // last: on a device communicator it is added on the device
 };
-constexpr size_t kHostPart = offsetof(Header, targets);
+// Gathered as raw bytes between ranks and written at an offset on the device: no padding,
+// the checksum last.
+static_assert(std::is_standard_layout_v<Header> && sizeof(Header) == 8 * 8 &&
+              offsetof(Header, targets) == sizeof(Header) - 8);
 
 uint64_t host_checksum(const IndexView& t) {
   uint64_t sum = 0;
@@ -60,15 +65,16 @@ const char* collective_name(int64_t form) {
 }
 
 // A call into the caller's communicator: its own exceptions reach the caller as Error, naming
-// the collective (an Error passes as it is).
+// the call, with the original nested inside (std::rethrow_if_nested recovers it: the Python
+// binding re-raises a Python exception as it was); an Error passes as it is.
 template <class F>
-void hook(const char* what, F&& call) {
+auto hook(const char* what, F&& call) {
   try {
-    call();
+    return call();
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    detail::fail("comm.", what, ": ", e.what());
+    std::throw_with_nested(Error(std::string("comm.") + what + ": " + e.what()));
   }
 }
 
@@ -108,7 +114,8 @@ uint64_t mix(uint64_t h, const T& v) {
 }  // namespace
 
 void check_communicator(const Communicator& comm) {
-  const int world = comm.size(), rank = comm.rank();
+  const int world = hook("size()", [&] { return comm.size(); });
+  const int rank = hook("rank()", [&] { return comm.rank(); });
   detail::require(world >= 1 && world <= kMaxRanks, "comm.size(): got ", world, ", expected 1..",
                   kMaxRanks);
   detail::require(rank >= 0 && rank < world, "comm.rank(): got ", rank, ", expected 0..",
@@ -118,10 +125,10 @@ void check_communicator(const Communicator& comm) {
 uint64_t fingerprint(const CrossEntropyOptions& o) {
   uint64_t h = 0xcbf29ce484222325ull;
   h = mix(h, o.ignore_index);
-  h = mix(h, o.label_smoothing);
+  h = mix(h, o.label_smoothing + 0.0f);  // + 0: -0 and 0 are one option
   h = mix(h, int(o.smoothing_formula));
   h = mix(h, int(o.smoothing_scope));
-  h = mix(h, o.z_loss);
+  h = mix(h, o.z_loss + 0.0f);
   h = mix(h, int(o.reduction));
   h = mix(h, o.vocab_global);
   return h;
@@ -146,28 +153,32 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
-  Header header{mine.rows,       mine.vocab_local,          mine.error.empty() ? 0 : 1,
-                mine.chunk_rows, int64_t(mine.collective), mine.options, 0};
+  Header header{comm.rank(),     mine.rows,
+                mine.vocab_local, mine.error.empty() ? 0 : 1,
+                mine.chunk_rows, int64_t(mine.collective),
+                mine.options,    0};
   // The targets' checksum: on the host for a host communicator (whose targets are host
-  // memory: the devices were checked), else on the device into the staged header.
+  // memory: the devices were checked), else added on the device into the staged header's
+  // field, which the copy of `header` zeroed.
   const bool sum_targets = mine.error.empty() && mine.target.size > 0;
   std::function<void(char*)> on_device;
   if (sum_targets && comm.device() == Device::CPU) {
     header.targets = host_checksum(mine.target);
   } else if (sum_targets) {
     on_device = [&](char* staged) {
-      FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(
-                                  mine.target, reinterpret_cast<uint64_t*>(staged + kHostPart),
-                                  stream));
+      auto* field = reinterpret_cast<uint64_t*>(staged + offsetof(Header, targets));
+      FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(mine.target, field, stream));
     };
   }
   std::vector<Header> all(world);
   gather_to_host(comm, &header, all.data(), sizeof(Header), stream, mine.fn, on_device);
-  // A communicator that did not deliver this rank's own header cannot have carried its error.
-  detail::require(std::memcmp(&all[comm.rank()], &header, kHostPart) == 0,
-                  "comm.all_gather: rank ", comm.rank(), "'s header came back altered or in ",
-                  "another rank's slot; expected recv[r] to receive rank r's send buffer",
-                  mine.error.empty() ? "" : " (this rank's own error: " + mine.error + ")");
+  // Slot r must hold rank r's header: a communicator that loses or reorders them (or whose
+  // rank() disagrees with its gather's order) cannot carry an error or place the shards.
+  // Decided from the gathered bytes alone, the same way on every rank.
+  for (int r = 0; r < world; ++r)
+    detail::require(all[r].rank == r, "comm.all_gather: slot ", r, " holds the header of rank ",
+                    all[r].rank, "; expected recv[r] to receive rank r's send buffer (and "
+                    "comm.rank() to be that order)");
 
   // The shapes first: a rank whose rows or shard differ is the likeliest cause of any error
   // that follows from them. Every rank reads the same headers, so every rank builds the
@@ -200,8 +211,7 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
                       "targets on every rank (each rank computes the loss of the same tokens)");
       detail::require(h.options == h0.options, "vocab-parallel options: rank ", r,
                       "'s differ from rank 0's (ignore_index, label_smoothing, smoothing_formula, ",
-                      "smoothing_scope, z_loss, reduction, vocab_global",
-                      mine.chunk_rows ? ", logit_softcap, allow_tf32, backward_mode, vocab_block" : "",
+                      "smoothing_scope, z_loss, reduction, vocab_global", mine.more_options,
                       "); expected the same options on every rank");
     }
     return;

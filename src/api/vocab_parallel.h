@@ -58,6 +58,7 @@ struct ShardClaim {
   // the options (ranks that differ would compute different losses without an error).
   CollectiveForm collective = CollectiveForm::AllGather;
   uint64_t options = 0;
+  const char* more_options = "";  // the caller's options in the fingerprint, for its message
   // The targets, whose checksum every rank must share (the same tokens on every rank); read
   // only when this rank has no error.
   IndexView target;
@@ -69,8 +70,10 @@ struct ShardClaim {
 // error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
 // the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
 // "vocab-parallel: rank R: "), or, with no error anywhere, when the chunking, the collective
-// form, the options or the targets (a checksum of their values) differ. On a device
-// communicator it synchronises `stream` (the checksum is computed on the device, inside it).
+// form, the options or the targets (a checksum of their values) differ, or when the gather
+// did not put rank r's header in slot r. On a device communicator it synchronises `stream`
+// (the checksum is computed on the device, inside it). A failure of its own before the first
+// gather (a device allocation, copy or launch: sticky CUDA errors) is thrown on this rank alone.
 constexpr size_t kErrorBytes = 512;
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
 

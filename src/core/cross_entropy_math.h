@@ -184,10 +184,20 @@ FL_HD float reported_loss(TargetKind kind, float max, float log_s, float target_
   return row_loss(max, log_s, target_logit, sum_logits, sm, z_loss);
 }
 
-// Row i's term of the targets' checksum the vocab-parallel agreement compares (sums wrap mod
-// 2^64): 2i + 1 is odd, so a change of any one target changes the sum.
+// Row i's term of the targets' checksum the vocab-parallel agreement compares: the sum over
+// rows of mix(t_i ^ mix(i)), wrapping mod 2^64, in any order. mix is splitmix64's finaliser,
+// a bijection: a change of one target always changes the sum; permuted rows or several changes
+// leave it equal only by a 2^-64 coincidence (a term linear in i would not: swapping two
+// blocks of rows holding the same tokens would cancel). The Python agreement computes the same
+// (fusedloss/_distributed.py).
+FL_HD uint64_t checksum_mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 FL_HD uint64_t target_checksum_term(int64_t target, int64_t row) {
-  return uint64_t(target + 2) * (2 * uint64_t(row) + 1);
+  return checksum_mix(uint64_t(target) ^ checksum_mix(uint64_t(row)));
 }
 
 }  // namespace fusedloss::core

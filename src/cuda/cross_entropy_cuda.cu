@@ -202,13 +202,15 @@ __global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* m
   if (r < rows) maxima[r] = stats[r].max;
 }
 
-// One block: the targets' checksum (a wrapping uint64 sum; the order does not matter).
+// The targets' checksum added into *out (a wrapping uint64 sum: the same bits in any order,
+// so the blocks' atomic adds are deterministic).
 template <class Index>
-__global__ void __launch_bounds__(1024) target_checksum_kernel(const Index* target, int64_t rows,
-                                                               uint64_t* out) {
-  __shared__ unsigned long long part[32];
+__global__ void __launch_bounds__(256) target_checksum_kernel(const Index* target, int64_t rows,
+                                                              unsigned long long* out) {
+  __shared__ unsigned long long part[8];
   unsigned long long s = 0;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x)
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows;
+       r += int64_t(gridDim.x) * blockDim.x)
     s += core::target_checksum_term(int64_t(target[r]), r);
   for (int o = 16; o > 0; o /= 2) s += __shfl_down_sync(0xffffffffu, s, o);
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
@@ -216,7 +218,7 @@ __global__ void __launch_bounds__(1024) target_checksum_kernel(const Index* targ
   if (threadIdx.x == 0) {
     unsigned long long total = 0;
     for (int w = 0; w < int(blockDim.x / 32); ++w) total += part[w];
-    *out = total;
+    atomicAdd(out, total);
   }
 }
 
@@ -650,10 +652,13 @@ void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream s
 }
 
 void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream) {
+  if (target.size == 0) return;
   core::dispatch_index(target.type, [&](auto idx) {
     using Index = decltype(idx);
-    target_checksum_kernel<<<1, 1024, 0, as_cuda(stream)>>>(static_cast<const Index*>(target.data),
-                                                           target.size, out);
+    const auto blocks = unsigned(std::min<int64_t>((target.size + 255) / 256, 264));
+    target_checksum_kernel<<<blocks, 256, 0, as_cuda(stream)>>>(
+        static_cast<const Index*>(target.data), target.size,
+        reinterpret_cast<unsigned long long*>(out));
     FL_CUDA_CHECK_LAUNCH();
   });
 }

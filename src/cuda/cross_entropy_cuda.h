@@ -32,7 +32,8 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
 void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream);
 // stats[r].max -> maxima[r]
 void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream stream);
-// *out = sum over rows of core::target_checksum_term (one block; out: device memory).
+// *out += sum over rows of core::target_checksum_term (out: device memory, zeroed by the
+// caller).
 void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream);
 
 // The device error word (first out-of-range target); see check_device_errors().

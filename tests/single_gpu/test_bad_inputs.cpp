@@ -3,8 +3,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/ce_harness.h"
+#include "core/cross_entropy_math.h"
 #if FUSEDLOSS_HAS_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -354,10 +357,15 @@ TEST(BadInputsHook, BrokenCommunicatorIsRefused) {
   BrokenCommunicator comm(0, 2);
   o.vocab_global = 2 * f.V;
   expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
-               {"comm.all_gather: rank 0's header came back altered"});
+               {"comm.all_gather: slot 1 holds the header of rank 0"});
   comm.foreign = true;
   expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
                {"comm.all_gather: transport closed"});
+  try {  // the communicator's own exception travels nested in the Error
+    cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm);
+  } catch (const Error& e) {
+    EXPECT_THROW(std::rethrow_if_nested(e), std::runtime_error);
+  }
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
 }
 
@@ -390,8 +398,8 @@ TEST(BadInputsValidators, CrossEntropyOptionsWithoutData) {
 
 #if FUSEDLOSS_HAS_CUDA
 // Two ranks on one GPU as a device communicator sees them: rank 0's buffers gathered into
-// both slots (a peer with identical inputs); `tamper` alters the peer's copy of the first
-// gather (the agreement's header) at `byte`.
+// both slots (a peer with identical inputs; the agreement header's first field, the rank, set
+// to 1 in the peer's slot); `tamper` alters the peer's copy of the header at `byte`.
 class MirrorCudaCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -402,9 +410,17 @@ class MirrorCudaCommunicator final : public Communicator {
     char* out = static_cast<char*>(recv);
     for (int r = 0; r < 2; ++r)
       ASSERT_EQ(cudaMemcpyAsync(out + r * bytes, send, bytes, cudaMemcpyDeviceToDevice, s), cudaSuccess);
-    if (tamper && ++gathers == 1)
-      ASSERT_EQ(cudaMemsetAsync(out + bytes + byte, 0x5a, 1, s), cudaSuccess);
+    if (++gathers == 1) {  // the agreement's header: kept for the test to read
+      header.resize(bytes);
+      ASSERT_EQ(cudaMemcpyAsync(header.data(), send, bytes, cudaMemcpyDeviceToHost, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      static const int64_t peer = 1;
+      ASSERT_EQ(cudaMemcpyAsync(out + bytes, &peer, 8, cudaMemcpyHostToDevice, s), cudaSuccess);
+      if (tamper) ASSERT_EQ(cudaMemsetAsync(out + bytes + byte, 0x5a, 1, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    }
   }
+  std::vector<unsigned char> header;
   void all_reduce(float*, size_t, ReduceOp, Stream) override {}
   bool tamper = false;
   size_t byte = 0;
@@ -420,12 +436,39 @@ TEST(BadInputsHook, DeviceAgreementComparesTheTargets) {
   o.vocab_global = 2 * f.V;
   MirrorCudaCommunicator comm;
   EXPECT_NO_THROW(cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm));
+  // The checksum the device wrote into the header (its last 8 bytes) is the host formula's, for
+  // more rows than one block covers and for either index width.
+  const int64_t rows = 3000, V = 4;
+  Buffer x(Device::CUDA, rows * V * 4), t64(Device::CUDA, rows * 8), t32(Device::CUDA, rows * 4),
+      loss(Device::CUDA, rows * 4), lse(Device::CUDA, rows * 4);
+  uint64_t expected = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t v = (r * 7 + 3) % (2 * V);
+    t64.host_as<int64_t>()[r] = v;
+    t32.host_as<int32_t>()[r] = int32_t(v);
+    expected += core::target_checksum_term(v, r);
+  }
+  std::memset(x.host(), 0, x.bytes());
+  x.upload(); t64.upload(); t32.upload();
+  CrossEntropyOptions big;
+  big.vocab_global = 2 * V;
+  for (auto [buf, type] : {std::pair{&t64, IndexType::I64}, std::pair{&t32, IndexType::I32}}) {
+    comm.gathers = 0;
+    cross_entropy_forward({x.data(), rows, V, V, DType::F32, Device::CUDA},
+                          {buf->data(), rows, type, Device::CUDA}, big,
+                          {loss.data_as<float>(), lse.data_as<float>(), nullptr}, &comm);
+    ASSERT_GE(comm.header.size(), 8u);
+    uint64_t got = 0;
+    std::memcpy(&got, comm.header.data() + comm.header.size() - 8, 8);
+    EXPECT_EQ(got, expected) << "index type " << int(type);
+  }
+  comm.gathers = 0;
   comm.tamper = true;
-  comm.byte = 48;  // the header's last field: the targets' checksum
+  comm.byte = 56;  // the header's last field: the targets' checksum
   expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
                {"vocab-parallel targets: rank 1's differ from rank 0's"});
   comm.gathers = 0;
-  comm.byte = 40;  // the options' fingerprint
+  comm.byte = 48;  // the options' fingerprint
   expect_error([&] { cross_entropy_forward(f.xv(), f.tv(), o, f.out(), &comm); },
                {"vocab-parallel options: rank 1's differ from rank 0's"});
 }
