@@ -22,10 +22,13 @@ struct LceTuning {
   // [V, H]: chunk x H output tiles only, e.g. 64 tiles of 128 x 256 at 512 x 4096, under one wave
   // of an H200's 132 SMs). group: one GEMM over the buffers' chunks together (as dweight).
   bool dhidden_group = false;
-  // FUSEDLOSS_LCE_DH_PIECES = p in [1, 16]: each chunk's dhidden GEMM as p GEMMs over row
-  // pieces of about rows / p (rounded up to multiples of 64 from 64 rows). Its output has only chunk x H tiles, so how
-  // evenly they fill the SMs' waves depends on the chunk's row count (832 rows at V = 151936:
-  // 7 x 32 tiles of 128 x 128 on 132 SMs, 85% of two waves); pieces change that count.
+  // FUSEDLOSS_LCE_DH_PIECES = p in [1, 16]: each chunk's dhidden GEMM as GEMMs over row pieces
+  // of ceil(rows / p) rows, rounded up to a multiple of 64 when that is >= 64 (so fewer than p
+  // pieces may run). Its output has only chunk x H tiles, so how evenly they fill the SMs'
+  // waves depends on the chunk's row count (832 rows at V = 151936: 7 x 32 tiles of 128 x 128
+  // on 132 SMs, 85% of two waves); pieces change that count. cuBLASLt may choose another
+  // algorithm for the shorter GEMMs, so the bits may differ with p. Not used with
+  // FUSEDLOSS_LCE_DHIDDEN=group. Measured, not shipped: bench/NOTES.md.
   int dhidden_pieces = 1;
   // FUSEDLOSS_LCE_SIDE_STREAM = 1 | 0: the cross-entropy steps on the side stream (overlap) or
   // on the caller's stream between the GEMMs (serial).
