@@ -409,9 +409,19 @@ def test_rms_norm_any_layout(run):
             y64 = y64 * 2.0
         up, up64 = _upstream(draw, y, gen)
         loss = up(y) + (s.float().sum() if s is not None else 0.0)
+        if y64.requires_grad:
+            y64.retain_grad()
         loss64 = up64(y64) + (s64.sum() if s is not None else 0.0)
         loss.backward()
         loss64.backward()
+        # H = 1: dx = rstd dy gamma (1 - xhat^2) nearly cancels (xhat^2 = s^2 / (s^2 + eps)), so
+        # x's gradient is measured against the size of its terms, not of the difference
+        terms = 0.0
+        if shape[-1] == 1 and y64.grad is not None and y64.numel():
+            s_in = x64 if r64 is None else x64 + r64
+            gamma = w64 + 1.0 if opts["zero_centered_gamma"] else w64
+            rstd = (s_in.detach() ** 2 + opts["eps"]).rsqrt()
+            terms = (y64.grad.abs() * gamma.detach().abs() * rstd).max().item()
         for t, t0 in zip((base, wbase, rbase), before):
             assert torch.equal(t.detach(), t0), "the caller's tensor was written"
         rows = max(1, x.numel() // max(shape[-1], 1))
@@ -420,6 +430,8 @@ def test_rms_norm_any_layout(run):
             if got is None:
                 continue
             gmax = want.grad.abs().max().item() if want.grad.numel() else 1.0
+            if got is not wbase:
+                gmax = max(gmax, terms)
             spread = mult * (shape[-1] if lay == "expanded" and got is wbase else 1)
             _close(got.grad, want.grad, tol, gmax * spread * _multiplicity(lay, shape) + 1e-6)
 
