@@ -126,6 +126,10 @@ def _check_later_disagreement(rank, world, what):
             other[4] = (int(t[4]) + 1) % (V_local * world)
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), other),
                                "vocab-parallel targets: rank 1's differ from rank 0's")
+    elif what == "target_layouts":  # the same tokens in another layout and dtype: agreed
+        same = torch.stack([t, t], -1)[..., 1].to(torch.int32) if rank == 1 else t
+        loss = _ce(torch.randn(rows, V_local), same)
+        assert torch.isfinite(loss)
     elif what == "target_rows_swapped":  # the same tokens, two blocks of rows in another order
         other = t.clone()
         if rank == 1:
@@ -192,7 +196,7 @@ def _check_later_disagreement(rank, world, what):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["rows", "V_local", "target", "target_values",
-                                  "target_rows_swapped", "dtype", "options",
+                                  "target_rows_swapped", "target_layouts", "dtype", "options",
                                   "bad_option",
                                   "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
                                   "check_flag", "overflow", "sparse", "transposed_3d", "bits8_target"])
@@ -223,3 +227,15 @@ def _check_opt_out_skips_the_exchange(rank, world):
 
 def test_gloo_agreement_opt_out_skips_the_exchange():
     run_world(2, _check_opt_out_skips_the_exchange, timeout_s=30)
+
+
+def test_target_checksum_matches_the_cpp_formula():
+    """The agreement's targets checksum: the C++ test pins the same vector to the same value
+    (tests/single_gpu/test_bad_inputs.cpp, TargetChecksumTestVector); layouts and index dtypes
+    of equal values give equal sums."""
+    from fusedloss._distributed import _target_checksum
+    t = torch.tensor([5, -100, 0, 151935, 7])
+    assert int(_target_checksum(t, "cpu")) & (2**64 - 1) == 0x7F5C27945F2FEAAA
+    base = torch.stack([t, torch.zeros_like(t)], -1)  # a strided view of the same values
+    for same in (base[:, 0], t.to(torch.int32), t.view(5, 1).expand(5, 3)[:, 1]):
+        assert torch.equal(_target_checksum(same, "cpu"), _target_checksum(t, "cpu"))

@@ -34,16 +34,21 @@ const char* mode_name(LinearCeBackward m) {
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 // The options' own checks, shape-only.
+// The chunking options: chunk_rows >= 0, and a workspace when chunk_rows does not fix it.
+void check_chunking(const LinearCrossEntropyOptions& o) {
+  require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
+          ", expected 0 (from workspace_bytes) or >= 1");
+  require(o.chunk_rows > 0 || o.workspace_bytes > 0,
+          "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
+}
+
 core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o,
                        int64_t rows, int64_t vocab_local, int64_t hidden) {
   require(hidden >= 1, "hidden.cols: got ", hidden, ", expected H >= 1");
   core::CeParams p = core::resolve_params(ce, rows, vocab_local);
   require(std::isfinite(o.logit_softcap) && o.logit_softcap >= 0.0f,
           "options.logit_softcap: got ", o.logit_softcap, ", expected 0 (off) or a finite value > 0");
-  require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
-          ", expected 0 (from workspace_bytes) or >= 1");
-  require(o.chunk_rows > 0 || o.workspace_bytes > 0,
-          "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
+  check_chunking(o);
   require(o.vocab_block >= 0, "options.vocab_block: got ", o.vocab_block,
           ", expected 0 (off) or >= 1 columns");
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
@@ -185,10 +190,7 @@ int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int6
                                         int64_t vocab_local, DType dtype) {
   require(rows >= 0, "rows: got ", rows, ", expected >= 0");
   require(vocab_local >= 1, "vocab_local: got ", vocab_local, ", expected >= 1");
-  require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
-          ", expected 0 (from workspace_bytes) or >= 1");
-  require(o.chunk_rows > 0 || o.workspace_bytes > 0,
-          "options.workspace_bytes: got 0 with chunk_rows 0, expected > 0");
+  check_chunking(o);
   return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning().buffers);
 }
 

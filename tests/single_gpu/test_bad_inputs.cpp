@@ -317,6 +317,15 @@ TEST(BadInputsHook, CollectiveFailurePropagatesWithItsMessage) {
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0])) << "an output was written despite the failure";
 }
 
+// The targets' checksum of the agreement, pinned to one value that the Python agreement's test
+// pins too (python/tests/test_vocab_parallel.py): the two implementations stay in step.
+TEST(BadInputsHook, TargetChecksumTestVector) {
+  const int64_t targets[] = {5, -100, 0, 151935, 7};
+  uint64_t sum = 0;
+  for (int64_t r = 0; r < 5; ++r) sum += core::target_checksum_term(targets[r], r);
+  EXPECT_EQ(sum, 0x7f5c27945f2feaaaull);
+}
+
 // A communicator whose own size, rank or gather is wrong; throws a foreign exception on demand.
 class BrokenCommunicator final : public Communicator {
  public:
