@@ -182,4 +182,7 @@ def test_an_option_given_as_a_tensor_that_requires_grad_is_refused():
     ls = torch.tensor(0.1, requires_grad=True)
     with pytest.raises(TypeError, match="label_smoothing: got a tensor that requires grad"):
         fusedloss.cross_entropy(x, t, label_smoothing=ls)
+    leaf = torch.tensor([0.1, 0.2], requires_grad=True)  # a view of a leaf, too
+    with pytest.raises(TypeError, match="z_loss: got a tensor that requires grad"):
+        fusedloss.cross_entropy(x, t, z_loss=leaf[0])
     assert torch.isfinite(fusedloss.cross_entropy(x, t, label_smoothing=ls.detach()))
