@@ -49,8 +49,9 @@ enum class DHiddenForm { Partial };
 
 struct LinearCrossEntropyOptions {
   // Bound on the chunk buffers together (bytes). With chunk_rows == 0 the chunk is the most
-  // tokens whose [chunk, V_local] buffer (two with FUSEDLOSS_LCE_BUFFERS=2) fits (rounded down to a multiple of 64 when
-  // that is >= 64; never less than 1 token).
+  // tokens whose [chunk, V_local] buffer (two with FUSEDLOSS_LCE_BUFFERS=2) fits, rounded down
+  // to whole GEMM tiles (a multiple of 256 or 128 rows when that gives up at most a quarter of
+  // it, else of 64; never less than 1 token).
   size_t workspace_bytes = size_t(256) << 20;
   // > 0: exactly this many tokens per chunk (the last chunk takes the remainder), whatever
   // workspace_bytes says. Mostly for tests; 0 derives it from workspace_bytes.

@@ -93,6 +93,18 @@ core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
   return resolve(ce, o, hidden.rows, weight.rows, hidden.cols);
 }
 
+// A chunk's tokens in whole GEMM tiles: the largest of 256 and 128 rows whose rounding gives up
+// at most a quarter of the chunk, else 64. cuBLASLt's Hopper kernels for the logits and dhidden
+// GEMMs take 256 rows a tile pair: at 16384 x 4096 x 151936 (bf16, H200) chunks of 768 tokens
+// ran those GEMMs 11% and 19% faster than the 832 a 64-row rounding of 256 MiB gives, and the
+// whole in_forward loop 6% faster despite two more chunks.
+int64_t whole_tiles(int64_t chunk) {
+  if (chunk < 64) return chunk;
+  for (int64_t tile : {int64_t(256), int64_t(128)})
+    if (chunk >= tile && chunk % tile <= chunk / 4) return chunk - chunk % tile;
+  return chunk - chunk % 64;
+}
+
 // Tokens per chunk for a workspace split into `buffers` chunk buffers.
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
                        DType dtype, int64_t buffers) {
@@ -102,8 +114,7 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    chunk = int64_t(o.workspace_bytes / size_t(buffers * stride * es));
-    if (chunk >= 64) chunk -= chunk % 64;  // whole GEMM tiles
+    chunk = whole_tiles(int64_t(o.workspace_bytes / size_t(buffers * stride * es)));
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
 }

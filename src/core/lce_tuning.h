@@ -25,18 +25,20 @@ struct LceTuning {
   // FUSEDLOSS_LCE_DH_PIECES = p in [1, 16]: each chunk's dhidden GEMM as GEMMs over row pieces
   // of ceil(rows / p) rows, rounded up to a multiple of 64 when that is >= 64 (so fewer than p
   // pieces may run). Its output has only chunk x H tiles, so how evenly they fill the SMs'
-  // waves depends on the chunk's row count (832 rows at V = 151936: 7 x 32 tiles of 128 x 128
-  // on 132 SMs, 85% of two waves); pieces change that count. cuBLASLt may choose another
-  // algorithm for the shorter GEMMs, so the bits may differ with p. Not used with
+  // waves depends on the chunk's row count (832 rows, the chunk at V = 151936 before chunks
+  // were whole 256-row tiles: 7 x 32 tiles of 128 x 128 on 132 SMs, 85% of two waves); pieces
+  // change that count. cuBLASLt may choose another algorithm for the shorter GEMMs, so the bits
+  // may differ with p. Not used with
   // FUSEDLOSS_LCE_DHIDDEN=group. Measured, not shipped: bench/NOTES.md.
   int dhidden_pieces = 1;
   // FUSEDLOSS_LCE_SIDE_STREAM = 1 | 0: the cross-entropy steps on the side stream (overlap) or
   // on the caller's stream between the GEMMs (serial).
   bool side_stream = true;
-  // FUSEDLOSS_LCE_GEMM_ALGOS = k >= 1: 1 takes cuBLASLt's heuristic first answer; k > 1 asks for
-  // k and times them once per shape (a host sync on first use, skipped under graph capture;
-  // a GEMM that accumulates into C is timed on a zeroed scratch of C's size, e.g. the fp32
-  // [V_local, H] dweight, allocated for that first call only).
+  // FUSEDLOSS_LCE_GEMM_ALGOS = k >= 1: 1 takes cuBLASLt's heuristic first answer (for a short
+  // inner dimension under a large output, the dweight GEMMs, its answer with the most waves:
+  // src/cuda/gemm_lt.cu); k > 1 asks for k and times them once per shape (a host sync on first
+  // use, skipped under graph capture; a GEMM that accumulates into C is timed on a zeroed
+  // scratch of C's size, e.g. the fp32 [V_local, H] dweight, allocated for that first call only).
   int gemm_algos = 1;
   // FUSEDLOSS_LCE_CE_ROWS = r >= 0: the in-forward cross-entropy (stats, then gradient) in
   // slices of r rows (0: the whole chunk), so the gradient pass re-reads the rows from L2

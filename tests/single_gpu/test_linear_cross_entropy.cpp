@@ -353,6 +353,14 @@ TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
       EXPECT_EQ(chunk % 64, 0) << "V " << V;
     }
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 10, 128256, DType::BF16), 10);  // <= N
+  // whole 256-row tiles where that costs at most a quarter: 883 rows fit, 768 taken (not 832)
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 151936, DType::BF16), 768);
+  EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 128256, DType::BF16), 1024);
+  for (auto [fits, taken] : {std::pair<int64_t, int64_t>{600, 512}, {700, 640}, {300, 256},
+                            {127, 64}, {63, 63}}) {
+    o.workspace_bytes = size_t(fits) * 1024 * 2;
+    EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 1024, DType::BF16), taken) << fits;
+  }
   o.workspace_bytes = 1;
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 10, 128256, DType::BF16), 1);  // at least 1
 }
