@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, _native
 from ._op import FusedOp
 from ._views import (_DTYPES, as_bool, as_dtype, as_float, as_int, matrix, require_float_aux,
                      require_same_device, require_values, rows_of, stream_of, validated, values_in,
@@ -121,6 +121,9 @@ def _make(name, n_outputs):
 
 _rms_norm = _make("rms_norm", 1)
 _rms_norm_residual = _make("rms_norm_residual", 2)
+# eager calls: the same steps with the autograd node in C++, when it is loaded
+_EAGER = _native.ops.rms_norm_eager.default if _native.ops is not None else None
+_EAGER_RESIDUAL = _native.ops.rms_norm_residual_eager.default if _native.ops is not None else None
 
 
 def _check(x, weight, eps, zero_centered_gamma, residual):
@@ -161,6 +164,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: 
     bits on every call on a given device). Math in fp32; no host synchronisation.
     """
     eps = _check(x, weight, eps, zero_centered_gamma, residual)
+    if _EAGER is not None and not torch.compiler.is_compiling():  # the C++ nodes (_native.py)
+        if residual is not None:
+            return _EAGER_RESIDUAL(x, weight, residual, eps, zero_centered_gamma)
+        return _EAGER(x, weight, eps, zero_centered_gamma)
     if residual is not None:
         return _rms_norm_residual(x, weight, residual, eps, zero_centered_gamma)
     return _rms_norm(x, weight, None, eps, zero_centered_gamma)

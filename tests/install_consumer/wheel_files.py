@@ -9,7 +9,9 @@ info = f"fusedloss-{dist.version}.dist-info/"
 outside = [f for f in files if not (f.startswith("fusedloss/") or f.startswith(info))]
 needed = ["fusedloss/include/fusedloss/fusedloss.h", "fusedloss/include/fusedloss/config.h",
           "fusedloss/lib/libfusedloss.a", "fusedloss/lib/cmake/fusedloss/fusedlossConfig.cmake",
-          "fusedloss/lib/cmake/fusedloss/fusedlossTargets.cmake", "fusedloss/__main__.py"]
+          "fusedloss/lib/cmake/fusedloss/fusedlossTargets.cmake", "fusedloss/__main__.py",
+          # the C++ autograd nodes: launch/python.sh builds against the environment's torch
+          "fusedloss/libfusedloss_torch.so", "fusedloss/torch_nodes_version.txt"]
 missing = [f for f in needed if f not in files]
 for f in outside:
     print(f"outside the package: {f}")

@@ -1,0 +1,42 @@
+"""The eager ops' autograd nodes in C++ (python/src/torch_nodes.cpp, libfusedloss_torch.so).
+
+An eager call through a Python autograd node pays for the node in the interpreter on top of
+the autograd engine's own round trip; the C++ nodes run the same views, kernels and guards
+without it. The library is built against the torch of the Python that built the package and
+loaded only under that same torch version; otherwise (a torch upgraded since, a build without
+torch, or FUSEDLOSS_NATIVE_NODES=0) the Python nodes of _op.py serve, with the same results.
+
+    ops       torch.ops.fusedloss, or None when the C++ nodes are not loaded
+    status    why they are or are not loaded (one line)
+"""
+import os
+import warnings
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY = os.path.join(_HERE, "libfusedloss_torch.so")
+_BUILT_FOR = os.path.join(_HERE, "torch_nodes_version.txt")
+
+
+def _load():
+    if os.environ.get("FUSEDLOSS_NATIVE_NODES", "1") == "0":
+        return None, "off (FUSEDLOSS_NATIVE_NODES=0)"
+    if not os.path.exists(_LIBRARY):
+        return None, "not built (the package was built without torch: pip install --no-build-isolation .)"
+    with open(_BUILT_FOR) as f:
+        built_for = f.read().strip()
+    if built_for != torch.__version__:
+        return None, (f"built for torch {built_for}, running torch {torch.__version__}: "
+                      "rebuild the package (pip install --no-build-isolation .)")
+    try:
+        torch.ops.load_library(_LIBRARY)
+    except OSError as error:
+        return None, f"could not be loaded: {error}"
+    return torch.ops.fusedloss, f"loaded ({_LIBRARY}, torch {built_for})"
+
+
+ops, status = _load()
+if ops is None and os.path.exists(_LIBRARY) and not status.startswith("off"):
+    # built, yet unusable here: the same results through the Python nodes, more host time a call
+    warnings.warn(f"fusedloss: the C++ autograd nodes are {status}; using the Python nodes")

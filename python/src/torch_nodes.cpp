@@ -1,0 +1,235 @@
+// fusedloss's autograd nodes in C++ for eager PyTorch calls (libfusedloss_torch.so, loaded by
+// fusedloss/_native.py with torch.ops.load_library).
+//
+// Why: every eager op pays the autograd engine's round trip, and a node written in Python adds
+// to it (bench/autograd_node_probe.py on an H200 host: an empty node costs 94 us forward +
+// backward in Python, 78 us in C++; F.rms_norm's whole op 103 us). These nodes run the same
+// steps as the Python scaffold's eager path (python/fusedloss/_op.py and the op's module): the
+// same views, copies, allocations, kernels and double-backward guard. The Python layer still
+// checks the arguments first (its messages name them); torch.compile keeps the Python custom ops.
+//
+// Built only against the torch it was compiled with (the version is checked before loading).
+#include <ATen/ATen.h>
+#include <ATen/TensorUtils.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "fusedloss/fusedloss.h"
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// ---- tensors -> views (python/fusedloss/_views.py has the same rules) ----
+
+fusedloss::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return fusedloss::DType::F32;
+    case at::kHalf: return fusedloss::DType::F16;
+    case at::kBFloat16: return fusedloss::DType::BF16;
+    default: TORCH_CHECK_VALUE(false, "fusedloss internal: dtype ", t.scalar_type(), " has no kernel");
+  }
+}
+
+fusedloss::Device backend_of(const at::Tensor& t) {
+  return t.is_cuda() ? fusedloss::Device::CUDA : fusedloss::Device::CPU;
+}
+
+fusedloss::Stream stream_of(const at::Tensor& t) {
+  if (!t.is_cuda()) return nullptr;
+  // through c10's device-generic interface: no link to libc10_cuda, the same current stream
+  return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(t.device()).native_handle();
+}
+
+// t as [rows, cols] rows the kernels read as they are: a view where one exists, else a copy
+// (expanded, transposed or overlapping rows).
+at::Tensor rows_of(const at::Tensor& t) {
+  const int64_t cols = t.size(-1);
+  if (cols >= 1 && (t.stride(-1) == 1 || cols == 1)) {
+    at::Tensor r;
+    const int64_t rows = t.numel() / cols;
+    if (t.dim() == 2) {
+      r = t;
+    } else if (const int64_t shape[2] = {rows, cols};
+               at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef(shape, 2))) {
+      r = t.view({rows, cols});  // (no copy: the leading dims flatten)
+    }
+    if (r.defined() && (rows <= 1 || r.stride(0) >= cols)) return r;
+  }
+  return t.contiguous().view({-1, cols});
+}
+
+fusedloss::MatrixView matrix(const at::Tensor& rows) {
+  const int64_t n = rows.size(0), cols = rows.size(1);
+  return {rows.data_ptr(), n, cols, n > 1 ? rows.stride(0) : cols, dtype_of(rows), backend_of(rows)};
+}
+
+fusedloss::VectorView vector(const at::Tensor& t) {
+  return {t.data_ptr(), t.numel(), dtype_of(t), backend_of(t)};
+}
+
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
+// A C++ API error as the Python bindings raise it: ValueError with the core's message.
+template <class F>
+void guarded(F&& call) {
+  try {
+    call();
+  } catch (const fusedloss::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+// ---- the double-backward guard (python/fusedloss/_op.py: _NoSecondOrder) ----
+
+// Joins a gradient to the op's differentiable inputs ("anchors") and refuses to be
+// differentiated: the backward kernels are not differentiable ops, so a second-order gradient
+// through them would be silently wrong.
+struct NoSecondOrder : torch::autograd::Function<NoSecondOrder> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const std::string& op,
+                            at::TensorList anchors) {
+    (void)anchors;
+    ctx->saved_data["op"] = op;
+    return grad.view_as(grad);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    TORCH_CHECK(false, ctx->saved_data["op"].toStringRef(),
+                ": differentiating its gradient (a double backward, e.g. through "
+                "create_graph=True) is not supported; its backward is a fused kernel, not a "
+                "differentiable op");
+  }
+};
+
+// Under create_graph=True: every gradient guarded (the values stay usable).
+void guard_second_order(variable_list& grads, const variable_list& saved, const char* op) {
+  if (!at::GradMode::is_enabled()) return;
+  std::vector<at::Tensor> anchors;
+  for (const auto& t : saved)
+    if (t.defined() && t.requires_grad()) anchors.push_back(t);
+  for (auto& g : grads) {
+    if (!g.defined()) continue;
+    if (anchors.empty() && !g.requires_grad()) g = g.detach().requires_grad_();
+    g = NoSecondOrder::apply(g, std::string(op), at::TensorList(anchors));
+  }
+}
+
+// ---- rms_norm (python/fusedloss/rms_norm.py) ----
+
+// The weight as the kernels read it: its own dtype where they take it with x's, else fp32.
+at::Tensor weight_for(const at::Tensor& weight, at::ScalarType x_dtype) {
+  const auto w = weight.scalar_type();
+  const bool as_is = w == x_dtype || w == at::kFloat ||
+                     (x_dtype == at::kFloat && (w == at::kBFloat16 || w == at::kHalf));
+  return as_dtype(weight, as_is ? w : at::kFloat).contiguous();
+}
+
+fusedloss::RmsNormOptions rms_options(double eps, bool zero_centered_gamma) {
+  fusedloss::RmsNormOptions o;
+  o.eps = float(eps);
+  o.zero_centered_gamma = zero_centered_gamma;
+  return o;
+}
+
+struct RmsNorm : torch::autograd::Function<RmsNorm> {
+  // -> {y} or, with a residual, {y, s = x + residual}
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& residual, double eps,
+                               bool zero_centered_gamma) {
+    c10::OptionalDeviceGuard device(x.device());
+    const at::Tensor xr = rows_of(x);
+    const auto opts = rms_options(eps, zero_centered_gamma);
+    // outputs in x's shape, contiguous, returned as they are (not views made here)
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    at::Tensor rstd = at::empty({xr.size(0)}, x.options().dtype(at::kFloat));
+    at::Tensor s, w = weight_for(weight, x.scalar_type());
+    fusedloss::MatrixView r_view, s_view;
+    at::Tensor rr;
+    if (residual) {
+      rr = rows_of(*residual);
+      s = at::empty(x.sizes(), x.options());
+      r_view = matrix(rr);
+      s_view = matrix(rows_of(s));
+    }
+    guarded([&] {
+      fusedloss::rms_norm_forward(matrix(xr), vector(w), opts, matrix(rows_of(y)),
+                                  rstd.data_ptr<float>(), r_view, s_view, stream_of(x));
+    });
+    ctx->save_for_backward({residual ? s : x, w, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["zc"] = zero_centered_gamma;
+    ctx->saved_data["w_dtype"] = int64_t(weight.scalar_type());
+    if (!residual) return {y};
+    return {y, s};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& src = saved[0];
+    const at::Tensor& w = saved[1];
+    const at::Tensor& rstd = saved[2];
+    const bool has_residual = grads.size() > 1;
+    c10::OptionalDeviceGuard device(src.device());
+    const auto opts = rms_options(ctx->saved_data["eps"].toDouble(), ctx->saved_data["zc"].toBool());
+    at::Tensor g = grads[0].defined() ? grads[0] : at::zeros_like(src);  // only s was used
+    // the gradient may arrive expanded (of a sum) or strided; kept alive until the kernel ran
+    const at::Tensor gr = rows_of(as_dtype(g, src.scalar_type()));
+    at::Tensor gsr;
+    fusedloss::MatrixView gs_view;
+    if (has_residual && grads[1].defined()) {
+      gsr = rows_of(as_dtype(grads[1], src.scalar_type()));
+      gs_view = matrix(gsr);
+    }
+    const at::Tensor xr = rows_of(src);
+    at::Tensor dx = at::empty(src.sizes(), src.options());
+    // in the dtype the weight was read in: summed in fp32, rounded once there
+    at::Tensor dw = at::empty({w.numel()}, w.options());
+    const size_t ws_bytes = fusedloss::rms_norm_backward_workspace_bytes(xr.size(0), xr.size(1),
+                                                                         backend_of(src));
+    at::Tensor ws;
+    if (ws_bytes) ws = at::empty({int64_t((ws_bytes + 3) / 4)}, src.options().dtype(at::kFloat));
+    guarded([&] {
+      fusedloss::rms_norm_backward(matrix(gr), matrix(xr), vector(w), rstd.data_ptr<float>(), opts,
+                                   matrix(rows_of(dx)), dw.data_ptr(), dtype_of(dw),
+                                   ws_bytes ? ws.data_ptr() : nullptr, gs_view, stream_of(src));
+    });
+    const auto w_dtype = at::ScalarType(ctx->saved_data["w_dtype"].toInt());
+    variable_list out{dx, as_dtype(dw, w_dtype), has_residual ? dx : at::Tensor(), at::Tensor(),
+                      at::Tensor()};
+    guard_second_order(out, saved, has_residual ? "fusedloss.rms_norm_residual" : "fusedloss.rms_norm");
+    return out;
+  }
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    bool zero_centered_gamma) {
+  return RmsNorm::apply(x, weight, std::optional<at::Tensor>(), eps, zero_centered_gamma)[0];
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const at::Tensor& weight,
+                                                     const at::Tensor& residual, double eps,
+                                                     bool zero_centered_gamma) {
+  auto out = RmsNorm::apply(x, weight, std::optional<at::Tensor>(residual), eps, zero_centered_gamma);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+// Eager entry points only: the traced path uses the Python custom ops of the same names
+// without the "_eager" suffix.
+TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
+  m.def("rms_norm_eager(Tensor x, Tensor weight, float eps, bool zero_centered_gamma) -> Tensor");
+  m.def("rms_norm_residual_eager(Tensor x, Tensor weight, Tensor residual, float eps, "
+        "bool zero_centered_gamma) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
+  m.impl("rms_norm_eager", &rms_norm);
+  m.impl("rms_norm_residual_eager", &rms_norm_residual);
+}

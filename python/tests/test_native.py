@@ -1,0 +1,83 @@
+"""The C++ autograd nodes (libfusedloss_torch.so, fusedloss/_native.py): loaded when the
+package was built against this torch, the same bits as the Python nodes, and a clear fallback."""
+import importlib
+import os
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss import _native
+
+rms_module = importlib.import_module("fusedloss.rms_norm")  # (fusedloss.rms_norm is the function)
+
+pytestmark = pytest.mark.skipif(os.environ.get("FUSEDLOSS_NATIVE_NODES") == "0",
+                                reason="C++ nodes switched off (FUSEDLOSS_NATIVE_NODES=0)")
+
+
+def test_loaded():
+    """launch/python.sh builds the package against the environment's torch: the library ships
+    and loads (a silent fallback would only cost host time, which no other test sees)."""
+    assert os.path.exists(_native._LIBRARY), _native.status
+    assert _native.ops is not None, _native.status
+    x = torch.randn(3, 4, requires_grad=True)
+    y = fusedloss.rms_norm(x, torch.ones(4))
+    assert "Cpp" in type(y.grad_fn).__name__  # the eager call went through the C++ node
+
+
+def test_other_torch_falls_back(tmp_path, monkeypatch):
+    stamp = tmp_path / "torch_nodes_version.txt"
+    stamp.write_text("0.0.0\n")
+    monkeypatch.setattr(_native, "_BUILT_FOR", str(stamp))
+    ops, status = _native._load()
+    assert ops is None and "built for torch 0.0.0" in status and torch.__version__ in status
+    monkeypatch.setenv("FUSEDLOSS_NATIVE_NODES", "0")
+    assert _native._load() == (None, "off (FUSEDLOSS_NATIVE_NODES=0)")
+
+
+def _run(x, w, residual, zc, grads):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    r = None if residual is None else residual.detach().clone().requires_grad_()
+    out = fusedloss.rms_norm(x, w, 1e-5, zc, r)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, grads[:len(outs)])
+    return [t.detach() for t in outs] + [x.grad, w.grad] + ([] if r is None else [r.grad])
+
+
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
+                                           (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "transposed", "expanded"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_same_bits_as_python_nodes(device, dtype, w_dtype, layout, residual, monkeypatch):
+    T, H = 12, 40
+    base = torch.randn(T, 2 * H, device=device).to(dtype)
+    x = {"contiguous": base[:, :H].contiguous(), "3d": base[:, :H].contiguous().view(3, 4, H),
+         "row_slice": base[:, 5:5 + H], "transposed": base[:H, :T].t(),
+         "expanded": base[:1, :H].expand(T, H)}[layout]
+    w = torch.randn(x.size(-1), device=device).to(w_dtype)
+    r = torch.randn(x.shape, device=device).to(dtype) if residual else None
+    grads = [torch.randn(x.shape, device=device).to(dtype) for _ in range(2)]
+    zc = layout == "3d"
+    native = _run(x, w, r, zc, grads)
+    monkeypatch.setattr(rms_module, "_EAGER", None)
+    monkeypatch.setattr(rms_module, "_EAGER_RESIDUAL", None)
+    python = _run(x, w, r, zc, grads)
+    for a, b in zip(native, python):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_rms_norm_unused_output_and_no_grad(device):
+    x = torch.randn(6, 8, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    r = torch.randn(6, 8, device=device, requires_grad=True)
+    y, s = fusedloss.rms_norm(x, w, residual=r)
+    s.sum().backward()  # only s used: y's gradient is zeros
+    assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(r.grad, torch.ones_like(r))
+    assert torch.count_nonzero(w.grad) == 0
+    with torch.no_grad():
+        assert fusedloss.rms_norm(x, w).grad_fn is None
+    with torch.inference_mode():
+        assert torch.equal(fusedloss.rms_norm(x, w), fusedloss.rms_norm(x.detach(), w.detach()))
