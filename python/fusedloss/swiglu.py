@@ -11,7 +11,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
+from types import SimpleNamespace
+
+from . import _C, _native
 from ._op import FusedOp
 from ._views import (apart_from, as_bool, as_dtype, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, validated, values_in, vector)
@@ -62,6 +64,28 @@ def _options(clamp_value: Optional[float]):
         o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound = _torch_clamp_passes_at_bound()
     validated(_C.validate_swiglu_options, o)
     return o
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_options(clamp_value: Optional[float]) -> Tuple[bool, float, bool, bool]:
+    """_options' fields as the C++ node takes them."""
+    o = _options(clamp_value)
+    return o.clamp, o.clamp_value, o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound
+
+
+_EAGER_CTX = SimpleNamespace(traced=False)  # inplace_refused's view of an eager call
+
+
+def _eager(y, bias, weights, clamp_value, inplace):
+    """An eager call through the C++ autograd node (no fp8 input store): the same decisions as
+    the Python node's setup (an in-place gradient only into memory that is ours, warned
+    otherwise; decided when a node is recorded)."""
+    if inplace and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (y, bias, weights)):
+        inplace = not inplace_refused(_EAGER_CTX, y, _OP, "y", "inplace_backward")
+    else:
+        inplace = False
+    return _EAGER(y, bias, weights, *_eager_options(clamp_value), inplace)
 
 
 def _bias_for(bias: Optional[Tensor], y: Tensor) -> Optional[Tensor]:
@@ -163,6 +187,8 @@ _swiglu = FusedOp(
     inplace_flag="inplace_backward",
     kernels={"bwd": (_backward, _backward_fake, ()),
              "bwd_": (_backward_inplace, None, ("y",))})  # eager only
+# eager calls without the fp8 input store: the same steps with the autograd node in C++
+_EAGER = _native.ops.swiglu_eager.default if _native.ops is not None else None
 
 
 def _check_fp8_store(fp8_input_store, inplace: bool) -> bool:
@@ -220,6 +246,8 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _check_clamp(clamp_value)
     fp8_input_store = _check_fp8_store(fp8_input_store, inplace)
+    if _EAGER is not None and not fp8_input_store and not torch.compiler.is_compiling():
+        return _eager(y, bias, per_token_scale, clamp_value, inplace)  # the C++ node (_native.py)
     return _swiglu(y, bias, per_token_scale, clamp_value, fp8_input_store, inplace)
 
 

@@ -219,6 +219,128 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const 
   return {out[0], out[1]};
 }
 
+// ---- swiglu (python/fusedloss/swiglu.py), without the fp8 input store ----
+
+// Whether the byte ranges of a's and b's elements meet (_views.shares_memory).
+bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.numel() || !b.numel() || a.device() != b.device()) return false;
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d)
+      if (t.size(d) > 0) last += (t.size(d) - 1) * t.stride(d);
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(first, first + uintptr_t((last + 1) * int64_t(t.element_size())) - 1);
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a0 <= b1 && b0 <= a1;
+}
+
+// t, or a copy when it shares memory with `written` (_views.apart_from).
+at::Tensor apart_from(const at::Tensor& t, const at::Tensor& written) {
+  return t.defined() && shares_memory(t, written) ? t.clone() : t;
+}
+
+// The bias as the kernels read it: y's dtype as is, any other float dtype in fp32.
+at::Tensor bias_for(const at::Tensor& bias, at::ScalarType y_dtype) {
+  if (!bias.defined()) return {};
+  return as_dtype(bias, bias.scalar_type() == y_dtype ? y_dtype : at::kFloat).contiguous();
+}
+
+at::Tensor scale_for(const at::Tensor& weights) {
+  return weights.defined() ? as_dtype(weights.reshape(-1), at::kFloat).contiguous() : at::Tensor();
+}
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
+
+fusedloss::VectorView vector_or_absent(const at::Tensor& t) {
+  return t.defined() ? vector(t) : fusedloss::VectorView{};
+}
+
+struct Swiglu : torch::autograd::Function<Swiglu> {
+  // options: clamp, clamp_value, the gate's and the up's gradient at the bound (_options in
+  // swiglu.py); inplace: the backward writes y's gradient into y (the caller checked that y's
+  // memory is an autograd intermediate's, _views.inplace_refused)
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& weights, bool clamp, double clamp_value,
+                            bool gate_at_bound, bool up_at_bound, bool inplace) {
+    c10::OptionalDeviceGuard device(y.device());
+    const at::Tensor x = rows_of(y);
+    fusedloss::SwigluOptions o;
+    o.clamp = clamp;
+    o.clamp_value = float(clamp_value);
+    o.clamp_gate_grad_at_bound = gate_at_bound;
+    o.clamp_up_grad_at_bound = up_at_bound;
+    auto out_shape = y.sizes().vec();
+    out_shape.back() /= 2;
+    at::Tensor out = at::empty(out_shape, x.options());
+    const at::Tensor b = bias_for(or_undefined(bias), x.scalar_type());
+    const at::Tensor w = scale_for(or_undefined(weights));
+    guarded([&] {
+      fusedloss::swiglu_forward(matrix(x), vector_or_absent(b), vector_or_absent(w), o,
+                                matrix(rows_of(out)), {}, stream_of(x));
+    });
+    ctx->save_for_backward({y, or_undefined(bias), or_undefined(weights)});
+    ctx->saved_data["clamp"] = clamp;
+    ctx->saved_data["clamp_value"] = clamp_value;
+    ctx->saved_data["gate_at_bound"] = gate_at_bound;
+    ctx->saved_data["up_at_bound"] = up_at_bound;
+    ctx->saved_data["inplace"] = inplace;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool inplace = ctx->saved_data["inplace"].toBool();
+    if (ctx->saved_data.count("consumed"))
+      TORCH_CHECK(false, "fusedloss.swiglu: second backward through a result computed with "
+                  "inplace_backward=True; the first backward overwrote the input with its "
+                  "gradient, so it cannot be differentiated again. Use inplace_backward=False to "
+                  "backward twice (retain_graph=True).");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& y = saved[0];
+    const at::Tensor &bias = saved[1], &weights = saved[2];
+    c10::OptionalDeviceGuard device(y.device());
+    fusedloss::SwigluOptions o;
+    o.clamp = ctx->saved_data["clamp"].toBool();
+    o.clamp_value = float(ctx->saved_data["clamp_value"].toDouble());
+    o.clamp_gate_grad_at_bound = ctx->saved_data["gate_at_bound"].toBool();
+    o.clamp_up_grad_at_bound = ctx->saved_data["up_at_bound"].toBool();
+    at::Tensor grad = grads[0];
+    at::Tensor dy = inplace ? y : at::empty(y.sizes(), y.options().dtype(grad.scalar_type()));
+    const at::Tensor grad_rows = rows_of(dy);  // y's own rows when in place: a view (checked)
+    const at::Tensor g =
+        rows_of(as_dtype(inplace ? apart_from(grad, y) : grad, grad_rows.scalar_type()).contiguous());
+    const at::Tensor x = inplace ? grad_rows : rows_of(y);
+    const at::Tensor b = bias_for(inplace ? apart_from(bias, y) : bias, grad_rows.scalar_type());
+    const at::Tensor w = scale_for(inplace ? apart_from(weights, y) : weights);
+    at::Tensor gw = at::empty({w.defined() ? g.size(0) : 0}, g.options().dtype(at::kFloat));
+    at::Tensor gb = at::empty({b.defined() ? grad_rows.size(1) : 0}, g.options().dtype(at::kFloat));
+    guarded([&] {
+      fusedloss::swiglu_backward(matrix(g), matrix(x), vector_or_absent(b), vector_or_absent(w), o,
+                                 matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
+                                 b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
+    });
+    if (inplace) {
+      ctx->saved_data["consumed"] = true;
+      y.unsafeGetTensorImpl()->bump_version();  // y now holds its gradient: later readers trip
+    }
+    auto grad_of = [](const at::Tensor& input, const at::Tensor& g32) {
+      return input.defined() ? as_dtype(g32.view(input.sizes()), input.scalar_type()) : at::Tensor();
+    };
+    variable_list out{dy, grad_of(bias, gb), grad_of(weights, gw), at::Tensor(), at::Tensor(),
+                      at::Tensor(), at::Tensor(), at::Tensor()};
+    guard_second_order(out, saved, "fusedloss.swiglu");
+    return out;
+  }
+};
+
+at::Tensor swiglu(const at::Tensor& y, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& weights, bool clamp, double clamp_value,
+                  bool gate_at_bound, bool up_at_bound, bool inplace) {
+  return Swiglu::apply(y, bias, weights, clamp, clamp_value, gate_at_bound, up_at_bound, inplace);
+}
+
 }  // namespace
 
 // Eager entry points only: the traced path uses the Python custom ops of the same names
@@ -227,9 +349,12 @@ TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("rms_norm_eager(Tensor x, Tensor weight, float eps, bool zero_centered_gamma) -> Tensor");
   m.def("rms_norm_residual_eager(Tensor x, Tensor weight, Tensor residual, float eps, "
         "bool zero_centered_gamma) -> (Tensor, Tensor)");
+  m.def("swiglu_eager(Tensor y, Tensor? bias, Tensor? weights, bool clamp, float clamp_value, "
+        "bool clamp_gate_grad_at_bound, bool clamp_up_grad_at_bound, bool inplace) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
   m.impl("rms_norm_eager", &rms_norm);
   m.impl("rms_norm_residual_eager", &rms_norm_residual);
+  m.impl("swiglu_eager", &swiglu);
 }

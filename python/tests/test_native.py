@@ -81,3 +81,52 @@ def test_rms_norm_unused_output_and_no_grad(device):
         assert fusedloss.rms_norm(x, w).grad_fn is None
     with torch.inference_mode():
         assert torch.equal(fusedloss.rms_norm(x, w), fusedloss.rms_norm(x.detach(), w.detach()))
+
+
+swiglu_module = importlib.import_module("fusedloss.swiglu")
+
+
+def _swiglu_run(y, bias, scale, clamp, inplace, grad):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (y, bias, scale)]
+    y_in = leaves[0] * 1 if inplace else leaves[0]  # an intermediate: its memory is ours
+    out = fusedloss.swiglu(y_in, leaves[1], per_token_scale=leaves[2], clamp_value=clamp,
+                           inplace_backward=inplace)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves if t is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "expanded"])
+@pytest.mark.parametrize("extras", ["none", "bias", "bias_fp32+scale", "clamp"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_swiglu_same_bits_as_python_nodes(device, dtype, layout, extras, inplace, monkeypatch):
+    T, n = 12, 24
+    base = torch.randn(T, 4 * n, device=device).to(dtype)
+    y = {"contiguous": base[:, :2 * n].contiguous(), "3d": base[:, :2 * n].contiguous().view(3, 4, 2 * n),
+         "row_slice": base[:, 3:3 + 2 * n], "expanded": base[:1, :2 * n].expand(T, 2 * n)}[layout]
+    bias = scale = clamp = None
+    if "bias" in extras:
+        bias = torch.randn(2 * n, device=device).to(torch.float32 if "fp32" in extras else dtype)
+    if "scale" in extras:
+        scale = torch.rand(*y.shape[:-1], 1, device=device)
+    if extras == "clamp":
+        clamp = 0.5
+    grad = torch.randn(*y.shape[:-1], n, device=device).to(dtype)
+    native = _swiglu_run(y, bias, scale, clamp, inplace, grad)
+    monkeypatch.setattr(swiglu_module, "_EAGER", None)
+    python = _swiglu_run(y, bias, scale, clamp, inplace, grad)
+    for a, b in zip(native, python):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_swiglu_inplace_consumes_and_second_backward_raises(device):
+    y = torch.randn(4, 16, device=device, requires_grad=True)
+    h = y * 2
+    out = fusedloss.swiglu(h, inplace_backward=True)
+    out.sum().backward(retain_graph=True)
+    assert "Cpp" in type(out.grad_fn).__name__
+    with pytest.raises(RuntimeError, match="second backward .* inplace_backward=True"):
+        out.sum().backward()
+    with pytest.warns(UserWarning, match="not overwritten"):  # a leaf's memory stays the caller's
+        fusedloss.swiglu(y, inplace_backward=True).sum().backward()
