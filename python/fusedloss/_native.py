@@ -22,7 +22,7 @@ _BUILT_FOR = os.path.join(_HERE, "torch_nodes_version.txt")
 def _load():
     if os.environ.get("FUSEDLOSS_NATIVE_NODES", "1") == "0":
         return None, "off (FUSEDLOSS_NATIVE_NODES=0)"
-    if not os.path.exists(_LIBRARY):
+    if not (os.path.exists(_LIBRARY) and os.path.exists(_BUILT_FOR)):
         return None, "not built (the package was built without torch: pip install --no-build-isolation .)"
     with open(_BUILT_FOR) as f:
         built_for = f.read().strip()
@@ -31,7 +31,7 @@ def _load():
                       "rebuild the package (pip install --no-build-isolation .)")
     try:
         torch.ops.load_library(_LIBRARY)
-    except OSError as error:
+    except (OSError, RuntimeError) as error:  # a missing symbol, a registration refused
         return None, f"could not be loaded: {error}"
     return torch.ops.fusedloss, f"loaded ({_LIBRARY}, torch {built_for})"
 

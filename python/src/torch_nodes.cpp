@@ -107,9 +107,11 @@ struct NoSecondOrder : torch::autograd::Function<NoSecondOrder> {
   }
 };
 
-// Under create_graph=True: every gradient guarded (the values stay usable).
-void guard_second_order(variable_list& grads, const variable_list& saved, const char* op) {
-  if (!at::GradMode::is_enabled()) return;
+// Under create_graph=True (grad mode on when the backward began): every gradient guarded (the
+// values stay usable).
+void guard_second_order(bool create_graph, variable_list& grads, const variable_list& saved,
+                        const char* op) {
+  if (!create_graph) return;
   std::vector<at::Tensor> anchors;
   for (const auto& t : saved)
     if (t.defined() && t.requires_grad()) anchors.push_back(t);
@@ -170,6 +172,8 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const bool create_graph = at::GradMode::is_enabled();
+    at::AutoGradMode no_grad(false);  // the kernels' inputs and outputs need no graph (_op.py)
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& src = saved[0];
     const at::Tensor& w = saved[1];
@@ -190,8 +194,10 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     at::Tensor dx = at::empty(src.sizes(), src.options());
     // in the dtype the weight was read in: summed in fp32, rounded once there
     at::Tensor dw = at::empty({w.numel()}, w.options());
-    const size_t ws_bytes = fusedloss::rms_norm_backward_workspace_bytes(xr.size(0), xr.size(1),
-                                                                         backend_of(src));
+    size_t ws_bytes = 0;
+    guarded([&] {
+      ws_bytes = fusedloss::rms_norm_backward_workspace_bytes(xr.size(0), xr.size(1), backend_of(src));
+    });
     at::Tensor ws;
     if (ws_bytes) ws = at::empty({int64_t((ws_bytes + 3) / 4)}, src.options().dtype(at::kFloat));
     guarded([&] {
@@ -202,7 +208,9 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     const auto w_dtype = at::ScalarType(ctx->saved_data["w_dtype"].toInt());
     variable_list out{dx, as_dtype(dw, w_dtype), has_residual ? dx : at::Tensor(), at::Tensor(),
                       at::Tensor()};
-    guard_second_order(out, saved, has_residual ? "fusedloss.rms_norm_residual" : "fusedloss.rms_norm");
+    at::AutoGradMode restored(create_graph);
+    guard_second_order(create_graph, out, saved,
+                       has_residual ? "fusedloss.rms_norm_residual" : "fusedloss.rms_norm");
     return out;
   }
 };
@@ -286,7 +294,10 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     ctx->saved_data["clamp_value"] = clamp_value;
     ctx->saved_data["gate_at_bound"] = gate_at_bound;
     ctx->saved_data["up_at_bound"] = up_at_bound;
-    ctx->saved_data["inplace"] = inplace;
+    // (the Python caller has decided and warned, _views.inplace_refused; the op itself is
+    // reachable as torch.ops.fusedloss.swiglu_eager, so a leaf's memory is never taken here)
+    const bool base_is_leaf = y.is_view() ? y._base().is_leaf() : y.is_leaf();
+    ctx->saved_data["inplace"] = inplace && !y.is_leaf() && !base_is_leaf;
     return out;
   }
 
@@ -297,6 +308,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
                   "inplace_backward=True; the first backward overwrote the input with its "
                   "gradient, so it cannot be differentiated again. Use inplace_backward=False to "
                   "backward twice (retain_graph=True).");
+    const bool create_graph = at::GradMode::is_enabled();
+    at::AutoGradMode no_grad(false);  // the kernels' inputs and outputs need no graph (_op.py)
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& y = saved[0];
     const at::Tensor &bias = saved[1], &weights = saved[2];
@@ -307,13 +320,16 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     o.clamp_gate_grad_at_bound = ctx->saved_data["gate_at_bound"].toBool();
     o.clamp_up_grad_at_bound = ctx->saved_data["up_at_bound"].toBool();
     at::Tensor grad = grads[0];
-    at::Tensor dy = inplace ? y : at::empty(y.sizes(), y.options().dtype(grad.scalar_type()));
-    const at::Tensor grad_rows = rows_of(dy);  // y's own rows when in place: a view (checked)
+    // In place only into y's own rows: were they a copy now (y's layout changed since the
+    // forward, e.g. through .data), the gradient goes to a new buffer instead.
+    const bool into_y = inplace && rows_of(y).data_ptr() == y.data_ptr();
+    at::Tensor dy = into_y ? y : at::empty(y.sizes(), y.options().dtype(grad.scalar_type()));
+    const at::Tensor grad_rows = rows_of(dy);
     const at::Tensor g =
-        rows_of(as_dtype(inplace ? apart_from(grad, y) : grad, grad_rows.scalar_type()).contiguous());
-    const at::Tensor x = inplace ? grad_rows : rows_of(y);
-    const at::Tensor b = bias_for(inplace ? apart_from(bias, y) : bias, grad_rows.scalar_type());
-    const at::Tensor w = scale_for(inplace ? apart_from(weights, y) : weights);
+        rows_of(as_dtype(into_y ? apart_from(grad, y) : grad, grad_rows.scalar_type()).contiguous());
+    const at::Tensor x = into_y ? grad_rows : rows_of(y);
+    const at::Tensor b = bias_for(into_y ? apart_from(bias, y) : bias, grad_rows.scalar_type());
+    const at::Tensor w = scale_for(into_y ? apart_from(weights, y) : weights);
     at::Tensor gw = at::empty({w.defined() ? g.size(0) : 0}, g.options().dtype(at::kFloat));
     at::Tensor gb = at::empty({b.defined() ? grad_rows.size(1) : 0}, g.options().dtype(at::kFloat));
     guarded([&] {
@@ -321,7 +337,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
                                  matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
                                  b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
     });
-    if (inplace) {
+    if (into_y) {
       ctx->saved_data["consumed"] = true;
       y.unsafeGetTensorImpl()->bump_version();  // y now holds its gradient: later readers trip
     }
@@ -330,7 +346,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     };
     variable_list out{dy, grad_of(bias, gb), grad_of(weights, gw), at::Tensor(), at::Tensor(),
                       at::Tensor(), at::Tensor(), at::Tensor()};
-    guard_second_order(out, saved, "fusedloss.swiglu");
+    at::AutoGradMode restored(create_graph);
+    guard_second_order(create_graph, out, saved, "fusedloss.swiglu");
     return out;
   }
 };

@@ -130,3 +130,20 @@ def test_swiglu_inplace_consumes_and_second_backward_raises(device):
         out.sum().backward()
     with pytest.warns(UserWarning, match="not overwritten"):  # a leaf's memory stays the caller's
         fusedloss.swiglu(y, inplace_backward=True).sum().backward()
+
+
+def test_swiglu_node_never_writes_a_leaf_or_a_copy(device):
+    """The op is reachable as torch.ops.fusedloss.swiglu_eager: asked for an in-place gradient
+    of a leaf, or of rows that are a copy at backward time, it writes a new buffer."""
+    op = torch.ops.fusedloss.swiglu_eager.default
+    y = torch.randn(4, 8, device=device, requires_grad=True)
+    before = y.detach().clone()
+    op(y, None, None, False, 0.0, False, False, True).sum().backward()
+    assert torch.equal(y.detach(), before) and not torch.equal(y.grad, before)
+    b = torch.randn(1, 8, device=device, requires_grad=True)
+    h = (b * 1).expand(4, 8)  # an intermediate whose rows the kernels read as a copy
+    out = op(h, None, None, False, 0.0, False, False, True)
+    out.sum().backward()
+    ref = b.detach().clone().requires_grad_()
+    fusedloss.swiglu((ref * 1).expand(4, 8)).sum().backward()
+    assert torch.equal(b.grad, ref.grad)
