@@ -147,3 +147,21 @@ def test_swiglu_node_never_writes_a_leaf_or_a_copy(device):
     ref = b.detach().clone().requires_grad_()
     fusedloss.swiglu((ref * 1).expand(4, 8)).sum().backward()
     assert torch.equal(b.grad, ref.grad)
+
+
+def test_nodes_run_on_the_current_stream(device):
+    """The C++ nodes launch on the caller's current stream (c10's device-generic stream query)."""
+    x = torch.randn(64, 256, device=device, requires_grad=True)
+    w = torch.randn(256, device=device, requires_grad=True)
+    g = torch.randn(64, 256, device=device)
+    ref = _run(x, w, None, False, [g])
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got = _run(x, w, None, False, [g])
+        torch.cuda.current_stream().wait_stream(stream)
+    else:
+        got = _run(x, w, None, False, [g])
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
