@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _C
+from types import SimpleNamespace
+
+from . import _C, _native
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
@@ -197,6 +199,9 @@ _cross_entropy = FusedOp(
     kernels={"bwd": (_backward, _backward_fake, ()),
              "bwd_": (_backward_inplace, None, ("logits",)),  # eager only
              "scale_": (_scale_inplace, None, ("logits",))})  # eager only
+# eager calls without a tp_group: the same steps with the autograd node in C++
+_EAGER = _native.ops.cross_entropy_eager.default if _native.ops is not None else None
+_EAGER_CTX = SimpleNamespace(traced=False)  # inplace_refused's view of an eager call
 
 
 def _validate(logits, target):
@@ -283,7 +288,15 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
                   and torch.is_grad_enabled() and not torch.compiler.is_compiling()
                   and storage_is_ours(logits))
-    loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
+    if _EAGER is not None and not name and not torch.compiler.is_compiling():
+        # the C++ node (_native.py), with the Python node's in-place decision (and its warning),
+        # made where the Python node's setup makes it: when a node is recorded
+        if inplace and not in_forward:
+            inplace = (torch.is_grad_enabled() and logits.requires_grad and not inplace_refused(
+                _EAGER_CTX, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
+        loss = _EAGER(logits, target, *opts, inplace, in_forward)
+    else:
+        loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
     return loss.view(target.shape) if opts[-1] == _NONE else loss
 
 

@@ -358,6 +358,137 @@ at::Tensor swiglu(const at::Tensor& y, const std::optional<at::Tensor>& bias,
   return Swiglu::apply(y, bias, weights, clamp, clamp_value, gate_at_bound, up_at_bound, inplace);
 }
 
+// ---- cross_entropy (python/fusedloss/cross_entropy.py), without a tp_group ----
+
+// Class indices as the kernels read them (_views.index): int32/int64 as they are, any other
+// integer dtype (checked by the caller) widened to int64; contiguous.
+at::Tensor index_of(const at::Tensor& target) {
+  at::Tensor t = target;
+  if (t.scalar_type() != at::kInt && t.scalar_type() != at::kLong) t = t.to(at::kLong);
+  return t.is_contiguous() ? t : t.reshape(-1).contiguous();
+}
+
+fusedloss::IndexView index_view(const at::Tensor& t) {
+  return {t.data_ptr(), t.numel(),
+          t.scalar_type() == at::kInt ? fusedloss::IndexType::I32 : fusedloss::IndexType::I64,
+          backend_of(t)};
+}
+
+// Whether a gradient may overwrite t's memory: an autograd intermediate (not a leaf or a view
+// of one) whose rows the kernels address as they are (_views.storage_is_ours).
+bool storage_is_ours(const at::Tensor& t) {
+  const bool base_is_leaf = t.is_view() ? t._base().is_leaf() : t.is_leaf();
+  return !t.is_leaf() && !base_is_leaf && rows_of(t).data_ptr() == t.data_ptr();
+}
+
+struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
+  // options: ignore_index, label_smoothing, smoothing formula and scope, z_loss and reduction
+  // as the Python schema carries them (validated there); inplace: the backward writes the
+  // gradient into the logits; in_forward: the forward does (sum/mean; the caller decided both,
+  // _views.inplace_refused / storage_is_ours, and they are re-checked here: the op is public)
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
+                            int64_t ignore_index, double label_smoothing, int64_t formula,
+                            int64_t scope, double z_loss, int64_t reduction, bool inplace,
+                            bool in_forward) {
+    c10::OptionalDeviceGuard device(logits.device());
+    const bool ours = (inplace || in_forward) && storage_is_ours(logits);
+    in_forward = in_forward && ours;
+    const at::Tensor x = rows_of(logits);
+    const at::Tensor t = index_of(in_forward ? apart_from(target, logits) : target);
+    fusedloss::CrossEntropyOptions o;
+    o.ignore_index = ignore_index;
+    o.label_smoothing = float(label_smoothing);
+    o.smoothing_formula = fusedloss::SmoothingFormula(formula);
+    o.smoothing_scope = fusedloss::SmoothingScope(scope);
+    o.z_loss = float(z_loss);
+    o.reduction = fusedloss::Reduction(reduction);
+    const auto f32 = logits.options().dtype(at::kFloat);
+    const int64_t rows = x.size(0);
+    at::Tensor loss = o.reduction == fusedloss::Reduction::None ? at::empty({rows}, f32) : at::empty({}, f32);
+    at::Tensor lse = at::empty({rows}, f32), count = at::empty({}, f32);
+    const fusedloss::CrossEntropyOutputs out{loss.data_ptr<float>(), lse.data_ptr<float>(),
+                                             count.data_ptr<float>()};
+    guarded([&] {
+      if (in_forward) {
+        const auto xv = matrix(x);
+        fusedloss::cross_entropy_forward_with_grad(xv, index_view(t), o, out, xv, nullptr,
+                                                   stream_of(x));
+      } else {
+        fusedloss::cross_entropy_forward(matrix(x), index_view(t), o, out, nullptr, stream_of(x));
+      }
+    });
+    // the logits now hold their gradient: an earlier autograd reader fails its version check
+    if (in_forward) logits.unsafeGetTensorImpl()->bump_version();
+    ctx->save_for_backward({logits, t, lse, count});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["formula"] = formula;
+    ctx->saved_data["scope"] = scope;
+    ctx->saved_data["z_loss"] = z_loss;
+    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["mode"] = int64_t(in_forward ? 2 : (inplace && ours) ? 1 : 0);
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (ctx->saved_data.count("consumed"))
+      TORCH_CHECK(false, "fusedloss.cross_entropy: second backward through a result computed with "
+                  "inplace_backward or grad_in_forward=True; the first backward overwrote the input "
+                  "with its gradient, so it cannot be differentiated again. Use inplace_backward or "
+                  "grad_in_forward=False to backward twice (retain_graph=True).");
+    const bool create_graph = at::GradMode::is_enabled();
+    at::AutoGradMode no_grad(false);
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &t = saved[1], &lse = saved[2], &count = saved[3];
+    c10::OptionalDeviceGuard device(logits.device());
+    const int64_t mode = ctx->saved_data["mode"].toInt();
+    // in place only while the logits' rows are still their own memory (else a new buffer)
+    const bool into_logits = mode > 0 && rows_of(logits).data_ptr() == logits.data_ptr();
+    TORCH_CHECK(mode < 2 || into_logits, "fusedloss.cross_entropy: the logits holding the "
+                "gradient written in the forward changed layout before the backward");
+    const at::Tensor x = rows_of(logits);
+    // may arrive expanded; the kernels read its data
+    const at::Tensor gl = as_dtype(into_logits ? apart_from(grads[0], logits) : grads[0], at::kFloat).contiguous();
+    at::Tensor grad;
+    if (mode == 2) {
+      guarded([&] { fusedloss::cross_entropy_scale_grad(matrix(x), gl.data_ptr<float>(), stream_of(x)); });
+      grad = logits;
+    } else {
+      fusedloss::CrossEntropyOptions o;
+      o.ignore_index = ctx->saved_data["ignore_index"].toInt();
+      o.label_smoothing = float(ctx->saved_data["label_smoothing"].toDouble());
+      o.smoothing_formula = fusedloss::SmoothingFormula(ctx->saved_data["formula"].toInt());
+      o.smoothing_scope = fusedloss::SmoothingScope(ctx->saved_data["scope"].toInt());
+      o.z_loss = float(ctx->saved_data["z_loss"].toDouble());
+      o.reduction = fusedloss::Reduction(ctx->saved_data["reduction"].toInt());
+      grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
+      const at::Tensor out_rows = into_logits ? x : rows_of(grad);
+      const at::Tensor tt = into_logits ? apart_from(t, logits) : t;
+      guarded([&] {
+        fusedloss::cross_entropy_backward(matrix(x), index_view(tt), lse.data_ptr<float>(),
+                                          gl.data_ptr<float>(), count.data_ptr<float>(), o,
+                                          matrix(out_rows), stream_of(x));
+      });
+    }
+    if (into_logits) {
+      ctx->saved_data["consumed"] = true;
+      logits.unsafeGetTensorImpl()->bump_version();  // the logits now hold their gradient
+    }
+    variable_list out(10);
+    out[0] = grad;
+    at::AutoGradMode restored(create_graph);
+    guard_second_order(create_graph, out, saved, "fusedloss.cross_entropy");
+    return out;
+  }
+};
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                         double label_smoothing, int64_t formula, int64_t scope, double z_loss,
+                         int64_t reduction, bool inplace, bool in_forward) {
+  return CrossEntropy::apply(logits, target, ignore_index, label_smoothing, formula, scope, z_loss,
+                             reduction, inplace, in_forward);
+}
+
 }  // namespace
 
 // Eager entry points only: the traced path uses the Python custom ops of the same names
@@ -368,10 +499,14 @@ TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
         "bool zero_centered_gamma) -> (Tensor, Tensor)");
   m.def("swiglu_eager(Tensor y, Tensor? bias, Tensor? weights, bool clamp, float clamp_value, "
         "bool clamp_gate_grad_at_bound, bool clamp_up_grad_at_bound, bool inplace) -> Tensor");
+  m.def("cross_entropy_eager(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
+        "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, bool inplace, "
+        "bool grad_in_forward) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
   m.impl("rms_norm_eager", &rms_norm);
   m.impl("rms_norm_residual_eager", &rms_norm_residual);
   m.impl("swiglu_eager", &swiglu);
+  m.impl("cross_entropy_eager", &cross_entropy);
 }

@@ -165,3 +165,54 @@ def test_nodes_run_on_the_current_stream(device):
         got = _run(x, w, None, False, [g])
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+ce_module = importlib.import_module("fusedloss.cross_entropy")
+
+
+def _ce_run(logits, target, kw, mode, grad_scale):
+    leaf = logits.detach().clone().requires_grad_()
+    x = leaf * 1 if mode != "leaf" else leaf  # an intermediate: its memory may take the gradient
+    loss = fusedloss.cross_entropy(x, target, inplace_backward=mode == "inplace",
+                                   grad_in_forward=mode == "in_forward", **kw)
+    loss.backward(torch.full_like(loss, grad_scale) if loss.dim() == 0 else
+                  torch.rand(loss.shape, device=loss.device, generator=torch.Generator(loss.device).manual_seed(1)))
+    return [loss.detach(), leaf.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "transposed"])
+@pytest.mark.parametrize("kw", [{}, {"reduction": "sum", "label_smoothing": 0.1, "z_loss": 1e-3},
+                                {"reduction": "none", "ignore_index": 3},
+                                {"label_smoothing": 0.2, "smoothing_formula": "megatron"}],
+                         ids=["mean", "sum+smoothing+z", "none+ignore", "megatron"])
+@pytest.mark.parametrize("mode", ["leaf", "copy", "inplace", "in_forward"])
+def test_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, kw, mode, monkeypatch):
+    if mode == "in_forward" and kw.get("reduction") == "none":
+        pytest.skip("grad_in_forward takes sum/mean only (refused otherwise, tested elsewhere)")
+    N, V = 12, 37
+    base = torch.randn(N, 2 * V, device=device).to(dtype)
+    logits = {"contiguous": base[:, :V].contiguous(), "3d": base[:, :V].contiguous().view(3, 4, V),
+              "row_slice": base[:, 2:2 + V],
+              "transposed": torch.randn(V, N, device=device).to(dtype).t()}[layout]
+    target = torch.randint(0, V, logits.shape[:-1], device=device, dtype=torch.int32 if layout == "3d" else torch.int64)
+    target.view(-1)[0] = kw.get("ignore_index", -100)
+    native = _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0)
+    monkeypatch.setattr(ce_module, "_EAGER", None)
+    python = _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0)
+    for a, b in zip(native, python):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_cross_entropy_inplace_consumes_the_logits(device):
+    h = torch.randn(6, 11, device=device, requires_grad=True)
+    x = h * 1
+    loss = fusedloss.cross_entropy(x, torch.randint(0, 11, (6,), device=device), inplace_backward=True)
+    assert "Cpp" in type(loss.grad_fn).__name__
+    square = x * x  # an autograd reader of x recorded before the backward
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        square.sum().backward()  # x holds the gradient now: autograd's version check refuses it
