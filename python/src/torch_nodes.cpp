@@ -46,22 +46,28 @@ fusedloss::Stream stream_of(const at::Tensor& t) {
   return c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(t.device()).native_handle();
 }
 
-// t as [rows, cols] rows the kernels read as they are: a view where one exists, else a copy
-// (expanded, transposed or overlapping rows).
-at::Tensor rows_of(const at::Tensor& t) {
+// t as [rows, cols] over its own memory when the kernels can read it as is, else undefined
+// (expanded, transposed or overlapping rows): _views._rows_view.
+at::Tensor rows_view(const at::Tensor& t) {
   const int64_t cols = t.size(-1);
-  if (cols >= 1 && (t.stride(-1) == 1 || cols == 1)) {
-    at::Tensor r;
-    const int64_t rows = t.numel() / cols;
-    if (t.dim() == 2) {
-      r = t;
-    } else if (const int64_t shape[2] = {rows, cols};
-               at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef(shape, 2))) {
-      r = t.view({rows, cols});  // (no copy: the leading dims flatten)
-    }
-    if (r.defined() && (rows <= 1 || r.stride(0) >= cols)) return r;
+  if (cols < 1 || (t.stride(-1) != 1 && cols > 1)) return {};
+  const int64_t rows = t.numel() / cols;
+  at::Tensor r;
+  if (t.dim() == 2) {
+    r = t;
+  } else if (const int64_t shape[2] = {rows, cols};
+             at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef(shape, 2))) {
+    r = t.view({rows, cols});  // (no copy: the leading dims flatten)
+  } else {
+    return {};
   }
-  return t.contiguous().view({-1, cols});
+  return rows > 1 && r.stride(0) < cols ? at::Tensor() : r;
+}
+
+// t as [rows, cols] rows the kernels read: a view where one exists, else a copy.
+at::Tensor rows_of(const at::Tensor& t) {
+  at::Tensor r = rows_view(t);
+  return r.defined() ? r : t.contiguous().view({-1, t.size(-1)});
 }
 
 fusedloss::MatrixView matrix(const at::Tensor& rows) {
@@ -83,7 +89,10 @@ void guarded(F&& call) {
   try {
     call();
   } catch (const fusedloss::Error& e) {
-    TORCH_CHECK_VALUE(false, e.what());
+    // the Python argument's name: "options.label_smoothing: ..." -> "label_smoothing: ..."
+    const std::string what = e.what();
+    const std::string prefix = "options.";
+    TORCH_CHECK_VALUE(false, what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what);
   }
 }
 
@@ -322,7 +331,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     at::Tensor grad = grads[0];
     // In place only into y's own rows: were they a copy now (y's layout changed since the
     // forward, e.g. through .data), the gradient goes to a new buffer instead.
-    const bool into_y = inplace && rows_of(y).data_ptr() == y.data_ptr();
+    const bool into_y = inplace && rows_view(y).defined();
     at::Tensor dy = into_y ? y : at::empty(y.sizes(), y.options().dtype(grad.scalar_type()));
     const at::Tensor grad_rows = rows_of(dy);
     const at::Tensor g =
@@ -378,7 +387,7 @@ fusedloss::IndexView index_view(const at::Tensor& t) {
 // of one) whose rows the kernels address as they are (_views.storage_is_ours).
 bool storage_is_ours(const at::Tensor& t) {
   const bool base_is_leaf = t.is_view() ? t._base().is_leaf() : t.is_leaf();
-  return !t.is_leaf() && !base_is_leaf && rows_of(t).data_ptr() == t.data_ptr();
+  return !t.is_leaf() && !base_is_leaf && rows_view(t).defined();
 }
 
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
@@ -391,6 +400,11 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                             int64_t scope, double z_loss, int64_t reduction, bool inplace,
                             bool in_forward) {
     c10::OptionalDeviceGuard device(logits.device());
+    // (the Python caller checked these; the op is public as torch.ops.fusedloss.cross_entropy_eager)
+    TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false),
+                      "target.dtype: got ", target.scalar_type(), ", expected an integer dtype");
+    TORCH_CHECK_VALUE(target.device() == logits.device(), "target.device: got ", target.device(),
+                      ", expected the logits' device ", logits.device());
     const bool ours = (inplace || in_forward) && storage_is_ours(logits);
     in_forward = in_forward && ours;
     const at::Tensor x = rows_of(logits);
@@ -419,7 +433,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     });
     // the logits now hold their gradient: an earlier autograd reader fails its version check
     if (in_forward) logits.unsafeGetTensorImpl()->bump_version();
-    ctx->save_for_backward({logits, t, lse, count});
+    ctx->save_for_backward({logits, target, lse, count});  // the caller's target: its version checked
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["label_smoothing"] = label_smoothing;
     ctx->saved_data["formula"] = formula;
@@ -439,11 +453,11 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const bool create_graph = at::GradMode::is_enabled();
     at::AutoGradMode no_grad(false);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &logits = saved[0], &t = saved[1], &lse = saved[2], &count = saved[3];
+    const at::Tensor &logits = saved[0], &lse = saved[2], &count = saved[3];
     c10::OptionalDeviceGuard device(logits.device());
     const int64_t mode = ctx->saved_data["mode"].toInt();
     // in place only while the logits' rows are still their own memory (else a new buffer)
-    const bool into_logits = mode > 0 && rows_of(logits).data_ptr() == logits.data_ptr();
+    const bool into_logits = mode > 0 && rows_view(logits).defined();
     TORCH_CHECK(mode < 2 || into_logits, "fusedloss.cross_entropy: the logits holding the "
                 "gradient written in the forward changed layout before the backward");
     const at::Tensor x = rows_of(logits);
@@ -463,7 +477,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       o.reduction = fusedloss::Reduction(ctx->saved_data["reduction"].toInt());
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
-      const at::Tensor tt = into_logits ? apart_from(t, logits) : t;
+      const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
       guarded([&] {
         fusedloss::cross_entropy_backward(matrix(x), index_view(tt), lse.data_ptr<float>(),
                                           gl.data_ptr<float>(), count.data_ptr<float>(), o,
@@ -485,6 +499,11 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                          double label_smoothing, int64_t formula, int64_t scope, double z_loss,
                          int64_t reduction, bool inplace, bool in_forward) {
+  // the gradient in the forward only where a node will take it (grad mode is off inside the
+  // node's forward), and not in fp16 (a unit-upstream gradient rounded to fp16 loses the small
+  // entries that loss scaling keeps): cross_entropy() decides the same
+  in_forward = in_forward && at::GradMode::is_enabled() && logits.requires_grad() &&
+               logits.scalar_type() != at::kHalf;
   return CrossEntropy::apply(logits, target, ignore_index, label_smoothing, formula, scope, z_loss,
                              reduction, inplace, in_forward);
 }

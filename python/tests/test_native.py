@@ -216,3 +216,29 @@ def test_cross_entropy_inplace_consumes_the_logits(device):
         loss.backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         square.sum().backward()  # x holds the gradient now: autograd's version check refuses it
+
+
+def test_cross_entropy_node_checks_what_a_direct_call_passes(device):
+    """torch.ops.fusedloss.cross_entropy_eager is public: a float target is refused, the
+    gradient in the forward needs a node to take it, and the caller's target is version-checked."""
+    op = torch.ops.fusedloss.cross_entropy_eager.default
+    h = torch.randn(4, 5, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="target.dtype"):
+        op(h * 1, torch.zeros(4, device=device), -100, 0.0, 0, 0, 0.0, 2, False, False)
+    x = h * 1
+    before = x.detach().clone()
+    with torch.no_grad():
+        op(x, torch.zeros(4, dtype=torch.long, device=device), -100, 0.0, 0, 0, 0.0, 2, True, True)
+    assert torch.equal(x, before)  # no node: nothing written
+    t = torch.zeros(4, dtype=torch.uint8, device=device)
+    loss = fusedloss.cross_entropy(h * 1, t)
+    t.fill_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_cross_entropy_node_names_the_python_argument(device):
+    x = torch.randn(4, 1, device=device, requires_grad=True) * 1
+    with pytest.raises(ValueError, match=r"^label_smoothing: "):
+        fusedloss.cross_entropy(x, torch.zeros(4, dtype=torch.long, device=device),
+                                label_smoothing=0.1, smoothing_formula="megatron")
