@@ -35,6 +35,19 @@ def test_other_torch_falls_back(tmp_path, monkeypatch):
     assert _native._load() == (None, "off (FUSEDLOSS_NATIVE_NODES=0)")
 
 
+def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",)):
+    """run() through the C++ node, then with the op's module switched to its Python node: every
+    result has the same dtype, shape and bits."""
+    native = run()
+    for name in names:
+        monkeypatch.setattr(module, name, None)
+    python = run()
+    assert len(native) == len(python)
+    for a, b in zip(native, python):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+
+
 def _run(x, w, residual, zc, grads):
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
@@ -60,13 +73,8 @@ def test_rms_norm_same_bits_as_python_nodes(device, dtype, w_dtype, layout, resi
     r = torch.randn(x.shape, device=device).to(dtype) if residual else None
     grads = [torch.randn(x.shape, device=device).to(dtype) for _ in range(2)]
     zc = layout == "3d"
-    native = _run(x, w, r, zc, grads)
-    monkeypatch.setattr(rms_module, "_EAGER", None)
-    monkeypatch.setattr(rms_module, "_EAGER_RESIDUAL", None)
-    python = _run(x, w, r, zc, grads)
-    for a, b in zip(native, python):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
+    _same_bits_as_python_node(lambda: _run(x, w, r, zc, grads), rms_module, monkeypatch,
+                              ("_EAGER", "_EAGER_RESIDUAL"))
 
 
 def test_rms_norm_unused_output_and_no_grad(device):
@@ -112,12 +120,8 @@ def test_swiglu_same_bits_as_python_nodes(device, dtype, layout, extras, inplace
     if extras == "clamp":
         clamp = 0.5
     grad = torch.randn(*y.shape[:-1], n, device=device).to(dtype)
-    native = _swiglu_run(y, bias, scale, clamp, inplace, grad)
-    monkeypatch.setattr(swiglu_module, "_EAGER", None)
-    python = _swiglu_run(y, bias, scale, clamp, inplace, grad)
-    for a, b in zip(native, python):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
+    _same_bits_as_python_node(lambda: _swiglu_run(y, bias, scale, clamp, inplace, grad),
+                              swiglu_module, monkeypatch)
 
 
 def test_swiglu_inplace_consumes_and_second_backward_raises(device):
@@ -197,12 +201,8 @@ def test_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, kw, mode
               "transposed": torch.randn(V, N, device=device).to(dtype).t()}[layout]
     target = torch.randint(0, V, logits.shape[:-1], device=device, dtype=torch.int32 if layout == "3d" else torch.int64)
     target.view(-1)[0] = kw.get("ignore_index", -100)
-    native = _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0)
-    monkeypatch.setattr(ce_module, "_EAGER", None)
-    python = _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0)
-    for a, b in zip(native, python):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
+    _same_bits_as_python_node(lambda: _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0),
+                              ce_module, monkeypatch)
 
 
 def test_cross_entropy_inplace_consumes_the_logits(device):
