@@ -96,6 +96,27 @@ void guarded(F&& call) {
   }
 }
 
+// Whether a gradient may overwrite t's memory: an autograd intermediate (not a leaf or a view
+// of one) whose rows the kernels address as they are (_views.storage_is_ours).
+bool storage_is_ours(const at::Tensor& t) {
+  const bool base_is_leaf = t.is_view() ? t._base().is_leaf() : t.is_leaf();
+  return !t.is_leaf() && !base_is_leaf && rows_view(t).defined();
+}
+
+// A node whose backward wrote the gradient into its input refuses a second backward
+// (_op.py: FusedOp._backward).
+void refuse_if_consumed(AutogradContext* ctx, const char* op, const char* flag) {
+  TORCH_CHECK(!ctx->saved_data.count("consumed"), op, ": second backward through a result computed "
+              "with ", flag, "=True; the first backward overwrote the input with its gradient, so "
+              "it cannot be differentiated again. Use ", flag, "=False to backward twice "
+              "(retain_graph=True).");
+}
+
+void mark_consumed(AutogradContext* ctx, const at::Tensor& input) {
+  ctx->saved_data["consumed"] = true;
+  input.unsafeGetTensorImpl()->bump_version();  // it holds its gradient: later readers trip
+}
+
 // ---- the double-backward guard (python/fusedloss/_op.py: _NoSecondOrder) ----
 
 // Joins a gradient to the op's differentiable inputs ("anchors") and refuses to be
@@ -274,6 +295,16 @@ fusedloss::VectorView vector_or_absent(const at::Tensor& t) {
   return t.defined() ? vector(t) : fusedloss::VectorView{};
 }
 
+fusedloss::SwigluOptions swiglu_options(bool clamp, double clamp_value, bool gate_at_bound,
+                                        bool up_at_bound) {
+  fusedloss::SwigluOptions o;
+  o.clamp = clamp;
+  o.clamp_value = float(clamp_value);
+  o.clamp_gate_grad_at_bound = gate_at_bound;
+  o.clamp_up_grad_at_bound = up_at_bound;
+  return o;
+}
+
 struct Swiglu : torch::autograd::Function<Swiglu> {
   // options: clamp, clamp_value, the gate's and the up's gradient at the bound (_options in
   // swiglu.py); inplace: the backward writes y's gradient into y (the caller checked that y's
@@ -284,11 +315,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
                             bool gate_at_bound, bool up_at_bound, bool inplace) {
     c10::OptionalDeviceGuard device(y.device());
     const at::Tensor x = rows_of(y);
-    fusedloss::SwigluOptions o;
-    o.clamp = clamp;
-    o.clamp_value = float(clamp_value);
-    o.clamp_gate_grad_at_bound = gate_at_bound;
-    o.clamp_up_grad_at_bound = up_at_bound;
+    const auto o = swiglu_options(clamp, clamp_value, gate_at_bound, up_at_bound);
     auto out_shape = y.sizes().vec();
     out_shape.back() /= 2;
     at::Tensor out = at::empty(out_shape, x.options());
@@ -305,29 +332,22 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     ctx->saved_data["up_at_bound"] = up_at_bound;
     // (the Python caller has decided and warned, _views.inplace_refused; the op itself is
     // reachable as torch.ops.fusedloss.swiglu_eager, so a leaf's memory is never taken here)
-    const bool base_is_leaf = y.is_view() ? y._base().is_leaf() : y.is_leaf();
-    ctx->saved_data["inplace"] = inplace && !y.is_leaf() && !base_is_leaf;
+    ctx->saved_data["inplace"] = inplace && storage_is_ours(y);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_if_consumed(ctx, "fusedloss.swiglu", "inplace_backward");
     const bool inplace = ctx->saved_data["inplace"].toBool();
-    if (ctx->saved_data.count("consumed"))
-      TORCH_CHECK(false, "fusedloss.swiglu: second backward through a result computed with "
-                  "inplace_backward=True; the first backward overwrote the input with its "
-                  "gradient, so it cannot be differentiated again. Use inplace_backward=False to "
-                  "backward twice (retain_graph=True).");
     const bool create_graph = at::GradMode::is_enabled();
     at::AutoGradMode no_grad(false);  // the kernels' inputs and outputs need no graph (_op.py)
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& y = saved[0];
     const at::Tensor &bias = saved[1], &weights = saved[2];
     c10::OptionalDeviceGuard device(y.device());
-    fusedloss::SwigluOptions o;
-    o.clamp = ctx->saved_data["clamp"].toBool();
-    o.clamp_value = float(ctx->saved_data["clamp_value"].toDouble());
-    o.clamp_gate_grad_at_bound = ctx->saved_data["gate_at_bound"].toBool();
-    o.clamp_up_grad_at_bound = ctx->saved_data["up_at_bound"].toBool();
+    auto& d = ctx->saved_data;
+    const auto o = swiglu_options(d["clamp"].toBool(), d["clamp_value"].toDouble(),
+                                  d["gate_at_bound"].toBool(), d["up_at_bound"].toBool());
     at::Tensor grad = grads[0];
     // In place only into y's own rows: were they a copy now (y's layout changed since the
     // forward, e.g. through .data), the gradient goes to a new buffer instead.
@@ -346,10 +366,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
                                  matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
                                  b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
     });
-    if (into_y) {
-      ctx->saved_data["consumed"] = true;
-      y.unsafeGetTensorImpl()->bump_version();  // y now holds its gradient: later readers trip
-    }
+    if (into_y) mark_consumed(ctx, y);
     auto grad_of = [](const at::Tensor& input, const at::Tensor& g32) {
       return input.defined() ? as_dtype(g32.view(input.sizes()), input.scalar_type()) : at::Tensor();
     };
@@ -383,11 +400,18 @@ fusedloss::IndexView index_view(const at::Tensor& t) {
           backend_of(t)};
 }
 
-// Whether a gradient may overwrite t's memory: an autograd intermediate (not a leaf or a view
-// of one) whose rows the kernels address as they are (_views.storage_is_ours).
-bool storage_is_ours(const at::Tensor& t) {
-  const bool base_is_leaf = t.is_view() ? t._base().is_leaf() : t.is_leaf();
-  return !t.is_leaf() && !base_is_leaf && rows_view(t).defined();
+// The options as the Python schema carries them (enums as their integer values).
+fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smoothing,
+                                          int64_t formula, int64_t scope, double z_loss,
+                                          int64_t reduction) {
+  fusedloss::CrossEntropyOptions o;
+  o.ignore_index = ignore_index;
+  o.label_smoothing = float(label_smoothing);
+  o.smoothing_formula = fusedloss::SmoothingFormula(formula);
+  o.smoothing_scope = fusedloss::SmoothingScope(scope);
+  o.z_loss = float(z_loss);
+  o.reduction = fusedloss::Reduction(reduction);
+  return o;
 }
 
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
@@ -409,13 +433,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     in_forward = in_forward && ours;
     const at::Tensor x = rows_of(logits);
     const at::Tensor t = index_of(in_forward ? apart_from(target, logits) : target);
-    fusedloss::CrossEntropyOptions o;
-    o.ignore_index = ignore_index;
-    o.label_smoothing = float(label_smoothing);
-    o.smoothing_formula = fusedloss::SmoothingFormula(formula);
-    o.smoothing_scope = fusedloss::SmoothingScope(scope);
-    o.z_loss = float(z_loss);
-    o.reduction = fusedloss::Reduction(reduction);
+    const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction);
     const auto f32 = logits.options().dtype(at::kFloat);
     const int64_t rows = x.size(0);
     at::Tensor loss = o.reduction == fusedloss::Reduction::None ? at::empty({rows}, f32) : at::empty({}, f32);
@@ -445,11 +463,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (ctx->saved_data.count("consumed"))
-      TORCH_CHECK(false, "fusedloss.cross_entropy: second backward through a result computed with "
-                  "inplace_backward or grad_in_forward=True; the first backward overwrote the input "
-                  "with its gradient, so it cannot be differentiated again. Use inplace_backward or "
-                  "grad_in_forward=False to backward twice (retain_graph=True).");
+    refuse_if_consumed(ctx, "fusedloss.cross_entropy", "inplace_backward or grad_in_forward");
     const bool create_graph = at::GradMode::is_enabled();
     at::AutoGradMode no_grad(false);
     const auto saved = ctx->get_saved_variables();
@@ -457,10 +471,11 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     c10::OptionalDeviceGuard device(logits.device());
     const int64_t mode = ctx->saved_data["mode"].toInt();
     // in place only while the logits' rows are still their own memory (else a new buffer)
-    const bool into_logits = mode > 0 && rows_view(logits).defined();
+    const at::Tensor own_rows = rows_view(logits);
+    const bool into_logits = mode > 0 && own_rows.defined();
     TORCH_CHECK(mode < 2 || into_logits, "fusedloss.cross_entropy: the logits holding the "
                 "gradient written in the forward changed layout before the backward");
-    const at::Tensor x = rows_of(logits);
+    const at::Tensor x = own_rows.defined() ? own_rows : rows_of(logits);
     // may arrive expanded; the kernels read its data
     const at::Tensor gl = as_dtype(into_logits ? apart_from(grads[0], logits) : grads[0], at::kFloat).contiguous();
     at::Tensor grad;
@@ -468,13 +483,10 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       guarded([&] { fusedloss::cross_entropy_scale_grad(matrix(x), gl.data_ptr<float>(), stream_of(x)); });
       grad = logits;
     } else {
-      fusedloss::CrossEntropyOptions o;
-      o.ignore_index = ctx->saved_data["ignore_index"].toInt();
-      o.label_smoothing = float(ctx->saved_data["label_smoothing"].toDouble());
-      o.smoothing_formula = fusedloss::SmoothingFormula(ctx->saved_data["formula"].toInt());
-      o.smoothing_scope = fusedloss::SmoothingScope(ctx->saved_data["scope"].toInt());
-      o.z_loss = float(ctx->saved_data["z_loss"].toDouble());
-      o.reduction = fusedloss::Reduction(ctx->saved_data["reduction"].toInt());
+      auto& d = ctx->saved_data;
+      const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
+                                d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
+                                d["reduction"].toInt());
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
       const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
@@ -484,10 +496,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                                           matrix(out_rows), stream_of(x));
       });
     }
-    if (into_logits) {
-      ctx->saved_data["consumed"] = true;
-      logits.unsafeGetTensorImpl()->bump_version();  // the logits now hold their gradient
-    }
+    if (into_logits) mark_consumed(ctx, logits);
     variable_list out(10);
     out[0] = grad;
     at::AutoGradMode restored(create_graph);
