@@ -2,12 +2,14 @@
 package was built against this torch, the same bits as the Python nodes, and a clear fallback."""
 import importlib
 import os
+import warnings
 
 import pytest
 import torch
 
 import fusedloss
 from fusedloss import _native
+from layouts import LAYOUTS, build
 
 rms_module = importlib.import_module("fusedloss.rms_norm")  # (fusedloss.rms_norm is the function)
 
@@ -48,32 +50,44 @@ def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",)):
         assert torch.equal(a, b)
 
 
-def _run(x, w, residual, zc, grads):
-    x = x.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
-    r = None if residual is None else residual.detach().clone().requires_grad_()
-    out = fusedloss.rms_norm(x, w, 1e-5, zc, r)
+def _through(base, view, through):
+    """(a fresh leaf with base's values, what the op gets): view() of the leaf itself
+    (through="view_of_leaf"; the leaf itself for a contiguous layout) or of an intermediate copy
+    of it (whose memory an in-place gradient may take). base and view: layouts.build's."""
+    leaf = base.detach().clone().requires_grad_()
+    return leaf, view(leaf if through == "view_of_leaf" else leaf * 1)
+
+
+def _made(dtype, device):
+    return lambda n: torch.randn(n, device=device).to(dtype)
+
+
+def _run(x, w, residual, zc, grads, through):
+    (xl, x_in), (wl, w_in) = _through(*x, through), _through(*w, through)
+    rl, r_in = _through(*residual, through) if residual is not None else (None, None)
+    out = fusedloss.rms_norm(x_in, w_in, 1e-5, zc, r_in)
     outs = out if isinstance(out, tuple) else (out,)
     torch.autograd.backward(outs, grads[:len(outs)])
-    return [t.detach() for t in outs] + [x.grad, w.grad] + ([] if r is None else [r.grad])
+    return [t.detach() for t in outs] + [xl.grad, wl.grad] + ([] if rl is None else [rl.grad])
 
 
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32), (torch.float16, torch.float64),
                                            (torch.float32, torch.bfloat16)])
-@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "transposed", "expanded"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(12, 40), (3, 4, 40)], ids=["2d", "3d"])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_same_bits_as_python_nodes(device, dtype, w_dtype, layout, residual, monkeypatch):
-    T, H = 12, 40
-    base = torch.randn(T, 2 * H, device=device).to(dtype)
-    x = {"contiguous": base[:, :H].contiguous(), "3d": base[:, :H].contiguous().view(3, 4, H),
-         "row_slice": base[:, 5:5 + H], "transposed": base[:H, :T].t(),
-         "expanded": base[:1, :H].expand(T, H)}[layout]
-    w = torch.randn(x.size(-1), device=device).to(w_dtype)
-    r = torch.randn(x.shape, device=device).to(dtype) if residual else None
-    grads = [torch.randn(x.shape, device=device).to(dtype) for _ in range(2)]
-    zc = layout == "3d"
-    _same_bits_as_python_node(lambda: _run(x, w, r, zc, grads), rms_module, monkeypatch,
+@pytest.mark.parametrize("through", ["view_of_leaf", "intermediate"])
+def test_rms_norm_same_bits_as_python_nodes(device, dtype, w_dtype, layout, shape, residual, through,
+                                            monkeypatch):
+    H = shape[-1]
+    x = build(layout, shape, _made(dtype, device), step=3)
+    w = build("contiguous", (2 * H,), _made(w_dtype, device))[0], lambda b: b[::2]  # strided
+    # the residual in another layout than x's
+    r = build("transposed" if layout != "transposed" else "sliced", shape, _made(dtype, device)) if residual else None
+    grads = [torch.randn(shape, device=device).to(dtype) for _ in range(2)]
+    zc = len(shape) == 3
+    _same_bits_as_python_node(lambda: _run(x, w, r, zc, grads, through), rms_module, monkeypatch,
                               ("_EAGER", "_EAGER_RESIDUAL"))
 
 
@@ -94,34 +108,34 @@ def test_rms_norm_unused_output_and_no_grad(device):
 swiglu_module = importlib.import_module("fusedloss.swiglu")
 
 
-def _swiglu_run(y, bias, scale, clamp, inplace, grad):
-    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (y, bias, scale)]
-    y_in = leaves[0] * 1 if inplace else leaves[0]  # an intermediate: its memory is ours
-    out = fusedloss.swiglu(y_in, leaves[1], per_token_scale=leaves[2], clamp_value=clamp,
+def _swiglu_run(y, bias, scale, clamp, inplace, grad, through):
+    pairs = [_through(*t, through) if t is not None else (None, None) for t in (y, bias, scale)]
+    out = fusedloss.swiglu(pairs[0][1], pairs[1][1], per_token_scale=pairs[2][1], clamp_value=clamp,
                            inplace_backward=inplace)
     out.backward(grad)
-    return [out.detach()] + [t.grad for t in leaves if t is not None]
+    return [out.detach()] + [leaf.grad for leaf, _ in pairs if leaf is not None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "expanded"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("extras", ["none", "bias", "bias_fp32+scale", "clamp"])
 @pytest.mark.parametrize("inplace", [False, True])
-def test_swiglu_same_bits_as_python_nodes(device, dtype, layout, extras, inplace, monkeypatch):
+@pytest.mark.parametrize("through", ["view_of_leaf", "intermediate"])
+def test_swiglu_same_bits_as_python_nodes(device, dtype, layout, extras, inplace, through, monkeypatch):
     T, n = 12, 24
-    base = torch.randn(T, 4 * n, device=device).to(dtype)
-    y = {"contiguous": base[:, :2 * n].contiguous(), "3d": base[:, :2 * n].contiguous().view(3, 4, 2 * n),
-         "row_slice": base[:, 3:3 + 2 * n], "expanded": base[:1, :2 * n].expand(T, 2 * n)}[layout]
+    y = build(layout, (T, 2 * n), _made(dtype, device), step=5)
     bias = scale = clamp = None
-    if "bias" in extras:
-        bias = torch.randn(2 * n, device=device).to(torch.float32 if "fp32" in extras else dtype)
-    if "scale" in extras:
-        scale = torch.rand(*y.shape[:-1], 1, device=device)
+    if "bias" in extras:  # strided
+        bias = build("contiguous", (4 * n,), _made(torch.float32 if "fp32" in extras else dtype, device))[0], lambda b: b[::2]
+    if "scale" in extras:  # one scale expanded over the rows
+        scale = build("expanded", (T, 1), lambda k: torch.rand(k, device=device))
     if extras == "clamp":
         clamp = 0.5
-    grad = torch.randn(*y.shape[:-1], n, device=device).to(dtype)
-    _same_bits_as_python_node(lambda: _swiglu_run(y, bias, scale, clamp, inplace, grad),
-                              swiglu_module, monkeypatch)
+    grad = torch.randn(T, n, device=device).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # in-place refused for a leaf's memory or a copied layout
+        _same_bits_as_python_node(lambda: _swiglu_run(y, bias, scale, clamp, inplace, grad, through),
+                                  swiglu_module, monkeypatch)
 
 
 def test_swiglu_inplace_consumes_and_second_backward_raises(device):
@@ -155,18 +169,18 @@ def test_swiglu_node_never_writes_a_leaf_or_a_copy(device):
 
 def test_nodes_run_on_the_current_stream(device):
     """The C++ nodes launch on the caller's current stream (c10's device-generic stream query)."""
-    x = torch.randn(64, 256, device=device, requires_grad=True)
-    w = torch.randn(256, device=device, requires_grad=True)
+    x = build("contiguous", (64, 256), _made(torch.float32, device))
+    w = build("contiguous", (256,), _made(torch.float32, device))
     g = torch.randn(64, 256, device=device)
-    ref = _run(x, w, None, False, [g])
+    ref = _run(x, w, None, False, [g], "view_of_leaf")
     stream = torch.cuda.Stream() if device == "cuda" else None
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            got = _run(x, w, None, False, [g])
+            got = _run(x, w, None, False, [g], "view_of_leaf")
         torch.cuda.current_stream().wait_stream(stream)
     else:
-        got = _run(x, w, None, False, [g])
+        got = _run(x, w, None, False, [g], "view_of_leaf")
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
 
@@ -175,9 +189,8 @@ ce_module = importlib.import_module("fusedloss.cross_entropy")
 
 
 def _ce_run(logits, target, kw, mode, grad_scale):
-    leaf = logits.detach().clone().requires_grad_()
-    x = leaf * 1 if mode != "leaf" else leaf  # an intermediate: its memory may take the gradient
-    loss = fusedloss.cross_entropy(x, target, inplace_backward=mode == "inplace",
+    leaf, x = _through(*logits, "view_of_leaf" if mode == "view_of_leaf" else "intermediate")
+    loss = fusedloss.cross_entropy(x, target, inplace_backward=mode in ("inplace", "view_of_leaf"),
                                    grad_in_forward=mode == "in_forward", **kw)
     loss.backward(torch.full_like(loss, grad_scale) if loss.dim() == 0 else
                   torch.rand(loss.shape, device=loss.device, generator=torch.Generator(loss.device).manual_seed(1)))
@@ -185,24 +198,27 @@ def _ce_run(logits, target, kw, mode, grad_scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("layout", ["contiguous", "3d", "row_slice", "transposed"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kw,mode", [
     pytest.param(kw, mode, id=f"{name}-{mode}")
     for name, kw in [("mean", {}), ("sum+smoothing+z", {"reduction": "sum", "label_smoothing": 0.1, "z_loss": 1e-3}),
                      ("none+ignore", {"reduction": "none", "ignore_index": 3}),
                      ("megatron", {"label_smoothing": 0.2, "smoothing_formula": "megatron"})]
-    for mode in ["leaf", "copy", "inplace", "in_forward"]
+    for mode in ["view_of_leaf", "copy", "inplace", "in_forward"]
     if not (mode == "in_forward" and kw.get("reduction") == "none")])  # (sum/mean only)
 def test_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, kw, mode, monkeypatch):
     N, V = 12, 37
-    base = torch.randn(N, 2 * V, device=device).to(dtype)
-    logits = {"contiguous": base[:, :V].contiguous(), "3d": base[:, :V].contiguous().view(3, 4, V),
-              "row_slice": base[:, 2:2 + V],
-              "transposed": torch.randn(V, N, device=device).to(dtype).t()}[layout]
-    target = torch.randint(0, V, logits.shape[:-1], device=device, dtype=torch.int32 if layout == "3d" else torch.int64)
-    target.view(-1)[0] = kw.get("ignore_index", -100)
-    _same_bits_as_python_node(lambda: _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0),
-                              ce_module, monkeypatch)
+    logits = build(layout, (N, V), _made(dtype, device), step=7)
+    # the targets in a layout and index dtype of their own
+    ids = torch.randint(0, V, (2 * N,), device=device)
+    ids[2] = kw.get("ignore_index", -100)  # an ignored row (not in the expanded target's one id)
+    target = {"contiguous": ids[:N].clone(), "sliced": ids[::2], "offset": ids[1:N + 1].to(torch.int32),
+              "expanded": ids[:1].expand(N), "transposed": ids[:N].clamp(min=0).to(torch.uint8),
+              "overlapping": ids[:N].to(torch.int16)}[layout]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # in-place refused for a leaf's memory or a copied layout
+        _same_bits_as_python_node(lambda: _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0),
+                                  ce_module, monkeypatch)
 
 
 def test_cross_entropy_inplace_consumes_the_logits(device):
