@@ -12,6 +12,7 @@ import numbers
 import operator
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -209,6 +210,10 @@ def storage_is_ours(t: Tensor) -> bool:
     kernels can address in place (a copy would receive the gradient instead)."""
     base = t._base if t._base is not None else t
     return not t.is_leaf and not base.is_leaf and _rows_view(t) is not None
+
+
+# inplace_refused's ctx for an eager call through a C++ node (no Python ctx to read)
+EAGER_CALL = types.SimpleNamespace(traced=False)
 
 
 def inplace_refused(ctx, t: Tensor, op: str, arg: str, flag: str) -> bool:

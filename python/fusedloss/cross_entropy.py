@@ -14,12 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from types import SimpleNamespace
-
 from . import _C, _native
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
-from ._views import (agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
+from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
                      values_in)
 
@@ -201,7 +199,6 @@ _cross_entropy = FusedOp(
              "scale_": (_scale_inplace, None, ("logits",))})  # eager only
 # eager calls without a tp_group: the same steps with the autograd node in C++
 _EAGER = _native.ops.cross_entropy_eager.default if _native.ops is not None else None
-_EAGER_CTX = SimpleNamespace(traced=False)  # inplace_refused's view of an eager call
 
 
 def _validate(logits, target):
@@ -293,7 +290,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         # made where the Python node's setup makes it: when a node is recorded
         if inplace and not in_forward:
             inplace = (torch.is_grad_enabled() and logits.requires_grad and not inplace_refused(
-                _EAGER_CTX, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
+                EAGER_CALL, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
         loss = _EAGER(logits, target, *opts, inplace, in_forward)
     else:
         loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)

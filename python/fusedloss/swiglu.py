@@ -11,11 +11,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from types import SimpleNamespace
-
 from . import _C, _native
 from ._op import FusedOp
-from ._views import (apart_from, as_bool, as_dtype, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
+from ._views import (EAGER_CALL, apart_from, as_bool, as_dtype, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, validated, values_in, vector)
 
 _OP = "fusedloss.swiglu"
@@ -73,7 +71,6 @@ def _eager_options(clamp_value: Optional[float]) -> Tuple[bool, float, bool, boo
     return o.clamp, o.clamp_value, o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound
 
 
-_EAGER_CTX = SimpleNamespace(traced=False)  # inplace_refused's view of an eager call
 
 
 def _eager(y, bias, weights, clamp_value, inplace):
@@ -82,7 +79,7 @@ def _eager(y, bias, weights, clamp_value, inplace):
     otherwise; decided when a node is recorded)."""
     if inplace and torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (y, bias, weights)):
-        inplace = not inplace_refused(_EAGER_CTX, y, _OP, "y", "inplace_backward")
+        inplace = not inplace_refused(EAGER_CALL, y, _OP, "y", "inplace_backward")
     else:
         inplace = False
     return _EAGER(y, bias, weights, *_eager_options(clamp_value), inplace)
