@@ -9,10 +9,13 @@ torch, or FUSEDLOSS_NATIVE_NODES=0) the Python nodes of _op.py serve, with the s
     ops       torch.ops.fusedloss, or None when the C++ nodes are not loaded
     status    why they are or are not loaded (one line)
 """
+import ctypes
 import os
 import warnings
 
 import torch
+
+from . import _C
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_torch.so")
@@ -33,6 +36,11 @@ def _load():
         torch.ops.load_library(_LIBRARY)
     except (OSError, RuntimeError) as error:  # a missing symbol, a registration refused
         return None, f"could not be loaded: {error}"
+    # the nodes call _C's core (one copy in the process: its device error word, its caches)
+    attach = ctypes.CDLL(_LIBRARY).fusedloss_torch_attach
+    attach.argtypes = (ctypes.c_void_p, ctypes.c_uint32)
+    if attach(_C._core_table(), _C._CORE_TABLE_SIZE) != 0:
+        return None, "built from another fusedloss than fusedloss._C (its core table differs): reinstall"
     return torch.ops.fusedloss, f"loaded ({_LIBRARY}, torch {built_for})"
 
 

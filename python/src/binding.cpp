@@ -2,8 +2,10 @@
 // layer passes tensor.data_ptr() and the current stream, so this module does not depend on
 // which CUDA version torch was built with.
 #include <exception>
+#include <string>
 #include <pybind11/pybind11.h>
 
+#include "core_table.h"
 #include "fusedloss/fusedloss.h"
 
 namespace py = pybind11;
@@ -65,6 +67,63 @@ class CallbackCommunicator : public Communicator {
   Device device_;
   py::function gather_, reduce_;
 };
+
+// ---- the core table for the C++ autograd nodes (core_table.h) ----
+
+// Runs one core call for the table: nullptr, or the message of what it threw (kept per thread
+// until that thread's next failing call).
+template <class Body>
+python::CoreError caught(Body&& body) noexcept {
+  thread_local std::string message;
+  try {
+    body();
+    return nullptr;
+  } catch (const std::exception& e) {
+    message = e.what();
+  } catch (...) {
+    message = "fusedloss internal: an unknown exception in the core";
+  }
+  return message.c_str();
+}
+
+// Fn as a table entry with Fn's parameters (the overload picked by the entry's type).
+template <class Entry, Entry Fn>
+struct Exported;
+template <class... Args, void (*Fn)(Args...)>
+struct Exported<void (*)(Args...), Fn> {
+  static python::CoreError call(Args... args) noexcept {
+    return caught([&] { Fn(args...); });
+  }
+};
+
+const python::CoreTable& core_table() {
+  static const python::CoreTable table = [] {
+    python::CoreTable t;
+    t.rms_norm_forward = Exported<void (*)(const MatrixView&, const VectorView&, const RmsNormOptions&,
+                                           const MatrixView&, float*, const MatrixView&,
+                                           const MatrixView&, Stream),
+                                  &rms_norm_forward>::call;
+    t.rms_norm_backward_workspace_bytes = [](int64_t rows, int64_t hidden, Device device,
+                                             size_t* bytes) noexcept {
+      return caught([&] { *bytes = rms_norm_backward_workspace_bytes(rows, hidden, device); });
+    };
+    t.rms_norm_backward =
+        Exported<void (*)(const MatrixView&, const MatrixView&, const VectorView&, const float*,
+                          const RmsNormOptions&, const MatrixView&, void*, DType, void*,
+                          const MatrixView&, Stream),
+                 &rms_norm_backward>::call;
+    t.swiglu_forward = Exported<decltype(&swiglu_forward), &swiglu_forward>::call;
+    t.swiglu_backward = Exported<decltype(&swiglu_backward), &swiglu_backward>::call;
+    t.cross_entropy_forward = Exported<decltype(&cross_entropy_forward), &cross_entropy_forward>::call;
+    t.cross_entropy_forward_with_grad =
+        Exported<decltype(&cross_entropy_forward_with_grad), &cross_entropy_forward_with_grad>::call;
+    t.cross_entropy_backward = Exported<decltype(&cross_entropy_backward), &cross_entropy_backward>::call;
+    t.cross_entropy_scale_grad =
+        Exported<decltype(&cross_entropy_scale_grad), &cross_entropy_scale_grad>::call;
+    return t;
+  }();
+  return table;
+}
 
 }  // namespace
 
@@ -294,6 +353,9 @@ PYBIND11_MODULE(_C, m) {
         });
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
+  // The address and size of the core table, for fusedloss/_native.py to hand to the C++ nodes.
+  m.def("_core_table", [] { return reinterpret_cast<uintptr_t>(&core_table()); });
+  m.attr("_CORE_TABLE_SIZE") = int(sizeof(python::CoreTable));
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
 #ifdef FUSEDLOSS_STATIC_CXX_RUNTIME

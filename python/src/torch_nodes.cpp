@@ -18,9 +18,13 @@
 
 #include <string>
 
+#include "core_table.h"
 #include "fusedloss/fusedloss.h"
 
 namespace {
+
+// The core, as fusedloss._C exports it (core_table.h): set once by fusedloss_torch_attach.
+const fusedloss::python::CoreTable* g_core = nullptr;
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -83,14 +87,14 @@ at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// A C++ API error as the Python bindings raise it: ValueError with the core's message.
-template <class F>
-void guarded(F&& call) {
-  try {
-    call();
-  } catch (const fusedloss::Error& e) {
+// One core call through the table; a core Error becomes the ValueError the Python bindings
+// raise, with the core's message.
+template <class... Params, class... Args>
+void core_call(fusedloss::python::CoreError (*entry)(Params...), Args&&... args) {
+  TORCH_CHECK(g_core, "fusedloss: the C++ nodes were used before fusedloss._C attached its core");
+  if (const char* error = entry(std::forward<Args>(args)...)) {
     // the Python argument's name: "options.label_smoothing: ..." -> "label_smoothing: ..."
-    const std::string what = e.what();
+    const std::string what = error;
     const std::string prefix = "options.";
     TORCH_CHECK_VALUE(false, what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what);
   }
@@ -189,10 +193,8 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
       r_view = matrix(rr);
       s_view = matrix(rows_of(s));
     }
-    guarded([&] {
-      fusedloss::rms_norm_forward(matrix(xr), vector(w), opts, matrix(rows_of(y)),
-                                  rstd.data_ptr<float>(), r_view, s_view, stream_of(x));
-    });
+    core_call(g_core->rms_norm_forward, matrix(xr), vector(w), opts, matrix(rows_of(y)),
+              rstd.data_ptr<float>(), r_view, s_view, stream_of(x));
     ctx->save_for_backward({residual ? s : x, w, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["zc"] = zero_centered_gamma;
@@ -225,16 +227,13 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     // in the dtype the weight was read in: summed in fp32, rounded once there
     at::Tensor dw = at::empty({w.numel()}, w.options());
     size_t ws_bytes = 0;
-    guarded([&] {
-      ws_bytes = fusedloss::rms_norm_backward_workspace_bytes(xr.size(0), xr.size(1), backend_of(src));
-    });
+    core_call(g_core->rms_norm_backward_workspace_bytes, xr.size(0), xr.size(1), backend_of(src),
+              &ws_bytes);
     at::Tensor ws;
     if (ws_bytes) ws = at::empty({int64_t((ws_bytes + 3) / 4)}, src.options().dtype(at::kFloat));
-    guarded([&] {
-      fusedloss::rms_norm_backward(matrix(gr), matrix(xr), vector(w), rstd.data_ptr<float>(), opts,
-                                   matrix(rows_of(dx)), dw.data_ptr(), dtype_of(dw),
-                                   ws_bytes ? ws.data_ptr() : nullptr, gs_view, stream_of(src));
-    });
+    core_call(g_core->rms_norm_backward, matrix(gr), matrix(xr), vector(w), rstd.data_ptr<float>(),
+              opts, matrix(rows_of(dx)), dw.data_ptr(), dtype_of(dw),
+              ws_bytes ? ws.data_ptr() : nullptr, gs_view, stream_of(src));
     const auto w_dtype = at::ScalarType(ctx->saved_data["w_dtype"].toInt());
     variable_list out{dx, as_dtype(dw, w_dtype), has_residual ? dx : at::Tensor(), at::Tensor(),
                       at::Tensor()};
@@ -321,10 +320,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     at::Tensor out = at::empty(out_shape, x.options());
     const at::Tensor b = bias_for(or_undefined(bias), x.scalar_type());
     const at::Tensor w = scale_for(or_undefined(weights));
-    guarded([&] {
-      fusedloss::swiglu_forward(matrix(x), vector_or_absent(b), vector_or_absent(w), o,
-                                matrix(rows_of(out)), {}, stream_of(x));
-    });
+    core_call(g_core->swiglu_forward, matrix(x), vector_or_absent(b), vector_or_absent(w), o,
+              matrix(rows_of(out)), fusedloss::MatrixView{}, stream_of(x));
     ctx->save_for_backward({y, or_undefined(bias), or_undefined(weights)});
     ctx->saved_data["clamp"] = clamp;
     ctx->saved_data["clamp_value"] = clamp_value;
@@ -361,11 +358,9 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     const at::Tensor w = scale_for(into_y ? apart_from(weights, y) : weights);
     at::Tensor gw = at::empty({w.defined() ? g.size(0) : 0}, g.options().dtype(at::kFloat));
     at::Tensor gb = at::empty({b.defined() ? grad_rows.size(1) : 0}, g.options().dtype(at::kFloat));
-    guarded([&] {
-      fusedloss::swiglu_backward(matrix(g), matrix(x), vector_or_absent(b), vector_or_absent(w), o,
-                                 matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
-                                 b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
-    });
+    core_call(g_core->swiglu_backward, matrix(g), matrix(x), vector_or_absent(b), vector_or_absent(w),
+              o, matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
+              b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
     if (into_y) mark_consumed(ctx, y);
     auto grad_of = [](const at::Tensor& input, const at::Tensor& g32) {
       return input.defined() ? as_dtype(g32.view(input.sizes()), input.scalar_type()) : at::Tensor();
@@ -440,15 +435,13 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     at::Tensor lse = at::empty({rows}, f32), count = at::empty({}, f32);
     const fusedloss::CrossEntropyOutputs out{loss.data_ptr<float>(), lse.data_ptr<float>(),
                                              count.data_ptr<float>()};
-    guarded([&] {
-      if (in_forward) {
-        const auto xv = matrix(x);
-        fusedloss::cross_entropy_forward_with_grad(xv, index_view(t), o, out, xv, nullptr,
-                                                   stream_of(x));
-      } else {
-        fusedloss::cross_entropy_forward(matrix(x), index_view(t), o, out, nullptr, stream_of(x));
-      }
-    });
+    if (in_forward) {
+      const auto xv = matrix(x);
+      core_call(g_core->cross_entropy_forward_with_grad, xv, index_view(t), o, out, xv, nullptr,
+                stream_of(x));
+    } else {
+      core_call(g_core->cross_entropy_forward, matrix(x), index_view(t), o, out, nullptr, stream_of(x));
+    }
     // the logits now hold their gradient: an earlier autograd reader fails its version check
     if (in_forward) logits.unsafeGetTensorImpl()->bump_version();
     ctx->save_for_backward({logits, target, lse, count});  // the caller's target: its version checked
@@ -480,7 +473,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const at::Tensor gl = as_dtype(into_logits ? apart_from(grads[0], logits) : grads[0], at::kFloat).contiguous();
     at::Tensor grad;
     if (mode == 2) {
-      guarded([&] { fusedloss::cross_entropy_scale_grad(matrix(x), gl.data_ptr<float>(), stream_of(x)); });
+      core_call(g_core->cross_entropy_scale_grad, matrix(x), gl.data_ptr<float>(), stream_of(x));
       grad = logits;
     } else {
       auto& d = ctx->saved_data;
@@ -490,11 +483,8 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
       const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
-      guarded([&] {
-        fusedloss::cross_entropy_backward(matrix(x), index_view(tt), lse.data_ptr<float>(),
-                                          gl.data_ptr<float>(), count.data_ptr<float>(), o,
-                                          matrix(out_rows), stream_of(x));
-      });
+      core_call(g_core->cross_entropy_backward, matrix(x), index_view(tt), lse.data_ptr<float>(),
+                gl.data_ptr<float>(), count.data_ptr<float>(), o, matrix(out_rows), stream_of(x));
     }
     if (into_logits) mark_consumed(ctx, logits);
     variable_list out(10);
@@ -518,6 +508,16 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 }
 
 }  // namespace
+
+// Called by fusedloss/_native.py right after loading this library, with fusedloss._C's table
+// and its size: 0 when attached, 1 when the table's layout is not this library's (a _C from
+// another build), which leaves the nodes unusable and the Python nodes serving.
+extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(
+    const fusedloss::python::CoreTable* table, uint32_t size) {
+  if (!table || size != sizeof(fusedloss::python::CoreTable) || table->size != size) return 1;
+  g_core = table;
+  return 0;
+}
 
 // Eager entry points only: the traced path uses the Python custom ops of the same names
 // without the "_eager" suffix.

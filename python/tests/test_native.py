@@ -37,9 +37,11 @@ def test_other_torch_falls_back(tmp_path, monkeypatch):
     assert _native._load() == (None, "off (FUSEDLOSS_NATIVE_NODES=0)")
 
 
-def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",)):
+def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",), layout=None, device=None):
     """run() through the C++ node, then with the op's module switched to its Python node: every
-    result has the same dtype, shape and bits."""
+    result has the same dtype, shape and bits. Except one case: the leaf behind a view whose
+    rows overlap gets its gradient from torch's as_strided backward, which on CUDA sums the
+    overlapping elements with atomics in no fixed order; there the results agree to rounding."""
     native = run()
     for name in names:
         monkeypatch.setattr(module, name, None)
@@ -47,7 +49,10 @@ def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",)):
     assert len(native) == len(python)
     for a, b in zip(native, python):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
+        if layout == "overlapping" and device == "cuda":
+            torch.testing.assert_close(a, b)
+        else:
+            assert torch.equal(a, b)
 
 
 def _through(base, view, through):
@@ -135,7 +140,7 @@ def test_swiglu_same_bits_as_python_nodes(device, dtype, layout, extras, inplace
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # in-place refused for a leaf's memory or a copied layout
         _same_bits_as_python_node(lambda: _swiglu_run(y, bias, scale, clamp, inplace, grad, through),
-                                  swiglu_module, monkeypatch)
+                                  swiglu_module, monkeypatch, layout=layout, device=device)
 
 
 def test_swiglu_inplace_consumes_and_second_backward_raises(device):
@@ -218,7 +223,7 @@ def test_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, kw, mode
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # in-place refused for a leaf's memory or a copied layout
         _same_bits_as_python_node(lambda: _ce_run(logits, target, kw, mode, 0.5 if mode == "copy" else 1.0),
-                                  ce_module, monkeypatch)
+                                  ce_module, monkeypatch, layout=layout, device=device)
 
 
 def test_cross_entropy_inplace_consumes_the_logits(device):
@@ -258,3 +263,22 @@ def test_cross_entropy_node_names_the_python_argument(device):
     with pytest.raises(ValueError, match=r"^label_smoothing: "):
         fusedloss.cross_entropy(x, torch.zeros(4, dtype=torch.long, device=device),
                                 label_smoothing=0.1, smoothing_formula="megatron")
+
+
+@pytest.mark.parametrize("in_forward", [False, True])
+def test_nodes_share_the_core_of_check_device_errors(device, in_forward):
+    """The nodes call fusedloss._C's core (one copy in the process): a target out of range in a
+    kernel the C++ node launched is what fusedloss.check_device_errors() reports (on the CPU the
+    call itself raises)."""
+    op = torch.ops.fusedloss.cross_entropy_eager.default
+    h = torch.randn(4, 10, device=device, requires_grad=True)
+    t = torch.tensor([1, 2, 10, 3], device=device)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
+            op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, False, in_forward)
+        return
+    loss = op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, False, in_forward)  # reduction sum
+    assert loss.grad_fn is not None and "CppFunction" in type(loss.grad_fn).__name__
+    with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
+        fusedloss.check_device_errors()
+    fusedloss.check_device_errors()  # cleared once reported
