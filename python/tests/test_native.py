@@ -49,8 +49,10 @@ def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",), layou
     assert len(native) == len(python)
     for a, b in zip(native, python):
         assert a.dtype == b.dtype and a.shape == b.shape
-        if layout == "overlapping" and device == "cuda":
-            torch.testing.assert_close(a, b)
+        if layout == "overlapping" and device == "cuda" and a.is_floating_point():
+            # a few terms summed in a's dtype, in either order: a rounding of the largest each
+            atol = 4 * torch.finfo(a.dtype).eps * float(b.abs().max()) if b.numel() else 0.0
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
         else:
             assert torch.equal(a, b)
 
