@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/dispatch.h"
+#include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
@@ -86,6 +87,19 @@ using BwdRows = RowPerBlock<FUSEDLOSS_CE_BWD_THREADS, FUSEDLOSS_CE_BWD_UNROLL,
                             FUSEDLOSS_CE_BWD_MIN_BLOCKS>;
 using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNROLL,
                               FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM>;
+
+// Launch policy of cluster_grad_kernel: kThreads threads a block, one block per slice of a row,
+// a cluster of at most kMaxCluster blocks per row (the portable cluster size), each slice at
+// most kSliceBytes where the row allows (small slices: more resident blocks per SM, so one
+// block's copies overlap another's arithmetic).
+#ifndef FUSEDLOSS_CE_CLUSTER_SLICE_BYTES
+#define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (48 * 1024)
+#endif
+struct ClusterRows {
+  static constexpr int kThreads = 256;
+  static constexpr int kMaxCluster = 8;
+  static constexpr int64_t kSliceBytes = FUSEDLOSS_CE_CLUSTER_SLICE_BYTES;
+};
 
 // Launch policy of the kernels whose blocks outlive a row (a row cache in shared memory set up
 // once, an early exit for the whole launch): a bounded grid, each block striding over rows.
@@ -445,6 +459,111 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
   }
 }
 
+// The forward that writes the gradient on sm_90, rows split over a thread-block cluster
+// (cluster_grad_kernel): the 2-pass floor's traffic, each logit read once and each gradient
+// written once, for rows of any length up to 8 slices.
+// One cluster per row, one slice of the row per block (slice_vecs 16-byte vectors; the last
+// may be shorter). A block's thread 0 brings its slice into shared memory with one bulk copy
+// (the copy unit keeps the whole slice in flight, so a few resident blocks saturate HBM without
+// registers holding loads); the block reduces it to (max, sum-exp, sum, target logit); the
+// blocks exchange these four floats through distributed shared memory and merge them in rank
+// order, so every block derives the same lse; each block then turns its slice into the gradient
+// in place and thread 0 writes it back with one bulk store. Requires rows of whole 16-byte
+// vectors starting on 16 bytes in x and g (rows_vectorisable), and code built for sm_90.
+template <StorageKind K, class Index, bool kSumLogits>
+__global__ void __launch_bounds__(ClusterRows::kThreads)
+    cluster_grad_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
+                        typename core::Storage<K>::type* g, int64_t g_stride, const Index* target,
+                        CeParams p, int cluster_blocks, int64_t slice_vecs,
+                        const float* valid_count, float* lse_out, float* row_loss_out) {
+  using S = core::Storage<K>;
+  using T = typename S::type;
+  constexpr int VEC = vector_width<T>();
+  extern __shared__ Vec16 slice[];
+  __shared__ RowPartT scratch[ClusterRows::kThreads / 32];
+  __shared__ uint64_t loaded;
+  __shared__ float part[4];  // this block's (max, sum-exp, sum, target logit), read cluster-wide
+  __shared__ float merged[4];
+  const int64_t r = blockIdx.x / cluster_blocks;
+  const uint32_t rank = cluster_rank();
+  const int64_t first = int64_t(rank) * slice_vecs * VEC;  // the slice's first column
+  const int64_t vecs = std::max<int64_t>(0, std::min(slice_vecs, (p.vocab_local - first) / VEC));
+  if (threadIdx.x == 0) {
+    mbarrier_init(&loaded);
+    if (vecs) bulk_load(slice, x + r * x_stride + first, uint32_t(vecs * kVectorBytes), &loaded);
+  }
+  const int64_t t = int64_t(target[r]);  // in flight with the copy
+  const TargetKind kind =
+      core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
+  const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
+  __syncthreads();  // the barrier is initialised before anyone waits on it
+  if (vecs) mbarrier_wait(&loaded, 0);
+
+  float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
+  for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+    float v[VEC];
+    to_floats<K>(slice[i], v);
+    core::online_add_chunk<VEC>(m, s, v);
+    if (kSumLogits) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sx += v[k];
+    }
+    const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
+    if (tk >= 0) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k)
+        if (k == tk) tl = v[k];
+    }
+  }
+  const RowPartT own = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
+  if (threadIdx.x == 0) {
+    part[0] = own.part.m, part[1] = own.part.s, part[2] = own.part.sx, part[3] = own.target_logit;
+  }
+  cluster_arrive();
+  cluster_wait();  // every block's part is in
+  if (threadIdx.x == 0) {  // the same merge, in rank order, in every block of the cluster
+    RowPartT row{RowPart{-INFINITY, 0.0f, 0.0f}, -INFINITY};
+    for (int b = 0; b < cluster_blocks; ++b) {
+      const RowPartT other{RowPart{load_from_cluster_block(&part[0], b), load_from_cluster_block(&part[1], b),
+                                   load_from_cluster_block(&part[2], b)},
+                           load_from_cluster_block(&part[3], b)};
+      row = MergePartsT{}(row, other);
+    }
+    merged[0] = row.part.m, merged[1] = row.part.s, merged[2] = row.part.sx, merged[3] = row.target_logit;
+    if (rank == 0) {
+      if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
+      core::finish_row(RowStats{row.part.m, row.part.s, row.target_logit, row.part.sx},
+                       row.part.sx, kind, p, lse_out[r], row_loss_out[r]);
+    }
+  }
+  cluster_arrive();  // this block is done reading the others' parts (waited for at the end)
+  __syncthreads();
+  const float lse = merged[0] + logf(merged[1]);  // finish_row's lse, bit for bit
+
+  if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {
+    const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
+    Vec16 filled{};
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) put<K>(filled, k, fill);
+    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) slice[i] = filled;
+  } else {
+    const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);
+    const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
+    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+      const Vec16 raw = slice[i];
+      Vec16 out{};
+      const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+      slice[i] = out;
+    }
+  }
+  fence_shared_for_bulk_copy();
+  __syncthreads();
+  if (threadIdx.x == 0 && vecs) bulk_store(g + r * g_stride + first, slice, uint32_t(vecs * kVectorBytes));
+  cluster_wait();  // no block leaves while another may still read its part
+}
+
 // The backward of the gradient written in the forward: g *= grad_loss[0]. Every block reads
 // the scale first and leaves when it is exactly 1 (the usual loss.backward()): no host sync
 // and no pass over g. Rows are strided over a bounded grid.
@@ -543,6 +662,8 @@ struct FusedLaunch {
   int device = -1;
   int sms = 0;
   int64_t cache_bytes = 0;
+  int major = 0;               // compute capability: clusters and bulk copies from 9
+  int64_t block_shared = 0;    // the most dynamic shared memory one block may opt into
 };
 
 const FusedLaunch& fused_launch() {
@@ -559,21 +680,76 @@ const FusedLaunch& fused_launch() {
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                        device));
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int major = 0;
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   const int64_t cache = std::min<int64_t>(
       int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
-  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes};
+  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes,
+                                     major, std::max<int64_t>(int64_t(block_shared) - 1024, 0)};
 }
 
 // Lets `kernel` take the whole cache on the current device, once: the attribute is the
 // largest any call needs, so concurrent callers with smaller rows never lower it under
 // each other's launches.
-void allow_shared(const void* kernel, const FusedLaunch& l) {
+void allow_shared(const void* kernel, const FusedLaunch& l, int64_t bytes) {
   static std::mutex mu;
   static std::set<std::pair<int, const void*>> done;
   std::lock_guard<std::mutex> lock(mu);
   if (!done.insert({l.device, kernel}).second) return;
-  FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     int(l.cache_bytes)));
+  FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// Whether `kernel` was compiled for sm_90 or later (its bulk-copy and cluster instructions are
+// in it: an sm_80-only build JIT-compiled for an H100 reports 80), once per device and kernel.
+bool built_for_sm90(const void* kernel, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find({device, kernel});
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes{};
+  FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[{device, kernel}] = attributes.ptxVersion >= 90;
+}
+
+// The cluster kernel's split of a row of `vecs` 16-byte vectors: blocks per row and vectors a
+// block, or {0, 0} when the row does not fit kMaxCluster slices of the most shared memory a
+// block may have.
+std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
+  const int64_t target = ClusterRows::kSliceBytes / kVectorBytes;
+  int64_t blocks = std::min<int64_t>((vecs + target - 1) / target, ClusterRows::kMaxCluster);
+  blocks = std::max<int64_t>(blocks, 1);
+  const int64_t slice = (vecs + blocks - 1) / blocks;
+  if (slice * kVectorBytes > l.block_shared) return {0, 0};
+  return {int((vecs + slice - 1) / slice), slice};
+}
+
+// The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
+// cannot run (a device or a build before sm_90, rows too long, too many of them for the grid).
+std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
+  if (l.major < 9 || !built_for_sm90(kernel, l.device)) return {0, 0};
+  const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
+  if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
+  return split;
+}
+
+template <class... Params, class... Args>
+void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int64_t> split,
+                    const FusedLaunch& l, Stream stream, Args&&... args) {
+  allow_shared(reinterpret_cast<const void*>(kernel), l, l.block_shared);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(rows * split.first));
+  config.blockDim = dim3(ClusterRows::kThreads);
+  config.dynamicSmemBytes = size_t(split.second) * kVectorBytes;
+  config.stream = as_cuda(stream);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(split.first);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  FL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace
@@ -597,40 +773,57 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
   // no longer fits L2). Longer rows, and vectors of one row that would not land on the other's
   // boundary, take the two kernels: the same results, 3 passes.
   const bool fused = same_alignment && logits.cols * esize <= 2 * int64_t(shared);
-  if (!fused || p.rows == 0) {
-    ce_forward_tp1(logits, target, p, out, stream);
-    ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad, stream);
-    return;
-  }
-  float* row_losses = static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream));
-  dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
+  // sm_90: the cluster kernel, for rows of whole vectors on the 16-byte boundary in both.
+  const bool whole_vectors = rows_vectorisable(logits) && rows_vectorisable(grad);
+  bool done = false;
+  if (p.rows > 0) dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
     constexpr StorageKind K = decltype(k)::value;
     using Index = decltype(idx);
     using T = typename core::Storage<K>::type;
     auto* t = static_cast<const Index*>(target.data);
-    // Mean: the gradient divides by the valid count, so it is counted first (one small block).
-    if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
-    auto launch = [&](auto sum_logits) {
-      auto kernel = stats_grad_kernel<K, Index, decltype(sum_logits)::value>;
-      allow_shared(reinterpret_cast<const void*>(kernel), launch_shape);
-      // The resident grid: every block strides over rows.
-      int per_sm = 0;
-      FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                                  FusedRows::kThreads, shared));
-      const unsigned blocks =
-          StridedRows::grid(p.rows, int64_t(std::max(per_sm, 1)) * launch_shape.sms);
-      kernel<<<blocks, FusedRows::kThreads, shared, as_cuda(stream)>>>(
-          static_cast<const T*>(logits.data), logits.row_stride, static_cast<T*>(grad.data),
-          grad.row_stride, t, p, cache_vecs, out.valid_count, out.lse, row_losses);
+    auto run = [&](auto sum_logits) {
+      constexpr bool kSum = decltype(sum_logits)::value;
+      auto cluster = cluster_grad_kernel<K, Index, kSum>;
+      const auto split = whole_vectors
+                             ? cluster_plan(reinterpret_cast<const void*>(cluster), logits, launch_shape)
+                             : std::pair<int, int64_t>{0, 0};
+      if (split.first == 0 && !fused) return;
+      float* row_losses = static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream));
+      // Mean: the gradient divides by the valid count, so it is counted first (one small block).
+      if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
+      const auto* x = static_cast<const T*>(logits.data);
+      auto* g = static_cast<T*>(grad.data);
+      if (split.first) {
+        launch_cluster(cluster, p.rows, split, launch_shape, stream, x, logits.row_stride, g,
+                       grad.row_stride, t, p, split.first, split.second,
+                       static_cast<const float*>(out.valid_count), out.lse, row_losses);
+      } else {
+        auto kernel = stats_grad_kernel<K, Index, kSum>;
+        allow_shared(reinterpret_cast<const void*>(kernel), launch_shape, launch_shape.cache_bytes);
+        // The resident grid: every block strides over rows.
+        int per_sm = 0;
+        FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                    FusedRows::kThreads, shared));
+        const unsigned blocks =
+            StridedRows::grid(p.rows, int64_t(std::max(per_sm, 1)) * launch_shape.sms);
+        kernel<<<blocks, FusedRows::kThreads, shared, as_cuda(stream)>>>(
+            x, logits.row_stride, g, grad.row_stride, t, p, cache_vecs, out.valid_count, out.lse,
+            row_losses);
+        FL_CUDA_CHECK_LAUNCH();
+      }
+      launch_reduce(row_losses, t, p, out, stream);
+      free_async(row_losses, stream);
+      done = true;
     };
     if (p.need_sum_logits)
-      launch(std::true_type{});
+      run(std::true_type{});
     else
-      launch(std::false_type{});
-    FL_CUDA_CHECK_LAUNCH();
-    launch_reduce(row_losses, t, p, out, stream);
+      run(std::false_type{});
   });
-  free_async(row_losses, stream);
+  if (!done) {
+    ce_forward_tp1(logits, target, p, out, stream);
+    ce_backward(logits, target, out.lse, nullptr, out.valid_count, p, grad, stream);
+  }
 }
 
 void ce_scale_grad(const MatrixView& grad, const float* grad_loss, Stream stream) {
