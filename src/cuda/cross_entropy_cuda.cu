@@ -95,8 +95,14 @@ using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNR
 #ifndef FUSEDLOSS_CE_CLUSTER_SLICE_BYTES
 #define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (48 * 1024)
 #endif
+#ifndef FUSEDLOSS_CE_CLUSTER_THREADS
+#define FUSEDLOSS_CE_CLUSTER_THREADS 256
+#endif
+#ifndef FUSEDLOSS_CE_CLUSTER_MAX_FIRST
+#define FUSEDLOSS_CE_CLUSTER_MAX_FIRST 1
+#endif
 struct ClusterRows {
-  static constexpr int kThreads = 256;
+  static constexpr int kThreads = FUSEDLOSS_CE_CLUSTER_THREADS;
   static constexpr int kMaxCluster = 8;
   static constexpr int64_t kSliceBytes = FUSEDLOSS_CE_CLUSTER_SLICE_BYTES;
 };
@@ -500,10 +506,26 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
   if (vecs) mbarrier_wait(&loaded, 0);
 
   float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
+#if FUSEDLOSS_CE_CLUSTER_MAX_FIRST
+  // The thread's maximum first (shared memory is cheap to read twice), then one exp an element
+  // and no rescaling: the exponentials, not the bytes, are what this kernel could wait on.
   for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
     float v[VEC];
     to_floats<K>(slice[i], v);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) m = fmaxf(m, v[k]);
+  }
+  const float ref = m == -INFINITY ? 0.0f : m;  // all -inf: the exps are 0 (or NaN for NaN)
+#endif
+  for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+    float v[VEC];
+    to_floats<K>(slice[i], v);
+#if FUSEDLOSS_CE_CLUSTER_MAX_FIRST
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) s += core::fast_exp(v[k] - ref);
+#else
     core::online_add_chunk<VEC>(m, s, v);
+#endif
     if (kSumLogits) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) sx += v[k];
