@@ -70,10 +70,12 @@ __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t 
 #endif
 }
 
-// The thread that issued bulk stores: wait until they have all read their shared memory.
+// The thread that issued bulk stores: wait until all but the kPending most recent have read
+// their shared memory.
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
 #ifdef FUSEDLOSS_BULK_COPY
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 #endif
 }
 

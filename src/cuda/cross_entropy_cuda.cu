@@ -94,7 +94,10 @@ using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNR
 // most kSliceBytes where the row allows (two buffers of it a block: small slices leave room
 // for more resident blocks per SM).
 #ifndef FUSEDLOSS_CE_CLUSTER_SLICE_BYTES
-#define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (32 * 1024)
+#define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (24 * 1024)
+#endif
+#ifndef FUSEDLOSS_CE_CLUSTER_BUFFERS
+#define FUSEDLOSS_CE_CLUSTER_BUFFERS 3
 #endif
 #ifndef FUSEDLOSS_CE_CLUSTER_THREADS
 #define FUSEDLOSS_CE_CLUSTER_THREADS 256
@@ -103,6 +106,10 @@ struct ClusterRows {
   static constexpr int kThreads = FUSEDLOSS_CE_CLUSTER_THREADS;
   static constexpr int kMaxCluster = 8;
   static constexpr int64_t kSliceBytes = FUSEDLOSS_CE_CLUSTER_SLICE_BYTES;
+  // Slice buffers a block: the next row's load goes into the buffer stored B - 1 rows ago, so
+  // with 3 the store it waits for was issued a whole row earlier (with 2, just before).
+  static constexpr int kBuffers = FUSEDLOSS_CE_CLUSTER_BUFFERS;
+  static_assert(kBuffers >= 2, "one buffer computed, one loading");
 };
 
 // Launch policy of the kernels whose blocks outlive a row (a row cache in shared memory set up
@@ -467,9 +474,9 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
 // (cluster_grad_kernel): the 2-pass floor's traffic, each logit read once and each gradient
 // written once, for rows of any length up to kMaxCluster slices.
 // A resident grid of clusters strides over the rows; each block of a cluster owns one slice
-// of every row it visits (slice_vecs 16-byte vectors; the last may be shorter) and two slice
-// buffers in shared memory. Per row: thread 0 has already started the bulk copy of the next
-// row's slice into the other buffer (the copy unit keeps it in flight without registers, so
+// of every row it visits (slice_vecs 16-byte vectors; the last may be shorter) and kBuffers
+// slice buffers in shared memory. Per row: thread 0 has already started the bulk copy of the
+// next row's slice into the next buffer (the copy unit keeps it in flight without registers, so
 // HBM streams while the block computes); the block reduces its slice to (max, sum-exp, sum,
 // target logit); the cluster's blocks exchange these four floats through distributed shared
 // memory (double-buffered, so one cluster barrier a row orders writes and reads) and merge
@@ -486,9 +493,10 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
   using S = core::Storage<K>;
   using T = typename S::type;
   constexpr int VEC = vector_width<T>();
-  extern __shared__ Vec16 buffers[];  // [2][slice_vecs]
+  constexpr int B = ClusterRows::kBuffers;
+  extern __shared__ Vec16 buffers[];  // [B][slice_vecs]
   __shared__ RowPartT scratch[ClusterRows::kThreads / 32];
-  __shared__ uint64_t loaded[2];
+  __shared__ uint64_t loaded[B];
   __shared__ float part[2][4];  // this block's (max, sum-exp, sum, target logit) of a row
   __shared__ float merged[2];   // the row's max and sum-exp
   const uint32_t rank = cluster_rank();
@@ -499,25 +507,26 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
   const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);  // the same for every row
   int64_t r = blockIdx.x / cluster_blocks;
   if (threadIdx.x == 0) {
-    mbarrier_init(&loaded[0]);
-    mbarrier_init(&loaded[1]);
+    for (int b = 0; b < B; ++b) mbarrier_init(&loaded[b]);
     if (r < p.rows && vecs) bulk_load(buffers, x + r * x_stride + first, bytes, &loaded[0]);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on them
 
   for (int k = 0; r < p.rows; ++k, r += clusters) {
-    Vec16* slice = buffers + (k & 1) * slice_vecs;
+    Vec16* slice = buffers + (k % B) * slice_vecs;
     const int64_t next = r + clusters;
     if (threadIdx.x == 0 && next < p.rows && vecs) {
-      bulk_wait_read();  // the other buffer's store (the previous row) has read it
-      bulk_load(buffers + ((k + 1) & 1) * slice_vecs, x + next * x_stride + first, bytes,
-                &loaded[(k + 1) & 1]);
+      // the next buffer's last store (row k + 1 - B's) has read it; the B - 2 stores after it
+      // may still be reading theirs
+      bulk_wait_read<B - 2>();
+      bulk_load(buffers + ((k + 1) % B) * slice_vecs, x + next * x_stride + first, bytes,
+                &loaded[(k + 1) % B]);
     }
     const int64_t t = int64_t(target[r]);
     const TargetKind kind =
         core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
     const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
-    if (vecs) mbarrier_wait(&loaded[k & 1], (k >> 1) & 1);
+    if (vecs) mbarrier_wait(&loaded[k % B], (k / B) & 1);
 
     // The thread's maximum first (shared memory is cheap to read twice), then one exponential
     // an element and no rescaling.
@@ -591,7 +600,7 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
     __syncthreads();  // the slice is the gradient; merged[] may be written again
     if (threadIdx.x == 0 && vecs) bulk_store(g + r * g_stride + first, slice, bytes);
   }
-  if (threadIdx.x == 0) bulk_wait_read();  // no store still reading this block's memory
+  if (threadIdx.x == 0) bulk_wait_read<0>();  // no store still reading this block's memory
   cluster_arrive();
   cluster_wait();  // no block leaves while another may still read its parts
 }
@@ -752,7 +761,7 @@ std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
   int64_t blocks = std::min<int64_t>((vecs + target - 1) / target, ClusterRows::kMaxCluster);
   blocks = std::max<int64_t>(blocks, 1);
   const int64_t slice = (vecs + blocks - 1) / blocks;
-  if (2 * slice * kVectorBytes > l.block_shared) return {0, 0};  // two buffers a block
+  if (ClusterRows::kBuffers * slice * kVectorBytes > l.block_shared) return {0, 0};
   return {int((vecs + slice - 1) / slice), slice};
 }
 
@@ -770,7 +779,7 @@ void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int6
   allow_shared(reinterpret_cast<const void*>(kernel), l, l.block_shared);
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(ClusterRows::kThreads);
-  config.dynamicSmemBytes = size_t(2 * split.second) * kVectorBytes;
+  config.dynamicSmemBytes = size_t(ClusterRows::kBuffers * split.second) * kVectorBytes;
   config.stream = as_cuda(stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
