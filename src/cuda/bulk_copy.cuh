@@ -59,23 +59,15 @@ __device__ __forceinline__ void fence_shared_for_bulk_copy() {
 #endif
 }
 
-// One thread: start copying `bytes` (a multiple of 16, 16-byte aligned) from this block's
-// shared src to global dst. The global writes complete on their own before the kernel ends;
-// the shared memory may be written again only after bulk_wait_read().
+// One thread: copy `bytes` (a multiple of 16, 16-byte aligned) from this block's shared src to
+// global dst, and wait until the copy has read its source (the shared memory may then be
+// reused or the block exit; the global writes complete on their own, before the kernel ends).
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
 #ifdef FUSEDLOSS_BULK_COPY
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                "r"(shared_address(src)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-
-// The thread that issued bulk stores: wait until all but the kPending most recent have read
-// their shared memory.
-template <int kPending = 0>
-__device__ __forceinline__ void bulk_wait_read() {
-#ifdef FUSEDLOSS_BULK_COPY
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #endif
 }
 

@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <tuple>
 #include <utility>
 
 #include "core/dispatch.h"
@@ -91,25 +90,15 @@ using FusedRows = RowPerBlock<FUSEDLOSS_CE_FUSED_THREADS, FUSEDLOSS_CE_FUSED_UNR
 
 // Launch policy of cluster_grad_kernel: kThreads threads a block, one block per slice of a row,
 // a cluster of at most kMaxCluster blocks per row (the portable cluster size), each slice at
-// most kSliceBytes where the row allows (two buffers of it a block: small slices leave room
-// for more resident blocks per SM).
+// most kSliceBytes where the row allows (small slices: more resident blocks per SM, so one
+// block's copies overlap another's arithmetic).
 #ifndef FUSEDLOSS_CE_CLUSTER_SLICE_BYTES
-#define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (24 * 1024)
-#endif
-#ifndef FUSEDLOSS_CE_CLUSTER_BUFFERS
-#define FUSEDLOSS_CE_CLUSTER_BUFFERS 3
-#endif
-#ifndef FUSEDLOSS_CE_CLUSTER_THREADS
-#define FUSEDLOSS_CE_CLUSTER_THREADS 256
+#define FUSEDLOSS_CE_CLUSTER_SLICE_BYTES (48 * 1024)
 #endif
 struct ClusterRows {
-  static constexpr int kThreads = FUSEDLOSS_CE_CLUSTER_THREADS;
+  static constexpr int kThreads = 256;
   static constexpr int kMaxCluster = 8;
   static constexpr int64_t kSliceBytes = FUSEDLOSS_CE_CLUSTER_SLICE_BYTES;
-  // Slice buffers a block: the next row's load goes into the buffer stored B - 1 rows ago, so
-  // with 3 the store it waits for was issued a whole row earlier (with 2, just before).
-  static constexpr int kBuffers = FUSEDLOSS_CE_CLUSTER_BUFFERS;
-  static_assert(kBuffers >= 2, "one buffer computed, one loading");
 };
 
 // Launch policy of the kernels whose blocks outlive a row (a row cache in shared memory set up
@@ -472,18 +461,15 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
 
 // The forward that writes the gradient on sm_90, rows split over a thread-block cluster
 // (cluster_grad_kernel): the 2-pass floor's traffic, each logit read once and each gradient
-// written once, for rows of any length up to kMaxCluster slices.
-// A resident grid of clusters strides over the rows; each block of a cluster owns one slice
-// of every row it visits (slice_vecs 16-byte vectors; the last may be shorter) and kBuffers
-// slice buffers in shared memory. Per row: thread 0 has already started the bulk copy of the
-// next row's slice into the next buffer (the copy unit keeps it in flight without registers, so
-// HBM streams while the block computes); the block reduces its slice to (max, sum-exp, sum,
-// target logit); the cluster's blocks exchange these four floats through distributed shared
-// memory (double-buffered, so one cluster barrier a row orders writes and reads) and merge
-// them in rank order, so every block derives the same lse; the block turns its slice into the
-// gradient in place and thread 0 writes it back with one bulk store.
-// Requires rows of whole 16-byte vectors starting on 16 bytes in x and g (rows_vectorisable),
-// and code built for sm_90 (built_for_sm90).
+// written once, for rows of any length up to 8 slices.
+// One cluster per row, one slice of the row per block (slice_vecs 16-byte vectors; the last
+// may be shorter). A block's thread 0 brings its slice into shared memory with one bulk copy
+// (the copy unit keeps the whole slice in flight, so a few resident blocks saturate HBM without
+// registers holding loads); the block reduces it to (max, sum-exp, sum, target logit); the
+// blocks exchange these four floats through distributed shared memory and merge them in rank
+// order, so every block derives the same lse; each block then turns its slice into the gradient
+// in place and thread 0 writes it back with one bulk store. Requires rows of whole 16-byte
+// vectors starting on 16 bytes in x and g (rows_vectorisable), and code built for sm_90.
 template <StorageKind K, class Index, bool kSumLogits>
 __global__ void __launch_bounds__(ClusterRows::kThreads)
     cluster_grad_kernel(const typename core::Storage<K>::type* x, int64_t x_stride,
@@ -493,116 +479,89 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
   using S = core::Storage<K>;
   using T = typename S::type;
   constexpr int VEC = vector_width<T>();
-  constexpr int B = ClusterRows::kBuffers;
-  extern __shared__ Vec16 buffers[];  // [B][slice_vecs]
+  extern __shared__ Vec16 slice[];
   __shared__ RowPartT scratch[ClusterRows::kThreads / 32];
-  __shared__ uint64_t loaded[B];
-  __shared__ float part[2][4];  // this block's (max, sum-exp, sum, target logit) of a row
-  __shared__ float merged[2];   // the row's max and sum-exp
+  __shared__ uint64_t loaded;
+  __shared__ float part[4];  // this block's (max, sum-exp, sum, target logit), read cluster-wide
+  __shared__ float merged[4];
+  const int64_t r = blockIdx.x / cluster_blocks;
   const uint32_t rank = cluster_rank();
-  const int64_t clusters = gridDim.x / cluster_blocks;
   const int64_t first = int64_t(rank) * slice_vecs * VEC;  // the slice's first column
   const int64_t vecs = std::max<int64_t>(0, std::min(slice_vecs, (p.vocab_local - first) / VEC));
-  const uint32_t bytes = uint32_t(vecs * kVectorBytes);
-  const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);  // the same for every row
-  int64_t r = blockIdx.x / cluster_blocks;
   if (threadIdx.x == 0) {
-    for (int b = 0; b < B; ++b) mbarrier_init(&loaded[b]);
-    if (r < p.rows && vecs) bulk_load(buffers, x + r * x_stride + first, bytes, &loaded[0]);
+    mbarrier_init(&loaded);
+    if (vecs) bulk_load(slice, x + r * x_stride + first, uint32_t(vecs * kVectorBytes), &loaded);
   }
-  __syncthreads();  // the barriers are initialised before anyone waits on them
+  const int64_t t = int64_t(target[r]);  // in flight with the copy
+  const TargetKind kind =
+      core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
+  const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
+  __syncthreads();  // the barrier is initialised before anyone waits on it
+  if (vecs) mbarrier_wait(&loaded, 0);
 
-  for (int k = 0; r < p.rows; ++k, r += clusters) {
-    Vec16* slice = buffers + (k % B) * slice_vecs;
-    const int64_t next = r + clusters;
-    if (threadIdx.x == 0 && next < p.rows && vecs) {
-      // the next buffer's last store (row k + 1 - B's) has read it; the B - 2 stores after it
-      // may still be reading theirs
-      bulk_wait_read<B - 2>();
-      bulk_load(buffers + ((k + 1) % B) * slice_vecs, x + next * x_stride + first, bytes,
-                &loaded[(k + 1) % B]);
+  float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
+  for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+    float v[VEC];
+    to_floats<K>(slice[i], v);
+    core::online_add_chunk<VEC>(m, s, v);
+    if (kSumLogits) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sx += v[k];
     }
-    const int64_t t = int64_t(target[r]);
-    const TargetKind kind =
-        core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
-    const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
-    if (vecs) mbarrier_wait(&loaded[k % B], (k / B) & 1);
-
-    // The thread's maximum first (shared memory is cheap to read twice), then one exponential
-    // an element and no rescaling.
-    float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
-    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
-      float v[VEC];
-      to_floats<K>(slice[i], v);
+    const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
+    if (tk >= 0) {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) m = fmaxf(m, v[e]);
+      for (int k = 0; k < VEC; ++k)
+        if (k == tk) tl = v[k];
     }
-    const float ref = m == -INFINITY ? 0.0f : m;  // all -inf: the exps are 0 (NaN for NaN)
-    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
-      float v[VEC];
-      to_floats<K>(slice[i], v);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) s += core::fast_exp(v[e] - ref);
-      if (kSumLogits) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) sx += v[e];
-      }
-      const int te = target_in_vector<VEC>(local_t, first + i * VEC);
-      if (te >= 0) {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          if (e == te) tl = v[e];
-      }
-    }
-    const RowPartT own = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
-    float* mine = part[k & 1];
-    if (threadIdx.x == 0) mine[0] = own.part.m, mine[1] = own.part.s, mine[2] = own.part.sx, mine[3] = own.target_logit;
-    // Every block's part of this row is in. (Row k + 2 writes this slot again only after the
-    // barrier of row k + 1, which no block passes before it has read row k's parts.)
-    cluster_arrive();
-    cluster_wait();
-    if (threadIdx.x == 0) {  // the same merge, in rank order, in every block of the cluster
-      RowPartT row{RowPart{-INFINITY, 0.0f, 0.0f}, -INFINITY};
-      for (int b = 0; b < cluster_blocks; ++b) {
-        const RowPartT other{RowPart{load_from_cluster_block(&mine[0], b), load_from_cluster_block(&mine[1], b),
-                                     load_from_cluster_block(&mine[2], b)},
-                             load_from_cluster_block(&mine[3], b)};
-        row = MergePartsT{}(row, other);
-      }
-      merged[0] = row.part.m, merged[1] = row.part.s;
-      if (rank == 0) {
-        if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
-        core::finish_row(RowStats{row.part.m, row.part.s, row.target_logit, row.part.sx},
-                         row.part.sx, kind, p, lse_out[r], row_loss_out[r]);
-      }
-    }
-    __syncthreads();
-    const float lse = merged[0] + logf(merged[1]);  // finish_row's lse, bit for bit
-
-    if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {
-      const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
-      Vec16 filled{};
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) put<K>(filled, e, fill);
-      for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) slice[i] = filled;
-    } else {
-      const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
-      for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
-        const Vec16 raw = slice[i];
-        Vec16 out{};
-        const int te = target_in_vector<VEC>(local_t, first + i * VEC);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) put<K>(out, e, core::grad_element(gc, get<K>(raw, e), e == te));
-        slice[i] = out;
-      }
-    }
-    fence_shared_for_bulk_copy();
-    __syncthreads();  // the slice is the gradient; merged[] may be written again
-    if (threadIdx.x == 0 && vecs) bulk_store(g + r * g_stride + first, slice, bytes);
   }
-  if (threadIdx.x == 0) bulk_wait_read<0>();  // no store still reading this block's memory
+  const RowPartT own = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
+  if (threadIdx.x == 0) {
+    part[0] = own.part.m, part[1] = own.part.s, part[2] = own.part.sx, part[3] = own.target_logit;
+  }
   cluster_arrive();
-  cluster_wait();  // no block leaves while another may still read its parts
+  cluster_wait();  // every block's part is in
+  if (threadIdx.x == 0) {  // the same merge, in rank order, in every block of the cluster
+    RowPartT row{RowPart{-INFINITY, 0.0f, 0.0f}, -INFINITY};
+    for (int b = 0; b < cluster_blocks; ++b) {
+      const RowPartT other{RowPart{load_from_cluster_block(&part[0], b), load_from_cluster_block(&part[1], b),
+                                   load_from_cluster_block(&part[2], b)},
+                           load_from_cluster_block(&part[3], b)};
+      row = MergePartsT{}(row, other);
+    }
+    merged[0] = row.part.m, merged[1] = row.part.s, merged[2] = row.part.sx, merged[3] = row.target_logit;
+    if (rank == 0) {
+      if (kind == TargetKind::OutOfRange) report_bad_target(r, t);
+      core::finish_row(RowStats{row.part.m, row.part.s, row.target_logit, row.part.sx},
+                       row.part.sx, kind, p, lse_out[r], row_loss_out[r]);
+    }
+  }
+  cluster_arrive();  // this block is done reading the others' parts (waited for at the end)
+  __syncthreads();
+  const float lse = merged[0] + logf(merged[1]);  // finish_row's lse, bit for bit
+
+  if (kind == TargetKind::Ignored || kind == TargetKind::OutOfRange) {
+    const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
+    Vec16 filled{};
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) put<K>(filled, k, fill);
+    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) slice[i] = filled;
+  } else {
+    const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);
+    const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
+    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+      const Vec16 raw = slice[i];
+      Vec16 out{};
+      const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+      slice[i] = out;
+    }
+  }
+  fence_shared_for_bulk_copy();
+  __syncthreads();
+  if (threadIdx.x == 0 && vecs) bulk_store(g + r * g_stride + first, slice, uint32_t(vecs * kVectorBytes));
+  cluster_wait();  // no block leaves while another may still read its part
 }
 
 // The backward of the gradient written in the forward: g *= grad_loss[0]. Every block reads
@@ -761,15 +720,16 @@ std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
   int64_t blocks = std::min<int64_t>((vecs + target - 1) / target, ClusterRows::kMaxCluster);
   blocks = std::max<int64_t>(blocks, 1);
   const int64_t slice = (vecs + blocks - 1) / blocks;
-  if (ClusterRows::kBuffers * slice * kVectorBytes > l.block_shared) return {0, 0};
+  if (slice * kVectorBytes > l.block_shared) return {0, 0};
   return {int((vecs + slice - 1) / slice), slice};
 }
 
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
-// cannot run (a device or a build before sm_90, rows too long).
+// cannot run (a device or a build before sm_90, rows too long, too many of them for the grid).
 std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
   if (l.major < 9 || !built_for_sm90(kernel, l.device)) return {0, 0};
   const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
+  if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
   return split;
 }
 
@@ -778,8 +738,9 @@ void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int6
                     const FusedLaunch& l, Stream stream, Args&&... args) {
   allow_shared(reinterpret_cast<const void*>(kernel), l, l.block_shared);
   cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(rows * split.first));
   config.blockDim = dim3(ClusterRows::kThreads);
-  config.dynamicSmemBytes = size_t(ClusterRows::kBuffers * split.second) * kVectorBytes;
+  config.dynamicSmemBytes = size_t(split.second) * kVectorBytes;
   config.stream = as_cuda(stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -788,23 +749,6 @@ void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int6
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  // The resident grid: as many clusters as fit the device at once, each striding over rows.
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int64_t>, int> resident;
-  int clusters = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto [it, fresh] = resident.try_emplace({l.device, reinterpret_cast<const void*>(kernel),
-                                             split.first, split.second}, 0);
-    if (fresh) {
-      config.gridDim = dim3(unsigned(split.first));
-      const cudaError_t status = cudaOccupancyMaxActiveClusters(&it->second, kernel, &config);
-      if (status != cudaSuccess) resident.erase(it);
-      FL_CUDA_CHECK(status);
-    }
-    clusters = std::max(it->second, 1);
-  }
-  config.gridDim = dim3(unsigned(std::min<int64_t>(rows, clusters) * split.first));
   FL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
