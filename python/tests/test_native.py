@@ -37,6 +37,19 @@ def test_other_torch_falls_back(tmp_path, monkeypatch):
     assert _native._load() == (None, "off (FUSEDLOSS_NATIVE_NODES=0)")
 
 
+def test_a_core_table_of_another_layout_is_refused(monkeypatch):
+    """The nodes call fusedloss._C's core through its table (python/src/core_table.h): a table
+    whose size is not the library's is refused (the Python nodes serve, status says why), and a
+    refused attach leaves the nodes on the table they had."""
+    monkeypatch.setattr(_native._C, "_CORE_TABLE_SIZE", _native._C._CORE_TABLE_SIZE + 8)
+    ops, status = _native._load()
+    assert ops is None and "core table differs" in status
+    x = torch.randn(3, 4, requires_grad=True)
+    y = fusedloss.rms_norm(x, torch.ones(4))
+    y.sum().backward()  # still through the C++ node and the table attached at import
+    assert "Cpp" in type(y.grad_fn).__name__ and x.grad is not None
+
+
 def _same_bits_as_python_node(run, module, monkeypatch, names=("_EAGER",), layout=None, device=None):
     """run() through the C++ node, then with the op's module switched to its Python node: every
     result has the same dtype, shape and bits. Except one case: the leaf behind a view whose
