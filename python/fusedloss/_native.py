@@ -37,9 +37,13 @@ def _load():
     except (OSError, RuntimeError) as error:  # a missing symbol, a registration refused
         return None, f"could not be loaded: {error}"
     # the nodes call _C's core (one copy in the process: its device error word, its caches)
-    attach = ctypes.CDLL(_LIBRARY).fusedloss_torch_attach
-    attach.argtypes = (ctypes.c_void_p, ctypes.c_uint32)
-    if attach(_C._core_table(), _C._CORE_TABLE_SIZE) != 0:
+    try:
+        attach = ctypes.CDLL(_LIBRARY).fusedloss_torch_attach
+        attach.argtypes = (ctypes.c_void_p, ctypes.c_uint32)
+        attached = attach(_C._core_table(), _C._CORE_TABLE_SIZE) == 0
+    except AttributeError:  # a library or a _C from before the table
+        attached = False
+    if not attached:
         return None, "built from another fusedloss than fusedloss._C (its core table differs): reinstall"
     return torch.ops.fusedloss, f"loaded ({_LIBRARY}, torch {built_for})"
 

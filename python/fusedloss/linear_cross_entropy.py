@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _C
+from . import _C, _native
 from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
 from ._op import FusedOp
 from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
@@ -333,6 +333,10 @@ _linear_cross_entropy = FusedOp(
              "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw"))})
 
 
+# eager calls without a tp_group or an accumulator: the same steps with the node in C++
+_EAGER = _native.ops.linear_cross_entropy_eager.default if _native.ops is not None else None
+
+
 def _validate(hidden, weight, target):
     require_values(hidden, "hidden")
     require_values(weight, "weight")
@@ -482,6 +486,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             if not callable(weight_grad_accumulator):
                 _validate_accumulator(weight_grad_accumulator, weight, hidden)
             acc32 = True  # the saved unit gradient in fp32 too: no rounding on the way
-    loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
-                                 acc32, inplace, weight_grad_accumulator)
+    if (_EAGER is not None and not name and weight_grad_accumulator is None
+            and not torch.compiler.is_compiling()):
+        loss = _EAGER(hidden, weight, target, *opts, mode, tf32, acc32, inplace)
+    else:
+        loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
+                                     acc32, inplace, weight_grad_accumulator)
     return loss.view(target.shape) if opts[5] == _NONE else loss

@@ -70,20 +70,26 @@ class CallbackCommunicator : public Communicator {
 
 // ---- the core table for the C++ autograd nodes (core_table.h) ----
 
-// Runs one core call for the table: nullptr, or the message of what it threw (kept per thread
-// until that thread's next failing call).
+// Runs one core call for the table: nullptr, or what it threw (kept per thread until that
+// thread's next failing call).
 template <class Body>
 python::CoreError caught(Body&& body) noexcept {
   thread_local std::string message;
+  thread_local python::CoreFailure failure;
+  failure.argument_error = false;
   try {
     body();
     return nullptr;
+  } catch (const Error& e) {
+    failure.argument_error = true;
+    message = e.what();
   } catch (const std::exception& e) {
     message = e.what();
   } catch (...) {
     message = "fusedloss internal: an unknown exception in the core";
   }
-  return message.c_str();
+  failure.message = message.c_str();
+  return &failure;
 }
 
 // Fn as a table entry with Fn's parameters (the overload picked by the entry's type).
@@ -120,6 +126,10 @@ const python::CoreTable& core_table() {
     t.cross_entropy_backward = Exported<decltype(&cross_entropy_backward), &cross_entropy_backward>::call;
     t.cross_entropy_scale_grad =
         Exported<decltype(&cross_entropy_scale_grad), &cross_entropy_scale_grad>::call;
+    t.linear_cross_entropy_forward =
+        Exported<decltype(&linear_cross_entropy_forward), &linear_cross_entropy_forward>::call;
+    t.linear_cross_entropy_backward =
+        Exported<decltype(&linear_cross_entropy_backward), &linear_cross_entropy_backward>::call;
     return t;
   }();
   return table;
@@ -356,6 +366,7 @@ PYBIND11_MODULE(_C, m) {
   // The address and size of the core table, for fusedloss/_native.py to hand to the C++ nodes.
   m.def("_core_table", [] { return reinterpret_cast<uintptr_t>(&core_table()); });
   m.attr("_CORE_TABLE_SIZE") = int(sizeof(python::CoreTable));
+  m.attr("_CORE_TABLE_VERSION") = int(python::kCoreTableVersion);
   m.attr("ROW_STATS_FLOATS") = int(sizeof(RowStats) / sizeof(float));
   m.attr("HAS_CUDA") = bool(FUSEDLOSS_HAS_CUDA);
 #ifdef FUSEDLOSS_STATIC_CXX_RUNTIME

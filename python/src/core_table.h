@@ -6,8 +6,8 @@
 // the process: two device error words (a bad target flagged by a node's kernel would be
 // invisible to fusedloss.check_device_errors(), which reads _C's), two sets of caches, the
 // kernels twice. Through the table there is one core, _C's. No C++ exception crosses the
-// boundary between the two runtimes: each entry returns nullptr on success, else the
-// message of the Error the core threw (valid until the next call on the same thread).
+// boundary between the two runtimes: each entry returns nullptr on success, else what the
+// core threw (valid until the next failing call on the same thread).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -16,10 +16,21 @@
 
 namespace fusedloss::python {
 
-using CoreError = const char*;
+// What a core call threw: an argument error (fusedloss::Error, ValueError in Python) or
+// anything else (an allocation failure, a CUDA error: RuntimeError).
+struct CoreFailure {
+  bool argument_error;
+  const char* message;
+};
+using CoreError = const CoreFailure*;
+
+// Raised whenever an entry is added, removed or changes its parameters (or a struct passed
+// through the table changes): a library built against another layout refuses the table.
+constexpr uint32_t kCoreTableVersion = 2;
 
 struct CoreTable {
-  uint32_t size = sizeof(CoreTable);  // the filler's; the reader refuses another layout
+  uint32_t version = kCoreTableVersion;
+  uint32_t size = sizeof(CoreTable);
   CoreError (*rms_norm_forward)(const MatrixView& x, const VectorView& weight,
                                 const RmsNormOptions& options, const MatrixView& y, float* rstd,
                                 const MatrixView& residual, const MatrixView& residual_out,
@@ -54,6 +65,19 @@ struct CoreTable {
                                       const MatrixView& grad_logits, Stream stream) = nullptr;
   CoreError (*cross_entropy_scale_grad)(const MatrixView& grad_logits, const float* grad_loss,
                                         Stream stream) = nullptr;
+  CoreError (*linear_cross_entropy_forward)(const MatrixView& hidden, const MatrixView& weight,
+                                            const IndexView& target, const CrossEntropyOptions& ce,
+                                            const LinearCrossEntropyOptions& options,
+                                            const LinearCrossEntropyOutputs& out,
+                                            Communicator* comm, Stream stream) = nullptr;
+  CoreError (*linear_cross_entropy_backward)(const MatrixView& hidden, const MatrixView& weight,
+                                             const IndexView& target, const float* lse,
+                                             const float* grad_loss, const float* valid_count,
+                                             const CrossEntropyOptions& ce,
+                                             const LinearCrossEntropyOptions& options,
+                                             const LinearCrossEntropyOutputs& saved,
+                                             const LinearCrossEntropyGrads& grads,
+                                             Stream stream) = nullptr;
 };
 
 }  // namespace fusedloss::python

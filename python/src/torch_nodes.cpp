@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <string>
 
 #include "core_table.h"
@@ -23,8 +24,10 @@
 
 namespace {
 
-// The core, as fusedloss._C exports it (core_table.h): set once by fusedloss_torch_attach.
-const fusedloss::python::CoreTable* g_core = nullptr;
+using fusedloss::python::CoreTable;
+
+// The core, as fusedloss._C exports it (core_table.h): set by fusedloss_torch_attach.
+std::atomic<const CoreTable*> g_core{nullptr};
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -87,14 +90,17 @@ at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// One core call through the table; a core Error becomes the ValueError the Python bindings
-// raise, with the core's message.
-template <class... Params, class... Args>
-void core_call(fusedloss::python::CoreError (*entry)(Params...), Args&&... args) {
-  TORCH_CHECK(g_core, "fusedloss: the C++ nodes were used before fusedloss._C attached its core");
-  if (const char* error = entry(std::forward<Args>(args)...)) {
+// One core call through the table's `entry`; a core Error becomes the ValueError the Python
+// bindings raise, with the core's message, anything else a RuntimeError.
+template <class Entry, class... Args>
+void core_call(Entry CoreTable::*entry, Args&&... args) {
+  const CoreTable* core = g_core.load(std::memory_order_acquire);
+  TORCH_CHECK(core, "fusedloss: the C++ nodes were called without fusedloss._C's core attached "
+              "(import fusedloss first; fusedloss._native.status says why they are not in use)");
+  if (const auto* failure = (core->*entry)(std::forward<Args>(args)...)) {
+    const std::string what = failure->message;
+    TORCH_CHECK(failure->argument_error, what);
     // the Python argument's name: "options.label_smoothing: ..." -> "label_smoothing: ..."
-    const std::string what = error;
     const std::string prefix = "options.";
     TORCH_CHECK_VALUE(false, what.compare(0, prefix.size(), prefix) == 0 ? what.substr(prefix.size()) : what);
   }
@@ -109,11 +115,11 @@ bool storage_is_ours(const at::Tensor& t) {
 
 // A node whose backward wrote the gradient into its input refuses a second backward
 // (_op.py: FusedOp._backward).
-void refuse_if_consumed(AutogradContext* ctx, const char* op, const char* flag) {
+void refuse_if_consumed(AutogradContext* ctx, const char* op, const char* flag,
+                        const char* consumed = "overwrote the input with its gradient") {
   TORCH_CHECK(!ctx->saved_data.count("consumed"), op, ": second backward through a result computed "
-              "with ", flag, "=True; the first backward overwrote the input with its gradient, so "
-              "it cannot be differentiated again. Use ", flag, "=False to backward twice "
-              "(retain_graph=True).");
+              "with ", flag, "=True; the first backward ", consumed, ", so it cannot be "
+              "differentiated again. Use ", flag, "=False to backward twice (retain_graph=True).");
 }
 
 void mark_consumed(AutogradContext* ctx, const at::Tensor& input) {
@@ -193,7 +199,7 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
       r_view = matrix(rr);
       s_view = matrix(rows_of(s));
     }
-    core_call(g_core->rms_norm_forward, matrix(xr), vector(w), opts, matrix(rows_of(y)),
+    core_call(&CoreTable::rms_norm_forward, matrix(xr), vector(w), opts, matrix(rows_of(y)),
               rstd.data_ptr<float>(), r_view, s_view, stream_of(x));
     ctx->save_for_backward({residual ? s : x, w, rstd});
     ctx->saved_data["eps"] = eps;
@@ -227,11 +233,11 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     // in the dtype the weight was read in: summed in fp32, rounded once there
     at::Tensor dw = at::empty({w.numel()}, w.options());
     size_t ws_bytes = 0;
-    core_call(g_core->rms_norm_backward_workspace_bytes, xr.size(0), xr.size(1), backend_of(src),
+    core_call(&CoreTable::rms_norm_backward_workspace_bytes, xr.size(0), xr.size(1), backend_of(src),
               &ws_bytes);
     at::Tensor ws;
     if (ws_bytes) ws = at::empty({int64_t((ws_bytes + 3) / 4)}, src.options().dtype(at::kFloat));
-    core_call(g_core->rms_norm_backward, matrix(gr), matrix(xr), vector(w), rstd.data_ptr<float>(),
+    core_call(&CoreTable::rms_norm_backward, matrix(gr), matrix(xr), vector(w), rstd.data_ptr<float>(),
               opts, matrix(rows_of(dx)), dw.data_ptr(), dtype_of(dw),
               ws_bytes ? ws.data_ptr() : nullptr, gs_view, stream_of(src));
     const auto w_dtype = at::ScalarType(ctx->saved_data["w_dtype"].toInt());
@@ -320,7 +326,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     at::Tensor out = at::empty(out_shape, x.options());
     const at::Tensor b = bias_for(or_undefined(bias), x.scalar_type());
     const at::Tensor w = scale_for(or_undefined(weights));
-    core_call(g_core->swiglu_forward, matrix(x), vector_or_absent(b), vector_or_absent(w), o,
+    core_call(&CoreTable::swiglu_forward, matrix(x), vector_or_absent(b), vector_or_absent(w), o,
               matrix(rows_of(out)), fusedloss::MatrixView{}, stream_of(x));
     ctx->save_for_backward({y, or_undefined(bias), or_undefined(weights)});
     ctx->saved_data["clamp"] = clamp;
@@ -358,7 +364,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     const at::Tensor w = scale_for(into_y ? apart_from(weights, y) : weights);
     at::Tensor gw = at::empty({w.defined() ? g.size(0) : 0}, g.options().dtype(at::kFloat));
     at::Tensor gb = at::empty({b.defined() ? grad_rows.size(1) : 0}, g.options().dtype(at::kFloat));
-    core_call(g_core->swiglu_backward, matrix(g), matrix(x), vector_or_absent(b), vector_or_absent(w),
+    core_call(&CoreTable::swiglu_backward, matrix(g), matrix(x), vector_or_absent(b), vector_or_absent(w),
               o, matrix(grad_rows), w.defined() ? gw.data_ptr<float>() : nullptr,
               b.defined() ? gb.data_ptr<float>() : nullptr, stream_of(g));
     if (into_y) mark_consumed(ctx, y);
@@ -437,10 +443,10 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                                              count.data_ptr<float>()};
     if (in_forward) {
       const auto xv = matrix(x);
-      core_call(g_core->cross_entropy_forward_with_grad, xv, index_view(t), o, out, xv, nullptr,
+      core_call(&CoreTable::cross_entropy_forward_with_grad, xv, index_view(t), o, out, xv, nullptr,
                 stream_of(x));
     } else {
-      core_call(g_core->cross_entropy_forward, matrix(x), index_view(t), o, out, nullptr, stream_of(x));
+      core_call(&CoreTable::cross_entropy_forward, matrix(x), index_view(t), o, out, nullptr, stream_of(x));
     }
     // the logits now hold their gradient: an earlier autograd reader fails its version check
     if (in_forward) logits.unsafeGetTensorImpl()->bump_version();
@@ -473,7 +479,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     const at::Tensor gl = as_dtype(into_logits ? apart_from(grads[0], logits) : grads[0], at::kFloat).contiguous();
     at::Tensor grad;
     if (mode == 2) {
-      core_call(g_core->cross_entropy_scale_grad, matrix(x), gl.data_ptr<float>(), stream_of(x));
+      core_call(&CoreTable::cross_entropy_scale_grad, matrix(x), gl.data_ptr<float>(), stream_of(x));
       grad = logits;
     } else {
       auto& d = ctx->saved_data;
@@ -483,7 +489,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
       const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
-      core_call(g_core->cross_entropy_backward, matrix(x), index_view(tt), lse.data_ptr<float>(),
+      core_call(&CoreTable::cross_entropy_backward, matrix(x), index_view(tt), lse.data_ptr<float>(),
                 gl.data_ptr<float>(), count.data_ptr<float>(), o, matrix(out_rows), stream_of(x));
     }
     if (into_logits) mark_consumed(ctx, logits);
@@ -507,15 +513,167 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
                              reduction, inplace, in_forward);
 }
 
+// ---- linear_cross_entropy (python/fusedloss/linear_cross_entropy.py), without a tp_group
+// or a weight_grad_accumulator ----
+
+// The backward modes as the Python schema carries them: LinearCeBackward's values, and the
+// forward alone (no gradient follows), which runs as the recompute form's forward.
+constexpr int64_t kInForward = int64_t(fusedloss::LinearCeBackward::InForward);
+constexpr int64_t kForwardOnly = -2;
+
+fusedloss::LinearCrossEntropyOptions lce_options(double softcap, int64_t workspace_bytes,
+                                                 int64_t mode, bool tf32, int64_t vocab_block) {
+  fusedloss::LinearCrossEntropyOptions o;
+  o.logit_softcap = float(softcap);
+  if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
+  o.allow_tf32 = tf32;
+  o.backward_mode = mode == kForwardOnly ? fusedloss::LinearCeBackward::Recompute
+                                         : fusedloss::LinearCeBackward(mode);
+  o.vocab_block = vocab_block;
+  return o;
+}
+
+fusedloss::MatrixView absent_matrix(const at::Tensor& like) {
+  return {nullptr, 0, 1, 1, fusedloss::DType::F32, backend_of(like)};
+}
+
+struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
+  // options as the Python schema carries them (validated there): the cross-entropy's, the
+  // soft-cap, the workspace (0: the default), the resolved backward mode, TF32, fp32
+  // accumulation of the weight's gradient, and inplace (scale the saved gradients in place)
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+                            int64_t formula, int64_t scope, double z_loss, int64_t reduction,
+                            double softcap, int64_t workspace_bytes, int64_t mode, bool tf32,
+                            bool acc32, bool inplace) {
+    c10::OptionalDeviceGuard device(hidden.device());
+    // (the Python caller checked these; the op is public as torch.ops.fusedloss.linear_cross_entropy_eager)
+    TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false),
+                      "target.dtype: got ", target.scalar_type(), ", expected an integer dtype");
+    for (const at::Tensor* t : {&weight, &target})
+      TORCH_CHECK_VALUE(t->device() == hidden.device(), t == &weight ? "weight" : "target",
+                        ".device: got ", t->device(), ", expected hidden's device ", hidden.device());
+    const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(target);
+    const int64_t rows = h.size(0), H = h.size(1);
+    const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction);
+    const auto f32 = h.options().dtype(at::kFloat);
+    at::Tensor loss = at::empty(reduction == int64_t(fusedloss::Reduction::None)
+                                    ? at::IntArrayRef{rows} : at::IntArrayRef{}, f32);
+    at::Tensor lse = at::empty({rows}, f32), count = at::empty({}, f32);
+    fusedloss::LinearCrossEntropyOutputs out;
+    out.loss = loss.data_ptr<float>();
+    out.lse = lse.data_ptr<float>();
+    out.valid_count = count.data_ptr<float>();
+    at::Tensor dh, dw;  // in_forward: the gradients for a unit upstream gradient
+    if (mode == kInForward) {
+      dh = at::empty({rows, H}, h.options());
+      dw = at::empty({w.size(0), H}, acc32 ? f32 : w.options());
+      out.dhidden = matrix(dh);
+      out.dweight = matrix(dw);
+    } else {
+      dh = at::empty({0}, f32), dw = at::empty({0}, f32);
+      out.dhidden = out.dweight = absent_matrix(h);
+    }
+    core_call(&CoreTable::linear_cross_entropy_forward, matrix(h), matrix(w), index_view(t), o,
+              lce_options(softcap, workspace_bytes, mode, tf32, 0), out, nullptr, stream_of(h));
+    ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw});
+    auto& d = ctx->saved_data;
+    d["ignore_index"] = ignore_index;
+    d["label_smoothing"] = label_smoothing;
+    d["formula"] = formula;
+    d["scope"] = scope;
+    d["z_loss"] = z_loss;
+    d["reduction"] = reduction;
+    d["softcap"] = softcap;
+    d["workspace_bytes"] = workspace_bytes;
+    d["mode"] = mode;
+    d["tf32"] = tf32;
+    d["acc32"] = acc32;
+    // scaled where they are only when they are already in the inputs' dtypes (owned here alone)
+    d["inplace"] = inplace && mode == kInForward && dh.scalar_type() == hidden.scalar_type() &&
+                   dw.scalar_type() == weight.scalar_type();
+    return loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    refuse_if_consumed(ctx, "fusedloss.linear_cross_entropy", "inplace_backward",
+                       "scaled the gradients its forward saved in place (the inputs are untouched)");
+    const bool create_graph = at::GradMode::is_enabled();
+    at::AutoGradMode no_grad(false);
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &weight = saved[1], &lse = saved[3], &count = saved[4];
+    const at::Tensor &saved_dh = saved[5], &saved_dw = saved[6];
+    c10::OptionalDeviceGuard device(hidden.device());
+    auto& d = ctx->saved_data;
+    const int64_t mode = d["mode"].toInt();
+    const bool inplace = d["inplace"].toBool();
+    const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(saved[2]);
+    // recompute into a 16-bit weight gradient, exactly: vocabulary blocks outside, each summing
+    // over all tokens in a 128 MiB fp32 buffer (linear_cross_entropy.py: _run_backward)
+    int64_t block = 0;
+    if (mode != kInForward && d["acc32"].toBool() && weight.scalar_type() != at::kFloat)
+      block = std::max<int64_t>(64, (int64_t(128) << 20) / (4 * h.size(1)) / 64 * 64);
+    const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
+                              d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
+                              d["reduction"].toInt());
+    const auto lo = lce_options(d["softcap"].toDouble(), d["workspace_bytes"].toInt(), mode,
+                                d["tf32"].toBool(), block);
+    // may arrive expanded; the kernels read its data
+    const at::Tensor gl = as_dtype(grads[0], at::kFloat).contiguous();
+    fusedloss::LinearCrossEntropyOutputs kept;
+    kept.dhidden = mode == kInForward ? matrix(saved_dh) : absent_matrix(h);
+    kept.dweight = mode == kInForward ? matrix(saved_dw) : absent_matrix(h);
+    const at::Tensor dh = inplace ? saved_dh : at::empty({h.size(0), h.size(1)}, h.options());
+    const at::Tensor dw = inplace ? saved_dw : at::empty(weight.sizes(), weight.options());
+    fusedloss::LinearCrossEntropyGrads out;
+    out.dhidden = matrix(dh);
+    out.dweight = matrix(rows_of(dw));
+    core_call(&CoreTable::linear_cross_entropy_backward, matrix(h), matrix(w), index_view(t),
+              lse.data_ptr<float>(), gl.data_ptr<float>(), count.data_ptr<float>(), o, lo, kept,
+              out, stream_of(h));
+    if (inplace) mark_consumed(ctx, saved_dh);
+    variable_list result(15);
+    result[0] = dh.view(hidden.sizes());
+    result[1] = dw.view(weight.sizes());
+    at::AutoGradMode restored(create_graph);
+    guard_second_order(create_graph, result, saved, "fusedloss.linear_cross_entropy");
+    return result;
+  }
+};
+
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& target, int64_t ignore_index,
+                                double label_smoothing, int64_t formula, int64_t scope,
+                                double z_loss, int64_t reduction, double softcap,
+                                int64_t workspace_bytes, int64_t mode, bool tf32, bool acc32,
+                                bool inplace) {
+  // the forward alone where no node will take gradients (linear_cross_entropy.py: _resolve_mode)
+  if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))
+    mode = kForwardOnly;
+  return LinearCrossEntropy::apply(hidden, weight, target, ignore_index, label_smoothing, formula,
+                                   scope, z_loss, reduction, softcap, workspace_bytes, mode, tf32,
+                                   acc32, inplace);
+}
+
 }  // namespace
 
 // Called by fusedloss/_native.py right after loading this library, with fusedloss._C's table
 // and its size: 0 when attached, 1 when the table's layout is not this library's (a _C from
 // another build), which leaves the nodes unusable and the Python nodes serving.
-extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(
-    const fusedloss::python::CoreTable* table, uint32_t size) {
-  if (!table || size != sizeof(fusedloss::python::CoreTable) || table->size != size) return 1;
-  g_core = table;
+extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(const CoreTable* table,
+                                                                            uint32_t size) {
+  if (!table || size != sizeof(CoreTable) || table->size != sizeof(CoreTable) ||
+      table->version != fusedloss::python::kCoreTableVersion)
+    return 1;
+  const CoreTable& t = *table;
+  for (const void* entry : {(const void*)t.rms_norm_forward, (const void*)t.rms_norm_backward_workspace_bytes,
+                            (const void*)t.rms_norm_backward, (const void*)t.swiglu_forward,
+                            (const void*)t.swiglu_backward, (const void*)t.cross_entropy_forward,
+                            (const void*)t.cross_entropy_forward_with_grad, (const void*)t.cross_entropy_backward,
+                            (const void*)t.cross_entropy_scale_grad, (const void*)t.linear_cross_entropy_forward,
+                            (const void*)t.linear_cross_entropy_backward})
+    if (!entry) return 1;
+  g_core.store(table, std::memory_order_release);
   return 0;
 }
 
@@ -530,6 +688,10 @@ TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("cross_entropy_eager(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
         "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, bool inplace, "
         "bool grad_in_forward) -> Tensor");
+  m.def("linear_cross_entropy_eager(Tensor hidden, Tensor weight, Tensor target, int ignore_index, "
+        "float label_smoothing, int smoothing_formula, int smoothing_scope, float z_loss, "
+        "int reduction, float logit_softcap, int workspace_bytes, int backward_mode, bool tf32, "
+        "bool fp32_dweight, bool inplace) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
@@ -537,4 +699,5 @@ TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
   m.impl("rms_norm_residual_eager", &rms_norm_residual);
   m.impl("swiglu_eager", &swiglu);
   m.impl("cross_entropy_eager", &cross_entropy);
+  m.impl("linear_cross_entropy_eager", &linear_cross_entropy);
 }

@@ -123,7 +123,7 @@ def test_pipeline_variants(device, monkeypatch, knob, value, reduction, mode):
 def test_pipeline_variant_refused(device, monkeypatch, knob, value):
     monkeypatch.setenv(knob, value)
     h, w, t = _problem(device, torch.float32)
-    with pytest.raises(fusedloss._C.Error, match=f"{knob}: got \"{value}\", expected"):
+    with pytest.raises(ValueError, match=f"{knob}: got \"{value}\", expected"):
         fusedloss.linear_cross_entropy(h, w, t)
 
 
@@ -241,8 +241,10 @@ def test_weight_grad_accumulator_refused(device):
 @pytest.mark.parametrize("how", ["no_grad", "no_input_requires_grad", "inference_mode"])
 def test_forward_alone_when_no_gradient_follows(device, how, monkeypatch):
     """A sum/mean call that nothing will differentiate runs the forward alone (1 GEMM): no
-    dhidden [N, H] and fp32 dweight [V, H] computed and kept for nothing."""
+    dhidden [N, H] and fp32 dweight [V, H] computed and kept for nothing. (The Python node's
+    decision; test_native.py checks the C++ node's by the memory it allocates.)"""
     lce = sys.modules["fusedloss.linear_cross_entropy"]
+    monkeypatch.setattr(lce, "_EAGER", None)
     h, w, t = _problem(device, torch.float32)
     expected = fusedloss.linear_cross_entropy(h, w, t, backward_mode="recompute")
     calls = []

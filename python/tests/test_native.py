@@ -1,7 +1,11 @@
 """The C++ autograd nodes (libfusedloss_torch.so, fusedloss/_native.py): loaded when the
 package was built against this torch, the same bits as the Python nodes, and a clear fallback."""
+import contextlib
 import importlib
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import pytest
@@ -297,3 +301,130 @@ def test_nodes_share_the_core_of_check_device_errors(device, in_forward):
     with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
         fusedloss.check_device_errors()
     fusedloss.check_device_errors()  # cleared once reported
+
+
+lce_module = importlib.import_module("fusedloss.linear_cross_entropy")
+
+
+def _lce_run(hidden, weight, target, kw, through):
+    h_leaf, h = _through(*hidden, through)
+    w_leaf, w = _through(*weight, "view_of_leaf")
+    loss = fusedloss.linear_cross_entropy(h, w, target, **kw)
+    loss.backward(torch.full_like(loss, 0.5) if loss.dim() == 0 else
+                  torch.rand(loss.shape, device=loss.device, generator=torch.Generator(loss.device).manual_seed(1)))
+    return [loss.detach(), h_leaf.grad, w_leaf.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(12, 24), (3, 4, 24)], ids=["2d", "3d"])
+@pytest.mark.parametrize("kw", [
+    pytest.param(kw, id=name) for name, kw in [
+        ("mean", {}), ("sum+smoothing+z+softcap", {"reduction": "sum", "label_smoothing": 0.1,
+                                                   "z_loss": 1e-3, "logit_softcap": 4.0}),
+        ("none+ignore", {"reduction": "none", "ignore_index": 3}),
+        ("recompute+megatron", {"backward_mode": "recompute", "label_smoothing": 0.2,
+                                "smoothing_formula": "megatron"}),
+        ("weight_dtype", {"dweight_accumulation": "weight_dtype"}),
+        ("no_inplace+chunks", {"inplace_backward": False, "workspace_bytes": 1024})]])
+@pytest.mark.parametrize("through", ["view_of_leaf", "intermediate"])
+def test_linear_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, shape, kw, through,
+                                                        monkeypatch):
+    """Every layout of hidden (2-D and 3-D), a strided weight (rows of a wider tensor), targets
+    in other index dtypes and layouts, each reduction and backward mode, fp32 or weight-dtype
+    accumulation, in place or not, chunked or not."""
+    V, H = 37, shape[-1]
+    hidden = build(layout, shape, _made(dtype, device), step=5)
+    weight = build("contiguous", (V, 2 * H), _made(dtype, device))[0], lambda b: b[:, :H]  # row stride 2H
+    N = hidden[1](hidden[0]).numel() // H
+    ids = torch.randint(0, V, (2 * N,), device=device)
+    ids[1] = kw.get("ignore_index", -100)
+    target = {"contiguous": ids[:N], "sliced": ids[::2], "offset": ids[1:N + 1].to(torch.int32),
+              "expanded": ids[:1].expand(N), "transposed": ids[:N].clamp(min=0).to(torch.uint8),
+              "overlapping": ids[:N].to(torch.int16)}[layout].reshape(shape[:-1])
+    _same_bits_as_python_node(lambda: _lce_run(hidden, weight, target, kw, through), lce_module,
+                              monkeypatch, layout=layout, device=device)
+
+
+def test_linear_cross_entropy_node_in_use_and_inplace_consumed(device):
+    h = torch.randn(5, 8, device=device, requires_grad=True)
+    w = torch.randn(11, 8, device=device, requires_grad=True)
+    t = torch.randint(0, 11, (5,), device=device)
+    loss = fusedloss.linear_cross_entropy(h, w, t)  # in_forward, scaled in place in the backward
+    assert "Cpp" in type(loss.grad_fn).__name__
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    # routed to the Python node: a tp_group or an accumulator (those stay in Python)
+    acc = torch.zeros(11, 8, device=device)
+    loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc)
+    assert "Cpp" not in type(loss.grad_fn).__name__
+    loss.backward()
+    assert acc.abs().sum() > 0
+
+
+def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
+    op = torch.ops.fusedloss.linear_cross_entropy_eager.default
+    h = torch.randn(4, 8, device=device, requires_grad=True)
+    w = torch.randn(6, 8, device=device)
+    with pytest.raises(ValueError, match="target.dtype"):
+        op(h, w, torch.zeros(4, device=device), -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    with pytest.raises(ValueError, match="weight"):  # the core names H's mismatch
+        op(h, torch.randn(6, 7, device=device), torch.zeros(4, dtype=torch.long, device=device),
+           -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    with torch.no_grad():  # no node: the forward alone, whatever mode the caller passed
+        loss = op(h, w, torch.zeros(4, dtype=torch.long, device=device), -100, 0.0, 0, 0, 0.0, 2,
+                  0.0, 0, 1, False, True, True)
+    assert loss.grad_fn is None and torch.isfinite(loss)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="allocations are counted on a CUDA device")
+def test_linear_cross_entropy_node_runs_the_forward_alone_when_no_gradient_follows():
+    """No node, no gradient buffers: under no_grad, or with no input requiring grad, the C++
+    node's forward keeps no dhidden [N, H] or fp32 dweight [V, H] (the forward alone)."""
+    h = torch.randn(1024, 512, device="cuda")
+    w = torch.randn(4096, 512, device="cuda")
+    t = torch.randint(0, 4096, (1024,), device="cuda")
+    gradients = (h.numel() + w.numel()) * 4
+    for ctx, (hh, ww) in [(torch.no_grad, (h.requires_grad_(), w)), (contextlib.nullcontext, (h.detach(), w))]:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with ctx():
+            loss = fusedloss.linear_cross_entropy(hh, ww, t, backward_mode="in_forward")
+        torch.cuda.synchronize()
+        assert loss.grad_fn is None
+        assert torch.cuda.max_memory_allocated() - before < gradients / 2
+
+
+def test_unattached_nodes_raise_instead_of_crashing():
+    """A process whose _C reports another table layout: the import falls back to the Python
+    nodes with a warning, and a direct call of the still-registered op raises (no crash)."""
+    child = textwrap.dedent("""
+        import glob, importlib.util, os, sys, warnings
+        import torch
+        package = importlib.util.find_spec("fusedloss").submodule_search_locations[0]  # (not imported)
+        so = glob.glob(os.path.join(package, "_C.*"))[0]
+        spec = importlib.util.spec_from_file_location("fusedloss._C", so)
+        C = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(C)
+        sys.modules["fusedloss._C"] = C
+        C._CORE_TABLE_SIZE += 8  # what a _C of another build would report
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import fusedloss
+            from fusedloss import _native
+        assert _native.ops is None and "core table differs" in _native.status, _native.status
+        assert any("Python nodes" in str(w.message) for w in caught)
+        x = torch.randn(3, 4, requires_grad=True)
+        assert "Cpp" not in type(fusedloss.rms_norm(x, torch.ones(4)).grad_fn).__name__
+        try:
+            torch.ops.fusedloss.rms_norm_eager(x, torch.ones(4), 1e-5, False)
+        except RuntimeError as error:
+            assert "core attached" in str(error), error
+        else:
+            raise AssertionError("the unattached op returned")
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "core/dispatch.h"
@@ -664,6 +665,7 @@ struct FusedLaunch {
   int64_t cache_bytes = 0;
   int major = 0;               // compute capability: clusters and bulk copies from 9
   int64_t block_shared = 0;    // the most dynamic shared memory one block may opt into
+  int64_t sm_shared = 0;       // an SM's shared memory
 };
 
 const FusedLaunch& fused_launch() {
@@ -685,7 +687,8 @@ const FusedLaunch& fused_launch() {
   const int64_t cache = std::min<int64_t>(
       int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
   return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes,
-                                     major, std::max<int64_t>(int64_t(block_shared) - 1024, 0)};
+                                     major, std::max<int64_t>(int64_t(block_shared) - 1024, 0),
+                                     int64_t(sm_shared)};
 }
 
 // Lets `kernel` take the whole cache on the current device, once: the attribute is the
@@ -720,8 +723,48 @@ std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
   int64_t blocks = std::min<int64_t>((vecs + target - 1) / target, ClusterRows::kMaxCluster);
   blocks = std::max<int64_t>(blocks, 1);
   const int64_t slice = (vecs + blocks - 1) / blocks;
-  if (slice * kVectorBytes > l.block_shared) return {0, 0};
+  // at least two blocks an SM (2 KiB each for static memory and the driver's reserve), so that
+  // one block's copies overlap another's arithmetic: rows that need more (fp32 beyond about
+  // 230k columns) take the 3 passes, which are measured; this split is not
+  const int64_t most = std::min<int64_t>(l.block_shared, l.sm_shared / 2 - 2048);
+  if (slice * kVectorBytes > most) return {0, 0};
   return {int((vecs + slice - 1) / slice), slice};
+}
+
+// The launch configuration of `kernel` for `rows` rows split as `split`.
+struct ClusterLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute[1] = {};
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config.attrs points into this object
+  ClusterLaunch(int64_t rows, std::pair<int, int64_t> split, Stream stream) {
+    config.gridDim = dim3(unsigned(rows * split.first));
+    config.blockDim = dim3(ClusterRows::kThreads);
+    config.dynamicSmemBytes = size_t(split.second) * kVectorBytes;
+    config.stream = as_cuda(stream);
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = unsigned(split.first);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+};
+
+// Whether this device can run a cluster of `split` at all (a GPC with split.first SMs free of
+// other work, no partition or sharing limit in the way): asked once per device, kernel and
+// split, before anything is allocated, so that a refusal falls back to the 3 passes.
+bool cluster_fits(const void* kernel, std::pair<int, int64_t> split, const FusedLaunch& l) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int64_t>, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(l.device, kernel, split.first, split.second);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  ClusterLaunch launch(1, split, nullptr);
+  int clusters = 0;
+  const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config);
+  if (status != cudaSuccess) (void)cudaGetLastError();  // not an error of the call: not fitting
+  return known[key] = status == cudaSuccess && clusters > 0;
 }
 
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
@@ -730,26 +773,15 @@ std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logit
   if (l.major < 9 || !built_for_sm90(kernel, l.device)) return {0, 0};
   const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
   if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
-  return split;
+  allow_shared(kernel, l, l.block_shared);
+  return cluster_fits(kernel, split, l) ? split : std::pair<int, int64_t>{0, 0};
 }
 
 template <class... Params, class... Args>
 void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int64_t> split,
-                    const FusedLaunch& l, Stream stream, Args&&... args) {
-  allow_shared(reinterpret_cast<const void*>(kernel), l, l.block_shared);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(rows * split.first));
-  config.blockDim = dim3(ClusterRows::kThreads);
-  config.dynamicSmemBytes = size_t(split.second) * kVectorBytes;
-  config.stream = as_cuda(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = unsigned(split.first);
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  FL_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+                    Stream stream, Args&&... args) {
+  ClusterLaunch launch(rows, split, stream);
+  FL_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace
@@ -798,7 +830,7 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
       const auto* x = static_cast<const T*>(logits.data);
       auto* g = static_cast<T*>(grad.data);
       if (split.first) {
-        launch_cluster(cluster, p.rows, split, launch_shape, stream, x, logits.row_stride, g,
+        launch_cluster(cluster, p.rows, split, stream, x, logits.row_stride, g,
                        grad.row_stride, t, p, split.first, split.second,
                        static_cast<const float*>(out.valid_count), out.lse, row_losses);
       } else {
