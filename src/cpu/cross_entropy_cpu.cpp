@@ -1,5 +1,6 @@
 #include "cpu/cross_entropy_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 #include "core/dispatch.h"
@@ -34,18 +35,28 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* row = base + r * x.row_stride;
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
-    // As the kernels: one rescale per 16-byte vector (4 fp32 or 8 fp16/bf16 elements).
+    // As the kernels: one rescale per 16-byte vector (4 fp32 or 8 fp16/bf16 elements), and
+    // partial sums over spans of a row merged at the end, as their threads' are: one fp32 sum
+    // along a row of 10^5 and more terms would drift past fp32's ~1e-5 (the kernels' sums
+    // have a few hundred terms each).
     constexpr int kChunk = 16 / sizeof(typename S::type);
-    int64_t j = 0;
-    for (; j + kChunk <= x.cols; j += kChunk) {
-      float v[kChunk];
-      for (int i = 0; i < kChunk; ++i) sx += (v[i] = core::cap_logit(S::load(row[j + i]), p.softcap));
-      core::online_add_chunk<kChunk>(m, s, v);
-    }
-    for (; j < x.cols; ++j) {
-      float v = core::cap_logit(S::load(row[j]), p.softcap);
-      core::online_add(m, s, v);
-      sx += v;
+    constexpr int64_t kSpan = 1024;  // a multiple of kChunk
+    for (int64_t start = 0; start < x.cols; start += kSpan) {
+      const int64_t end = std::min(x.cols, start + kSpan);
+      float ms = -INFINITY, ss = 0.0f, sxs = 0.0f;
+      int64_t j = start;
+      for (; j + kChunk <= end; j += kChunk) {
+        float v[kChunk];
+        for (int i = 0; i < kChunk; ++i) sxs += (v[i] = core::cap_logit(S::load(row[j + i]), p.softcap));
+        core::online_add_chunk<kChunk>(ms, ss, v);
+      }
+      for (; j < end; ++j) {
+        float v = core::cap_logit(S::load(row[j]), p.softcap);
+        core::online_add(ms, ss, v);
+        sxs += v;
+      }
+      core::online_merge(m, s, ms, ss);
+      sx += sxs;
     }
     int64_t t = load_target(target, r);
     bool local = classify(target, r, p) == TargetKind::Local;
