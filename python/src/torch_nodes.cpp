@@ -387,6 +387,16 @@ at::Tensor swiglu(const at::Tensor& y, const std::optional<at::Tensor>& bias,
 
 // ---- cross_entropy (python/fusedloss/cross_entropy.py), without a tp_group ----
 
+// What a direct caller of a public op passes as class indices (_views.require_index_dtype):
+// signed integers, or uint8/uint16/uint32 (uint64's may not fit int64).
+void require_index_dtype(const at::Tensor& target) {
+  const auto d = target.scalar_type();
+  TORCH_CHECK_VALUE(d == at::kByte || d == at::kChar || d == at::kShort || d == at::kInt ||
+                        d == at::kLong || d == at::kUInt16 || d == at::kUInt32,
+                    "target.dtype: got ", d, ", expected an integer dtype (class indices; signed, "
+                    "or uint8/uint16/uint32)");
+}
+
 // Class indices as the kernels read them (_views.index): int32/int64 as they are, any other
 // integer dtype (checked by the caller) widened to int64; contiguous.
 at::Tensor index_of(const at::Tensor& target) {
@@ -426,8 +436,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                             bool in_forward) {
     c10::OptionalDeviceGuard device(logits.device());
     // (the Python caller checked these; the op is public as torch.ops.fusedloss.cross_entropy_eager)
-    TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false),
-                      "target.dtype: got ", target.scalar_type(), ", expected an integer dtype");
+    require_index_dtype(target);
     TORCH_CHECK_VALUE(target.device() == logits.device(), "target.device: got ", target.device(),
                       ", expected the logits' device ", logits.device());
     const bool ours = (inplace || in_forward) && storage_is_ours(logits);
@@ -548,8 +557,12 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
                             bool acc32, bool inplace) {
     c10::OptionalDeviceGuard device(hidden.device());
     // (the Python caller checked these; the op is public as torch.ops.fusedloss.linear_cross_entropy_eager)
-    TORCH_CHECK_VALUE(at::isIntegralType(target.scalar_type(), /*includeBool=*/false),
-                      "target.dtype: got ", target.scalar_type(), ", expected an integer dtype");
+    require_index_dtype(target);
+    TORCH_CHECK_VALUE(hidden.dim() == 2 || hidden.dim() == 3, "hidden: got ", hidden.dim(),
+                      " dimensions, expected a 2-D [N, H] or 3-D [s, b, H] tensor");
+    TORCH_CHECK_VALUE(weight.dim() == 2, "weight: got ", weight.dim(), " dimensions, expected [V_local, H]");
+    TORCH_CHECK_VALUE(workspace_bytes >= 0, "workspace_bytes: got ", workspace_bytes,
+                      ", expected >= 0 (0: the default)");
     for (const at::Tensor* t : {&weight, &target})
       TORCH_CHECK_VALUE(t->device() == hidden.device(), t == &weight ? "weight" : "target",
                         ".device: got ", t->device(), ", expected hidden's device ", hidden.device());
@@ -634,7 +647,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     if (inplace) mark_consumed(ctx, saved_dh);
     variable_list result(15);
     result[0] = dh.view(hidden.sizes());
-    result[1] = dw.view(weight.sizes());
+    result[1] = inplace ? dw.view(weight.sizes()) : dw;  // (a new dw has weight's shape: no view)
     at::AutoGradMode restored(create_graph);
     guard_second_order(create_graph, result, saved, "fusedloss.linear_cross_entropy");
     return result;
@@ -647,7 +660,11 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 double z_loss, int64_t reduction, double softcap,
                                 int64_t workspace_bytes, int64_t mode, bool tf32, bool acc32,
                                 bool inplace) {
-  // the forward alone where no node will take gradients (linear_cross_entropy.py: _resolve_mode)
+  // Auto (a direct call may pass it): in_forward for sum/mean, recompute for none; the forward
+  // alone where no node will take gradients (linear_cross_entropy.py: _resolve_mode)
+  if (mode == int64_t(fusedloss::LinearCeBackward::Auto))
+    mode = reduction == int64_t(fusedloss::Reduction::None)
+               ? int64_t(fusedloss::LinearCeBackward::Recompute) : kInForward;
   if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))
     mode = kForwardOnly;
   return LinearCrossEntropy::apply(hidden, weight, target, ignore_index, label_smoothing, formula,

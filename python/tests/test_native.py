@@ -372,10 +372,27 @@ def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
     with pytest.raises(ValueError, match="weight"):  # the core names H's mismatch
         op(h, torch.randn(6, 7, device=device), torch.zeros(4, dtype=torch.long, device=device),
            -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    t = torch.zeros(4, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="target.dtype"):  # uint64 ids may not fit int64
+        op(h, w, t.to(torch.uint64), -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    with pytest.raises(ValueError, match="hidden: got 1 dimensions"):
+        op(h[0], w, t[:1], -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    with pytest.raises(ValueError, match="weight: got 3 dimensions"):
+        op(h, w[None], t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+    with pytest.raises(ValueError, match="workspace_bytes: got -1"):
+        op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, -1, 1, False, True, True)
     with torch.no_grad():  # no node: the forward alone, whatever mode the caller passed
-        loss = op(h, w, torch.zeros(4, dtype=torch.long, device=device), -100, 0.0, 0, 0, 0.0, 2,
-                  0.0, 0, 1, False, True, True)
+        loss = op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     assert loss.grad_fn is None and torch.isfinite(loss)
+    # backward_mode 0 ("auto"): in_forward for a mean, recompute for none, as the Python API
+    auto = op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
+    assert torch.equal(auto, fusedloss.linear_cross_entropy(h, w, t))
+    per_row = op(h, w, t, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)
+    assert torch.equal(per_row, fusedloss.linear_cross_entropy(h, w, t, reduction="none"))
+    # a new weight gradient is returned as it is, not as a view of itself
+    g = torch.autograd.grad(op(h, w.requires_grad_(), t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1,
+                               False, True, False), w)[0]
+    assert g._base is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="allocations are counted on a CUDA device")
