@@ -315,7 +315,7 @@ def _lce_run(hidden, weight, target, kw, through):
     return [loss.detach(), h_leaf.grad, w_leaf.grad]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", [(12, 24), (3, 4, 24)], ids=["2d", "3d"])
 @pytest.mark.parametrize("kw", [
