@@ -112,7 +112,7 @@ def test_rms_norm_same_bits_as_python_nodes(device, dtype, w_dtype, layout, shap
     grads = [torch.randn(shape, device=device).to(dtype) for _ in range(2)]
     zc = len(shape) == 3
     _same_bits_as_python_node(lambda: _run(x, w, r, zc, grads, through), rms_module, monkeypatch,
-                              ("_EAGER", "_EAGER_RESIDUAL"))
+                              ("_EAGER", "_EAGER_RESIDUAL"), layout=layout, device=device)
 
 
 def test_rms_norm_unused_output_and_no_grad(device):

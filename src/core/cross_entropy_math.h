@@ -17,10 +17,12 @@ namespace fusedloss::core {
 // results below 2^-126 flushed to zero: two instructions (__expf adds three more to keep
 // subnormal results, which no softmax term needs), so that a kernel doing two passes' math
 // over one read of the logits stays memory-bound; on the host the libm expf.
+constexpr float kLog2e = 1.4426950408889634f;
+
 FL_HD float fast_exp(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
   return y;
 #else
   return expf(x);
@@ -105,6 +107,7 @@ FL_HD float row_loss(float max, float log_s, float target_logit, float sum_logit
 //   g_j = p_scale * exp(x_j - lse) - smooth - (j == target ? target_weight : 0)
 struct GradRow {
   float lse;
+  float lse_log2;       // lse * log2(e), for the exponent as one fma on the GPU
   float p_scale;        // dL * (1 + 2 z lse)
   float smooth;         // dL * a / K
   float target_weight;  // dL * (1 - a)
@@ -113,6 +116,7 @@ struct GradRow {
 FL_HD GradRow make_grad_row(float lse, float grad_loss, Smoothing sm, float z_loss) {
   GradRow g;
   g.lse = lse;
+  g.lse_log2 = lse * kLog2e;
   g.p_scale = grad_loss * (1.0f + 2.0f * z_loss * lse);
   g.smooth = grad_loss * sm.alpha * sm.inv_count;
   g.target_weight = grad_loss * (1.0f - sm.alpha);
@@ -120,11 +124,31 @@ FL_HD GradRow make_grad_row(float lse, float grad_loss, Smoothing sm, float z_lo
 }
 
 // Gradient of a row whose loss is 0 by definition (ignored row).
-FL_HD GradRow zero_grad_row() { return GradRow{0.0f, 0.0f, 0.0f, 0.0f}; }
+FL_HD GradRow zero_grad_row() { return GradRow{0.0f, 0.0f, 0.0f, 0.0f, 0.0f}; }
 
+// p_j = exp(x_j - lse) for a column other than the target's. On the GPU ex2(x_j log2(e) -
+// lse log2(e)) in one fma and one ex2, half the instructions of the subtraction, multiply and
+// ex2 (the kernels that write the gradient in the forward are bound by their instruction issue
+// as much as by memory). The rounding of lse log2(e) adds |lse| 2^-24 to the exponent's error,
+// the size of the error lse itself carries as one fp32 value. On the host the libm expf of the
+// difference.
+FL_HD float softmax_p(const GradRow& g, float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, kLog2e, -g.lse_log2)));
+  return y;
+#else
+  return expf(x - g.lse);
+#endif
+}
+
+// The target's column keeps the exact difference x_t - lse: in a confident row p_t is near 1
+// and its gradient p_t - 1 cancels, so an exponent error of |lse| 2^-24 would be that much of
+// the result (a row of one column: exactly 0 must stay 0). Kernels call this with a constant
+// false for all vectors but the target's, which alone pays for the test.
 FL_HD float grad_element(const GradRow& g, float x, bool is_target) {
-  float v = g.p_scale * fast_exp(x - g.lse) - g.smooth;
-  return is_target ? v - g.target_weight : v;
+  if (is_target) return (g.p_scale * fast_exp(x - g.lse) - g.smooth) - g.target_weight;
+  return g.p_scale * softmax_p(g, x) - g.smooth;
 }
 
 // Logit soft-capping (Gemma-2): the loss sees z = c tanh(x / c) for a cap c > 0; c == 0 is

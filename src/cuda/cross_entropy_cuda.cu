@@ -339,9 +339,15 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
       [&](int64_t j, const Vec16& raw) {
         Vec16 out{};
         const int tk = target_in_vector<VEC>(local_t, j);
+        if (tk < 0) {  // all but one vector of the row: no comparison per element
 #pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), k == tk, p.softcap));
+          for (int k = 0; k < VEC; ++k)
+            put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), false, p.softcap));
+        } else {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k)
+            put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), k == tk, p.softcap));
+        }
         store_vec(gr + j, out);
       });
 }
@@ -450,8 +456,13 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
           [&](int64_t j, const Vec16& raw) {
             Vec16 out{};
             const int tk = target_in_vector<VEC>(local_t, j);
+            if (tk < 0) {  // all but one vector of the row: no comparison per element
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), false));
+            } else {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+            }
             store_vec(gr + j, out);
           });
     }
@@ -488,32 +499,48 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
   const int64_t r = blockIdx.x / cluster_blocks;
   const uint32_t rank = cluster_rank();
   const int64_t first = int64_t(rank) * slice_vecs * VEC;  // the slice's first column
-  const int64_t vecs = std::max<int64_t>(0, std::min(slice_vecs, (p.vocab_local - first) / VEC));
+  // 32-bit counts in the loops (a slice is at most a block's shared memory).
+  const int n = int(std::max<int64_t>(0, std::min(slice_vecs, (p.vocab_local - first) / VEC)));
   if (threadIdx.x == 0) {
     mbarrier_init(&loaded);
-    if (vecs) bulk_load(slice, x + r * x_stride + first, uint32_t(vecs * kVectorBytes), &loaded);
+    if (n) bulk_load(slice, x + r * x_stride + first, uint32_t(n) * kVectorBytes, &loaded);
   }
   const int64_t t = int64_t(target[r]);  // in flight with the copy
   const TargetKind kind =
       core::classify_target(t, p.ignore_index, p.vocab_start, p.vocab_local, p.vocab_global);
-  const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
+  // The target's place in this slice (-1 if elsewhere): its logit is read once from shared
+  // memory and its vector takes a separate branch in pass 2, so that the loops compare
+  // nothing per element.
+  const int64_t col = kind == TargetKind::Local ? t - p.vocab_start - first : -1;
+  const int tpos = col >= 0 && col < int64_t(n) * VEC ? int(col) : -1;
   __syncthreads();  // the barrier is initialised before anyone waits on it
-  if (vecs) mbarrier_wait(&loaded, 0);
+  if (n) mbarrier_wait(&loaded, 0);
 
-  float m = -INFINITY, s = 0.0f, sx = 0.0f, tl = -INFINITY;
-  for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+  // Pass 1 over two vectors a step: one max and one rescale per 2 x VEC elements.
+  float m = -INFINITY, s = 0.0f, sx = 0.0f;
+  const float tl = threadIdx.x == 0 && tpos >= 0
+                       ? S::load(reinterpret_cast<const T*>(slice)[tpos]) : -INFINITY;
+  int i = threadIdx.x;
+  for (; i + ClusterRows::kThreads < n; i += 2 * ClusterRows::kThreads) {
+    float v[2 * VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      v[k] = get<K>(slice[i], k);
+      v[VEC + k] = get<K>(slice[i + ClusterRows::kThreads], k);
+    }
+    core::online_add_chunk<2 * VEC>(m, s, v);
+    if (kSumLogits) {
+#pragma unroll
+      for (int k = 0; k < 2 * VEC; ++k) sx += v[k];
+    }
+  }
+  if (i < n) {
     float v[VEC];
     to_floats<K>(slice[i], v);
     core::online_add_chunk<VEC>(m, s, v);
     if (kSumLogits) {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) sx += v[k];
-    }
-    const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
-    if (tk >= 0) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k)
-        if (k == tk) tl = v[k];
     }
   }
   const RowPartT own = block_reduce(RowPartT{RowPart{m, s, sx}, tl}, MergePartsT{}, scratch);
@@ -546,22 +573,28 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
     Vec16 filled{};
 #pragma unroll
     for (int k = 0; k < VEC; ++k) put<K>(filled, k, fill);
-    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) slice[i] = filled;
+    for (int i = threadIdx.x; i < n; i += ClusterRows::kThreads) slice[i] = filled;
   } else {
     const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);
     const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
-    for (int64_t i = threadIdx.x; i < vecs; i += ClusterRows::kThreads) {
+    const int tvec = tpos >= 0 ? tpos / VEC : -1;
+    for (int i = threadIdx.x; i < n; i += ClusterRows::kThreads) {
       const Vec16 raw = slice[i];
       Vec16 out{};
-      const int tk = target_in_vector<VEC>(local_t, first + i * VEC);
+      if (i != tvec) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
+        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), false));
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tpos % VEC));
+      }
       slice[i] = out;
     }
   }
   fence_shared_for_bulk_copy();
   __syncthreads();
-  if (threadIdx.x == 0 && vecs) bulk_store(g + r * g_stride + first, slice, uint32_t(vecs * kVectorBytes));
+  if (threadIdx.x == 0 && n) bulk_store(g + r * g_stride + first, slice, uint32_t(n) * kVectorBytes);
   cluster_wait();  // no block leaves while another may still read its part
 }
 
