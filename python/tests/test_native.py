@@ -330,12 +330,16 @@ def _lce_run(hidden, weight, target, kw, through):
 @pytest.mark.parametrize("through", ["view_of_leaf", "intermediate"])
 def test_linear_cross_entropy_same_bits_as_python_nodes(device, dtype, layout, shape, kw, through,
                                                         monkeypatch):
-    """Every layout of hidden (2-D and 3-D), a strided weight (rows of a wider tensor), targets
-    in other index dtypes and layouts, each reduction and backward mode, fp32 or weight-dtype
-    accumulation, in place or not, chunked or not."""
+    """Every layout of hidden (2-D and 3-D), the weight in another layout beside it (rows of a
+    wider tensor, transposed, one row expanded over the vocabulary, every other row, offset),
+    targets in other index dtypes and layouts, each reduction and backward mode, fp32 or
+    weight-dtype accumulation, in place or not, chunked or not."""
     V, H = 37, shape[-1]
     hidden = build(layout, shape, _made(dtype, device), step=5)
-    weight = build("contiguous", (V, 2 * H), _made(dtype, device))[0], lambda b: b[:, :H]  # row stride 2H
+    w_layout = {"contiguous": None, "sliced": "transposed", "offset": "expanded",
+                "expanded": "sliced", "transposed": "offset", "overlapping": "contiguous"}[layout]
+    weight = (build(w_layout, (V, H), _made(dtype, device), step=3) if w_layout else
+              (build("contiguous", (V, 2 * H), _made(dtype, device))[0], lambda b: b[:, :H]))
     N = hidden[1](hidden[0]).numel() // H
     ids = torch.randint(0, V, (2 * N,), device=device)
     ids[1] = kw.get("ignore_index", -100)

@@ -17,6 +17,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/runtime.h"
 #include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
@@ -735,19 +736,6 @@ void allow_shared(const void* kernel, const FusedLaunch& l, int64_t bytes) {
   FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-// Whether `kernel` was compiled for sm_90 or later (its bulk-copy and cluster instructions are
-// in it: an sm_80-only build JIT-compiled for an H100 reports 80), once per device and kernel.
-bool built_for_sm90(const void* kernel, int device) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, bool> known;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find({device, kernel});
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attributes{};
-  FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return known[{device, kernel}] = attributes.ptxVersion >= 90;
-}
-
 // The cluster kernel's split of a row of `vecs` 16-byte vectors: blocks per row and vectors a
 // block, or {0, 0} when the row does not fit kMaxCluster slices of the most shared memory a
 // block may have.
@@ -803,7 +791,7 @@ bool cluster_fits(const void* kernel, std::pair<int, int64_t> split, const Fused
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
 // cannot run (a device or a build before sm_90, rows too long, too many of them for the grid).
 std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
-  if (l.major < 9 || !built_for_sm90(kernel, l.device)) return {0, 0};
+  if (l.major < 9 || !built_for_sm90(kernel)) return {0, 0};
   const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
   if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
   allow_shared(kernel, l, l.block_shared);

@@ -32,7 +32,7 @@ __device__ __forceinline__ void wait_for_preceding_grid() {
 // kernel<<<grid, block, 0, stream>>>(args...), with the programmatic-serialisation attribute
 // when `overlap`: the kernel must start with wait_for_preceding_grid(), and the code the device
 // runs must have been compiled for sm_90 or later (else that wait is compiled out; the caller
-// checks the kernel's cudaFuncAttributes::ptxVersion).
+// checks built_for_sm90(), runtime.h).
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
                       bool overlap, Args&&... args) {

@@ -53,6 +53,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/dependent_launch.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/runtime.h"
 #include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
@@ -368,60 +369,12 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float* partial, 
 
 // ---- host side ----
 
-// Per-device facts, queried once: the SM count, and blocks per SM of a kernel at a block size.
-std::mutex g_cache_mutex;
-std::map<std::tuple<int, const void*, int>, int> g_cache;
-
-int cached(const void* key, int threads, int (*query)(int device, const void* key, int threads)) {
-  int device = 0;
-  FL_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(g_cache_mutex);
-  auto [it, fresh] = g_cache.try_emplace({device, key, threads}, 0);
-  if (fresh) {
-    try {
-      it->second = query(device, key, threads);
-    } catch (...) {
-      g_cache.erase(it);
-      throw;
-    }
-  }
-  return it->second;
-}
-
-int sm_count() {
-  return cached(nullptr, 0, [](int device, const void*, int) {
-    int n = 0;
-    FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return std::max(n, 1);
-  });
-}
-
-int blocks_per_sm(const void* kernel, int threads) {
-  return cached(kernel, threads, [](int, const void* k, int n) {
-    int blocks = 0;
-    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, 0));
-    return std::max(blocks, 1);
-  });
-}
-
-// Whether `kernel`, as this device runs it, was compiled for sm_90 or later (the virtual
-// architecture of its code: an sm_80-only build JIT-compiled for an H100 reports 80), i.e.
-// whether its dependent-launch instructions are in it (dependent_launch.cuh). Key -1: not a
-// block size.
-bool has_dependent_launch(const void* kernel) {
-  return cached(kernel, -1, [](int, const void* k, int) {
-    cudaFuncAttributes attributes{};
-    FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, k));
-    return int(attributes.ptxVersion >= 90);
-  }) != 0;
-}
-
 // Overlapped only where the column sum's wait is compiled in: without it, its reads would not
 // be ordered after the row kernel's writes. (Every instantiation of it is built for the same
 // architectures, so the fp32 one answers for all.)
 bool column_sum_overlapped(const RmsNormTuning& tune) {
   return tune.bwd_overlap_sum &&
-         has_dependent_launch(reinterpret_cast<const void*>(column_sum_kernel<StorageKind::F32>));
+         built_for_sm90(reinterpret_cast<const void*>(column_sum_kernel<StorageKind::F32>));
 }
 
 // The tuning in force (set_rms_norm_tuning); read once per call.
