@@ -126,29 +126,41 @@ FL_HD GradRow make_grad_row(float lse, float grad_loss, Smoothing sm, float z_lo
 // Gradient of a row whose loss is 0 by definition (ignored row).
 FL_HD GradRow zero_grad_row() { return GradRow{0.0f, 0.0f, 0.0f, 0.0f, 0.0f}; }
 
-// p_j = exp(x_j - lse) for a column other than the target's. On the GPU ex2(x_j log2(e) -
-// lse log2(e)) in one fma and one ex2, half the instructions of the subtraction, multiply and
-// ex2 (the kernels that write the gradient in the forward are bound by their instruction issue
-// as much as by memory). The rounding of lse log2(e) adds |lse| 2^-24 to the exponent's error,
-// the size of the error lse itself carries as one fp32 value. On the host the libm expf of the
-// difference.
+// Whether a row's non-target columns may take their exponent in one fma (softmax_p<true>):
+// lse log2(e) must be finite, which fails for |lse| beyond FLT_MAX / log2(e) ~ 2.36e38 (a row
+// of logits near the bottom of fp32's range, such as a vocabulary all masked with
+// finfo(dtype).min): there the difference x - lse is still exact and the fma form would give
+// inf. A NaN row takes the difference too (NaN either way).
+FL_HD bool fma_exponent(const GradRow& g) { return fabsf(g.lse_log2) <= 3.0e38f; }
+
+// p_j = exp(x_j - lse). kFma (non-target columns of a row where fma_exponent holds; GPU only):
+// ex2(x_j log2(e) - lse log2(e)) in one fma and one ex2, half the instructions of the
+// subtraction, multiply and ex2 (the kernels that write the gradient in the forward are bound by
+// their instruction issue as much as by memory). The rounding of lse log2(e) adds |lse| 2^-24 to
+// the exponent's error, the size of the error lse itself carries as one fp32 value, and the
+// same for every column of the row. Otherwise the exponential of the exact difference (the
+// host: libm expf).
+template <bool kFma = false>
 FL_HD float softmax_p(const GradRow& g, float x) {
 #if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, kLog2e, -g.lse_log2)));
-  return y;
-#else
-  return expf(x - g.lse);
+  if constexpr (kFma) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(fmaf(x, kLog2e, -g.lse_log2)));
+    return y;
+  }
 #endif
+  return fast_exp(x - g.lse);
 }
 
-// The target's column keeps the exact difference x_t - lse: in a confident row p_t is near 1
-// and its gradient p_t - 1 cancels, so an exponent error of |lse| 2^-24 would be that much of
-// the result (a row of one column: exactly 0 must stay 0). Kernels call this with a constant
-// false for all vectors but the target's, which alone pays for the test.
+// The target's column always keeps the exact difference x_t - lse, whose gradient p_t - 1
+// cancels in a confident row: where lse rounds to x_t (one column, or a target far above the
+// rest) p_t is exactly 1 and the gradient exactly 0, where the fma form would leave its rounding
+// residue. The kernels pass kFma = true (and is_target = false) for the vectors without the
+// target in rows where fma_exponent holds, and the default elsewhere.
+template <bool kFma = false>
 FL_HD float grad_element(const GradRow& g, float x, bool is_target) {
   if (is_target) return (g.p_scale * fast_exp(x - g.lse) - g.smooth) - g.target_weight;
-  return g.p_scale * softmax_p(g, x) - g.smooth;
+  return g.p_scale * softmax_p<kFma>(g, x) - g.smooth;
 }
 
 // Logit soft-capping (Gemma-2): the loss sees z = c tanh(x / c) for a cap c > 0; c == 0 is

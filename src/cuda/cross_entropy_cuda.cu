@@ -328,6 +328,8 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
   const bool constant = kind == TargetKind::Ignored || kind == TargetKind::OutOfRange;
   const float fill = kind == TargetKind::Ignored ? 0.0f : NAN;
   core::GradRow gr_c = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
+  // The one-fma exponent (core::softmax_p) for plain logits; the soft-capped ones keep theirs.
+  const bool fma = !kCap && core::fma_exponent(gr_c);
   const int64_t local_t = kind == TargetKind::Local ? t - p.vocab_start : -1;
   const bool same_alignment =
       reinterpret_cast<uintptr_t>(xr) % 16 == reinterpret_cast<uintptr_t>(gr) % 16;
@@ -340,10 +342,10 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
       [&](int64_t j, const Vec16& raw) {
         Vec16 out{};
         const int tk = target_in_vector<VEC>(local_t, j);
-        if (tk < 0) {  // all but one vector of the row: no comparison per element
+        if (fma && tk < 0) {  // all but one vector of the row: no comparison per element
 #pragma unroll
           for (int k = 0; k < VEC; ++k)
-            put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), false, p.softcap));
+            put<K>(out, k, constant ? fill : core::grad_element<true>(gr_c, get<K>(raw, k), false));
         } else {
 #pragma unroll
           for (int k = 0; k < VEC; ++k)
@@ -451,15 +453,16 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
           [&](int64_t j, const Vec16&) { store_vec(gr + j, filled); });
     } else {
       const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
+      const bool fma = core::fma_exponent(gc);
       walk_row_from<T, FusedRows::kThreads, FusedRows::kUnroll>(
           xr, n, true, cached,
           [&](int64_t j, T bits) { gr[j] = S::store(core::grad_element(gc, S::load(bits), j == local_t)); },
           [&](int64_t j, const Vec16& raw) {
             Vec16 out{};
             const int tk = target_in_vector<VEC>(local_t, j);
-            if (tk < 0) {  // all but one vector of the row: no comparison per element
+            if (fma && tk < 0) {  // all but one vector of the row: no comparison per element
 #pragma unroll
-              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), false));
+              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element<true>(gc, get<K>(raw, k), false));
             } else {
 #pragma unroll
               for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
@@ -579,16 +582,17 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
     const float unit = core::row_grad_scale(p, nullptr, valid_count, 0);
     const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
     const int tvec = tpos >= 0 ? tpos / VEC : -1;
+    const bool fma = core::fma_exponent(gc);
     for (int i = threadIdx.x; i < n; i += ClusterRows::kThreads) {
       const Vec16 raw = slice[i];
       Vec16 out{};
-      if (i != tvec) {
+      if (fma && i != tvec) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), false));
+        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element<true>(gc, get<K>(raw, k), false));
       } else {
+        const int tk = i == tvec ? tpos % VEC : -1;
 #pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tpos % VEC));
+        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
       }
       slice[i] = out;
     }

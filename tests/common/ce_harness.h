@@ -80,7 +80,8 @@ inline CeRun run_case(Device device, const CeCase& c) {
   const int64_t elems = c.base_offset + (c.rows > 0 ? (c.rows - 1) * stride + c.V + c.pad : 0);
   Buffer logits(device, size_t(std::max<int64_t>(elems, 1) * es));
   std::normal_distribution<float> normal(c.shift, c.scale);
-  const float limit = c.dtype == DType::F16 ? 6e4f : 1e30f;  // stay inside fp16's range
+  // stay inside the dtype's finite range (bf16's top is 3.39e38)
+  const float limit = c.dtype == DType::F16 ? 6e4f : c.dtype == DType::BF16 ? 3.38e38f : 3.4e38f;
   for (int64_t i = 0; i < elems; ++i)
     store_as(c.dtype, logits.host(), i, std::clamp(normal(rng()), -limit, limit));
   out.x.resize(c.rows * c.V);

@@ -38,20 +38,23 @@ inline RefResult reference_cross_entropy(const std::vector<double>& x, int64_t r
     for (int64_t j = 0; j < V; ++j) mx = std::fmax(mx, xr[j]);
     double sum = 0.0;
     for (int64_t j = 0; j < V; ++j) sum += std::exp(xr[j] - mx);
-    double lse = mx + std::log(sum);
+    const double log_sum = std::log(sum);
+    double lse = mx + log_sum;
     res.lse[r] = lse;
     if (target[r] == o.ignore_index) continue;
     ++res.valid;
-    // log_softmax_j = x_j - lse
-    double logp_t = xr[target[r]] - lse;
+    // log_softmax_j = (x_j - max) - log(sum): exact for logits near any offset, where x_j - lse
+    // would lose log(sum) to lse's rounding (rows at -3e38, whose double ulp is ~4e22)
+    auto logp = [&](int64_t j) { return (xr[j] - mx) - log_sum; };
+    double logp_t = logp(target[r]);
     res.loss[r] = -(1.0 - alpha) * logp_t + o.z_loss * lse * lse;
     if (alpha > 0) {
       double mean_logp = 0.0;
-      for (int64_t j = 0; j < V; ++j) mean_logp += (xr[j] - lse) / double(V);
+      for (int64_t j = 0; j < V; ++j) mean_logp += logp(j) / double(V);
       res.loss[r] -= alpha * mean_logp;
     }
     for (int64_t j = 0; j < V; ++j) {
-      double p = std::exp(xr[j] - lse);
+      double p = std::exp(logp(j));
       double g = p * (1.0 + 2.0 * o.z_loss * lse) - alpha / double(V);
       if (j == target[r]) g -= 1.0 - alpha;
       res.grad[r * V + j] = grad_weight[r] * g;

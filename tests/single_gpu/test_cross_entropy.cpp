@@ -177,47 +177,37 @@ TEST_P(CrossEntropy, GradientInForward) {
   many.ignore_fraction = 0.1;
   many.opt.reduction = Reduction::Sum;
   check(many);
-  // Long rows: on sm_90 the cluster kernel splits 200 KB into 5 slices, 256 KB + 16 B into 6,
-  // fp32 800 KB into 8 of 100 KB, and fp32 1.9 MB does not fit 8 slices (the 3 passes); before
-  // sm_90 these rows are longer than twice the fused kernel's cache (the 3 passes). And rows on
-  // 16 bytes whose body ends in a tail (a stride padded to 16 bytes: the fused kernel).
-  struct Long {
-    DType d;
-    int64_t V, rows, pad;
-  };
-  for (const Long& l : {Long{DType::BF16, 100000, 70, 0}, Long{DType::BF16, 131080, 9, 0},
-                        Long{DType::F32, 200000, 5, 0}, Long{DType::F32, 480000, 3, 0}, Long{DType::BF16, 4093, 40, 3},
-                        Long{DType::F32, 4094, 40, 2}, Long{DType::F16, 100003, 9, 5}}) {
-    CeCase c;
-    c.grad_in_forward = true;
-    c.dtype = l.d;
-    c.V = l.V;
-    c.rows = l.rows;
-    c.pad = l.pad;
-    c.in_place = l.rows != 9;
-    c.ignore_fraction = 0.2;
-    c.opt.reduction = l.pad ? Reduction::Sum : Reduction::Mean;
-    c.opt.label_smoothing = l.d == DType::F32 ? 0.1f : 0.0f;  // the sum of logits over a cluster
-    c.opt.z_loss = l.pad ? 1e-3f : 0.0f;
-    c.upstream = l.rows == 9 ? 0.0f : 1.0f;
-    check(c);
-  }
 }
 
-// Rows for the cluster kernel (sm_90; elsewhere the 3 passes, the same checks): a row stride
-// padded by a whole vector, int32 targets, one row alone, a cluster of 2 and of 7 blocks, large
-// logits (wide spreads for the max-shifted sums), smoothing with the Megatron formula.
+// Long rows: on sm_90 the cluster kernel splits 200 KB into 5 slices, 256 KB + 16 B into 6,
+// fp32 800 KB into 8 of 100 KB, and fp32 1.9 MB does not fit 8 slices (the 3 passes); before
+// sm_90 these rows are longer than twice the fused kernel's cache (the 3 passes). Rows on 16
+// bytes whose body ends in a tail (a stride padded to 16 bytes: the fused kernel). For the
+// cluster kernel also a stride padded by a whole vector, int32 targets, one row alone, clusters
+// of 2 and 7 blocks, wide logit spreads, smoothing (the sum of logits over a cluster) with the
+// Megatron formula, z-loss.
 TEST_P(CrossEntropy, GradientInForwardLongRows) {
   struct Row {
     DType d;
     int64_t V, rows, pad;
     IndexType itype;
-    float scale;
+    float scale, smoothing, z_loss;
+    Reduction reduction;
+    bool in_place;
   };
-  for (const Row& l : {Row{DType::BF16, 80000, 7, 8, IndexType::I32, 3.0f},
-                       Row{DType::BF16, 151936, 1, 0, IndexType::I64, 3.0f},
-                       Row{DType::F16, 120000, 5, 0, IndexType::I32, 30.0f},
-                       Row{DType::F32, 90000, 4, 4, IndexType::I64, 20.0f}}) {
+  const auto I32 = IndexType::I32, I64 = IndexType::I64;
+  const auto Sum = Reduction::Sum, Mean = Reduction::Mean;
+  for (const Row& l : {Row{DType::BF16, 100000, 70, 0, I64, 3.0f, 0.0f, 0.0f, Mean, true},
+                       Row{DType::BF16, 131080, 9, 0, I64, 3.0f, 0.0f, 0.0f, Mean, false},
+                       Row{DType::F32, 200000, 5, 0, I64, 3.0f, 0.1f, 0.0f, Mean, true},
+                       Row{DType::F32, 480000, 3, 0, I64, 3.0f, 0.1f, 0.0f, Mean, true},
+                       Row{DType::BF16, 4093, 40, 3, I64, 3.0f, 0.0f, 1e-3f, Sum, true},
+                       Row{DType::F32, 4094, 40, 2, I64, 3.0f, 0.1f, 1e-3f, Sum, true},
+                       Row{DType::F16, 100003, 9, 5, I64, 3.0f, 0.0f, 1e-3f, Sum, false},
+                       Row{DType::BF16, 80000, 7, 8, I32, 3.0f, 0.1f, 0.0f, Sum, false},
+                       Row{DType::BF16, 151936, 1, 0, I64, 3.0f, 0.1f, 0.0f, Sum, true},
+                       Row{DType::F16, 120000, 5, 0, I32, 30.0f, 0.0f, 0.0f, Sum, true},
+                       Row{DType::F32, 90000, 4, 4, I64, 20.0f, 0.0f, 0.0f, Mean, false}}) {
     CeCase c;
     c.grad_in_forward = true;
     c.dtype = l.d;
@@ -226,12 +216,13 @@ TEST_P(CrossEntropy, GradientInForwardLongRows) {
     c.pad = l.pad;
     c.itype = l.itype;
     c.scale = l.scale;
-    c.in_place = l.pad == 0;
+    c.in_place = l.in_place;
     c.ignore_fraction = l.rows > 1 ? 0.2 : 0.0;
-    c.opt.reduction = l.rows % 2 ? Reduction::Sum : Reduction::Mean;
-    c.opt.label_smoothing = l.d == DType::BF16 ? 0.1f : 0.0f;
+    c.opt.reduction = l.reduction;
+    c.opt.label_smoothing = l.smoothing;
     c.opt.smoothing_formula = SmoothingFormula::Megatron;
-    c.upstream = l.rows == 1 ? 0.0f : 1.0f;
+    c.opt.z_loss = l.z_loss;
+    c.upstream = l.rows == 9 || l.rows == 1 ? 0.0f : 1.0f;  // 0: random, the scale runs
     check(c);
   }
 }
@@ -271,6 +262,42 @@ TEST_P(CrossEntropy, LargeLogitsStayFinite) {
     const double exponent_error = 4.0 * 6e4 * std::ldexp(1.0, -24);  // |x| up to 6e4
     EXPECT_LE(rel_l2(to_double(run.grad), ref.grad), std::max(exponent_error, grad_tolerance(dtype)));
   }
+}
+
+TEST_P(CrossEntropy, RowsAtTheBottomOfTheRangeKeepFiniteGradients) {
+  // A vocabulary masked with finfo(dtype).min in every column but with a valid target: every
+  // logit ~ -3e38 (N(0, 1) on top rounds away). |lse| log2(e) is beyond fp32's range there, so
+  // the kernels' one-fma exponent must not be used (it would give inf). The loss is exact
+  // (log V, from (max - T) + log s); the gradient is finite but not the uniform softmax: it
+  // reads lse as one fp32 value, whose rounding at 3e38 (ulp 2e31) swallows log V, so every
+  // p reads 1 (the limit LargeLogitsStayFinite states: an exponent error of |lse| 2^-24). Every
+  // path: 3 passes, the gradient in the forward (fused kernel; the cluster kernel on sm_90).
+  for (DType d : {DType::F32, DType::BF16})
+    for (int64_t V : {3000, 131080})
+      for (bool in_forward : {false, true}) {
+        CeCase c;
+        c.dtype = d;
+        c.V = V;
+        c.rows = V > 3000 ? 3 : 8;
+        c.shift = -3.0e38f;
+        c.scale = 1.0f;
+        c.grad_in_forward = in_forward;
+        c.in_place = in_forward;
+        c.upstream = 1.0f;
+        c.opt.reduction = in_forward ? Reduction::Sum : Reduction::None;
+        SCOPED_TRACE(c.describe());
+        CeRun run = run_case(GetParam(), c);
+        RefResult ref = reference_for(c, run);
+        double total = 0;
+        for (double l : ref.loss) total += l;
+        if (in_forward) {
+          EXPECT_NEAR(run.loss[0], total, 1e-5 * total);
+        } else {
+          for (int64_t r = 0; r < c.rows; ++r) EXPECT_NEAR(run.loss[r], ref.loss[r], 1e-5 * ref.loss[r]);
+        }
+        for (size_t i = 0; i < run.grad.size(); ++i)
+          ASSERT_TRUE(std::isfinite(run.grad[i]) && std::fabs(run.grad[i]) <= 1.0f) << "gradient " << i;
+      }
 }
 
 TEST_P(CrossEntropy, LogitsNearALargeOffsetKeepTheLossExact) {
