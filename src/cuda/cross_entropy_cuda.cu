@@ -302,6 +302,25 @@ __device__ __forceinline__ float grad_at(const core::GradRow& g, float x, bool i
   }
 }
 
+// The gradient of one 16-byte vector of a row, tk the target's place in it (-1: elsewhere).
+// Where `fma` (the caller's per-row core::fma_exponent, false for soft-capped logits) and the
+// target is elsewhere, fast(x) gives every element (the one-fma exponent: nothing compared per
+// element); otherwise exact(x, is_target) does.
+template <StorageKind K, class Fast, class Exact>
+__device__ __forceinline__ Vec16 grad_vector(const Vec16& raw, int tk, bool fma, Fast fast,
+                                             Exact exact) {
+  constexpr int VEC = vector_width<typename core::Storage<K>::type>();
+  Vec16 out{};
+  if (fma && tk < 0) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) put<K>(out, k, fast(get<K>(raw, k)));
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) put<K>(out, k, exact(get<K>(raw, k), k == tk));
+  }
+  return out;
+}
+
 // fp32 logits with the soft-cap need more than 64 registers a thread without spills: one
 // block per SM there.
 template <StorageKind K, bool kCap>
@@ -340,18 +359,12 @@ __global__ void __launch_bounds__(BwdRows::kThreads, bwd_min_blocks<K, kCap>())
         gr[j] = S::store(constant ? fill : grad_at<kCap>(gr_c, S::load(bits), j == local_t, p.softcap));
       },
       [&](int64_t j, const Vec16& raw) {
-        Vec16 out{};
-        const int tk = target_in_vector<VEC>(local_t, j);
-        if (fma && tk < 0) {  // all but one vector of the row: no comparison per element
-#pragma unroll
-          for (int k = 0; k < VEC; ++k)
-            put<K>(out, k, constant ? fill : core::grad_element<true>(gr_c, get<K>(raw, k), false));
-        } else {
-#pragma unroll
-          for (int k = 0; k < VEC; ++k)
-            put<K>(out, k, constant ? fill : grad_at<kCap>(gr_c, get<K>(raw, k), k == tk, p.softcap));
-        }
-        store_vec(gr + j, out);
+        store_vec(gr + j, grad_vector<K>(
+                              raw, target_in_vector<VEC>(local_t, j), fma,
+                              [&](float x) { return constant ? fill : core::grad_element<true>(gr_c, x, false); },
+                              [&](float x, bool is_target) {
+                                return constant ? fill : grad_at<kCap>(gr_c, x, is_target, p.softcap);
+                              }));
       });
 }
 
@@ -454,20 +467,12 @@ __global__ void __launch_bounds__(FusedRows::kThreads, FusedRows::kMinBlocks)
     } else {
       const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
       const bool fma = core::fma_exponent(gc);
+      auto fast = [&](float x) { return core::grad_element<true>(gc, x, false); };
+      auto exact = [&](float x, bool is_target) { return core::grad_element(gc, x, is_target); };
       walk_row_from<T, FusedRows::kThreads, FusedRows::kUnroll>(
-          xr, n, true, cached,
-          [&](int64_t j, T bits) { gr[j] = S::store(core::grad_element(gc, S::load(bits), j == local_t)); },
+          xr, n, true, cached, [&](int64_t j, T bits) { gr[j] = S::store(exact(S::load(bits), j == local_t)); },
           [&](int64_t j, const Vec16& raw) {
-            Vec16 out{};
-            const int tk = target_in_vector<VEC>(local_t, j);
-            if (fma && tk < 0) {  // all but one vector of the row: no comparison per element
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element<true>(gc, get<K>(raw, k), false));
-            } else {
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
-            }
-            store_vec(gr + j, out);
+            store_vec(gr + j, grad_vector<K>(raw, target_in_vector<VEC>(local_t, j), fma, fast, exact));
           });
     }
     t = t_next;
@@ -583,18 +588,11 @@ __global__ void __launch_bounds__(ClusterRows::kThreads)
     const core::GradRow gc = core::make_grad_row(lse, unit, p.smoothing, p.z_loss);
     const int tvec = tpos >= 0 ? tpos / VEC : -1;
     const bool fma = core::fma_exponent(gc);
+    auto fast = [&](float x) { return core::grad_element<true>(gc, x, false); };
+    auto exact = [&](float x, bool is_target) { return core::grad_element(gc, x, is_target); };
     for (int i = threadIdx.x; i < n; i += ClusterRows::kThreads) {
-      const Vec16 raw = slice[i];
-      Vec16 out{};
-      if (fma && i != tvec) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element<true>(gc, get<K>(raw, k), false));
-      } else {
-        const int tk = i == tvec ? tpos % VEC : -1;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) put<K>(out, k, core::grad_element(gc, get<K>(raw, k), k == tk));
-      }
-      slice[i] = out;
+      const Vec16 raw = slice[i];  // one 16-byte load
+      slice[i] = grad_vector<K>(raw, i == tvec ? tpos % VEC : -1, fma, fast, exact);
     }
   }
   fence_shared_for_bulk_copy();
