@@ -10,7 +10,8 @@
 // Backward ("rows" kernels): the same row-in-registers walk over x (or s) and dy, on a fixed
 // grid of about 2 blocks per SM (occupancy permitting), each block walking a strided set of
 // rows. A thread owns the same columns in every row, so it accumulates dy * xhat for them in
-// registers across its rows; at the end the block's groups add their accumulators in group
+// registers across its rows, and holds the weights of those columns, loaded once before its
+// first row; at the end the block's groups add their accumulators in group
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
 // kernel adds the partial rows of each column in a fixed order (launched as a programmatic
 // dependent of the row kernel: its launch overlaps the row kernel's tail, its reads wait for
@@ -233,6 +234,25 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
   constexpr int kHeld = NP <= kBwdPreferredNp ? NP : kLongHeld;
   __shared__ float exchange[kBwdMaxThreads * VEC];
   float dg[NP][VEC] = {};
+  // A thread's columns are the same in every row, so the weights of its held vectors are loaded
+  // once, as stored, and held across rows: read per row they cost a load in each pass, the
+  // second one after the row's reduction, where its latency (L2, once the streaming rows have
+  // evicted them from L1) is on the row's critical path (3-8% of the backward on the H200,
+  // bench/NOTES.md). fp16 rows of 4 vectors hold 2: with all 4, ptxas spills.
+  constexpr int kHeldW = X == StorageKind::F16 && kHeld == 4 ? 2 : kHeld;
+  Packed<W, VEC> wv[kHeldW] = {};
+#pragma unroll
+  for (int k = 0; k < kHeldW; ++k)
+    if (t + k * a.tpr < nvec) wv[k] = load_packed<W, VEC, true>(a.w + (t + k * a.tpr) * VEC);
+  // Vector k's weights as floats: held, or read now.
+  auto weights = [&](int k, int p, float (&w)[VEC]) {
+    if (k < kHeldW) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) w[e] = wv[k < kHeldW ? k : 0][e];
+    } else {
+      load_floats_ro<W, VEC>(a.w + p * VEC, w);
+    }
+  };
   int parity = 0;
   for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
@@ -263,7 +283,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       else load_xdy(k, xk, gk);
       if (p < nvec) {
         float w[VEC];
-        load_floats_ro<W, VEC>(a.w + p * VEC, w);
+        weights(k, p, w);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           const float xhat = get<X>(xk, e) * rstd, dy = get<X>(gk, e);
@@ -282,7 +302,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       else load_xdy(k, xk, gk);  // before this thread stores over them (in place)
       if (live && p < nvec) {
         float w[VEC], o[VEC], gr[VEC] = {};
-        load_floats_ro<W, VEC>(a.w + p * VEC, w);
+        weights(k, p, w);
         if (a.gres) to_floats<X>(load_vec(a.gres + r * a.gs + p * VEC), gr);
 #pragma unroll
         for (int e = 0; e < VEC; ++e)

@@ -153,28 +153,41 @@ __device__ __forceinline__ void store_bytes(void* p, const Vec16& v) {
   }
 }
 
-// N consecutive values of kind K at p, as floats: whole 16-byte vectors, or one access of N
-// elements when they are fewer bytes (a bf16 weight next to an fp32 row: 4 values, 8 bytes; a
-// single element). p must be aligned to min(16, N * sizeof(element)) bytes. load_floats_ro:
-// read-only inputs only (see load_vec_ro).
+// N consecutive values of kind K at p, kept as stored (16-bit kinds: two a register) and read
+// as floats by index: what a kernel loads once and holds across rows (a weight), converting an
+// element where it uses it. p must be aligned to min(16, N * sizeof(element)) bytes.
+// kReadOnly: read-only inputs only (see load_vec_ro).
+template <core::StorageKind K, int N>
+struct Packed {
+  using T = typename core::Storage<K>::type;
+  static constexpr int kPerVec = vector_width<T>();
+  Vec16 v[(N + kPerVec - 1) / kPerVec];
+  __device__ __forceinline__ float operator[](int e) const { return get<K>(v[e / kPerVec], e % kPerVec); }
+};
 template <core::StorageKind K, int N, bool kReadOnly = false>
-__device__ __forceinline__ void load_floats(const typename core::Storage<K>::type* p,
-                                            float (&out)[N]) {
+__device__ __forceinline__ Packed<K, N> load_packed(const typename core::Storage<K>::type* p) {
   using T = typename core::Storage<K>::type;
   constexpr int W = vector_width<T>();
+  Packed<K, N> out;
   if constexpr (N >= W) {
     static_assert(N % W == 0, "whole vectors");
 #pragma unroll
-    for (int q = 0; q < N; q += W) {
-      const Vec16 v = load_bytes<kVectorBytes, kReadOnly>(p + q);
-#pragma unroll
-      for (int e = 0; e < W; ++e) out[q + e] = get<K>(v, e);
-    }
+    for (int q = 0; q < N; q += W) out.v[q / W] = load_bytes<kVectorBytes, kReadOnly>(p + q);
   } else {
-    const Vec16 v = load_bytes<N * int(sizeof(T)), kReadOnly>(p);
-#pragma unroll
-    for (int e = 0; e < N; ++e) out[e] = get<K>(v, e);
+    out.v[0] = load_bytes<N * int(sizeof(T)), kReadOnly>(p);
   }
+  return out;
+}
+
+// N consecutive values of kind K at p, as floats: whole 16-byte vectors, or one access of N
+// elements when they are fewer bytes (a bf16 weight next to an fp32 row: 4 values, 8 bytes; a
+// single element). Alignment and kReadOnly as load_packed.
+template <core::StorageKind K, int N, bool kReadOnly = false>
+__device__ __forceinline__ void load_floats(const typename core::Storage<K>::type* p,
+                                            float (&out)[N]) {
+  const Packed<K, N> v = load_packed<K, N, kReadOnly>(p);
+#pragma unroll
+  for (int e = 0; e < N; ++e) out[e] = v[e];
 }
 template <core::StorageKind K, int N>
 __device__ __forceinline__ void load_floats_ro(const typename core::Storage<K>::type* p,
