@@ -1,4 +1,5 @@
-"""Per-call host time of the Megatron patch's cross-entropy and SwiGLU against what they replace.
+"""Per-call host time of the Megatron patch's cross-entropy, SwiGLU and RMSNorm against what they
+replace.
 
     python3 bench/megatron_host_overhead.py [--device cuda] [--rounds 7] [--calls 1000]
 
@@ -53,6 +54,20 @@ def main():
             call(v).sum().backward()
         return step
 
+    # Megatron's norm as its local spec builds it for normalization="RMSNorm" (WrappedTorchNorm:
+    # torch.nn.RMSNorm), and the same call built under the patch (FusedLossRMSNorm; an instance
+    # stays what it was built as, so it is built once, here).
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, normalization="RMSNorm",
+                            use_cpu_initialization=True)
+    norm = WrappedTorchNorm(cfg, 32, eps=1e-5).to(dev)
+    apply_fusedloss_to_megatron()
+    norm_patched = WrappedTorchNorm(cfg, 32, eps=1e-5).to(dev)
+    unpatch_megatron()
+    assert type(norm_patched) is not type(norm), "the patch did not replace Megatron's RMSNorm"
+    w = torch.ones(32, device=dev, requires_grad=True)
+
     cases = {  # name: (patched?, step)
         "torch F.cross_entropy": (False, ce(lambda v: F.cross_entropy(v.view(-1, 32), t.view(-1), reduction="none"))),
         "fusedloss.cross_entropy": (False, ce(lambda v: fusedloss.cross_entropy(v, t, reduction="none"))),
@@ -64,6 +79,10 @@ def main():
         "fusedloss.swiglu": (False, sw(lambda v: fusedloss.swiglu(v))),
         "megatron bias_swiglu_impl": (False, sw(lambda v: fbs.bias_swiglu_impl(v, None))),
         "megatron bias_swiglu_impl, patched": (True, sw(lambda v: fbs.bias_swiglu_impl(v, None))),
+        "torch F.rms_norm": (False, sw(lambda v: F.rms_norm(v, (32,), w, 1e-5))),
+        "fusedloss.rms_norm": (False, sw(lambda v: fusedloss.rms_norm(v, w, 1e-5))),
+        "megatron RMSNorm (local spec)": (False, sw(lambda v: norm(v))),
+        "megatron RMSNorm, patched": (False, sw(lambda v: norm_patched(v))),
     }
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(args.rounds):
