@@ -135,6 +135,20 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   require(workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
           "workspace: got an address that is not 16-byte aligned, expected an aligned buffer of "
           "rms_norm_backward_workspace_bytes() bytes");
+  // The row kernel writes its partial rows into the workspace while other blocks still read
+  // the inputs and write grad_x: it must share memory with none of them (the bytes the backward
+  // may write: the CPU backend writes none).
+  if (workspace) {
+    const detail::Span ws{workspace,
+                          int64_t(rms_norm_backward_workspace_bytes(x_or_s.rows, x_or_s.cols,
+                                                                    x_or_s.device)),
+                          "workspace"};
+    detail::require_outputs_apart(
+        {ws}, {span_of(grad_x, "grad_x"), gw, span_of(weight, "weight"),
+               {rstd, x_or_s.rows * 4, "rstd"}, span_of(grad_y, "grad_y"),
+               span_of(x_or_s, "x_or_s"),
+               span_of(gres ? grad_residual_out : MatrixView{}, "grad_residual_out")});
+  }
   const MatrixView none{};
   FL_DISPATCH(x_or_s.device, "rms_norm_backward",
               cpu::rms_norm_backward(grad_y, x_or_s, p, rstd, grad_x, grad_weight,

@@ -69,11 +69,12 @@ constexpr int kBwdMaxThreads = 512;   // launch bound: <= 128 (the accumulators 
 // Vectors per thread in the forward: 4 (16 registers of row data), within the 64 registers of
 // the launch bound without spills (8 spilled with the residual add).
 constexpr int kFwdMaxNp = 4;
-// The backward holds x, dy and an fp32 accumulator per column: 4 vectors a thread (16-bit rows:
-// 16 + 16 + 32 registers; fp32: 16 + 16 + 16). fp32 rows that do not fit 512 threads that way
-// (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x and dy of 4 held (32; 2 on
-// sm_80), the others read again in the second pass; no spills. 16-bit rows would need 64
-// accumulator registers: those rows (H > 16384) take the "any" kernels.
+// The backward holds x, dy, an fp32 accumulator per column and the weights (as stored): 4
+// vectors a thread (16-bit rows: 16 + 16 + 32 registers, + 16 for 16-bit weights or 32 for
+// fp32; fp32 rows: 16 + 16 + 16, + 8 to 16). fp32 rows that do not fit 512 threads that way
+// (H 8196..16384) take 8: 8 accumulator vectors (32 registers), x, dy and the weights of 4 held
+// (48; 2 on sm_80), the others read again in the second pass; no spills. 16-bit rows would need
+// 64 accumulator registers: those rows (H > 16384) take the "any" kernels.
 template <class T>
 constexpr int bwd_long_np() {
   return sizeof(T) == 4 ? 8 : 4;
@@ -238,7 +239,8 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
   // once, as stored, and held across rows: read per row they cost a load in each pass, the
   // second one after the row's reduction, where its latency (L2, once the streaming rows have
   // evicted them from L1) is on the row's critical path (3-8% of the backward on the H200,
-  // bench/NOTES.md). fp16 rows of 4 vectors hold 2: with all 4, ptxas spills.
+  // bench/NOTES.md). fp16 rows of 4 vectors hold 2: with all 4, ptxas spills (112 bytes with
+  // fp16 weights on sm_90; fp32 weights fit, but were not timed apart, so they hold 2 as well).
   constexpr int kHeldW = X == StorageKind::F16 && kHeld == 4 ? 2 : kHeld;
   Packed<W, VEC> wv[kHeldW] = {};
 #pragma unroll

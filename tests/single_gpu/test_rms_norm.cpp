@@ -406,7 +406,8 @@ TEST_P(RmsNorm, CallerWorkspace) {
 // backwards in place over grad_y, a third over x. Shapes: short rows in the thousands, model sizes
 // with the residual, zero-centred gamma and a mixed weight dtype, and the register limits: 16-bit
 // rows on the backward's vector path up to H = 16384 and the forward's up to 32768, fp32 up to
-// 16384 on both (the backward's 8-vector path from H = 8196), the "any" kernels just past them.
+// 16384 on both (the backward's 8-vector path from H = 8196), the "any" kernels just past them,
+// fp16 rows of 4 vectors a thread (the backward holds 2 of their weights and reads 2 a row).
 // (The CPU backend has one path: it runs the shapes once.)
 TEST_P(RmsNorm, KernelVariants) {
   const bool cuda = GetParam() == Device::CUDA;
@@ -417,7 +418,8 @@ TEST_P(RmsNorm, KernelVariants) {
                       {40, 8192, DType::F32, false, {}},      {40, 8196, DType::F32, true, {}},
                       {6, 16384, DType::F32, false, {}},      {3, 16388, DType::F32, false, {}},
                       {6, 16384, DType::BF16, true, {}},      {3, 16392, DType::BF16, false, {}},
-                      {3, 32768, DType::F16, false, {}},      {3, 32776, DType::BF16, false, {}}};
+                      {3, 32768, DType::F16, false, {}},      {3, 32776, DType::BF16, false, {}},
+                      {300, 4096, DType::F16, false, {}},     {300, 4104, DType::F16, true, DType::F32}};
   const char* variants[] = {
       "",
       "fwd_tpr=32,fwd_block=1024,bwd_tpr=32,bwd_block=512,bwd_blocks_per_sm=1",
@@ -495,6 +497,39 @@ TEST(RmsNormTuning, ColumnSumOverlappedOnHopper) {
               FUSEDLOSS_TEST_CUDA_ARCHS, int(cuda::rms_norm_column_sum_overlapped()));
   if (best_arch == 0) GTEST_SKIP() << "architectures not numeric: " << FUSEDLOSS_TEST_CUDA_ARCHS;
   EXPECT_EQ(cuda::rms_norm_column_sum_overlapped(), best_arch >= 90 && major >= 9);
+}
+
+// A caller's workspace receives the backward's partial rows while other blocks still read the
+// inputs and write grad_x: one that shares memory with any of them is refused, naming both.
+TEST(RmsNormBadInputs, WorkspaceApartFromEveryBuffer) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  constexpr auto G = Device::CUDA;
+  constexpr int64_t T = 64, H = 256;
+  const size_t ws_bytes = rms_norm_backward_workspace_bytes(T, H, G);
+  ASSERT_GT(ws_bytes, 0u);
+  // one allocation, each buffer at the start of its own slot, a slot longer than the
+  // workspace: a workspace placed at a buffer's start overlaps that buffer and no other
+  const size_t slot = std::max(ws_bytes, size_t(T * H * 4)) + 256;
+  Buffer all(G, 8 * slot);
+  auto at = [&](int i) { return all.data_as<char>() + i * slot; };
+  auto m = [&](int i) { return MatrixView{at(i), T, H, H, DType::F32, G}; };
+  const MatrixView dy = m(0), x = m(1), dx = m(2), gres = m(3);
+  const auto w = reinterpret_cast<float*>(at(4)), rstd = reinterpret_cast<float*>(at(5)),
+             gw = reinterpret_cast<float*>(at(6));
+  const VectorView wv{w, H, DType::F32, G};
+  const RmsNormOptions o;
+  auto backward = [&](void* ws) { rms_norm_backward(dy, x, wv, rstd, o, dx, gw, ws, gres); };
+  const std::pair<void*, const char*> over[] = {
+      {dy.data, "grad_y"}, {x.data, "x_or_s"}, {dx.data, "grad_x"}, {gres.data, "grad_residual_out"},
+      {w, "weight"}, {rstd, "rstd"}, {gw, "grad_weight"}};
+  for (auto [buffer, name] : over) {
+    SCOPED_TRACE(name);
+    expect_error([&] { backward(buffer); }, "workspace: overlaps", name);
+  }
+  // a workspace ending in a buffer's first bytes
+  expect_error([&] { backward(at(1) - ws_bytes + 16); }, "workspace: overlaps", "x_or_s");
+  backward(at(7));  // its own bytes: accepted
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 TEST(RmsNormTuning, ClearErrors) {
