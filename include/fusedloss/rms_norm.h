@@ -65,8 +65,8 @@ size_t rms_norm_backward_workspace_bytes(int64_t rows, int64_t hidden, Device de
 //                    a 16-bit weight's gradient needs no conversion pass. Zeros when T == 0.
 // workspace          absent (nullptr: allocated and freed stream-ordered inside), or a buffer
 //                    of rms_norm_backward_workspace_bytes(T, H, device) bytes on the views'
-//                    device, 16-byte aligned, not overlapping anything else; its contents on
-//                    entry do not matter.
+//                    device, 16-byte aligned, not overlapping any other buffer of the call
+//                    (refused, naming both); its contents on entry do not matter.
 // grad_residual_out  absent or [T, H] of x_or_s's dtype: the gradient reaching residual_out in
 //                    the forward, added into grad_x (one pass instead of two).
 void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const VectorView& weight,
