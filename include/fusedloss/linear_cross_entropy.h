@@ -104,7 +104,8 @@ void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
                                            const LinearCrossEntropyOptions& options, int64_t rows,
                                            int64_t vocab_local, int64_t hidden);
 
-// The chunk (tokens) a call with these sizes uses, and the workspace bytes it allocates.
+// The chunk (tokens) a call with these sizes uses: its logits buffers take chunk x vocab_local
+// elements each (of dtype). A backward with vocab_block plans with vocab_local = the block.
 int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& options, int64_t rows,
                                         int64_t vocab_local, DType dtype);
 

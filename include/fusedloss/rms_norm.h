@@ -57,8 +57,9 @@ size_t rms_norm_backward_workspace_bytes(int64_t rows, int64_t hidden, Device de
 // weight             [H], as in the forward.
 // rstd               [T] fp32: the forward's.
 // grad_x             [T, H] of x_or_s's dtype, any row stride: receives the gradient of s (of x
-//                    and of residual, with the fused residual). It may be grad_y itself or x_or_s
-//                    itself (the same view: in place); otherwise it must not overlap any input.
+//                    and of residual, with the fused residual). It may be grad_y, x_or_s or
+//                    grad_residual_out itself (the same view: in place); otherwise it must not
+//                    overlap any input.
 // grad_weight        [H] of grad_weight_dtype (fp32, fp16 or bf16; the overload without it:
 //                    fp32), contiguous, receives sum_rows(dy * xhat) summed in fp32 and rounded
 //                    once (also with zero-centred gamma, whose gamma - weight is a constant):

@@ -8,7 +8,11 @@
 
 namespace fusedloss::detail {
 
-// A matrix view that is well formed: sizes, stride, pointer, known dtype and device.
+// `p` (null: absent) starts an element of `elem_bytes` bytes: the kernels load whole elements,
+// and a misaligned one is a CUDA fault, not an error the caller can read.
+void require_element_aligned(const void* p, int64_t elem_bytes, const char* name, const char* dtype);
+// A matrix view that is well formed: sizes, stride, pointer (element-aligned), known dtype and
+// device.
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false);
 void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
 // true when the two views cover overlapping memory

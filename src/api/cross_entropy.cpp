@@ -64,12 +64,20 @@ void check_grad_logits(const MatrixView& logits, const MatrixView& grad_logits) 
 
 // The buffers the gradient kernels read (or the forward writes) beside the logits: none may
 // share grad_logits' memory.
+// The names are the caller's: "lse", "grad_loss", "valid_count" in the backward, "out.lse",
+// "out.loss", "out.valid_count" in the forward that writes the gradient.
+struct GradApartNames {
+  const char* lse;
+  const char* grad_loss;
+  const char* valid_count;
+};
 void check_grad_apart(const MatrixView& grad_logits, const IndexView& target, const float* lse,
-                      const float* grad_loss, int64_t grad_loss_floats, const float* valid_count) {
+                      const float* grad_loss, int64_t grad_loss_floats, const float* valid_count,
+                      const GradApartNames& names) {
   detail::require_read_apart(detail::span_of(grad_logits, "grad_logits"),
-                             {detail::span_of(target, "target"), {lse, grad_logits.rows * 4, "lse"},
-                              {grad_loss, grad_loss_floats * 4, "grad_loss"},
-                              {valid_count, 4, "valid_count"}});
+                             {detail::span_of(target, "target"), {lse, grad_logits.rows * 4, names.lse},
+                              {grad_loss, grad_loss_floats * 4, names.grad_loss},
+                              {valid_count, 4, names.valid_count}});
 }
 
 }  // namespace
@@ -221,7 +229,8 @@ void cross_entropy_backward(const MatrixView& logits, const IndexView& target, c
   detail::check_index(target, "target", logits.rows, logits.device);
   require(lse != nullptr || logits.rows == 0, "lse: got null, expected the forward's lse");
   check_grad_apart(grad_logits, target, lse, grad_loss,
-                   p.reduction == Reduction::None ? logits.rows : 1, valid_count);
+                   p.reduction == Reduction::None ? logits.rows : 1, valid_count,
+                   {"lse", "grad_loss", "valid_count"});
   require(valid_count != nullptr || p.reduction != Reduction::Mean || logits.rows == 0,
           "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
   check_targets_on_host(target, p);
@@ -242,7 +251,8 @@ void cross_entropy_forward_with_grad(const MatrixView& logits, const IndexView& 
     check_grad_logits(logits, grad_logits);
     require(options.reduction != Reduction::Mean || out.valid_count != nullptr || logits.rows == 0,
             "out.valid_count: got null, expected a float (Reduction::Mean divides by it)");
-    check_grad_apart(grad_logits, target, out.lse, out.loss, 1, out.valid_count);
+    check_grad_apart(grad_logits, target, out.lse, out.loss, 1, out.valid_count,
+                     {"out.lse", "out.loss", "out.valid_count"});
   };
   // The forward, then the backward for a unit upstream gradient (grad_loss null); at TP=1 on
   // CUDA one kernel does both where that pays. Vocab-parallel the merged lse comes first.

@@ -72,8 +72,8 @@ void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_
                                         " (the inputs' dtype)").c_str());
   require(g.device == hidden.device, name, ".device: got ", to_string(g.device), ", expected ",
           to_string(hidden.device), " (the inputs' device)");
-  require(!detail::overlaps(g, hidden) && !detail::overlaps(g, weight), name,
-          ": overlaps hidden or weight; expected a separate buffer");
+  for (auto [in, in_name] : {std::pair{&hidden, "hidden"}, {&weight, "weight"}})
+    require(!detail::overlaps(g, *in), name, ": overlaps ", in_name, ", expected a separate buffer");
 }
 
 // The inputs' checks, shared by forward and backward.

@@ -43,6 +43,8 @@ core::RmsNormParams resolve_params(const MatrixView& x, const VectorView& weight
                                 : std::string(to_string(x.dtype)) + " (x's) or fp32");
   require(weight.device == x.device, "weight.device: got ", to_string(weight.device),
           ", expected ", to_string(x.device), " (x's)");
+  detail::require_element_aligned(weight.data, detail::element_size(weight.dtype), "weight",
+                                  to_string(weight.dtype));
   core::RmsNormParams p;
   p.rows = x.rows;
   p.hidden = x.cols;

@@ -11,6 +11,7 @@
 #if FUSEDLOSS_HAS_CUDA
 #include <cuda_runtime.h>
 #endif
+#include "fusedloss/rms_norm.h"
 #include "fusedloss/swiglu.h"
 
 namespace fusedloss::test {
@@ -187,6 +188,41 @@ TEST_P(BadInputs, BackwardBuffers) {
   }, {"grad_logits: overlaps valid_count"});
 }
 
+// A view whose address does not start an element of its dtype: the kernels load whole elements
+// (a CUDA fault), so it is refused, naming the view. Checked before anything runs, on any backend.
+TEST_P(BadInputs, ViewsStartOnAnElement) {
+  Fixture f(GetParam());
+  char* x = static_cast<char*>(f.x.data());
+  expect_error([&] {
+    cross_entropy_forward({x + 1, f.rows, 4, f.V, DType::F32, f.dev}, f.tv(), {}, f.out());
+  }, {"logits.data", "not 4-byte aligned", "fp32 element"});
+  expect_error([&] {
+    cross_entropy_forward({x + 2, f.rows, 4, f.V, DType::F32, f.dev}, f.tv(), {}, f.out());
+  }, {"logits.data", "not 4-byte aligned"});
+  expect_error([&] {
+    cross_entropy_forward({x + 1, f.rows, 4, f.V, DType::BF16, f.dev}, f.tv(), {}, f.out());
+  }, {"logits.data", "not 2-byte aligned", "bf16 element"});
+  char* t = static_cast<char*>(f.t.data());
+  MatrixView three{f.x.data(), f.rows - 1, f.V, f.V, DType::F32, f.dev};
+  expect_error([&] {
+    cross_entropy_forward(three, {t + 4, f.rows - 1, IndexType::I64, f.dev}, {}, f.out());
+  }, {"target.data", "not 8-byte aligned", "int64 element"});
+  // RMSNorm's weight and SwiGLU's bias and weights are vectors: the same rule
+  Buffer w(f.dev, 64), rs(f.dev, 16), y(f.dev, f.rows * 8 * 4);
+  MatrixView x8{f.x.data(), f.rows, 8, f.V, DType::F32, f.dev}, y8{y.data(), f.rows, 8, 8, DType::F32, f.dev};
+  expect_error([&] {
+    rms_norm_forward(x8, {w.data_as<char>() + 2, 8, DType::F32, f.dev}, {}, y8, rs.data_as<float>());
+  }, {"weight.data", "not 4-byte aligned"});
+  MatrixView x16{f.x.data(), f.rows, 8, 8, DType::BF16, f.dev};
+  expect_error([&] {
+    swiglu_forward(x16, {w.data_as<char>() + 1, 8, DType::BF16, f.dev}, {}, {},
+                   {y.data(), f.rows, 4, 4, DType::BF16, f.dev});
+  }, {"bias.data", "not 2-byte aligned"});
+  expect_error([&] {
+    swiglu_forward(x8, {}, {w.data_as<char>() + 2, f.rows, DType::F32, f.dev}, {}, {y.data(), f.rows, 4, 4, DType::F32, f.dev});
+  }, {"weights.data", "not 4-byte aligned"});
+}
+
 // Outputs that overlap each other or the inputs: refused, naming the pair, before any write.
 TEST_P(BadInputs, ForwardOutputsApart) {
   Fixture f(GetParam());
@@ -278,6 +314,14 @@ TEST_P(BadInputs, GradientInForward) {
   expect_error([&] {
     cross_entropy_forward_with_grad(f.xv(), f.tv(), {}, out, shifted);
   }, {"grad_logits", "overlaps"});
+  // the forward's own outputs inside the gradient: named as the caller passed them
+  float* in_grad = static_cast<float*>(grad.data()) + 5;
+  expect_error([&] { with_grad({}, g, {in_grad, out.lse, out.valid_count}); },
+               {"grad_logits: overlaps out.loss"});
+  expect_error([&] { with_grad({}, g, {out.loss, in_grad, out.valid_count}); },
+               {"grad_logits: overlaps out.lse"});
+  expect_error([&] { with_grad({}, g, {out.loss, out.lse, in_grad}); },
+               {"grad_logits: overlaps out.valid_count"});
   CrossEntropyOutputs no_count = out;
   no_count.valid_count = nullptr;
   expect_error([&] { with_grad({}, g, no_count); }, {"out.valid_count", "Mean"});

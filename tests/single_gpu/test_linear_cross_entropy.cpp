@@ -464,7 +464,11 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
   o = f.out();
   o.dhidden.data = f.hidden.data();
   expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
-               {"out.dhidden", "overlaps"});
+               {"out.dhidden: overlaps hidden"});
+  o = f.out();
+  o.dweight.data = f.weight.data();
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o); },
+               {"out.dweight: overlaps weight"});
   // outputs over each other or over the inputs
   o = f.out();
   o.loss = f.lse.data_as<float>();
