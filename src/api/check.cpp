@@ -4,10 +4,19 @@
 
 namespace fusedloss::detail {
 
-void require_element_aligned(const void* p, int64_t elem_bytes, const char* name, const char* dtype) {
-  require(reinterpret_cast<uintptr_t>(p) % uintptr_t(elem_bytes) == 0, name,
-          ".data: got an address that is not ", elem_bytes, "-byte aligned, expected the start of a ",
-          dtype, " element");
+void require_element_aligned(const void* p, int64_t elem_bytes, const char* type, const char* name,
+                             const char* field) {
+  require(reinterpret_cast<uintptr_t>(p) % uintptr_t(elem_bytes) == 0, name, field,
+          ": got an address that is not ", elem_bytes, "-byte aligned, expected the start of a ",
+          type, " element");
+}
+
+void require_element_aligned(const void* p, DType dtype, const char* name, const char* field) {
+  require_element_aligned(p, element_size(dtype), to_string(dtype), name, field);
+}
+
+void require_element_aligned(const VectorView& v, const char* name) {
+  require_element_aligned(v.data, v.dtype, name);
 }
 
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
@@ -24,7 +33,7 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
           ", expected >= cols (", m.cols, ")");
   require(m.data != nullptr || m.rows == 0, name, ".data: got null for ", m.rows,
           " rows, expected a pointer");
-  require_element_aligned(m.data, element_size(m.dtype), name, to_string(m.dtype));
+  require_element_aligned(m.data, m.dtype, name);
   // the view's extent in bytes must be a number (the overlap checks and the kernels add it)
   int64_t elems = 0, bytes = 0;
   const bool fits = m.rows == 0 ||
@@ -43,8 +52,8 @@ void check_index(const IndexView& t, const char* name, int64_t expected_size, De
   require(t.device == device, name, ".device: got ", to_string(t.device), ", expected ",
           to_string(device), " (the logits' device)");
   require(t.data != nullptr || t.size == 0, name, ".data: got null, expected a pointer");
-  require_element_aligned(t.data, t.type == IndexType::I32 ? 4 : 8, name,
-                          t.type == IndexType::I32 ? "int32" : "int64");
+  const bool i32 = t.type == IndexType::I32;
+  require_element_aligned(t.data, i32 ? 4 : 8, i32 ? "int32" : "int64", name);
 }
 
 Span span_of(const MatrixView& m, const char* name) {

@@ -8,9 +8,14 @@
 
 namespace fusedloss::detail {
 
-// `p` (null: absent) starts an element of `elem_bytes` bytes: the kernels load whole elements,
-// and a misaligned one is a CUDA fault, not an error the caller can read.
-void require_element_aligned(const void* p, int64_t elem_bytes, const char* name, const char* dtype);
+// `p` (null: absent) starts an element of `elem_bytes` bytes (a `type`): the kernels load whole
+// elements, and a misaligned one is a CUDA fault, not an error the caller can read. The error
+// names `name` + `field` ("logits" ".data"; a raw pointer: field "").
+void require_element_aligned(const void* p, int64_t elem_bytes, const char* type, const char* name,
+                             const char* field = ".data");
+void require_element_aligned(const void* p, DType dtype, const char* name, const char* field = ".data");
+// A vector view that is given (data not null) starts an element of its dtype.
+void require_element_aligned(const VectorView& v, const char* name);
 // A matrix view that is well formed: sizes, stride, pointer (element-aligned), known dtype and
 // device.
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false);

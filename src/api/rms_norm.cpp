@@ -43,8 +43,7 @@ core::RmsNormParams resolve_params(const MatrixView& x, const VectorView& weight
                                 : std::string(to_string(x.dtype)) + " (x's) or fp32");
   require(weight.device == x.device, "weight.device: got ", to_string(weight.device),
           ", expected ", to_string(x.device), " (x's)");
-  detail::require_element_aligned(weight.data, detail::element_size(weight.dtype), "weight",
-                                  to_string(weight.dtype));
+  detail::require_element_aligned(weight, "weight");
   core::RmsNormParams p;
   p.rows = x.rows;
   p.hidden = x.cols;
@@ -115,9 +114,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   const int64_t gw_size = detail::element_size(grad_weight_dtype);
   require(grad_weight != nullptr, "grad_weight: got null, expected a [", x_or_s.cols, "] ",
           to_string(grad_weight_dtype), " buffer");
-  require(reinterpret_cast<uintptr_t>(grad_weight) % uintptr_t(gw_size) == 0,
-          "grad_weight: got an address that is not ", gw_size, "-byte aligned, expected a [",
-          x_or_s.cols, "] ", to_string(grad_weight_dtype), " buffer");
+  detail::require_element_aligned(grad_weight, grad_weight_dtype, "grad_weight", "");
   // given (data) means checked: a [0, H] view for T > 0 rows is refused, not ignored
   const bool gres = grad_residual_out.data != nullptr;
   if (gres) check_like(grad_residual_out, "grad_residual_out", x_or_s, "x_or_s");
@@ -127,30 +124,23 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
                          {&grad_residual_out, "grad_residual_out"}})
     require(same_view(grad_x, *m) || !detail::overlaps(grad_x, *m), "grad_x: overlaps ", name,
             " without being the same view; expected ", name, " itself or a separate buffer");
-  using detail::span_of;
-  const detail::Span gw{grad_weight, x_or_s.cols * gw_size, "grad_weight"};
-  detail::require_outputs_apart({span_of(grad_x, "grad_x"), gw},
-                                {span_of(weight, "weight"), {rstd, x_or_s.rows * 4, "rstd"}});
-  detail::require_outputs_apart({gw}, {span_of(grad_y, "grad_y"), span_of(x_or_s, "x_or_s"),
-                                       span_of(gres ? grad_residual_out : MatrixView{},
-                                               "grad_residual_out")});
   require(workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
           "workspace: got an address that is not 16-byte aligned, expected an aligned buffer of "
           "rms_norm_backward_workspace_bytes() bytes");
-  // The row kernel writes its partial rows into the workspace while other blocks still read
-  // the inputs and write grad_x: it must share memory with none of them (the bytes the backward
-  // may write: the CPU backend writes none).
-  if (workspace) {
-    const detail::Span ws{workspace,
-                          int64_t(rms_norm_backward_workspace_bytes(x_or_s.rows, x_or_s.cols,
-                                                                    x_or_s.device)),
-                          "workspace"};
-    detail::require_outputs_apart(
-        {ws}, {span_of(grad_x, "grad_x"), gw, span_of(weight, "weight"),
-               {rstd, x_or_s.rows * 4, "rstd"}, span_of(grad_y, "grad_y"),
-               span_of(x_or_s, "x_or_s"),
-               span_of(gres ? grad_residual_out : MatrixView{}, "grad_residual_out")});
-  }
+  // The workspace is written too (the row kernel's partial rows, while other blocks still read
+  // the inputs): an output like grad_weight, over the bytes the backward may write.
+  using detail::span_of;
+  const detail::Span gw{grad_weight, x_or_s.cols * gw_size, "grad_weight"};
+  const detail::Span ws{workspace,
+                        workspace ? int64_t(rms_norm_backward_workspace_bytes(
+                                        x_or_s.rows, x_or_s.cols, x_or_s.device))
+                                  : 0,
+                        "workspace"};
+  detail::require_outputs_apart({ws, span_of(grad_x, "grad_x"), gw},
+                                {span_of(weight, "weight"), {rstd, x_or_s.rows * 4, "rstd"}});
+  detail::require_outputs_apart({ws, gw}, {span_of(grad_y, "grad_y"), span_of(x_or_s, "x_or_s"),
+                                           span_of(gres ? grad_residual_out : MatrixView{},
+                                                   "grad_residual_out")});
   const MatrixView none{};
   FL_DISPATCH(x_or_s.device, "rms_norm_backward",
               cpu::rms_norm_backward(grad_y, x_or_s, p, rstd, grad_x, grad_weight,

@@ -44,8 +44,7 @@ core::SwigluParams resolve_params(const MatrixView& y, const VectorView& bias,
             value_dtype == DType::F32 ? "fp32" : std::string(to_string(value_dtype)) + " or fp32");
     require(bias.device == y.device, "bias.device: got ", to_string(bias.device), ", expected ",
             to_string(y.device));
-    detail::require_element_aligned(bias.data, detail::element_size(bias.dtype), "bias",
-                                    to_string(bias.dtype));
+    detail::require_element_aligned(bias, "bias");
     p.bias = bias.data;
     p.bias_f32 = bias.dtype == DType::F32;
   }
@@ -56,7 +55,7 @@ core::SwigluParams resolve_params(const MatrixView& y, const VectorView& bias,
             ", expected fp32");
     require(weights.device == y.device, "weights.device: got ", to_string(weights.device),
             ", expected ", to_string(y.device));
-    detail::require_element_aligned(weights.data, 4, "weights", "fp32");
+    detail::require_element_aligned(weights, "weights");
     p.weights = static_cast<const float*>(weights.data);
   }
   return p;
