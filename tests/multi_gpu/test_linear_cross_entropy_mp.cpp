@@ -96,14 +96,15 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   ce.vocab_start = rank * Vl;
   ce.vocab_global = Vl * world;
   IndexView tv{target.data(), N, IndexType::I64, dev};
-  auto call = [&](int64_t vl, int64_t wcols, LinearCrossEntropyOptions lo = {}) {
+  auto call = [&](int64_t vl, int64_t wcols, LinearCrossEntropyOptions lo = {},
+                  size_t hidden_byte_offset = 0) {
     LinearCrossEntropyOutputs out;
     out.loss = loss.data_as<float>();
     out.lse = lse.data_as<float>();
     out.valid_count = count.data_as<float>();
     out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
     out.dweight = {dw.data(), vl, H, H, DType::F32, dev};
-    linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
+    linear_cross_entropy_forward({hidden.data_as<char>() + hidden_byte_offset, N, H, H, DType::F32, dev},
                                  {weight.data(), vl, wcols, wcols, DType::F32, dev}, tv, ce, lo,
                                  out, &comm);
   };
@@ -111,6 +112,9 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   expect_error_everywhere([&] { call(Vl + (rank == 1), H); }, "V_local");
   // The last rank's weight has another H: its own error, raised on every rank.
   expect_error_everywhere([&] { call(Vl, H + (rank == world - 1)); }, "weight");
+  // The last rank's hidden starts mid-element: its own error, raised on every rank.
+  expect_error_everywhere([&] { call(Vl, H, {}, rank == world - 1 ? 2 : 0); },
+                          "hidden.data: got an address that is not 4-byte aligned");
   // Rank 1 chunks differently: its collectives would not pair with the others'.
   LinearCrossEntropyOptions lo;
   lo.chunk_rows = rank == 1 ? 3 : 4;

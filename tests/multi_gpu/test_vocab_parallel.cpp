@@ -278,6 +278,14 @@ void expect_local_error_everywhere(Device dev, Communicator& comm) {
     cross_entropy_forward({s.x.data(), s.rows, s.vl, s.vl, DType::F32, dev},
                           {s.t.data(), s.rows, IndexType::I64, dev}, s.o, out, &comm);
   }, "vocab-parallel: rank " + std::to_string(last) + ": out.lse: got null");
+  // The last rank alone passes logits that start mid-element (refused before any read).
+  expect_same_error_everywhere([&] {
+    char* x = static_cast<char*>(s.x.data()) + (comm.rank() == last ? 2 : 0);
+    cross_entropy_forward({x, s.rows, s.vl, s.vl, DType::F32, dev},
+                          {s.t.data(), s.rows, IndexType::I64, dev}, s.o,
+                          {s.loss.data_as<float>(), s.lse.data_as<float>(), nullptr}, &comm);
+  }, "vocab-parallel: rank " + std::to_string(last) +
+         ": logits.data: got an address that is not 4-byte aligned");
   s.forward(comm);
 }
 
