@@ -104,4 +104,14 @@ __device__ __forceinline__ float load_from_cluster_block(const float* p, uint32_
   return v;
 }
 
+// Writes v at `p` (this block's shared memory address) in block `rank` of the cluster; visible
+// there after a cluster barrier (cluster_arrive's release, the reader's cluster_wait).
+__device__ __forceinline__ void store_to_cluster_block(float* p, uint32_t rank, float v) {
+#ifdef FUSEDLOSS_BULK_COPY
+  uint32_t remote = 0;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(p)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
+#endif
+}
+
 }  // namespace fusedloss::cuda

@@ -754,42 +754,6 @@ std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
   return {int((vecs + slice - 1) / slice), slice};
 }
 
-// The launch configuration of `kernel` for `rows` rows split as `split`.
-struct ClusterLaunch {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute[1] = {};
-  ClusterLaunch(const ClusterLaunch&) = delete;  // config.attrs points into this object
-  ClusterLaunch(int64_t rows, std::pair<int, int64_t> split, Stream stream) {
-    config.gridDim = dim3(unsigned(rows * split.first));
-    config.blockDim = dim3(ClusterRows::kThreads);
-    config.dynamicSmemBytes = size_t(split.second) * kVectorBytes;
-    config.stream = as_cuda(stream);
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = unsigned(split.first);
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-  }
-};
-
-// Whether this device can run a cluster of `split` at all (a GPC with split.first SMs free of
-// other work, no partition or sharing limit in the way): asked once per device, kernel and
-// split, before anything is allocated, so that a refusal falls back to the 3 passes.
-bool cluster_fits(const void* kernel, std::pair<int, int64_t> split, const FusedLaunch& l) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int64_t>, bool> known;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(l.device, kernel, split.first, split.second);
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  ClusterLaunch launch(1, split, nullptr);
-  int clusters = 0;
-  const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config);
-  if (status != cudaSuccess) (void)cudaGetLastError();  // not an error of the call: not fitting
-  return known[key] = status == cudaSuccess && clusters > 0;
-}
-
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
 // cannot run (a device or a build before sm_90, rows too long, too many of them for the grid).
 std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
@@ -797,14 +761,9 @@ std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logit
   const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
   if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
   allow_shared(kernel, l, l.block_shared);
-  return cluster_fits(kernel, split, l) ? split : std::pair<int, int64_t>{0, 0};
-}
-
-template <class... Params, class... Args>
-void launch_cluster(void (*kernel)(Params...), int64_t rows, std::pair<int, int64_t> split,
-                    Stream stream, Args&&... args) {
-  ClusterLaunch launch(rows, split, stream);
-  FL_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kernel, std::forward<Args>(args)...));
+  const bool fits = max_active_clusters(kernel, ClusterRows::kThreads, split.first,
+                                        size_t(split.second) * kVectorBytes) > 0;
+  return fits ? split : std::pair<int, int64_t>{0, 0};
 }
 
 }  // namespace
@@ -853,9 +812,11 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
       const auto* x = static_cast<const T*>(logits.data);
       auto* g = static_cast<T*>(grad.data);
       if (split.first) {
-        launch_cluster(cluster, p.rows, split, stream, x, logits.row_stride, g,
-                       grad.row_stride, t, p, split.first, split.second,
-                       static_cast<const float*>(out.valid_count), out.lse, row_losses);
+        launch_in_clusters(cluster, unsigned(p.rows * split.first), ClusterRows::kThreads,
+                           split.first, size_t(split.second) * kVectorBytes, stream, x,
+                           logits.row_stride, g, grad.row_stride, t, p, split.first,
+                           split.second, static_cast<const float*>(out.valid_count), out.lse,
+                           row_losses);
       } else {
         auto kernel = stats_grad_kernel<K, Index, kSum>;
         allow_shared(reinterpret_cast<const void*>(kernel), launch_shape, launch_shape.cache_bytes);

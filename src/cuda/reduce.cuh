@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include "cuda/bulk_copy.cuh"
 
 namespace fusedloss::cuda {
 
@@ -88,6 +89,31 @@ __device__ __forceinline__ float group_sum_alternating(float v, int group_thread
   const int warps = group_threads / 32, first = (threadIdx.x / group_threads) * warps;
   float s = 0.0f;
   for (int w = 0; w < warps; ++w) s += half[first + w];
+  return s;
+}
+
+// group_sum_alternating for a row split over the `split` blocks of a thread-block cluster
+// (sm_90; `rank`: this block's place in it; one group a block, and every thread of every block
+// of the cluster calls it, as often as the others). Each warp's sum goes into slot
+// rank * warps + warp of every block's `scratch` (distributed shared memory), one cluster
+// barrier, then each thread adds all split * warps slots in order: the order and bits of
+// group_sum_alternating over one group of split * blockDim.x threads, the thread of the
+// row at rank * blockDim.x + threadIdx.x. `scratch` holds 2 * split * blockDim.x / 32 floats.
+// Why `parity` makes one barrier enough, as above: a block writes a half again only two calls
+// later, after the next call's cluster barrier, which no block passes before every block of
+// the cluster has arrived at it, i.e. finished its reads of this one. Only the writes cross
+// blocks, and they precede the barrier: a block may exit after its last call.
+__device__ __forceinline__ float cluster_sum_alternating(float v, int split, int rank,
+                                                         float* scratch, int parity) {
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  v = warp_sum(v);
+  float* half = scratch + parity * split * warps;
+  if (threadIdx.x % 32 == 0)
+    for (int b = 0; b < split; ++b) store_to_cluster_block(&half[rank * warps + warp], b, v);
+  cluster_arrive();
+  cluster_wait();
+  float s = 0.0f;
+  for (int w = 0; w < split * warps; ++w) s += half[w];
   return s;
 }
 

@@ -5,11 +5,18 @@
 // warp's loads are contiguous), sums their squares, the group sums in a fixed order
 // (reduce.cuh), and the thread scales its own vectors and stores them: x is read once, y
 // written once, rstd 4 bytes per row. A block holds several groups when rows are short (small
-// H: one warp per row).
+// H: one warp per row). Rows of 512 threads and more (H >= 8192 in fp32, 16384 in 16-bit) are
+// read twice instead ("reread" kernel): the first pass sums the squares, the second reads the
+// row again from L1/L2 and stores y, so that a thread needs a few registers rather than the 64
+// that cap an SM at one or two held rows (8192 x 16384 on the H200: fp32 1.31 -> 1.21x the
+// floor, bf16 1.15 -> 1.11x; bench/NOTES.md).
 //
 // Backward ("rows" kernels): the same row-in-registers walk over x (or s) and dy, on a fixed
 // grid of about 2 blocks per SM (occupancy permitting), each block walking a strided set of
-// rows. A thread owns the same columns in every row, so it accumulates dy * xhat for them in
+// rows. A row of more than 512 threads (fp32 H > 8192, 16-bit H > 16384) is split over a
+// thread-block cluster (sm_90), each block holding its share of the row, the row's sum
+// exchanged through distributed shared memory (cluster_sum_alternating), rather than held at
+// 8 vectors a thread with half re-read (fp32 8192 x 16384: 1.74 -> 1.07x the floor). A thread owns the same columns in every row, so it accumulates dy * xhat for them in
 // registers across its rows, and holds the weights of those columns, loaded once before its
 // first row; at the end the block's groups add their accumulators in group
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
@@ -20,8 +27,9 @@
 // never on timing).
 //
 // Synchronisation: only __syncthreads, reached by every thread of the block (the row loops'
-// bounds are the block's, not the group's), so the proof is short and compute-sanitizer
-// racecheck checks all of it. Per row one barrier (group_sum_alternating: two scratch halves;
+// bounds are the block's, not the group's), and for split rows the cluster barrier, reached by
+// every thread of the cluster (the blocks of a cluster walk the same rows), so the proof is
+// short and compute-sanitizer racecheck checks all of it. Per row one barrier (group_sum_alternating: two scratch halves;
 // none when a row is one warp: shuffles only); the accumulator exchange at the end has its own
 // array and two barriers per slot. While a block waits at its barrier, HBM is kept busy by the
 // other blocks of the SM (the default backward block is 256 threads, one or two rows, two
@@ -81,6 +89,11 @@ constexpr int bwd_long_np() {
 }
 constexpr int kBwdPreferredNp = 4;
 constexpr int kAnyThreads = 256;
+// A backward row split over a thread-block cluster (sm_90): at most kMaxClusterBlocks blocks
+// (the portable cluster size) and kMaxRowThreads threads in all, whose row sum needs
+// 2 * kMaxRowThreads / 32 floats of scratch in each block.
+constexpr int kMaxClusterBlocks = 8;
+constexpr int kMaxRowThreads = 2048;
 
 template <StorageKind X, StorageKind W>
 struct FwdArgs {
@@ -117,7 +130,45 @@ struct BwdArgs {
   int64_t rows, hidden;
   bool zc;
   bool prefetch;
-  int tpr;
+  int tpr;    // threads per row in a block: a multiple of 32 dividing blockDim.x
+  int split;  // blocks per row: 1, or a cluster of this many blocks of tpr threads each
+};
+
+// Where a thread sits: its group (a row at a time) in the block, its place in the row, and the
+// rows its block (or cluster) walks. A row split over a cluster of `split` blocks is one group
+// a block; block b of the cluster (rank b % split: a 1-D cluster's blocks are consecutive)
+// holds the row's threads b * tpr ... (b + 1) * tpr - 1, so that a vector's place in the row,
+// t + k * row, and the row sum's order are those of one block of split * tpr threads.
+// kSplit: compiled for rows split over clusters (only the backward's 4-vector kernels are; the
+// others keep split at 1 at compile time, and with it their registers).
+template <bool kSplit>
+struct RowThreads {
+  int split, rank, groups, g, t, row;
+  __device__ RowThreads(int tpr, int split_)
+      : split(kSplit ? split_ : 1),
+        rank(kSplit ? int(blockIdx.x) % split_ : 0),
+        groups(int(blockDim.x) / tpr),
+        g(int(threadIdx.x) / tpr),
+        t(rank * tpr + int(threadIdx.x) % tpr),
+        row(tpr * split) {}
+  // This block's walk over the rows: the unit is the cluster (one block when split is 1).
+  __device__ int64_t unit() const { return int64_t(blockIdx.x) / split; }
+  __device__ int64_t first() const { return unit() * groups; }
+  __device__ int64_t step() const { return int64_t(gridDim.x / split) * groups; }
+  // Before the first row: every block of the cluster has started (its shared memory exists)
+  // before any block writes into it. No block leaves early: each one's last row sum waits for
+  // every other block's writes of that row.
+  __device__ void enter() const {
+    if constexpr (kSplit) {
+      cluster_arrive();
+      cluster_wait();
+    }
+  }
+  // The row's sum, every thread of the block (cluster) calling it once per row.
+  __device__ float sum(float v, float* scratch, int parity) const {
+    if constexpr (kSplit) return cluster_sum_alternating(v, split, rank, scratch, parity);
+    return group_sum_alternating(v, int(blockDim.x) / groups, scratch, parity);
+  }
 };
 
 // ---- forward ----
@@ -126,13 +177,14 @@ template <StorageKind X, StorageKind W, int NP>
 __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kFwdMaxThreads / 32];
-  const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
+  const RowThreads<false> rt(a.tpr, 1);
+  const int t = rt.t, g = rt.g, groups = rt.groups;
   const int nvec = int(a.hidden / VEC);  // rows this short fit the registers
-  const int64_t step = int64_t(gridDim.x) * groups;
+  const int64_t step = rt.step();
   const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
   int parity = 0;
-  // The loop bounds are the block's, not the group's: every thread reaches every group_sum.
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
+  // The loop bounds are the block's, not the group's: every thread reaches every row sum.
+  for (int64_t base = rt.first(); base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
     const bool live = r < a.rows;
     if (a.prefetch && t == 0 && r + step < a.rows) {
@@ -142,13 +194,13 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
     Vec16 v[NP] = {};  // zero bits are 0.0 in every storage kind: absent vectors add nothing
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int p = t + k * a.tpr;
+      const int p = t + k * rt.row;
       if (live && p < nvec) v[k] = load_vec(a.x + r * a.xs + p * VEC);
     }
     if (a.res) {
 #pragma unroll
       for (int k = 0; k < NP; ++k) {
-        const int p = t + k * a.tpr;
+        const int p = t + k * rt.row;
         if (live && p < nvec) {
           float xf[VEC], rf[VEC];
           to_floats<X>(v[k], xf);
@@ -168,12 +220,12 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
         const float f = get<X>(v[k], e);
         sq += f * f;
       }
-    sq = group_sum_alternating(sq, a.tpr, scratch, parity);
+    sq = rt.sum(sq, scratch, parity);
     const float rstd = core::rms_rstd(sq, a.hidden, a.eps);
     if (live && t == 0) a.rstd[r] = rstd;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int p = t + k * a.tpr;
+      const int p = t + k * rt.row;
       if (live && p < nvec) {
         float w[VEC], o[VEC];
         load_floats_ro<W, VEC>(a.w + p * VEC, w);
@@ -182,6 +234,66 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
           o[e] = core::rms_y(get<X>(v[k], e), rstd, core::rms_gamma(w[e], a.zc));
         store_vec(a.y + r * a.ys + p * VEC, from_floats<X>(o));
       }
+    }
+  }
+}
+
+// Long rows: one block a row, the row read twice in 16-byte vectors instead of held in
+// registers. The first pass sums the squares (kRereadUnroll vectors in flight a thread, with
+// the residual: s stored as it goes), the second reads x (or s) again, from L1/L2 where the
+// first pass just brought it, and stores y. HBM sees x once, as with the held rows, but a
+// thread needs only a few registers, so an SM keeps many rows in flight (the held 4-vector
+// rows of 16384 fp32 columns take a 1024-thread block at 64 registers: one row an SM).
+constexpr int kRereadUnroll = 4;
+
+template <StorageKind X, StorageKind W>
+__global__ void __launch_bounds__(kFwdMaxThreads) forward_reread_kernel(FwdArgs<X, W> a) {
+  constexpr int VEC = vector_width<Elem<X>>();
+  __shared__ float scratch[2 * kFwdMaxThreads / 32];
+  const int nvec = int(a.hidden / VEC), t = threadIdx.x, step = blockDim.x;
+  int parity = 0;
+  for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x, parity ^= 1) {
+    const Elem<X>* xr = a.x + r * a.xs;
+    float sq = 0.0f;
+    for (int p0 = t; p0 < nvec; p0 += step * kRereadUnroll) {
+      Vec16 v[kRereadUnroll];
+#pragma unroll
+      for (int u = 0; u < kRereadUnroll; ++u) {
+        const int p = p0 + u * step;
+        v[u] = p < nvec ? load_vec(xr + p * VEC) : Vec16{};
+      }
+#pragma unroll
+      for (int u = 0; u < kRereadUnroll; ++u) {
+        const int p = p0 + u * step;
+        if (a.res && p < nvec) {
+          float xf[VEC], rf[VEC];
+          to_floats<X>(v[u], xf);
+          to_floats<X>(load_vec(a.res + r * a.rs + p * VEC), rf);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) xf[e] += rf[e];
+          v[u] = from_floats<X>(xf);  // s as stored: the second pass and the backward read it
+          store_vec(a.s_out + r * a.ss + p * VEC, v[u]);
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          const float f = get<X>(v[u], e);
+          sq += f * f;
+        }
+      }
+    }
+    sq = group_sum_alternating(sq, blockDim.x, scratch, parity);
+    const float rstd = core::rms_rstd(sq, a.hidden, a.eps);
+    if (t == 0) a.rstd[r] = rstd;
+    // this thread's own vectors again (s: its own stores)
+    const Elem<X>* sr = a.res ? a.s_out + r * a.ss : xr;
+    for (int p = t; p < nvec; p += step) {
+      const Vec16 v = load_vec(sr + p * VEC);
+      float w[VEC], o[VEC];
+      load_floats_ro<W, VEC>(a.w + p * VEC, w);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        o[e] = core::rms_y(get<X>(v, e), rstd, core::rms_gamma(w[e], a.zc));
+      store_vec(a.y + r * a.ys + p * VEC, from_floats<X>(o));
     }
   }
 }
@@ -214,14 +326,16 @@ __global__ void __launch_bounds__(kAnyThreads) forward_any_kernel(FwdArgs<X, W> 
 
 // ---- backward ----
 
-template <StorageKind X, StorageKind W, int NP>
+template <StorageKind X, StorageKind W, int NP, bool kSplit>
 __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X, W> a) {
   allow_dependent_launch();  // the column sum's launch may start (it waits for this grid's end)
   constexpr int VEC = vector_width<Elem<X>>();
-  __shared__ float scratch[2 * kBwdMaxThreads / 32];
-  const int groups = blockDim.x / a.tpr, g = threadIdx.x / a.tpr, t = threadIdx.x % a.tpr;
+  __shared__ float scratch[2 * kMaxRowThreads / 32];
+  const RowThreads<kSplit> rt(a.tpr, a.split);
+  rt.enter();
+  const int t = rt.t, g = rt.g, groups = rt.groups;
   const int nvec = int(a.hidden / VEC);  // rows this short fit the registers
-  const int64_t step = int64_t(gridDim.x) * groups;
+  const int64_t step = rt.step();
   const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
   // x and dy of the first kHeld vectors stay in registers between the passes; the rest (fp32
   // rows of 8 vectors a thread: H 8196..16384, one group a block) are read again in the second
@@ -245,7 +359,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
   Packed<W, VEC> wv[kHeldW] = {};
 #pragma unroll
   for (int k = 0; k < kHeldW; ++k)
-    if (t + k * a.tpr < nvec) wv[k] = load_packed<W, VEC, true>(a.w + (t + k * a.tpr) * VEC);
+    if (t + k * rt.row < nvec) wv[k] = load_packed<W, VEC, true>(a.w + (t + k * rt.row) * VEC);
   // Vector k's weights as floats: held, or read now.
   auto weights = [&](int k, int p, float (&w)[VEC]) {
     if (k < kHeldW) {
@@ -256,7 +370,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
     }
   };
   int parity = 0;
-  for (int64_t base = int64_t(blockIdx.x) * groups; base < a.rows; base += step, parity ^= 1) {
+  for (int64_t base = rt.first(); base < a.rows; base += step, parity ^= 1) {
     const int64_t r = base + g;
     const bool live = r < a.rows;
     if (a.prefetch && t == 0 && r + step < a.rows) {
@@ -266,7 +380,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
     }
     // Vector k of x and dy (zeros past the row or on a dead row: they add nothing).
     auto load_xdy = [&](int k, Vec16& xk, Vec16& gk) {
-      const int p = t + k * a.tpr;
+      const int p = t + k * rt.row;
       if (live && p < nvec) {
         xk = load_vec(a.x + r * a.xs + p * VEC);
         gk = load_vec(a.dy + r * a.dys + p * VEC);
@@ -279,7 +393,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
     float dot = 0.0f;
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int p = t + k * a.tpr;
+      const int p = t + k * rt.row;
       Vec16 xk = {}, gk = {};
       if (k < kHeld) xk = xv[k < kHeld ? k : 0], gk = gv[k < kHeld ? k : 0];
       else load_xdy(k, xk, gk);
@@ -295,10 +409,10 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
       }
     }
     const float c =
-        core::rms_dot_mean(group_sum_alternating(dot, a.tpr, scratch, parity), a.hidden);
+        core::rms_dot_mean(rt.sum(dot, scratch, parity), a.hidden);
 #pragma unroll
     for (int k = 0; k < NP; ++k) {
-      const int p = t + k * a.tpr;
+      const int p = t + k * rt.row;
       Vec16 xk = {}, gk = {};
       if (k < kHeld) xk = xv[k < kHeld ? k : 0], gk = gv[k < kHeld ? k : 0];
       else load_xdy(k, xk, gk);  // before this thread stores over them (in place)
@@ -315,23 +429,25 @@ __global__ void __launch_bounds__(kBwdMaxThreads) backward_rows_kernel(BwdArgs<X
     }
   }
   // The groups' accumulators, added in group order into group 0's, one vector slot at a time
-  // (exchange is not the scratch: the row loop's last reads of it need no barrier here).
+  // (exchange is not the scratch: the row loop's last reads of it need no barrier here). A row
+  // split over a cluster is one group a block, each block holding its own columns.
+  const int tg = threadIdx.x % a.tpr;  // the thread's place in its group
 #pragma unroll
   for (int k = 0; k < NP; ++k) {
     if (groups > 1) {  // uniform over the block
       __syncthreads();
       if (g > 0)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) exchange[((g - 1) * VEC + e) * a.tpr + t] = dg[k][e];
+        for (int e = 0; e < VEC; ++e) exchange[((g - 1) * VEC + e) * a.tpr + tg] = dg[k][e];
       __syncthreads();
       if (g == 0)
         for (int h = 1; h < groups; ++h)
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) dg[k][e] += exchange[((h - 1) * VEC + e) * a.tpr + t];
+          for (int e = 0; e < VEC; ++e) dg[k][e] += exchange[((h - 1) * VEC + e) * a.tpr + tg];
     }
-    const int p = t + k * a.tpr;
+    const int p = t + k * rt.row;
     if (g == 0 && p < nvec) {
-      float* out = a.partial + int64_t(blockIdx.x) * a.hidden + p * VEC;
+      float* out = a.partial + rt.unit() * a.hidden + p * VEC;
 #pragma unroll
       for (int q = 0; q < VEC; q += 4) {
         const float part[4] = {dg[k][q], dg[k][q + 1], dg[k][q + 2], dg[k][q + 3]};
@@ -415,22 +531,35 @@ int64_t max_partial_rows(int64_t rows, const RmsNormTuning& t) {
 
 struct RowLayout {
   int np = 0;      // vectors per thread; 0: the rows do not fit, use the "any" kernels
-  int tpr = 0;     // threads per row
+  int tpr = 0;     // threads per row in a block
   int groups = 0;  // rows per block at a time
+  int split = 1;   // blocks per row (a cluster when > 1)
 };
 
-// NP: the smallest power of two up to `preferred_np` giving tpr <= target_tpr; beyond it (up to
-// max_np) only while the row does not fit max_block threads. Blocks gather rows up to
-// block_target threads.
+// NP: the smallest power of two up to `preferred_np` giving a row <= target_tpr threads; beyond
+// it (up to max_np) only while the row does not fit: max_block threads, or with clusters
+// (cluster_threads > 0) kMaxRowThreads. A row of preferred_np vectors a thread and more than
+// cluster_threads (or max_block) threads is split over the fewest blocks of whole warps that
+// bring each to at most that many (at most kMaxClusterBlocks; or failing that, to max_block);
+// only those kernels are compiled for clusters. Blocks gather rows up to block_target threads.
 RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr, int block_target,
-                     int max_block) {
+                     int max_block, int cluster_threads) {
+  const int max_row = cluster_threads > 0 ? kMaxRowThreads : max_block;
   auto tpr_of = [&](int np) { return ((nvec + np - 1) / np + 31) / 32 * 32; };
   int np = 1;
   while (np < preferred_np && tpr_of(np) > target_tpr) np *= 2;
-  while (np < max_np && tpr_of(np) > max_block) np *= 2;
-  if (tpr_of(np) > max_block) return {};
+  while (np < max_np && tpr_of(np) > max_row) np *= 2;
+  if (tpr_of(np) > max_row) return {};
   const int t = int(tpr_of(np));
-  return {np, t, np > preferred_np ? 1 : std::max(1, block_target / t)};
+  int split = 0;
+  const bool may_split = cluster_threads > 0 && np == preferred_np;
+  for (int pass = 0; pass < 2 && split == 0; ++pass) {
+    const int most = pass == 0 && may_split ? std::min(cluster_threads, max_block) : max_block;
+    for (int s = 1; s <= (may_split ? kMaxClusterBlocks : 1) && split == 0; ++s)
+      if (t % (32 * s) == 0 && t / s <= most) split = s;
+  }
+  if (split == 0) return {};
+  return {np, t / split, split > 1 || np > preferred_np ? 1 : std::max(1, block_target / t), split};
 }
 
 template <class F>
@@ -476,6 +605,9 @@ void set_rms_norm_tuning(const RmsNormTuning& t) {
   in("bwd_tpr", t.bwd_tpr, 32, kBwdMaxThreads, 32);
   in("bwd_block", t.bwd_block, 32, kBwdMaxThreads, 32);
   in("bwd_blocks_per_sm", t.bwd_blocks_per_sm, 1, 16, 1);
+  in("fwd_reread_from", t.fwd_reread_from, 0, kMaxRowThreads, 32);
+  in("fwd_reread_block", t.fwd_reread_block, 0, kFwdMaxThreads, 32);
+  in("bwd_cluster_threads", t.bwd_cluster_threads, 0, kBwdMaxThreads, 32);
   std::lock_guard<std::mutex> lock(g_tuning_mutex);
   g_tuning = t;
 }
@@ -485,7 +617,9 @@ RmsNormTuning parse_rms_norm_tuning(const std::string& spec) {
   const std::pair<const char*, int*> ints[] = {
       {"fwd_tpr", &t.fwd_tpr}, {"fwd_block", &t.fwd_block},
       {"fwd_blocks_per_sm", &t.fwd_blocks_per_sm}, {"bwd_tpr", &t.bwd_tpr},
-      {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm}};
+      {"bwd_block", &t.bwd_block}, {"bwd_blocks_per_sm", &t.bwd_blocks_per_sm},
+      {"fwd_reread_from", &t.fwd_reread_from}, {"fwd_reread_block", &t.fwd_reread_block},
+      {"bwd_cluster_threads", &t.bwd_cluster_threads}};
   const std::pair<const char*, bool*> flags[] = {{"fwd_prefetch", &t.fwd_prefetch},
                                                  {"bwd_prefetch", &t.bwd_prefetch},
                                                  {"bwd_overlap_sum", &t.bwd_overlap_sum}};
@@ -543,8 +677,13 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     const bool vec = rows_vectorisable(x) && rows_vectorisable(y) && rows_vectorisable(residual) &&
                      rows_vectorisable(residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    const RowLayout l = vec ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
-                                         tune.fwd_block, kFwdMaxThreads)
+    // Rows whose held layout takes fwd_reread_from threads or more, and rows no held layout
+    // fits, are read twice, by blocks of as many threads as the held layout would have (each
+    // thread 4 vectors a pass) up to a block's limit, or fwd_reread_block.
+    const int64_t held_threads = ((p.hidden / VEC + kFwdMaxNp - 1) / kFwdMaxNp + 31) / 32 * 32;
+    const RowLayout l = vec && (tune.fwd_reread_from == 0 || held_threads < tune.fwd_reread_from)
+                            ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
+                                         tune.fwd_block, kFwdMaxThreads, 0)
                             : RowLayout{};
     if (l.np) {
       a.tpr = l.tpr;
@@ -559,6 +698,11 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
         }
         kernel<<<grid_of(blocks), threads, 0, as_cuda(stream)>>>(a);
       });
+    } else if (vec) {
+      const int threads = tune.fwd_reread_block > 0
+                              ? tune.fwd_reread_block
+                              : int(std::min<int64_t>(held_threads, kFwdMaxThreads));
+      forward_reread_kernel<X, W><<<grid_of(p.rows), threads, 0, as_cuda(stream)>>>(a);
     } else {
       a.tpr = kAnyThreads;
       forward_any_kernel<X, W><<<grid_of(p.rows), kAnyThreads, 0, as_cuda(stream)>>>(a);
@@ -594,26 +738,47 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
                     static_cast<const Elem<X>*>(grad_residual_out.data),
                     grad_residual_out.row_stride, static_cast<Elem<X>*>(grad_x.data),
                     grad_x.row_stride, static_cast<const Elem<W>*>(p.weight), rstd, partial,
-                    p.rows, p.hidden, p.zero_centered_gamma, tune.bwd_prefetch, 0};
+                    p.rows, p.hidden, p.zero_centered_gamma, tune.bwd_prefetch, 0, 1};
     const bool vec = rows_vectorisable(grad_y) && rows_vectorisable(x_or_s) && rows_vectorisable(grad_x) &&
                      rows_vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
     constexpr int kLongNp = bwd_long_np<Elem<X>>();
-    const RowLayout l = vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr,
-                                         tune.bwd_block, kBwdMaxThreads)
-                            : RowLayout{};
-    if (l.np) {
-      a.tpr = l.tpr;
+    // Launches the row kernel laid out as l, one partial row per block (per cluster); false
+    // where l splits rows over clusters that this device (or build) cannot run.
+    auto launch_rows = [&](const RowLayout& l) {
+      bool launched = true;
       dispatch_np<kLongNp>(l.np, [&](auto np) {
-        auto* kernel = backward_rows_kernel<X, W, decltype(np)::value>;
+        constexpr int NP = decltype(np)::value;
+        auto* kernel = backward_rows_kernel<X, W, NP, false>;
+        if constexpr (NP == kBwdPreferredNp)
+          if (l.split > 1) kernel = backward_rows_kernel<X, W, NP, true>;
         const int threads = l.tpr * l.groups;
-        const int per_sm =
-            std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads));
-        parts = int(std::min<int64_t>({int64_t(per_sm) * sm_count(), max_parts,
-                                       (p.rows + l.groups - 1) / l.groups}));
-        kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
+        int64_t resident = 0;  // blocks, or clusters
+        if (l.split > 1) {
+          resident = std::min<int64_t>(max_active_clusters((const void*)kernel, threads, l.split, 0),
+                                       int64_t(tune.bwd_blocks_per_sm) * sm_count() / l.split);
+          if (resident == 0) return void(launched = false);
+        } else {
+          resident = int64_t(std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads))) *
+                     sm_count();
+        }
+        parts = int(std::min<int64_t>({resident, max_parts, (p.rows + l.groups - 1) / l.groups}));
+        a.tpr = l.tpr;
+        a.split = l.split;
+        if (l.split > 1)
+          launch_in_clusters(kernel, unsigned(parts * l.split), threads, l.split, 0, stream, a);
+        else
+          kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
       });
-    } else {
+      return launched;
+    };
+    auto layout = [&](int cluster_threads) {
+      return vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr, tune.bwd_block,
+                              kBwdMaxThreads, cluster_threads)
+                 : RowLayout{};
+    };
+    const RowLayout clustered = layout(tune.bwd_cluster_threads), plain = layout(0);
+    if (!(clustered.np && launch_rows(clustered)) && !(plain.np && launch_rows(plain))) {
       a.tpr = kAnyThreads;
       parts = int(max_parts);
       backward_any_kernel<X, W><<<unsigned(parts), kAnyThreads, 0, as_cuda(stream)>>>(a);

@@ -26,6 +26,18 @@ struct RmsNormTuning {
   // The weight gradient's column sum launched while the row kernel still runs
   // (dependent_launch.cuh; sm_90 and later): 1-2% of the backward.
   bool bwd_overlap_sum = true;
+  // The backward splits a row that needs more threads than this (4 vectors a thread) over a
+  // thread-block cluster of blocks of at most this many threads (sm_90 and later; up to 8
+  // blocks and 2048 threads a row): 0, never (a row is one block; fp32 rows of 8196..16384
+  // columns take 8 vectors a thread and read half of them twice, longer rows the element-wise
+  // kernel). A multiple of 32. Smaller values measured slower (bench/NOTES.md).
+  int bwd_cluster_threads = 512;
+  // The forward reads a row twice (forward_reread_kernel: one block a row at few registers a
+  // thread, the second read from L1/L2) where its held layout takes at least fwd_reread_from
+  // threads, and where no held layout fits; 0: only there. fwd_reread_block: its block, 0 for
+  // as many threads as the held layout (up to 1024).
+  int fwd_reread_from = 512;
+  int fwd_reread_block = 0;
 };
 RmsNormTuning rms_norm_tuning();
 // Throws naming the field, its value and the range when a field is out of range.

@@ -104,4 +104,53 @@ bool built_for_sm90(const void* kernel) {
   }) != 0;
 }
 
+int max_active_clusters(const void* kernel, int threads, int cluster, size_t shared) {
+  int device = 0;
+  FL_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int, size_t>, int> known;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = known.find({device, kernel, threads, cluster, shared});
+    if (it != known.end()) return it->second;
+  }
+  int major = 0, clusters = 0;
+  FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major >= 9 && built_for_sm90(kernel)) {
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = unsigned(cluster);
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.gridDim = dim3(unsigned(cluster));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = shared;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    // A refusal here is an answer (the cluster does not fit this device), not a failed call.
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  return known[{device, kernel, threads, cluster, shared}] = std::max(clusters, 0);
+}
+
+void launch_in_clusters(const void* kernel, unsigned blocks, int threads, int cluster,
+                        size_t shared, Stream stream, void** args) {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = shared;
+  config.stream = as_cuda(stream);
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  FL_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, args));
+}
+
 }  // namespace fusedloss::cuda

@@ -2,6 +2,8 @@
 // (src/cuda/runtime.cu).
 #pragma once
 #include <cstddef>
+#include <tuple>
+#include <utility>
 #include "fusedloss/types.h"
 
 namespace fusedloss::cuda {
@@ -22,5 +24,29 @@ bool capturing(Stream stream);
 int sm_count();
 int blocks_per_sm(const void* kernel, int threads);
 bool built_for_sm90(const void* kernel);
+
+// Thread-block clusters (sm_90 and later). How many clusters of `cluster` blocks of `kernel`
+// (`threads` threads and `shared` bytes of dynamic shared memory a block) the current device
+// keeps resident at once; 0 where it cannot run one: a device before sm_90, a kernel whose code
+// was not built for it (its cluster instructions would be missing), no GPC with that many SMs
+// free. Asked once per device and configuration; an opt-in to more than 48 KiB of dynamic
+// shared memory (cudaFuncSetAttribute) must come first.
+int max_active_clusters(const void* kernel, int threads, int cluster, size_t shared);
+// kernel(*args[0], ...) on `blocks` blocks (a multiple of `cluster`), in clusters of `cluster`.
+void launch_in_clusters(const void* kernel, unsigned blocks, int threads, int cluster,
+                        size_t shared, Stream stream, void** args);
+// The same with the kernel's arguments, converted to its parameter types as <<<>>> does.
+template <class... Params, class... Args>
+void launch_in_clusters(void (*kernel)(Params...), unsigned blocks, int threads, int cluster,
+                        size_t shared, Stream stream, Args&&... args) {
+  std::tuple<Params...> values(std::forward<Args>(args)...);
+  std::apply(
+      [&](auto&... v) {
+        void* pointers[] = {static_cast<void*>(&v)...};
+        launch_in_clusters(reinterpret_cast<const void*>(kernel), blocks, threads, cluster, shared,
+                           stream, pointers);
+      },
+      values);
+}
 
 }  // namespace fusedloss::cuda

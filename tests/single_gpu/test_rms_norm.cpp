@@ -429,7 +429,15 @@ TEST_P(RmsNorm, KernelVariants) {
       "fwd_tpr=256,fwd_block=1024,fwd_blocks_per_sm=2,bwd_tpr=512,bwd_block=512,"
       "bwd_blocks_per_sm=4",
       "fwd_tpr=32,fwd_block=64,fwd_blocks_per_sm=1,bwd_tpr=128,bwd_block=128,"
-      "bwd_blocks_per_sm=1,bwd_prefetch=0,bwd_overlap_sum=0"};
+      "bwd_blocks_per_sm=1,bwd_prefetch=0,bwd_overlap_sum=0",
+      // backward rows split over clusters: none (a row one block, fp32 rows of 8 vectors);
+      // most rows, down to clusters of 5 and 8 blocks of one or two warps; clusters of 4 on a
+      // grid of one block an SM. The forward: every row held (none read twice where a held
+      // layout fits); every row read twice, in blocks of 96 threads, or as many as held;
+      // rows from 256 threads read twice by 1024-thread blocks
+      "bwd_cluster_threads=0,fwd_reread_from=0", "bwd_cluster_threads=64,fwd_reread_from=32",
+      "bwd_cluster_threads=96,bwd_blocks_per_sm=1,fwd_reread_from=32,fwd_reread_block=96",
+      "fwd_reread_from=256,fwd_reread_block=1024"};
 #if FUSEDLOSS_HAS_CUDA
   const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
   struct Restore {  // the shipped tuning again however the loop ends
@@ -480,6 +488,58 @@ TEST(RmsNormTuning, WorkspaceSizeIgnoresTheTuning) {
   EXPECT_EQ(rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA), before);
 }
 
+// A backward row split over a cluster adds its sums in the order of one block of as many
+// threads (the row kernel's layout is the same either way): grad_x has the same bits split or
+// not; only the weight gradient's partial rows (one per block, or per cluster) may differ.
+TEST(RmsNormTuning, RowsSplitOverClustersKeepTheirBits) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  constexpr auto G = Device::CUDA;
+  const cuda::RmsNormTuning shipped = cuda::rms_norm_tuning();
+  struct Restore {
+    cuda::RmsNormTuning t;
+    ~Restore() { cuda::set_rms_norm_tuning(t); }
+  } restore{shipped};
+  struct S { int64_t rows, H; DType d; };
+  for (const S sh : {S{97, 8192, DType::BF16}, S{61, 6144, DType::F32}, S{33, 16384, DType::F16}}) {
+    SCOPED_TRACE(std::to_string(sh.H) + " " + to_string(sh.d));
+    const int64_t n = sh.rows * sh.H, es = dtype_size(sh.d);
+    Buffer x(G, n * es), dy(G, n * es), w(G, sh.H * 4);
+    std::normal_distribution<double> normal(0.0, 1.0);
+    for (int64_t i = 0; i < n; ++i) {
+      store_as(sh.d, x.host(), i, float(normal(rng())));
+      store_as(sh.d, dy.host(), i, float(normal(rng())));
+    }
+    for (int64_t j = 0; j < sh.H; ++j) w.host_as<float>()[j] = float(1.0 + 0.3 * normal(rng()));
+    x.upload(); dy.upload(); w.upload();
+    const VectorView wv{w.data(), sh.H, DType::F32, G};
+    auto run = [&](const char* tuning) {
+      cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning(tuning));
+      Buffer y(G, n * es), rstd(G, sh.rows * 4), dx(G, n * es), gw(G, sh.H * 4);
+      y.poison(); rstd.poison(); dx.poison();
+      const MatrixView xv{x.data(), sh.rows, sh.H, sh.H, sh.d, G};
+      rms_norm_forward(xv, wv, RmsNormOptions{}, {y.data(), sh.rows, sh.H, sh.H, sh.d, G},
+                       rstd.data_as<float>());
+      rms_norm_backward({dy.data(), sh.rows, sh.H, sh.H, sh.d, G}, xv, wv, rstd.data_as<float>(),
+                        RmsNormOptions{}, {dx.data(), sh.rows, sh.H, sh.H, sh.d, G},
+                        gw.data_as<float>());
+      y.download(); rstd.download(); dx.download();
+      auto bytes = [](Buffer& b) {
+        const auto* p = static_cast<const unsigned char*>(b.host());
+        return std::vector<unsigned char>(p, p + b.bytes());
+      };
+      return std::vector<std::vector<unsigned char>>{bytes(y), bytes(rstd), bytes(dx)};
+    };
+    const auto whole = run("bwd_cluster_threads=0");
+    for (const char* split : {"bwd_cluster_threads=64", "bwd_cluster_threads=96"}) {
+      SCOPED_TRACE(split);
+      const auto parts = run(split);
+      EXPECT_TRUE(parts[0] == whole[0]) << "y (the same forward)";
+      EXPECT_TRUE(parts[1] == whole[1]) << "rstd (the same forward)";
+      EXPECT_TRUE(parts[2] == whole[2]) << "grad_x";
+    }
+  }
+}
+
 // The column sum overlaps the row kernel (dependent_launch.cuh) on every device whose code
 // was built for sm_90 or later; the guard that keeps it off elsewhere must not keep it off there.
 TEST(RmsNormTuning, ColumnSumOverlappedOnHopper) {
@@ -508,8 +568,9 @@ TEST(RmsNormBadInputs, WorkspaceApartFromEveryBuffer) {
   const size_t ws_bytes = rms_norm_backward_workspace_bytes(T, H, G);
   ASSERT_GT(ws_bytes, 0u);
   // one allocation, each buffer at the start of its own slot, a slot longer than the
-  // workspace: a workspace placed at a buffer's start overlaps that buffer and no other
-  const size_t slot = std::max(ws_bytes, size_t(T * H * 4)) + 256;
+  // workspace and a buffer together: a workspace placed at a buffer's start overlaps that
+  // buffer and no other, one ending in a buffer's first bytes only that buffer
+  const size_t slot = ws_bytes + size_t(T * H * 4) + 256;
   Buffer all(G, 8 * slot);
   auto at = [&](int i) { return all.data_as<char>() + i * slot; };
   auto m = [&](int i) { return MatrixView{at(i), T, H, H, DType::F32, G}; };
@@ -541,6 +602,9 @@ TEST(RmsNormTuning, ClearErrors) {
                "bwd_block: got 1024", "32..512");
   expect_error([] { cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("fwd_tpr=48")); },
                "fwd_tpr: got 48", "multiples of 32");
+  expect_error(
+      [] { cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning("bwd_cluster_threads=1024")); },
+      "bwd_cluster_threads: got 1024", "0..512");
   const cuda::RmsNormTuning t = cuda::parse_rms_norm_tuning("fwd_blocks_per_sm=3,bwd_prefetch=0");
   EXPECT_EQ(t.fwd_blocks_per_sm, 3);
   EXPECT_FALSE(t.bwd_prefetch);
