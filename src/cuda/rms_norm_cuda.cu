@@ -14,9 +14,11 @@
 // Backward ("rows" kernels): the same row-in-registers walk over x (or s) and dy, on a fixed
 // grid of about 2 blocks per SM (occupancy permitting), each block walking a strided set of
 // rows. A row of more than 512 threads (fp32 H > 8192, 16-bit H > 16384) is split over a
-// thread-block cluster (sm_90), each block holding its share of the row, the row's sum
+// thread-block cluster (sm_90) of up to 8 equal blocks of whole warps (where its warps divide
+// evenly: not a row of 17), each block holding its share of the row, the row's sum
 // exchanged through distributed shared memory (cluster_sum_alternating), rather than held at
-// 8 vectors a thread with half re-read (fp32 8192 x 16384: 1.74 -> 1.07x the floor). A thread owns the same columns in every row, so it accumulates dy * xhat for them in
+// 8 vectors a thread with half re-read (fp32 8192 x 16384: 1.74 -> 1.07x the floor). A
+// thread owns the same columns in every row, so it accumulates dy * xhat for them in
 // registers across its rows, and holds the weights of those columns, loaded once before its
 // first row; at the end the block's groups add their accumulators in group
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
@@ -40,10 +42,10 @@
 // but a design the tool cannot confirm is not shipped.
 //
 // Views that cannot be walked in 16-byte vectors (odd H, offset pointers, strides that are not
-// a multiple of 16 bytes) and rows too long for registers go through the "any" kernels: one
-// block per row, single elements, the row read twice (the second read mostly hits L1/L2), and
-// in the backward the partial row of the block accumulated in global memory by the thread that
-// owns each column.
+// a multiple of 16 bytes), and backward rows too long for registers even over a cluster (or on
+// a device without clusters), go through the "any" kernels: one block per row, single
+// elements, the row read twice (the second read mostly hits L1/L2), and in the backward the
+// partial row of the block accumulated in global memory by the thread that owns each column.
 //
 // Aliasing (validated in src/api/rms_norm.cpp): in the forward no output overlaps an input or
 // another output. In the backward grad_x may be exactly grad_y, x_or_s or grad_residual_out
@@ -250,21 +252,22 @@ template <StorageKind X, StorageKind W>
 __global__ void __launch_bounds__(kFwdMaxThreads) forward_reread_kernel(FwdArgs<X, W> a) {
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kFwdMaxThreads / 32];
-  const int nvec = int(a.hidden / VEC), t = threadIdx.x, step = blockDim.x;
+  // int64 positions: the only vector kernel a row of 2^31 elements or more can reach
+  const int64_t nvec = a.hidden / VEC, t = threadIdx.x, step = blockDim.x;
   int parity = 0;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x, parity ^= 1) {
     const Elem<X>* xr = a.x + r * a.xs;
     float sq = 0.0f;
-    for (int p0 = t; p0 < nvec; p0 += step * kRereadUnroll) {
+    for (int64_t p0 = t; p0 < nvec; p0 += step * kRereadUnroll) {
       Vec16 v[kRereadUnroll];
 #pragma unroll
       for (int u = 0; u < kRereadUnroll; ++u) {
-        const int p = p0 + u * step;
+        const int64_t p = p0 + u * step;
         v[u] = p < nvec ? load_vec(xr + p * VEC) : Vec16{};
       }
 #pragma unroll
       for (int u = 0; u < kRereadUnroll; ++u) {
-        const int p = p0 + u * step;
+        const int64_t p = p0 + u * step;
         if (a.res && p < nvec) {
           float xf[VEC], rf[VEC];
           to_floats<X>(v[u], xf);
@@ -286,7 +289,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_reread_kernel(FwdArgs<
     if (t == 0) a.rstd[r] = rstd;
     // this thread's own vectors again (s: its own stores)
     const Elem<X>* sr = a.res ? a.s_out + r * a.ss : xr;
-    for (int p = t; p < nvec; p += step) {
+    for (int64_t p = t; p < nvec; p += step) {
       const Vec16 v = load_vec(sr + p * VEC);
       float w[VEC], o[VEC];
       load_floats_ro<W, VEC>(a.w + p * VEC, w);
@@ -539,9 +542,11 @@ struct RowLayout {
 // NP: the smallest power of two up to `preferred_np` giving a row <= target_tpr threads; beyond
 // it (up to max_np) only while the row does not fit: max_block threads, or with clusters
 // (cluster_threads > 0) kMaxRowThreads. A row of preferred_np vectors a thread and more than
-// cluster_threads (or max_block) threads is split over the fewest blocks of whole warps that
-// bring each to at most that many (at most kMaxClusterBlocks; or failing that, to max_block);
-// only those kernels are compiled for clusters. Blocks gather rows up to block_target threads.
+// cluster_threads (or max_block) threads is split over the fewest blocks (at most
+// kMaxClusterBlocks) of equal whole warps that bring each to at most that many (or failing
+// that, to max_block); a row whose warps no such count divides is not split (17 warps: fp32
+// H 8196..8704 stay at 8 vectors a thread). Only those kernels are compiled for clusters.
+// Blocks gather rows up to block_target threads.
 RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr, int block_target,
                      int max_block, int cluster_threads) {
   const int max_row = cluster_threads > 0 ? kMaxRowThreads : max_block;
@@ -551,15 +556,15 @@ RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr,
   while (np < max_np && tpr_of(np) > max_row) np *= 2;
   if (tpr_of(np) > max_row) return {};
   const int t = int(tpr_of(np));
-  int split = 0;
+  int split = 0, block = 0;
   const bool may_split = cluster_threads > 0 && np == preferred_np;
   for (int pass = 0; pass < 2 && split == 0; ++pass) {
     const int most = pass == 0 && may_split ? std::min(cluster_threads, max_block) : max_block;
     for (int s = 1; s <= (may_split ? kMaxClusterBlocks : 1) && split == 0; ++s)
-      if (t % (32 * s) == 0 && t / s <= most) split = s;
+      if (t % (32 * s) == 0 && t / s <= most) split = s, block = t / s;
   }
   if (split == 0) return {};
-  return {np, t / split, split > 1 || np > preferred_np ? 1 : std::max(1, block_target / t), split};
+  return {np, block, split > 1 || np > preferred_np ? 1 : std::max(1, block_target / t), split};
 }
 
 template <class F>
@@ -586,6 +591,27 @@ void dispatch_np(int np, F&& f) {
     if (np < kMax) return dispatch_np<kMax / 2>(np, f);
   }
   f(std::integral_constant<int, kMax>{});
+}
+
+// The backward's row layout for rows of `hidden` columns (`vec`: the views can be walked in
+// vectors) on the current device: split over clusters where the tuning asks for it and the
+// device (and the build) runs the split kernel; {} for the element-wise kernel.
+template <StorageKind X, StorageKind W>
+RowLayout backward_layout(int64_t hidden, bool vec, const RmsNormTuning& tune) {
+  if (!vec) return {};
+  auto layout = [&](int cluster_threads) {
+    return row_layout(hidden / vector_width<Elem<X>>(), kBwdPreferredNp, bwd_long_np<Elem<X>>(),
+                      tune.bwd_tpr, tune.bwd_block, kBwdMaxThreads, cluster_threads);
+  };
+  const RowLayout clustered = layout(tune.bwd_cluster_threads);
+  if (clustered.np && clustered.split == 1) return clustered;  // as without clusters
+  if (clustered.np &&
+      max_active_clusters((const void*)backward_rows_kernel<X, W, kBwdPreferredNp, true>,
+                          clustered.tpr, clustered.split, 0) > 0)
+    return clustered;
+  // no cluster layout (a row of 17 warps), or none this device runs: a row a block, 8 vectors
+  // a thread for fp32 rows that need them, else the element-wise kernel
+  return layout(0);
 }
 
 unsigned grid_of(int64_t blocks) { return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 30)); }
@@ -742,27 +768,26 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
     const bool vec = rows_vectorisable(grad_y) && rows_vectorisable(x_or_s) && rows_vectorisable(grad_x) &&
                      rows_vectorisable(grad_residual_out) && aligned_to(p.weight, kVectorBytes) &&
                      p.hidden % VEC == 0;
-    constexpr int kLongNp = bwd_long_np<Elem<X>>();
-    // Launches the row kernel laid out as l, one partial row per block (per cluster); false
-    // where l splits rows over clusters that this device (or build) cannot run.
-    auto launch_rows = [&](const RowLayout& l) {
-      bool launched = true;
-      dispatch_np<kLongNp>(l.np, [&](auto np) {
+    const RowLayout l = backward_layout<X, W>(p.hidden, vec, tune);
+    if (l.np) {
+      dispatch_np<bwd_long_np<Elem<X>>()>(l.np, [&](auto np) {
         constexpr int NP = decltype(np)::value;
         auto* kernel = backward_rows_kernel<X, W, NP, false>;
         if constexpr (NP == kBwdPreferredNp)
           if (l.split > 1) kernel = backward_rows_kernel<X, W, NP, true>;
+        // only the kSplit kernels index partial rows by cluster
+        detail::require(l.split == 1 || NP == kBwdPreferredNp, "RMSNorm internal: a ", NP,
+                        "-vector row layout split over ", l.split, " blocks");
         const int threads = l.tpr * l.groups;
-        int64_t resident = 0;  // blocks, or clusters
-        if (l.split > 1) {
-          resident = std::min<int64_t>(max_active_clusters((const void*)kernel, threads, l.split, 0),
-                                       int64_t(tune.bwd_blocks_per_sm) * sm_count() / l.split);
-          if (resident == 0) return void(launched = false);
-        } else {
-          resident = int64_t(std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads))) *
-                     sm_count();
-        }
-        parts = int(std::min<int64_t>({resident, max_parts, (p.rows + l.groups - 1) / l.groups}));
+        // the grid's units (blocks, or clusters) resident at once: one partial row each
+        const int64_t resident =
+            l.split > 1
+                ? std::min<int64_t>(max_active_clusters((const void*)kernel, threads, l.split, 0),
+                                    int64_t(tune.bwd_blocks_per_sm) * sm_count() / l.split)
+                : int64_t(std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads))) *
+                      sm_count();
+        parts = int(std::min<int64_t>({std::max<int64_t>(resident, 1), max_parts,
+                                       (p.rows + l.groups - 1) / l.groups}));
         a.tpr = l.tpr;
         a.split = l.split;
         if (l.split > 1)
@@ -770,15 +795,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
         else
           kernel<<<unsigned(parts), threads, 0, as_cuda(stream)>>>(a);
       });
-      return launched;
-    };
-    auto layout = [&](int cluster_threads) {
-      return vec ? row_layout(p.hidden / VEC, kBwdPreferredNp, kLongNp, tune.bwd_tpr, tune.bwd_block,
-                              kBwdMaxThreads, cluster_threads)
-                 : RowLayout{};
-    };
-    const RowLayout clustered = layout(tune.bwd_cluster_threads), plain = layout(0);
-    if (!(clustered.np && launch_rows(clustered)) && !(plain.np && launch_rows(plain))) {
+    } else {
       a.tpr = kAnyThreads;
       parts = int(max_parts);
       backward_any_kernel<X, W><<<unsigned(parts), kAnyThreads, 0, as_cuda(stream)>>>(a);
@@ -795,5 +812,15 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
 }
 
 bool rms_norm_column_sum_overlapped() { return column_sum_overlapped(rms_norm_tuning()); }
+
+int rms_norm_backward_row_split(int64_t hidden, DType dtype, DType weight_dtype) {
+  int split = 1;
+  dispatch_types(dtype, weight_dtype, [&](auto xk, auto wk) {
+    constexpr StorageKind X = decltype(xk)::value, W = decltype(wk)::value;
+    const bool vec = hidden % vector_width<Elem<X>>() == 0;  // a contiguous, aligned view
+    split = std::max(backward_layout<X, W>(hidden, vec, current_tuning()).split, 1);
+  });
+  return split;
+}
 
 }  // namespace fusedloss::cuda

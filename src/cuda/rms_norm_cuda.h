@@ -27,15 +27,16 @@ struct RmsNormTuning {
   // (dependent_launch.cuh; sm_90 and later): 1-2% of the backward.
   bool bwd_overlap_sum = true;
   // The backward splits a row that needs more threads than this (4 vectors a thread) over a
-  // thread-block cluster of blocks of at most this many threads (sm_90 and later; up to 8
-  // blocks and 2048 threads a row): 0, never (a row is one block; fp32 rows of 8196..16384
-  // columns take 8 vectors a thread and read half of them twice, longer rows the element-wise
-  // kernel). A multiple of 32. Smaller values measured slower (bench/NOTES.md).
+  // thread-block cluster of equal blocks of whole warps, at most this many threads each (sm_90
+  // and later; up to 8 blocks and 2048 threads a row; a row whose warps divide no such way, e.g.
+  // 17, is not split): 0, never (a row is one block; fp32 rows
+  // of 8196..16384 columns take 8 vectors a thread and read half of them twice, longer rows the
+  // element-wise kernel). A multiple of 32. Smaller values measured slower (bench/NOTES.md).
   int bwd_cluster_threads = 512;
   // The forward reads a row twice (forward_reread_kernel: one block a row at few registers a
-  // thread, the second read from L1/L2) where its held layout takes at least fwd_reread_from
-  // threads, and where no held layout fits; 0: only there. fwd_reread_block: its block, 0 for
-  // as many threads as the held layout (up to 1024).
+  // thread, the second read from L1/L2) where the row at 4 vectors a thread takes at least
+  // fwd_reread_from threads, and where no held layout fits; 0: only there. fwd_reread_block:
+  // its block, 0 for as many threads as 4 vectors a thread take (up to 1024).
   int fwd_reread_from = 512;
   int fwd_reread_block = 0;
 };
@@ -50,6 +51,10 @@ size_t rms_norm_workspace_bytes(int64_t rows, int64_t hidden);
 // Whether the backward on the current device launches its column sum overlapped
 // (bwd_overlap_sum and the column sum's code compiled for sm_90 or later).
 bool rms_norm_column_sum_overlapped();
+// The blocks (a cluster) the backward splits a row of `hidden` columns over on the current
+// device with the tuning in force, for a contiguous 16-byte-aligned view: 1 where a row is one
+// block or takes the element-wise kernel.
+int rms_norm_backward_row_split(int64_t hidden, DType dtype, DType weight_dtype);
 void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const MatrixView& y,
                       float* rstd, const MatrixView& residual, const MatrixView& residual_out,
                       Stream stream);

@@ -127,10 +127,11 @@ int max_active_clusters(const void* kernel, int threads, int cluster, size_t sha
     config.dynamicSmemBytes = shared;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    // A refusal here is an answer (the cluster does not fit this device), not a failed call.
+    // A refusal here is an answer (the cluster does not fit this device), not a failed call;
+    // it is not kept, so that a transient failure does not turn clusters off for good.
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
       (void)cudaGetLastError();
-      clusters = 0;
+      return 0;
     }
   }
   std::lock_guard<std::mutex> lock(mu);

@@ -404,10 +404,11 @@ TEST_P(RmsNorm, CallerWorkspace) {
 // are reused), big groups, the persistent forward with its L2 prefetch, backward grids of 1 to 8
 // blocks per SM, the column sum launched after the row kernel or overlapping it; a third of the
 // backwards in place over grad_y, a third over x. Shapes: short rows in the thousands, model sizes
-// with the residual, zero-centred gamma and a mixed weight dtype, and the register limits: 16-bit
-// rows on the backward's vector path up to H = 16384 and the forward's up to 32768, fp32 up to
-// 16384 on both (the backward's 8-vector path from H = 8196), the "any" kernels just past them,
-// fp16 rows of 4 vectors a thread (the backward holds 2 of their weights and reads 2 a row).
+// with the residual, zero-centred gamma and a mixed weight dtype, and the register limits: rows
+// held whole or split over clusters in the backward (fp32 H = 8196, 17 warps: the 8-vector
+// path), rows held or read twice in the forward, 16-bit rows up to H = 32776 (the element-wise
+// backward where no cluster holds them), fp16 rows of 4 vectors a thread (the backward holds 2
+// of their weights and reads 2 a row).
 // (The CPU backend has one path: it runs the shapes once.)
 TEST_P(RmsNorm, KernelVariants) {
   const bool cuda = GetParam() == Device::CUDA;
@@ -488,9 +489,32 @@ TEST(RmsNormTuning, WorkspaceSizeIgnoresTheTuning) {
   EXPECT_EQ(rms_norm_backward_workspace_bytes(100000, 4096, Device::CUDA), before);
 }
 
+// The device's compute capability major, and the highest architecture this build has code for
+// at or below it (0 when FUSEDLOSS_TEST_CUDA_ARCHS is not numeric).
+std::pair<int, int> device_major_and_built_arch() {
+  int device = 0, major = 0;
+  EXPECT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  int best_arch = 0;
+  std::stringstream archs(FUSEDLOSS_TEST_CUDA_ARCHS);
+  for (std::string a; std::getline(archs, a, ',');) {
+    const int arch = std::atoi(a.c_str());  // "90", "90a", "90-real": the leading number
+    if (arch <= major * 10 + 9) best_arch = std::max(best_arch, arch);
+  }
+  return {major, best_arch};
+}
+
+// Whether this build and device run thread-block clusters (sm_90 code on an sm_90 device).
+bool clusters_expected() {
+  const auto [major, arch] = device_major_and_built_arch();
+  return arch >= 90 && major >= 9;
+}
+
 // A backward row split over a cluster adds its sums in the order of one block of as many
-// threads (the row kernel's layout is the same either way): grad_x has the same bits split or
-// not; only the weight gradient's partial rows (one per block, or per cluster) may differ.
+// threads (where the row's warps divide evenly over the blocks, the row kernel's layout is the
+// same either way): grad_x has the same bits split or not; only the weight gradient's partial
+// rows (one per block, or per cluster) may differ. Rows several times the resident clusters, so
+// that each cluster reuses both halves of its exchange slots.
 TEST(RmsNormTuning, RowsSplitOverClustersKeepTheirBits) {
   FL_SKIP_UNLESS_BACKEND(Device::CUDA);
   constexpr auto G = Device::CUDA;
@@ -499,11 +523,15 @@ TEST(RmsNormTuning, RowsSplitOverClustersKeepTheirBits) {
     cuda::RmsNormTuning t;
     ~Restore() { cuda::set_rms_norm_tuning(t); }
   } restore{shipped};
+  const bool clusters = clusters_expected();
+  std::printf("thread-block clusters expected on this device and build: %d\n", int(clusters));
+  // rows of 256, 384 and 512 threads, split at 64 threads a block into 4, 6 and 8 blocks, at
+  // 128 into 2, 3 and 4: the fewest blocks are whole ones, no warp idle
   struct S { int64_t rows, H; DType d; };
-  for (const S sh : {S{97, 8192, DType::BF16}, S{61, 6144, DType::F32}, S{33, 16384, DType::F16}}) {
+  for (const S sh : {S{1000, 8192, DType::BF16}, S{700, 6144, DType::F32}, S{500, 16384, DType::F16}}) {
     SCOPED_TRACE(std::to_string(sh.H) + " " + to_string(sh.d));
     const int64_t n = sh.rows * sh.H, es = dtype_size(sh.d);
-    Buffer x(G, n * es), dy(G, n * es), w(G, sh.H * 4);
+    Buffer x(G, n * es), dy(G, n * es), w(G, sh.H * 4), rstd(G, sh.rows * 4);
     std::normal_distribution<double> normal(0.0, 1.0);
     for (int64_t i = 0; i < n; ++i) {
       store_as(sh.d, x.host(), i, float(normal(rng())));
@@ -512,30 +540,28 @@ TEST(RmsNormTuning, RowsSplitOverClustersKeepTheirBits) {
     for (int64_t j = 0; j < sh.H; ++j) w.host_as<float>()[j] = float(1.0 + 0.3 * normal(rng()));
     x.upload(); dy.upload(); w.upload();
     const VectorView wv{w.data(), sh.H, DType::F32, G};
-    auto run = [&](const char* tuning) {
+    const MatrixView xv{x.data(), sh.rows, sh.H, sh.H, sh.d, G};
+    Buffer y(G, n * es);
+    rms_norm_forward(xv, wv, RmsNormOptions{}, {y.data(), sh.rows, sh.H, sh.H, sh.d, G},
+                     rstd.data_as<float>());
+    auto grad_x = [&](const char* tuning, int expected_split) {
       cuda::set_rms_norm_tuning(cuda::parse_rms_norm_tuning(tuning));
-      Buffer y(G, n * es), rstd(G, sh.rows * 4), dx(G, n * es), gw(G, sh.H * 4);
-      y.poison(); rstd.poison(); dx.poison();
-      const MatrixView xv{x.data(), sh.rows, sh.H, sh.H, sh.d, G};
-      rms_norm_forward(xv, wv, RmsNormOptions{}, {y.data(), sh.rows, sh.H, sh.H, sh.d, G},
-                       rstd.data_as<float>());
+      EXPECT_EQ(cuda::rms_norm_backward_row_split(sh.H, sh.d, DType::F32), expected_split);
+      Buffer dx(G, n * es), gw(G, sh.H * 4);
+      dx.poison();
       rms_norm_backward({dy.data(), sh.rows, sh.H, sh.H, sh.d, G}, xv, wv, rstd.data_as<float>(),
                         RmsNormOptions{}, {dx.data(), sh.rows, sh.H, sh.H, sh.d, G},
                         gw.data_as<float>());
-      y.download(); rstd.download(); dx.download();
-      auto bytes = [](Buffer& b) {
-        const auto* p = static_cast<const unsigned char*>(b.host());
-        return std::vector<unsigned char>(p, p + b.bytes());
-      };
-      return std::vector<std::vector<unsigned char>>{bytes(y), bytes(rstd), bytes(dx)};
+      dx.download();
+      const auto* p = static_cast<const unsigned char*>(dx.host());
+      return std::vector<unsigned char>(p, p + dx.bytes());
     };
-    const auto whole = run("bwd_cluster_threads=0");
-    for (const char* split : {"bwd_cluster_threads=64", "bwd_cluster_threads=96"}) {
+    const auto whole = grad_x("bwd_cluster_threads=0", 1);
+    const int threads = int(sh.H * es / 16 / 4);  // 4 vectors a thread
+    for (auto [split, blocks] : {std::pair{"bwd_cluster_threads=64", threads / 64},
+                                 std::pair{"bwd_cluster_threads=128", threads / 128}}) {
       SCOPED_TRACE(split);
-      const auto parts = run(split);
-      EXPECT_TRUE(parts[0] == whole[0]) << "y (the same forward)";
-      EXPECT_TRUE(parts[1] == whole[1]) << "rstd (the same forward)";
-      EXPECT_TRUE(parts[2] == whole[2]) << "grad_x";
+      EXPECT_TRUE(grad_x(split, clusters ? blocks : 1) == whole) << "grad_x";
     }
   }
 }
@@ -544,15 +570,7 @@ TEST(RmsNormTuning, RowsSplitOverClustersKeepTheirBits) {
 // was built for sm_90 or later; the guard that keeps it off elsewhere must not keep it off there.
 TEST(RmsNormTuning, ColumnSumOverlappedOnHopper) {
   FL_SKIP_UNLESS_BACKEND(Device::CUDA);
-  int device = 0, major = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
-  int best_arch = 0;  // the highest architecture the build has SASS for at or below the device's
-  std::stringstream archs(FUSEDLOSS_TEST_CUDA_ARCHS);
-  for (std::string a; std::getline(archs, a, ',');) {
-    const int arch = std::atoi(a.c_str());  // "90", "90a", "90-real": the leading number
-    if (arch <= major * 10 + 9) best_arch = std::max(best_arch, arch);
-  }
+  const auto [major, best_arch] = device_major_and_built_arch();
   std::printf("device sm_%d0, built for %s: column sum overlapped = %d\n", major,
               FUSEDLOSS_TEST_CUDA_ARCHS, int(cuda::rms_norm_column_sum_overlapped()));
   if (best_arch == 0) GTEST_SKIP() << "architectures not numeric: " << FUSEDLOSS_TEST_CUDA_ARCHS;
