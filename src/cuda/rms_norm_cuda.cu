@@ -12,14 +12,15 @@
 // floor, bf16 1.15 -> 1.11x; bench/NOTES.md).
 //
 // Backward ("rows" kernels): the same row-in-registers walk over x (or s) and dy, on a fixed
-// grid of about 2 blocks per SM (occupancy permitting), each block walking a strided set of
+// grid of up to 4 blocks per SM (occupancy permitting), each block walking a strided set of
 // rows. A row of more than 512 threads (fp32 H > 8192, 16-bit H > 16384) is split over a
-// thread-block cluster (sm_90) of up to 8 equal blocks of whole warps (where its warps divide
-// evenly: not a row of 17), each block holding its share of the row, the row's sum
-// exchanged through distributed shared memory (cluster_sum_alternating), rather than held at
-// 8 vectors a thread with half re-read (fp32 8192 x 16384: 1.74 -> 1.07x the floor). A
-// thread owns the same columns in every row, so it accumulates dy * xhat for them in
-// registers across its rows, and holds the weights of those columns, loaded once before its
+// thread-block cluster (sm_90) of up to 8 equal blocks of whole warps, at most 512 threads
+// each, each block holding its share of the row, the row's sum exchanged through distributed
+// shared memory (cluster_sum_alternating), rather than held at 8 vectors a thread with half
+// re-read (fp32 8192 x 16384: 1.74 -> 1.08x the floor). Rows whose warps admit no such split
+// (17, 19, 23, ... or 34 warps: fp32 H 8196..8704, 9220..9728, ...) keep the 8-vector path, or
+// in 16-bit the element-wise kernel. A thread owns the same columns in every row, so it
+// accumulates dy * xhat for them in registers across its rows, and holds the weights of those columns, loaded once before its
 // first row; at the end the block's groups add their accumulators in group
 // order (shared memory) and the block writes one fp32 row of partials [grid, H]. A second small
 // kernel adds the partial rows of each column in a fixed order (launched as a programmatic
@@ -31,18 +32,18 @@
 // Synchronisation: only __syncthreads, reached by every thread of the block (the row loops'
 // bounds are the block's, not the group's), and for split rows the cluster barrier, reached by
 // every thread of the cluster (the blocks of a cluster walk the same rows), so the proof is
-// short and compute-sanitizer racecheck checks all of it. Per row one barrier (group_sum_alternating: two scratch halves;
-// none when a row is one warp: shuffles only); the accumulator exchange at the end has its own
+// short and compute-sanitizer racecheck checks all of it. Per row one barrier
+// (group_sum_alternating: two scratch halves; none when a row is one warp: shuffles only); the accumulator exchange at the end has its own
 // array and two barriers per slot. While a block waits at its barrier, HBM is kept busy by the
-// other blocks of the SM (the default backward block is 256 threads, one or two rows, two
-// blocks per SM that drift apart) and by an L2 prefetch of the group's next row (a hint, no
+// other blocks of the SM (the default backward block is 128 threads, one or two rows, up to
+// four blocks per SM that drift apart) and by an L2 prefetch of the group's next row (a hint, no
 // shared state) issued as it starts a row. Groups with their own named barriers (bar.sync
 // 1 + g, a thread count) were tried: racecheck reported hazards on the exchange that the code's
 // ordering does not allow by reading, i.e. most likely its model of counted named barriers,
 // but a design the tool cannot confirm is not shipped.
 //
 // Views that cannot be walked in 16-byte vectors (odd H, offset pointers, strides that are not
-// a multiple of 16 bytes), and backward rows too long for registers even over a cluster (or on
+// a multiple of 16 bytes), and backward rows that neither one block nor a cluster holds (or on
 // a device without clusters), go through the "any" kernels: one block per row, single
 // elements, the row read twice (the second read mostly hits L1/L2), and in the backward the
 // partial row of the block accumulated in global memory by the thread that owns each column.

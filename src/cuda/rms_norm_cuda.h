@@ -27,9 +27,9 @@ struct RmsNormTuning {
   // (dependent_launch.cuh; sm_90 and later): 1-2% of the backward.
   bool bwd_overlap_sum = true;
   // The backward splits a row that needs more threads than this (4 vectors a thread) over a
-  // thread-block cluster of equal blocks of whole warps, at most this many threads each (sm_90
-  // and later; up to 8 blocks and 2048 threads a row; a row whose warps divide no such way, e.g.
-  // 17, is not split): 0, never (a row is one block; fp32 rows
+  // thread-block cluster of equal blocks of whole warps, at most this many threads each, or
+  // failing that at most 512 (sm_90 and later; up to 8 blocks and 2048 threads a row; a row
+  // whose warps divide no such way, e.g. 17, is not split): 0, never (a row is one block; fp32 rows
   // of 8196..16384 columns take 8 vectors a thread and read half of them twice, longer rows the
   // element-wise kernel). A multiple of 32. Smaller values measured slower (bench/NOTES.md).
   int bwd_cluster_threads = 512;

@@ -127,11 +127,12 @@ int max_active_clusters(const void* kernel, int threads, int cluster, size_t sha
     config.dynamicSmemBytes = shared;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    // A refusal here is an answer (the cluster does not fit this device), not a failed call;
-    // it is not kept, so that a transient failure does not turn clusters off for good.
+    // A refusal here is an answer (the cluster does not fit this device), not a failed call,
+    // and it is kept like any other: the layout, the grid and with them the weight gradient's
+    // bits must not change between calls.
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
       (void)cudaGetLastError();
-      return 0;
+      clusters = 0;
     }
   }
   std::lock_guard<std::mutex> lock(mu);
