@@ -9,7 +9,6 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <tuple>
 #include <utility>
 
 #include "core/dispatch.h"
@@ -699,7 +698,6 @@ struct FusedLaunch {
   int device = -1;
   int sms = 0;
   int64_t cache_bytes = 0;
-  int major = 0;               // compute capability: clusters and bulk copies from 9
   int64_t block_shared = 0;    // the most dynamic shared memory one block may opt into
   int64_t sm_shared = 0;       // an SM's shared memory
 };
@@ -718,12 +716,10 @@ const FusedLaunch& fused_launch() {
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                        device));
   FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int major = 0;
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   const int64_t cache = std::min<int64_t>(
       int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
   return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes,
-                                     major, std::max<int64_t>(int64_t(block_shared) - 1024, 0),
+                                     std::max<int64_t>(int64_t(block_shared) - 1024, 0),
                                      int64_t(sm_shared)};
 }
 
@@ -755,9 +751,9 @@ std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
 }
 
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
-// cannot run (a device or a build before sm_90, rows too long, too many of them for the grid).
+// cannot run (a device or a build before sm_90: max_active_clusters says 0; rows too long, too
+// many of them for the grid).
 std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
-  if (l.major < 9 || !built_for_sm90(kernel)) return {0, 0};
   const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
   if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
   allow_shared(kernel, l, l.block_shared);

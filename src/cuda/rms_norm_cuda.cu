@@ -534,11 +534,15 @@ int64_t max_partial_rows(int64_t rows, const RmsNormTuning& t) {
 }
 
 struct RowLayout {
-  int np = 0;      // vectors per thread; 0: the rows do not fit, use the "any" kernels
-  int tpr = 0;     // threads per row in a block
-  int groups = 0;  // rows per block at a time
-  int split = 1;   // blocks per row (a cluster when > 1)
+  int np = 0;        // vectors per thread; 0: the rows do not fit, use the "any" kernels
+  int tpr = 0;       // threads per row in a block
+  int groups = 0;    // rows per block at a time
+  int split = 1;     // blocks per row (a cluster when > 1)
+  int clusters = 0;  // split > 1: the clusters the device keeps resident
 };
+
+// Threads for a row of `nvec` vectors at `np` a thread, in whole warps.
+int64_t row_threads(int64_t nvec, int np) { return ((nvec + np - 1) / np + 31) / 32 * 32; }
 
 // NP: the smallest power of two up to `preferred_np` giving a row <= target_tpr threads; beyond
 // it (up to max_np) only while the row does not fit: max_block threads, or with clusters
@@ -551,12 +555,11 @@ struct RowLayout {
 RowLayout row_layout(int64_t nvec, int preferred_np, int max_np, int target_tpr, int block_target,
                      int max_block, int cluster_threads) {
   const int max_row = cluster_threads > 0 ? kMaxRowThreads : max_block;
-  auto tpr_of = [&](int np) { return ((nvec + np - 1) / np + 31) / 32 * 32; };
   int np = 1;
-  while (np < preferred_np && tpr_of(np) > target_tpr) np *= 2;
-  while (np < max_np && tpr_of(np) > max_row) np *= 2;
-  if (tpr_of(np) > max_row) return {};
-  const int t = int(tpr_of(np));
+  while (np < preferred_np && row_threads(nvec, np) > target_tpr) np *= 2;
+  while (np < max_np && row_threads(nvec, np) > max_row) np *= 2;
+  if (row_threads(nvec, np) > max_row) return {};
+  const int t = int(row_threads(nvec, np));
   int split = 0, block = 0;
   const bool may_split = cluster_threads > 0 && np == preferred_np;
   for (int pass = 0; pass < 2 && split == 0; ++pass) {
@@ -604,12 +607,14 @@ RowLayout backward_layout(int64_t hidden, bool vec, const RmsNormTuning& tune) {
     return row_layout(hidden / vector_width<Elem<X>>(), kBwdPreferredNp, bwd_long_np<Elem<X>>(),
                       tune.bwd_tpr, tune.bwd_block, kBwdMaxThreads, cluster_threads);
   };
-  const RowLayout clustered = layout(tune.bwd_cluster_threads);
+  RowLayout clustered = layout(tune.bwd_cluster_threads);
   if (clustered.np && clustered.split == 1) return clustered;  // as without clusters
-  if (clustered.np &&
-      max_active_clusters((const void*)backward_rows_kernel<X, W, kBwdPreferredNp, true>,
-                          clustered.tpr, clustered.split, 0) > 0)
-    return clustered;
+  if (clustered.np) {
+    clustered.clusters = max_active_clusters(
+        (const void*)backward_rows_kernel<X, W, kBwdPreferredNp, true>, clustered.tpr,
+        clustered.split, 0);
+    if (clustered.clusters > 0) return clustered;
+  }
   // no cluster layout (a row of 17 warps), or none this device runs: a row a block, 8 vectors
   // a thread for fp32 rows that need them, else the element-wise kernel
   return layout(0);
@@ -707,7 +712,7 @@ void rms_norm_forward(const MatrixView& x, const core::RmsNormParams& p, const M
     // Rows whose held layout takes fwd_reread_from threads or more, and rows no held layout
     // fits, are read twice, by blocks of as many threads as the held layout would have (each
     // thread 4 vectors a pass) up to a block's limit, or fwd_reread_block.
-    const int64_t held_threads = ((p.hidden / VEC + kFwdMaxNp - 1) / kFwdMaxNp + 31) / 32 * 32;
+    const int64_t held_threads = row_threads(p.hidden / VEC, kFwdMaxNp);
     const RowLayout l = vec && (tune.fwd_reread_from == 0 || held_threads < tune.fwd_reread_from)
                             ? row_layout(p.hidden / VEC, kFwdMaxNp, kFwdMaxNp, tune.fwd_tpr,
                                          tune.fwd_block, kFwdMaxThreads, 0)
@@ -783,8 +788,7 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
         // the grid's units (blocks, or clusters) resident at once: one partial row each
         const int64_t resident =
             l.split > 1
-                ? std::min<int64_t>(max_active_clusters((const void*)kernel, threads, l.split, 0),
-                                    int64_t(tune.bwd_blocks_per_sm) * sm_count() / l.split)
+                ? std::min<int64_t>(l.clusters, int64_t(tune.bwd_blocks_per_sm) * sm_count() / l.split)
                 : int64_t(std::min(tune.bwd_blocks_per_sm, blocks_per_sm((const void*)kernel, threads))) *
                       sm_count();
         parts = int(std::min<int64_t>({std::max<int64_t>(resident, 1), max_parts,

@@ -57,19 +57,30 @@ bool capturing(Stream stream) {
 
 namespace {
 
-std::mutex g_facts_mutex;
-std::map<std::tuple<int, const void*, int>, int> g_facts;
+// What a fact is about: a kernel (or none), a block size, and for cluster occupancy the
+// cluster size and dynamic shared memory (0 otherwise).
+struct FactKey {
+  const void* kernel = nullptr;
+  int threads = 0;
+  int cluster = 0;
+  size_t shared = 0;
+};
 
-// query(device, key, threads) once per (current device, key, threads); a query that throws
-// leaves nothing behind, so the next call asks again.
-int device_fact(const void* key, int threads, int (*query)(int device, const void* key, int threads)) {
+std::mutex g_facts_mutex;
+std::map<std::tuple<int, const void*, int, int, size_t>, int> g_facts;
+
+// query(device, key) once per current device and key; a query that throws leaves nothing
+// behind, so the next call asks again. (The query runs under the lock: it must not ask for
+// another fact.)
+int device_fact(const FactKey& key, int (*query)(int device, const FactKey& key)) {
   int device = 0;
   FL_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(g_facts_mutex);
-  auto [it, fresh] = g_facts.try_emplace({device, key, threads}, 0);
+  auto [it, fresh] =
+      g_facts.try_emplace({device, key.kernel, key.threads, key.cluster, key.shared}, 0);
   if (fresh) {
     try {
-      it->second = query(device, key, threads);
+      it->second = query(device, key);
     } catch (...) {
       g_facts.erase(it);
       throw;
@@ -78,10 +89,26 @@ int device_fact(const void* key, int threads, int (*query)(int device, const voi
   return it->second;
 }
 
+// A launch of `blocks` blocks in 1-D clusters of `cluster`; `attribute` must outlive it.
+cudaLaunchConfig_t cluster_config(unsigned blocks, int threads, int cluster, size_t shared,
+                                  cudaLaunchAttribute& attribute) {
+  attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = shared;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
 }  // namespace
 
 int sm_count() {
-  return device_fact(nullptr, 0, [](int device, const void*, int) {
+  return device_fact({}, [](int device, const FactKey&) {
     int n = 0;
     FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return std::max(n, 1);
@@ -89,69 +116,46 @@ int sm_count() {
 }
 
 int blocks_per_sm(const void* kernel, int threads) {
-  return device_fact(kernel, threads, [](int, const void* k, int n) {
+  return device_fact({kernel, threads}, [](int, const FactKey& k) {
     int blocks = 0;
-    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, n, 0));
+    FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k.kernel, k.threads, 0));
     return std::max(blocks, 1);
   });
 }
 
 bool built_for_sm90(const void* kernel) {
-  return device_fact(kernel, -1, [](int, const void* k, int) {  // -1: not a block size
+  return device_fact({kernel, -1}, [](int, const FactKey& k) {  // -1: not a block size
     cudaFuncAttributes attributes{};
-    FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, k));
+    FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, k.kernel));
     return int(attributes.ptxVersion >= 90);
   }) != 0;
 }
 
 int max_active_clusters(const void* kernel, int threads, int cluster, size_t shared) {
-  int device = 0;
-  FL_CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int, size_t>, int> known;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = known.find({device, kernel, threads, cluster, shared});
-    if (it != known.end()) return it->second;
-  }
-  int major = 0, clusters = 0;
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major >= 9 && built_for_sm90(kernel)) {
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attribute = {};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = unsigned(cluster);
-    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-    config.gridDim = dim3(unsigned(cluster));
-    config.blockDim = dim3(unsigned(threads));
-    config.dynamicSmemBytes = shared;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+  if (!built_for_sm90(kernel)) return 0;  // its cluster instructions would be missing
+  return device_fact({kernel, threads, cluster, shared}, [](int device, const FactKey& k) {
+    int major = 0, clusters = 0;
+    FL_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major < 9) return 0;
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config =
+        cluster_config(unsigned(k.cluster), k.threads, k.cluster, k.shared, attribute);
     // A refusal here is an answer (the cluster does not fit this device), not a failed call,
     // and it is kept like any other: the layout, the grid and with them the weight gradient's
     // bits must not change between calls.
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, k.kernel, &config) != cudaSuccess) {
       (void)cudaGetLastError();
-      clusters = 0;
+      return 0;
     }
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  return known[{device, kernel, threads, cluster, shared}] = std::max(clusters, 0);
+    return std::max(clusters, 0);
+  });
 }
 
 void launch_in_clusters(const void* kernel, unsigned blocks, int threads, int cluster,
                         size_t shared, Stream stream, void** args) {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = unsigned(cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  config.gridDim = dim3(blocks);
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = shared;
+  cudaLaunchAttribute attribute;
+  cudaLaunchConfig_t config = cluster_config(blocks, threads, cluster, shared, attribute);
   config.stream = as_cuda(stream);
-  config.attrs = &attribute;
-  config.numAttrs = 1;
   FL_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, args));
 }
 
