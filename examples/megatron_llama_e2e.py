@@ -15,7 +15,8 @@ Per configuration (local spec, single GPU, megatron parallel_state at TP=1):
   max-batch   the largest micro-batch that fits (native and the most patched configuration this
               fusedloss offers), within MAX_BATCH_S
   fp32        the loss curve in fp32 at a smaller shape (hidden 1024), held to 1e-3 of native
-  tiny        the 4-layer hidden-512 model, 50 steps, median of 3 runs (host overhead)
+  tiny        the 4-layer hidden-512 model, 50 steps, median of 3 runs (host overhead), every
+              configuration in one process with the runs interleaved (the host's speed drifts)
 Writes <date>-<gpu>-megatron-llama{,-loss}.csv, .png and .txt into --out (megatron_e2e_report.py,
 tested on CPU); exits non-zero when a configuration or task failed, a loss curve left tolerance,
 or (not in --smoke) a task was not started within --budget-s.
@@ -84,7 +85,9 @@ PLANS = {
               "tiny": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
               "max-batch": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 4, 0)},
 }
-TINY_RUNS = 3
+TINY_RUNS = 5
+TINY_CHILD = "tiny-interleaved"  # the process that runs the tiny model of every configuration
+TINY_SHARE = 0.5  # its weight in the time budget, beside a configuration's 1 (time_share)
 
 
 # ---------------------------------------------------------------- the model (child process)
@@ -151,6 +154,34 @@ class Trainer:
         median = statistics.median(ms[warmup:])
         return dict(losses=losses, step_ms=ms, median_ms=median, tokens_per_s=self.shape.tokens / median * 1e3,
                     peak_mib=torch.cuda.max_memory_allocated() / 2**20)
+
+
+def task_tiny_interleaved(configs, shape, steps, warmup, runs=TINY_RUNS):
+    """The tiny model is host-bound, and a host's speed drifts by tens of percent from one
+    minute to the next (one configuration measured 13.3 and 19.9 ms/step on the same kind of
+    machine): every configuration is built in this one process and the runs interleave (each
+    round runs every configuration's `steps` steps, in an order rotated per round), so drift falls
+    on all of them alike. The patch is switched between configurations outside the timed steps:
+    what it replaces is looked up when called, and the norms were built under their own."""
+    from fusedloss.megatron import apply_fusedloss_to_megatron, unpatch_megatron
+
+    def use(config):
+        options = CONFIGS[config]
+        unpatch_megatron() if options is None else apply_fusedloss_to_megatron(**options)
+
+    trainers = {}
+    for config in configs:
+        use(config)
+        trainers[config] = Trainer(shape, "bf16")
+    measured = {config: [] for config in configs}
+    for r in range(runs):
+        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+            use(config)
+            measured[config].append(trainers[config].train(steps, warmup))
+    unpatch_megatron()
+    return {config: dict(median_ms=statistics.median(run["median_ms"] for run in done),
+                         runs=[{k: run[k] for k in ("median_ms", "peak_mib")} for run in done])
+            for config, done in measured.items()}
 
 
 def _phase_marker(phase):
@@ -261,7 +292,7 @@ def child(args):
 
     # megatron-core's import-time notes about TransformerEngine and Apex (absent by design)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TransformerEngine).*")
-    options = CONFIGS[args.child]
+    options = None if args.child == TINY_CHILD else CONFIGS[args.child]
     if options is not None:
         from fusedloss.megatron import apply_fusedloss_to_megatron
         try:
@@ -280,6 +311,14 @@ def child(args):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the tight check
     plan = PLANS["smoke" if args.smoke else "full"]
+    if args.child == TINY_CHILD:  # the tiny model of every configuration in --configs
+        try:
+            out["tiny"] = task_tiny_interleaved(args.configs.split(","), *plan["tiny"])
+        except Exception as e:
+            traceback.print_exc()
+            out.update(status="failed", error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+        dist.destroy_process_group()
+        return save()
     for task in args.tasks.split(","):
         if time.time() > args.deadline:
             out["tasks"][task] = dict(skipped=f"time budget spent before {task}")
@@ -291,10 +330,6 @@ def child(args):
                 res = task_snapshot(shape, steps, warmup)
             elif task == "max-batch":
                 res = task_max_batch(shape, steps, warmup, min(args.deadline, time.time() + MAX_BATCH_S))
-            elif task == "tiny":
-                runs = [Trainer(shape, "bf16").train(steps, warmup) for _ in range(TINY_RUNS)]
-                res = dict(median_ms=statistics.median(r["median_ms"] for r in runs),
-                           runs=[{k: r[k] for k in ("median_ms", "peak_mib")} for r in runs])
             else:
                 res = Trainer(shape, "fp32" if task == "fp32" else "bf16").train(steps, warmup)
         except Exception as e:  # reported, and the next task still runs
@@ -317,12 +352,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def offered_configs(configs):
+    """The configurations whose options this fusedloss's patch takes."""
+    from fusedloss.megatron import apply_fusedloss_to_megatron
+    params = inspect.signature(apply_fusedloss_to_megatron).parameters
+    return [c for c in configs if CONFIGS[c] is None or all(k in params for k in CONFIGS[c])]
+
+
 def plan_tasks(configs, tasks):
     """config -> its tasks: the largest-micro-batch search only for native and the most patched
     configuration this fusedloss offers (the two numbers a user compares)."""
-    from fusedloss.megatron import apply_fusedloss_to_megatron
-    params = inspect.signature(apply_fusedloss_to_megatron).parameters
-    offered = [c for c in configs if CONFIGS[c] is None or all(k in params for k in CONFIGS[c])]
+    offered = offered_configs(configs)
     ends = {"native", offered[-1] if offered else None}
     return {c: [t for t in tasks if t != "max-batch" or c in ends] for c in configs}
 
@@ -333,34 +373,55 @@ def time_share(config, tasks):
     return (2.0 if config == "native" else 1.0) + (0.3 if "max-batch" in tasks else 0.0)
 
 
+def _run_child(args, name, path, deadline, extra):
+    """(exit code or None when killed, its JSON or None, the error to report)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--result", path,
+           "--deadline", str(deadline)] + extra + (["--smoke"] if args.smoke else [])
+    print(f"== {name}", flush=True)
+    try:
+        rc = subprocess.run(cmd, env=dict(os.environ, MASTER_PORT=str(_free_port())),
+                            timeout=max(deadline - time.time(), 0) + 30).returncode
+        error = f"process exit {rc}"
+    except subprocess.TimeoutExpired:
+        rc, error = None, "killed 30 s past its time budget"
+    try:
+        with open(path) as fh:
+            return rc, json.load(fh), error
+    except (OSError, ValueError):  # died before its first report
+        return rc, None, error
+
+
 def run_children(args):
-    """Each configuration in its own process, within its weighted share of the time left."""
+    """Each configuration in its own process, within its weighted share of the time left; then
+    the tiny model of every configuration in one process (task_tiny_interleaved)."""
     results, end = {}, time.time() + args.budget_s
     configs = args.configs.split(",")
     tasks = plan_tasks(configs, args.tasks.split(","))
-    configs = [c for c in configs if tasks[c]]  # e.g. --tasks max-batch leaves two
+    tiny = [c for c in offered_configs(configs) if "tiny" in tasks[c]]
+    tasks = {c: [t for t in tasks[c] if t != "tiny"] for c in configs}
+    shares = {c: time_share(c, tasks[c]) for c in configs if tasks[c]}  # e.g. --tasks max-batch leaves two
+    tiny_share = TINY_SHARE if tiny else 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(configs):
-            share = time_share(config, tasks[config]) / sum(time_share(c, tasks[c]) for c in configs[i:])
+            if config not in shares:
+                results[config] = dict(config=config, status="ok", tasks={})
+                continue
+            share = shares[config] / (sum(shares[c] for c in configs[i:] if c in shares) + tiny_share)
             deadline = time.time() + (end - time.time()) * share
-            path = os.path.join(tmp, f"{i}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--result", path,
-                   "--deadline", str(deadline), "--tasks", ",".join(tasks[config])] + \
-                (["--smoke"] if args.smoke else [])
-            print(f"== {config}", flush=True)
-            try:
-                rc = subprocess.run(cmd, env=dict(os.environ, MASTER_PORT=str(_free_port())),
-                                    timeout=max(deadline - time.time(), 0) + 30).returncode
-                error = f"process exit {rc}"
-            except subprocess.TimeoutExpired:
-                rc, error = None, "killed 30 s past its time budget"
-            try:
-                with open(path) as fh:
-                    results[config] = json.load(fh)
-            except (OSError, ValueError):  # died before its first report
-                results[config] = dict(status="failed", tasks={})
+            rc, res, error = _run_child(args, config, os.path.join(tmp, f"{i}.json"), deadline,
+                                        ["--tasks", ",".join(tasks[config])])
+            results[config] = res or dict(status="failed", tasks={})
             if rc != 0:
                 results[config].update(status="failed", error=error)
+        if tiny:
+            rc, res, error = _run_child(args, TINY_CHILD, os.path.join(tmp, "tiny.json"), end,
+                                        ["--configs", ",".join(tiny)])
+            for config in tiny:
+                got = (res or {}).get("tiny", {}).get(config)
+                if got is None:  # a configuration that failed on its own says so already
+                    got = dict(error=(res or {}).get("error") or f"tiny model run: {error}")
+                if results[config].get("status") == "ok":
+                    results[config]["tasks"]["tiny"] = got
     return results
 
 

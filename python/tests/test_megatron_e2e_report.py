@@ -287,3 +287,33 @@ def test_each_configuration_runs_in_its_own_process_and_a_failed_one_is_reported
         "native": ("failed", "process exit 2"), "ce+swiglu": ("failed", "process exit 2")}
     failures = rep.report(results, args.out, False, e2e.PLANS["full"])
     assert failures == ["native: failed: process exit 2", "ce+swiglu: failed: process exit 2"]
+
+
+def test_the_tiny_model_runs_once_for_every_configuration_interleaved(monkeypatch):
+    calls = []
+
+    def fake_child(args, name, path, deadline, extra):
+        calls.append((name, extra))
+        if name == e2e.TINY_CHILD:
+            configs = extra[extra.index("--configs") + 1].split(",")
+            tiny = {c: dict(median_ms=10.0 + i, runs=[]) for i, c in enumerate(configs) if c != "+rmsnorm"}
+            return 0, dict(status="ok", tiny=tiny), "process exit 0"
+        if name == "ce+swiglu":
+            return 1, dict(status="ok", tasks={}), "process exit 1"
+        return 0, dict(status="ok", tasks={t: {} for t in extra[1].split(",")}), "process exit 0"
+
+    monkeypatch.setattr(e2e, "_run_child", fake_child)
+    args = e2e.parse_args(["--tasks", "train,tiny"])
+    results = e2e.run_children(args)
+    # the configurations' own processes no longer run the tiny model; one process runs it for all
+    assert calls[:-1] == [(c, ["--tasks", "train"]) for c in e2e.CONFIGS]
+    assert calls[-1] == (e2e.TINY_CHILD, ["--configs", ",".join(e2e.CONFIGS)])
+    assert results["native"]["tasks"]["tiny"]["median_ms"] == 10.0
+    assert results["+linear-ce"]["tasks"]["tiny"]["median_ms"] == 13.0
+    assert "tiny" not in results["ce+swiglu"]["tasks"]  # failed on its own: reported once
+    assert "error" in results["+rmsnorm"]["tasks"]["tiny"]  # missing from the tiny run: a failure
+    # --tasks tiny alone: no per-configuration process at all
+    calls.clear()
+    results = e2e.run_children(e2e.parse_args(["--tasks", "tiny", "--configs", "native,+rmsnorm"]))
+    assert [name for name, _ in calls] == [e2e.TINY_CHILD]
+    assert results["native"]["status"] == "ok" and results["native"]["tasks"]["tiny"]["median_ms"] == 10.0
