@@ -7,7 +7,9 @@ host's enqueue time is reported beside it. Peak extra memory: torch's allocator 
 what the inputs already hold.
 """
 import csv
+import ctypes
 import datetime
+import glob
 import os
 import statistics
 import time
@@ -98,12 +100,61 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
 _BUSY_CYCLES = 4_000_000
 
 
+class StreamOrderedPool:
+    """The device's default cudaMallocAsync pool, where fusedloss's scratch lives
+    (src/cuda/runtime.cu: the linear cross-entropy's chunk buffer and cuBLASLt workspace, ...):
+    torch's allocator statistics do not see it. A driver object, so any copy of libcudart reads
+    the same pool. Where libcudart cannot be loaded or a query fails, `usable` is False and
+    `extra` answers 0 (with a printed reason, once)."""
+
+    USED_CURRENT, USED_HIGH = 7, 8  # cudaMemPoolAttrUsedMemCurrent, cudaMemPoolAttrUsedMemHigh
+
+    def __init__(self):
+        self.rt, self.pool, self.usable = None, ctypes.c_void_p(), False
+        cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+        libs = sorted(glob.glob(os.path.join(cuda_home, "lib64", "libcudart.so*")))
+        try:
+            self.rt = ctypes.CDLL(libs[0]) if libs else None
+            self.usable = self.rt is not None and self.rt.cudaDeviceGetDefaultMemPool(
+                ctypes.byref(self.pool), torch.cuda.current_device()) == 0
+        except (OSError, AttributeError):
+            self.usable = False
+        if not self.usable:
+            print(f"peers: the stream-ordered pool is not readable (libcudart under {cuda_home}); "
+                  "peak memory counts torch's allocator alone")
+
+    def _get(self, attr):
+        value = ctypes.c_uint64()
+        if self.rt.cudaMemPoolGetAttribute(self.pool, attr, ctypes.byref(value)) != 0:
+            self.usable = False
+            print("peers: cudaMemPoolGetAttribute failed; peak memory counts torch's allocator alone")
+        return value.value
+
+    def reset(self):
+        """Starts a measurement: the high watermark back to what is in use now; returns that."""
+        if not self.usable:
+            return 0
+        zero = ctypes.c_uint64(0)  # the only value the high watermark takes: reset to current
+        self.rt.cudaMemPoolSetAttribute(self.pool, self.USED_HIGH, ctypes.byref(zero))
+        return self._get(self.USED_CURRENT)
+
+    def extra(self, base):
+        """Bytes above `base` (reset's answer) at the pool's high watermark since reset."""
+        return max(self._get(self.USED_HIGH) - base, 0) if self.usable else 0
+
+
+_POOL = None
+
+
 def time_step(prepare, forward, backward, iters, warmup):
     """Times out = forward(*inputs) and backward(out, *inputs) (None: no backward) with CUDA
     events, on fresh inputs = prepare() each run made outside the timed region, behind the
     GPU-side wait. Returns median device ms of forward, backward and both, peak extra MiB, the
     median host ms to enqueue both (a provider that syncs the host pays for it in both), and
-    (out, inputs) of the last run."""
+    (out, inputs) of the last run. Peak extra memory is torch's allocator's peak plus the
+    stream-ordered pool's (StreamOrderedPool): an upper bound where the two peak apart."""
+    global _POOL
+    _POOL = _POOL or StreamOrderedPool()
     fwd, bwd, both, host = [], [], [], []
     peak, last = 0, None
     for i in range(iters + warmup):
@@ -112,6 +163,7 @@ def time_step(prepare, forward, backward, iters, warmup):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        pool_base = _POOL.reset()
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda._sleep(_BUSY_CYCLES)
         t0 = time.perf_counter()
@@ -128,7 +180,7 @@ def time_step(prepare, forward, backward, iters, warmup):
             bwd.append(e[1].elapsed_time(e[2]))
             both.append(e[0].elapsed_time(e[2]))
             host.append((t1 - t0) * 1e3)
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            peak = max(peak, torch.cuda.max_memory_allocated() - base + _POOL.extra(pool_base))
         last = (out, inputs)
         del out, inputs
     med = statistics.median
