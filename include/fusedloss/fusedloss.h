@@ -6,5 +6,6 @@
 #include "fusedloss/linear_cross_entropy.h"
 #include "fusedloss/options.h"
 #include "fusedloss/rms_norm.h"
+#include "fusedloss/scratch.h"
 #include "fusedloss/swiglu.h"
 #include "fusedloss/types.h"

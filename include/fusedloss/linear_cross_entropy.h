@@ -10,7 +10,8 @@
 // buffer is reused. GEMMs: cuBLASLt on CUDA (fp32 accumulation), plain loops on the CPU.
 //
 // Two backward modes, both exact:
-//   InForward  (Sum/Mean reductions) the forward also computes the gradients of the reduced
+//   InForward  (Sum/Mean reductions, fp32/bf16 inputs: a unit gradient in fp16 would flush the
+//              entries a loss scale keeps) the forward also computes the gradients of the reduced
 //              loss for an upstream gradient of 1 (3 GEMMs in all); the backward only scales
 //              them by the upstream scalar, read on the device.
 //   Recompute  (any reduction, any per-row upstream gradient) the forward keeps lse (4 B/row);
@@ -38,8 +39,8 @@
 namespace fusedloss {
 
 enum class LinearCeBackward {
-  Auto,       // InForward for Reduction::Sum / Mean, Recompute for Reduction::None
-  InForward,  // Sum / Mean only
+  Auto,       // InForward for Reduction::Sum / Mean, Recompute for Reduction::None and fp16
+  InForward,  // Sum / Mean, fp32 or bf16 inputs only
   Recompute,
 };
 
@@ -72,8 +73,10 @@ struct LinearCrossEntropyOptions {
   DHiddenForm dhidden_form = DHiddenForm::Partial;
 };
 
-// The mode `Auto` resolves to for `reduction` (and checks InForward against it).
-LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction);
+// The mode `Auto` resolves to for `reduction` and the inputs' `dtype` (Recompute for None and
+// for fp16 inputs, whose unit gradient would flush the entries a loss scale keeps; else
+// InForward), and the check of an explicit InForward against both. Throws Error.
+LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction, DType dtype);
 
 // Forward outputs, in the inputs' memory space (host or device).
 struct LinearCrossEntropyOutputs {

@@ -21,7 +21,32 @@ __version__ = _C.__version__
 # cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
 cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
-           "check_device_errors"]
+           "check_device_errors", "set_scratch_allocator"]
+
+
+def set_scratch_allocator(source: str) -> None:
+    """Where the CUDA kernels take the memory they need only while a call runs (the linear
+    cross-entropy's logits chunk buffer and cuBLASLt workspace: up to workspace_bytes + 32 MiB;
+    per-row and per-block partial sums): "cuda" (the default) takes it from cudaMallocAsync's
+    pool, outside torch's allocator, so torch.cuda.memory_allocated() and memory snapshots do
+    not show it; "torch" takes it from torch's caching allocator on the current stream, counted
+    and cached with the rest of torch's memory. For the whole process; FUSEDLOSS_SCRATCH=torch
+    sets it at import. "torch" needs the C++ nodes (fusedloss._native.status)."""
+    from . import _native
+    _native.set_scratch(source)
+
+
+def _scratch_from_environment():
+    import os
+    source = os.environ.get("FUSEDLOSS_SCRATCH")
+    if source:
+        try:
+            set_scratch_allocator(source)
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f"FUSEDLOSS_SCRATCH: {error}") from None
+
+
+_scratch_from_environment()
 
 
 def check_device_errors(device=None):

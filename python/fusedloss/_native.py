@@ -48,6 +48,20 @@ def _load():
     return torch.ops.fusedloss, f"loaded ({_LIBRARY}, torch {built_for})"
 
 
+def set_scratch(source: str) -> None:
+    """fusedloss.set_scratch_allocator (see there)."""
+    if source not in ("torch", "cuda"):
+        raise ValueError(f"source: got {source!r}, expected 'torch' (torch's caching allocator) "
+                         "or 'cuda' (cudaMallocAsync)")
+    if ops is None:
+        if source == "cuda":
+            return  # what the core does unless told otherwise
+        raise RuntimeError(f"fusedloss.set_scratch_allocator('torch'): needs the C++ nodes' library, "
+                           f"which is {status}")
+    if ctypes.CDLL(_LIBRARY).fusedloss_torch_scratch(int(source == "torch")) != 0:
+        raise RuntimeError(f"fusedloss.set_scratch_allocator({source!r}): the core refused it")
+
+
 ops, status = _load()
 if ops is None and os.path.exists(_LIBRARY) and not status.startswith("off"):
     # built, yet unusable here: the same results through the Python nodes, more host time a call

@@ -130,6 +130,7 @@ const python::CoreTable& core_table() {
         Exported<decltype(&linear_cross_entropy_forward), &linear_cross_entropy_forward>::call;
     t.linear_cross_entropy_backward =
         Exported<decltype(&linear_cross_entropy_backward), &linear_cross_entropy_backward>::call;
+    t.set_scratch_allocator = Exported<decltype(&set_scratch_allocator), &set_scratch_allocator>::call;
     return t;
   }();
   return table;

@@ -26,7 +26,7 @@ using CoreError = const CoreFailure*;
 
 // Raised whenever an entry is added, removed or changes its parameters (or a struct passed
 // through the table changes): a library built against another layout refuses the table.
-constexpr uint32_t kCoreTableVersion = 2;
+constexpr uint32_t kCoreTableVersion = 3;
 
 struct CoreTable {
   uint32_t version = kCoreTableVersion;
@@ -78,6 +78,7 @@ struct CoreTable {
                                              const LinearCrossEntropyOutputs& saved,
                                              const LinearCrossEntropyGrads& grads,
                                              Stream stream) = nullptr;
+  CoreError (*set_scratch_allocator)(const ScratchAllocator* allocator) = nullptr;
 };
 
 }  // namespace fusedloss::python

@@ -17,7 +17,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "core_table.h"
 #include "fusedloss/fusedloss.h"
@@ -688,10 +690,70 @@ extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(con
                             (const void*)t.swiglu_backward, (const void*)t.cross_entropy_forward,
                             (const void*)t.cross_entropy_forward_with_grad, (const void*)t.cross_entropy_backward,
                             (const void*)t.cross_entropy_scale_grad, (const void*)t.linear_cross_entropy_forward,
-                            (const void*)t.linear_cross_entropy_backward})
+                            (const void*)t.linear_cross_entropy_backward, (const void*)t.set_scratch_allocator})
     if (!entry) return 1;
   g_core.store(table, std::memory_order_release);
   return 0;
+}
+
+namespace {
+
+// ---- the core's CUDA scratch from torch's caching allocator (fusedloss.set_scratch_allocator) ----
+//
+// A block is a uint8 tensor on the current device, allocated on its current stream; releasing
+// it drops the tensor, which returns the block to torch's cache for work queued on that stream
+// from then on: the same stream-ordered rule as cudaFreeAsync. Scratch for any other stream
+// (another device's, or a stream that is not the current one) is not served here: the core
+// then takes cudaMallocAsync for it.
+
+struct TorchScratch {
+  std::mutex mu;
+  std::unordered_map<void*, at::Tensor> held;
+};
+
+TorchScratch& torch_scratch() {
+  static auto* scratch = new TorchScratch;  // never destroyed: blocks may come back during exit
+  return *scratch;
+}
+
+void* torch_scratch_allocate(size_t bytes, fusedloss::Stream stream, void*) noexcept {
+  try {
+    const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    const c10::Device device = cuda.getDevice();
+    if (cuda.getStream(device).native_handle() != stream) return nullptr;
+    at::Tensor block = at::empty({static_cast<int64_t>(bytes)},
+                                 at::TensorOptions().dtype(at::kByte).device(device));
+    void* ptr = block.data_ptr();
+    TorchScratch& s = torch_scratch();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.held.emplace(ptr, std::move(block));
+    return ptr;
+  } catch (...) {  // out of memory in torch's cache, no CUDA: cudaMallocAsync is tried
+    return nullptr;
+  }
+}
+
+void torch_scratch_release(void* ptr, fusedloss::Stream, void*) noexcept {
+  at::Tensor block;  // freed after the lock, into torch's cache
+  TorchScratch& s = torch_scratch();
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.held.find(ptr);
+  if (it == s.held.end()) return;
+  block = std::move(it->second);
+  s.held.erase(it);
+}
+
+}  // namespace
+
+// Called by fusedloss.set_scratch_allocator: 1 takes the core's CUDA scratch from torch's
+// caching allocator, 0 gives it back to cudaMallocAsync. Returns 0, or 1 when the core is not
+// attached or refused.
+extern "C" __attribute__((visibility("default"))) int fusedloss_torch_scratch(int from_torch) {
+  const CoreTable* core = g_core.load(std::memory_order_acquire);
+  if (!core) return 1;
+  static const fusedloss::ScratchAllocator allocator{&torch_scratch_allocate, &torch_scratch_release,
+                                                      nullptr};
+  return core->set_scratch_allocator(from_torch ? &allocator : nullptr) ? 1 : 0;
 }
 
 // Eager entry points only: the traced path uses the Python custom ops of the same names

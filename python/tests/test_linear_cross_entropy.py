@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import fusedloss
 from dist_util import run_world
@@ -80,7 +81,39 @@ def _check(device, dtype, *, shape=(37,), V=203, upstream=None, weight_view=None
 @pytest.mark.parametrize("reduction, mode", [("mean", "auto"), ("sum", "auto"), ("mean", "recompute"),
                                              ("sum", "in_forward"), ("none", "auto")])
 def test_matches_float64(device, dtype, reduction, mode):
+    if dtype == torch.float16 and mode == "in_forward":  # refused: see the test below
+        with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with torch.float16 inputs"):
+            _check(device, dtype, reduction=reduction, backward_mode=mode, shape=(9, 4))
+        return
     _check(device, dtype, reduction=reduction, backward_mode=mode, shape=(9, 4))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fp16_gradients_keep_what_loss_scaling_keeps(device, reduction):
+    # In fp16 the unit gradient of a mean over many tokens and a large vocabulary (p / N, ~1e-7
+    # here) lies below fp16's range; a loss scale S lifts the real gradient S p / N into it.
+    # "auto" must take the mode whose gradient meets S before fp16 stores it (recompute), and
+    # be as exact as torch's fp16 linear + cross-entropy under the same scale.
+    N, H, V, S = 1024, 16, 4096, 1024.0
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(N, H, generator=g) * 0.1).half().to(device)
+    w = (torch.randn(V, H, generator=g) * 0.1).half().to(device)
+    t = torch.randint(0, V, (N,), generator=g).to(device)
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    reference(h64, w64, t.cpu(), reduction=reduction).backward()
+
+    def error(loss_fn):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        (loss_fn(hh, ww) * S).backward()
+        return max(_rel(hh.grad.float().cpu() / S, h64.grad), _rel(ww.grad.float().cpu() / S, w64.grad))
+
+    if device == "cpu":  # torch's fp16 matmul on the CPU: compute it as the GPU would, fp32 math
+        torch_loss = lambda hh, ww: F.cross_entropy((hh.float() @ ww.float().t()).half().float(), t,
+                                                    reduction=reduction)
+    else:
+        torch_loss = lambda hh, ww: F.cross_entropy(F.linear(hh, ww).float(), t, reduction=reduction)
+    ours = error(lambda hh, ww: fusedloss.linear_cross_entropy(hh, ww, t, reduction=reduction))
+    assert ours <= 2 * error(torch_loss) + 1e-4, ours
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -147,6 +180,8 @@ def test_upstream_gradients(device):
 @pytest.mark.parametrize("mode", ["in_forward", "recompute"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dweight_accumulation_and_inplace(device, mode, dtype):
+    if dtype == torch.float16 and mode == "in_forward":
+        mode = "auto"  # in_forward is refused for fp16; auto takes recompute there
     # the weight's own dtype: one rounding per pair of chunks (here 12 pairs of 3 tokens)
     _check(device, dtype, backward_mode=mode, dweight_accumulation="weight_dtype",
            workspace_bytes=2 * 3 * 208 * 4, upstream=lambda l: torch.tensor(0.7, device=l.device))
@@ -295,22 +330,57 @@ def test_all_ignored_and_zero_rows(device):
     assert loss.item() == 0.0 and w2.grad.abs().max().item() == 0
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph(device, reduction):
-    h, w, t = _problem(device, torch.float32)
+# Inputs as a caller may hold them: transposed hidden ([H, N] storage), a weight that is the
+# transpose of an [H, V] tensor, and [b, s, H] seen as Megatron's [s, b, H] (with its targets).
+_COMPILE_LAYOUTS = {
+    "contiguous": lambda h, w, t: (h, w, t),
+    "hidden_transposed": lambda h, w, t: (h.t().contiguous().t(), w, t),
+    "weight_transposed": lambda h, w, t: (h, w.t().contiguous().t(), t),
+    "bsh_as_sbh": lambda h, w, t: (h.view(-1, 1, h.size(-1)).expand(-1, 2, -1).transpose(0, 1)
+                                   .contiguous().transpose(0, 1), w, t.view(-1, 1).expand(-1, 2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(_COMPILE_LAYOUTS))
+@pytest.mark.parametrize("reduction, options", [("mean", {}), ("none", {}),
+                                                ("mean", dict(inplace_backward=False))])
+def test_compile_fullgraph(device, reduction, options, layout):
+    # the compiled backward's gradients against the eager ones (a fake kernel whose strides
+    # differ from the real op's fails AOTAutograd's check here)
+    h, w, t = _COMPILE_LAYOUTS[layout](*_problem(device, torch.float32))
 
     def step(h, w):
-        return fusedloss.linear_cross_entropy(h, w, t, reduction=reduction, z_loss=1e-4).sum()
+        return fusedloss.linear_cross_entropy(h, w, t, reduction=reduction, z_loss=1e-4, **options).sum()
 
+    torch._dynamo.reset()  # one code object compiled per case: no recompile limit across them
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     grads = []
     for fn in (step, compiled):
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        hh.grad = ww.grad = None
         out = fn(hh, ww)
         out.backward()
-        grads.append((out.detach(), hh.grad, ww.grad))
+        grads.append((out.detach(), hh.grad.clone(), ww.grad.clone()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_compile_inductor_checks_the_backward_strides(device):
+    # Inductor asserts that each op's outputs have the strides its fake kernel promised: the
+    # backward's gradients come out contiguous whatever the inputs' layout, and so must the
+    # fake's (aot_eager above does not check strides). Caches off: a graph compiled against
+    # another fake must not stand in.
+    h, w, t = _problem(device, torch.float32, shape=(12,), V=30)
+    h = h.t().contiguous().t().requires_grad_()
+    w = w.t().contiguous().t().requires_grad_()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = torch.compile(lambda h, w: fusedloss.linear_cross_entropy(h, w, t, reduction="none").sum(),
+                                 fullgraph=True)
+        compiled(h, w).backward()
+    h64, w64 = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    reference(h64, w64, t.cpu(), reduction="none").sum().backward()
+    assert _rel(h.grad.cpu(), h64.grad) <= 1e-5 and _rel(w.grad.cpu(), w64.grad) <= 1e-5
 
 
 def test_tf32_follows_torch(device):

@@ -53,7 +53,8 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
           ", expected 0 (off) or >= 1 columns");
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
           int(o.dhidden_form), ", expected Partial");
-  resolve_linear_ce_backward(o.backward_mode, p.reduction);
+  // the mode against the reduction; the dtype's rule is checked where the inputs are known
+  resolve_linear_ce_backward(o.backward_mode, p.reduction, DType::F32);
   p.softcap = o.logit_softcap;
   return p;
 }
@@ -178,16 +179,26 @@ core::LceStep gradient_step(const IndexView& target, const core::CeParams& p, co
 
 }  // namespace
 
-LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction) {
+LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction,
+                                            DType dtype) {
   require(mode == LinearCeBackward::Auto || mode == LinearCeBackward::InForward ||
               mode == LinearCeBackward::Recompute,
           "options.backward_mode: got ", int(mode), ", expected Auto, InForward or Recompute");
+  // The in-forward gradient is the unit upstream gradient's, stored in the inputs' dtype before
+  // the real one (a loss scale, 1/N) reaches it: in fp16 its small entries (p / N at large
+  // vocabularies) flush to zero where the recomputed gradient, scaled first, keeps them.
   if (mode == LinearCeBackward::Auto)
-    return reduction == Reduction::None ? LinearCeBackward::Recompute : LinearCeBackward::InForward;
+    return reduction == Reduction::None || dtype == DType::F16 ? LinearCeBackward::Recompute
+                                                               : LinearCeBackward::InForward;
   require(mode != LinearCeBackward::InForward || reduction != Reduction::None,
           "options.backward_mode: got ", mode_name(mode),
           " with reduction None, expected Recompute or Auto (the in-forward gradients are those "
           "of a Sum or Mean loss)");
+  require(mode != LinearCeBackward::InForward || dtype != DType::F16,
+          "options.backward_mode: got ", mode_name(mode),
+          " with fp16 inputs, expected Recompute or Auto (the in-forward gradient is stored in fp16 "
+          "before the upstream gradient scales it, so the entries a loss scale would keep flush "
+          "to zero)");
   return mode;
 }
 
@@ -228,7 +239,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   try {
     p = check_inputs(hidden, weight, target, ce, options);
     mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
-    mode = resolve_linear_ce_backward(options.backward_mode, p.reduction);
+    mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype);
     const int64_t nloss = p.reduction == Reduction::None ? N : 1;
     require(out.loss != nullptr || nloss == 0, "out.loss: got null, expected a float buffer of ",
             nloss, " elements");
@@ -351,7 +362,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                    const LinearCrossEntropyGrads& grads, Stream stream) {
   constexpr const char* kFn = "linear_cross_entropy_backward";
   const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
-  const LinearCeBackward mode = resolve_linear_ce_backward(options.backward_mode, p.reduction);
+  const LinearCeBackward mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype);
   const Device dev = hidden.device;
   const int64_t N = hidden.rows;
   check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight);

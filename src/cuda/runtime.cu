@@ -6,6 +6,7 @@
 #include <string>
 #include <tuple>
 #include "cuda/runtime.h"
+#include "api/scratch.h"
 #include "cuda/cuda_check.h"
 
 namespace fusedloss::cuda {
@@ -30,15 +31,18 @@ void throw_error(cudaError_t err, const char* call, const char* file, int line) 
 }
 
 void* alloc_async(size_t bytes, Stream stream) {
+  if (!bytes) return nullptr;
+  if (void* p = detail::scratch_from_installed(bytes, stream)) return p;
   void* p = nullptr;
-  if (bytes) FL_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_cuda(stream)));
+  FL_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_cuda(stream)));
   return p;
 }
 
 void free_async(void* ptr, Stream stream) {
+  if (!ptr || detail::release_to_installed(ptr, stream)) return;
   // A destructor path (~Scratch): a failed free must not throw, so its error is dropped here.
   // It stays sticky only if the context itself failed, and then the next checked call reports it.
-  if (ptr) (void)cudaFreeAsync(ptr, as_cuda(stream));
+  (void)cudaFreeAsync(ptr, as_cuda(stream));
 }
 
 void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream) {

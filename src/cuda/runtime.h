@@ -8,7 +8,8 @@
 
 namespace fusedloss::cuda {
 
-// Stream-ordered scratch memory (cudaMallocAsync), safe inside CUDA graph capture.
+// Stream-ordered scratch memory: from the installed allocator (fusedloss/scratch.h), else
+// cudaMallocAsync; safe inside CUDA graph capture. free_async gives it back where it came from.
 void* alloc_async(size_t bytes, Stream stream);
 void free_async(void* ptr, Stream stream);
 void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream);

@@ -84,7 +84,7 @@ struct LceResult {
 };
 
 inline LinearCeBackward resolved_mode(const LceCase& c) {
-  return resolve_linear_ce_backward(c.lo.backward_mode, c.ce.reduction);
+  return resolve_linear_ce_backward(c.lo.backward_mode, c.ce.reduction, c.dtype);
 }
 
 // The library on `device` (with `comm`: this rank's shard, rows [v0, v0 + V) of the weight in

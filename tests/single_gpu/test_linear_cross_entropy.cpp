@@ -31,8 +31,29 @@ TEST_P(LinearCrossEntropy, EveryDtypeModeAndReduction) {
       c.dtype = d;
       c.lo.backward_mode = mode;
       c.ce.reduction = red;
+      if (d == DType::F16 && mode == LinearCeBackward::InForward) continue;  // refused: below
       check(c);
     }
+}
+
+// fp16: Auto takes Recompute (the loss scale reaches the gradient before fp16 stores it); an
+// explicit InForward is refused, naming why.
+TEST(LinearCrossEntropyModes, Fp16TakesRecompute) {
+  EXPECT_EQ(resolve_linear_ce_backward(LinearCeBackward::Auto, Reduction::Mean, DType::F16),
+            LinearCeBackward::Recompute);
+  EXPECT_EQ(resolve_linear_ce_backward(LinearCeBackward::Auto, Reduction::Sum, DType::BF16),
+            LinearCeBackward::InForward);
+  EXPECT_EQ(resolve_linear_ce_backward(LinearCeBackward::Auto, Reduction::Mean, DType::F32),
+            LinearCeBackward::InForward);
+  expect_error([] { resolve_linear_ce_backward(LinearCeBackward::InForward, Reduction::Sum, DType::F16); },
+               {"options.backward_mode: got InForward with fp16 inputs", "expected Recompute or Auto"});
+  LceCase c;
+  c.dtype = DType::F16;
+  c.lo.backward_mode = LinearCeBackward::InForward;
+  c.ce.reduction = Reduction::Sum;
+  std::mt19937_64 gen(3);
+  const LceProblem p = make_lce_problem(c, gen);
+  expect_error([&] { run_lce(Device::CPU, c, p); }, {"backward_mode: got InForward with fp16 inputs"});
 }
 
 TEST_P(LinearCrossEntropy, IndexTypesAndIgnoreIndex) {

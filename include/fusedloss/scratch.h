@@ -1,0 +1,33 @@
+// fusedloss: where the CUDA backends take their scratch memory.
+//
+// Scratch is what a call needs only while it runs: the linear cross-entropy's logits chunk
+// buffer and cuBLASLt workspace (up to workspace_bytes + 32 MiB), the cross-entropy's per-row
+// losses, RMSNorm's and SwiGLU's per-block partial sums when no workspace is passed, the
+// vocab-parallel exchange buffers. By default it comes from cudaMallocAsync on the device's
+// default pool and goes back with cudaFreeAsync on the same stream. A trainer with its own
+// caching allocator installs it here, so that the scratch is cached and counted with the rest
+// of its memory (the PyTorch package can hand over torch's caching allocator).
+#pragma once
+#include <cstddef>
+#include "fusedloss/types.h"
+
+namespace fusedloss {
+
+struct ScratchAllocator {
+  // `bytes` (> 0) on the current CUDA device, for work queued on `stream` from now on.
+  // nullptr: not served (the call then takes cudaMallocAsync, whose failure raises). Must not
+  // throw.
+  void* (*allocate)(size_t bytes, Stream stream, void* context) = nullptr;
+  // Takes back what `allocate` returned, with the stream it was allocated for. Work already
+  // queued on that stream may still use the memory: it may go only to work queued on that
+  // stream after this call (cudaFreeAsync's rule). Must not throw.
+  void (*release)(void* ptr, Stream stream, void* context) = nullptr;
+  void* context = nullptr;  // passed to both
+};
+
+// Installs a copy of `allocator` for the process (nullptr: back to cudaMallocAsync); both
+// functions must be set. Scratch taken before goes back to the allocator it came from. Throws
+// Error for an allocator with one function missing.
+void set_scratch_allocator(const ScratchAllocator* allocator);
+
+}  // namespace fusedloss

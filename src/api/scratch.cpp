@@ -1,0 +1,78 @@
+// The process's scratch allocator (fusedloss/scratch.h). Each allocation remembers the allocator
+// it came from, so replacing it while scratch is live is safe. Until one is installed the CUDA
+// runtime's path pays one atomic load.
+#include "fusedloss/scratch.h"
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+#include "api/scratch.h"
+#include "common/error.h"
+
+namespace fusedloss {
+namespace {
+
+struct Installed {
+  std::mutex mu;
+  const ScratchAllocator* current = nullptr;  // copies, never freed: live scratch may point at one
+  std::unordered_map<void*, const ScratchAllocator*> taken;
+};
+
+Installed& installed() {
+  static auto* state = new Installed;  // never destroyed: scratch may come back during exit
+  return *state;
+}
+
+std::atomic<bool> g_ever_installed{false};
+
+}  // namespace
+
+void set_scratch_allocator(const ScratchAllocator* allocator) {
+  if (allocator) {
+    detail::require(allocator->allocate && allocator->release, "allocator: got allocate = ",
+                    allocator->allocate ? "a function" : "nullptr", " and release = ",
+                    allocator->release ? "a function" : "nullptr",
+                    ", expected both (or no allocator: nullptr, for cudaMallocAsync)");
+  }
+  Installed& s = installed();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.current = allocator ? new ScratchAllocator(*allocator) : nullptr;
+  if (allocator) g_ever_installed.store(true, std::memory_order_release);
+}
+
+namespace detail {
+
+void* scratch_from_installed(size_t bytes, Stream stream) {
+  if (!g_ever_installed.load(std::memory_order_acquire)) return nullptr;
+  Installed& s = installed();
+  const ScratchAllocator* allocator = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    allocator = s.current;
+  }
+  if (!allocator) return nullptr;
+  void* ptr = allocator->allocate(bytes, stream, allocator->context);
+  if (ptr) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.taken[ptr] = allocator;
+  }
+  return ptr;
+}
+
+bool release_to_installed(void* ptr, Stream stream) {
+  if (!g_ever_installed.load(std::memory_order_acquire)) return false;
+  Installed& s = installed();
+  const ScratchAllocator* allocator = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.taken.find(ptr);
+    if (it == s.taken.end()) return false;
+    allocator = it->second;
+    s.taken.erase(it);
+  }
+  allocator->release(ptr, stream, allocator->context);
+  return true;
+}
+
+}  // namespace detail
+}  // namespace fusedloss

@@ -1,0 +1,14 @@
+// The installed scratch allocator (fusedloss/scratch.h), as the CUDA runtime consults it.
+#pragma once
+#include <cstddef>
+#include "fusedloss/types.h"
+
+namespace fusedloss::detail {
+
+// Scratch for work on `stream` from the installed allocator, recorded with it; nullptr when
+// none is installed or it did not serve the request (the caller takes cudaMallocAsync).
+void* scratch_from_installed(size_t bytes, Stream stream);
+// Gives `ptr` back to the allocator it came from; false when it came from none (cudaMallocAsync).
+bool release_to_installed(void* ptr, Stream stream);
+
+}  // namespace fusedloss::detail
