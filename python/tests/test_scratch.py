@@ -1,0 +1,64 @@
+"""fusedloss.set_scratch_allocator: where the CUDA kernels take the memory a call needs only
+while it runs. "torch": torch's caching allocator, counted in torch's statistics; "cuda":
+cudaMallocAsync (the default)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusedloss
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")
+
+
+@pytest.fixture
+def restore_default():
+    yield
+    fusedloss.set_scratch_allocator("cuda")
+
+
+def test_names_its_choices(restore_default):
+    with pytest.raises(ValueError, match=r"source: got 'cudaMallocAsync', expected 'torch' .* or 'cuda'"):
+        fusedloss.set_scratch_allocator("cudaMallocAsync")
+    if fusedloss._native.ops is None:
+        with pytest.raises(RuntimeError, match="needs the C++ nodes' library"):
+            fusedloss.set_scratch_allocator("torch")
+    else:
+        fusedloss.set_scratch_allocator("torch")
+    fusedloss.set_scratch_allocator("cuda")
+
+
+def test_a_bad_environment_value_fails_the_import():
+    run = subprocess.run([sys.executable, "-c", "import fusedloss"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "FUSEDLOSS_SCRATCH": "pool"})
+    assert run.returncode != 0 and "FUSEDLOSS_SCRATCH: source: got 'pool'" in run.stderr
+
+
+def _lce_step(h, w, t):
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none")
+    loss.backward(torch.ones_like(loss))
+    return loss.detach(), hh.grad, ww.grad
+
+
+@_CUDA
+@pytest.mark.skipif(fusedloss._native.ops is None, reason="the C++ nodes are not loaded")
+def test_torch_scratch_is_counted_by_torch_and_keeps_the_bits(restore_default):
+    N, H, V = 512, 64, 32000
+    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.05
+    t = torch.randint(0, V, (N,), device="cuda")
+    by_cuda = _lce_step(h, w, t)
+    fusedloss.set_scratch_allocator("torch")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    by_torch = _lce_step(h, w, t)
+    torch.cuda.synchronize()
+    chunk_buffer = N * V * 2  # the whole [N, V] fits the default 256 MiB workspace: one chunk
+    assert torch.cuda.max_memory_allocated() - base >= chunk_buffer  # seen by torch
+    grads = 2 * (N * H + V * H) + 4 * N  # what the step keeps: the gradients and the loss
+    assert torch.cuda.memory_allocated() - base <= grads + (1 << 20)  # the scratch went back
+    for a, b in zip(by_cuda, by_torch):
+        assert torch.equal(a, b)
