@@ -8,6 +8,7 @@ copied here first; auxiliary tensors (bias, scales, grad_output, targets) are sm
 made contiguous in the dtype the kernel computes with.
 """
 import functools
+import math
 import numbers
 import operator
 import os
@@ -123,11 +124,29 @@ def validated(validate, *args) -> None:
         raise _C.Error(str(e).replace("options.", "", 1)) from None
 
 
+_F32_ZERO_BELOW = 2.0 ** -150  # magnitudes up to this round to 0 in float32
+_F32_INF_FROM = 2.0 ** 128 * (1 - 2.0 ** -25)  # finite magnitudes from this round to inf
+
+
+def _fits_float32(value: float, name: str) -> float:
+    """The options reach the kernels as float32: a value that would become 0 or inf there (a
+    softcap of 1e-300 would silently switch it off) is refused with the value as passed."""
+    magnitude = abs(value)
+    if 0 < magnitude <= _F32_ZERO_BELOW:
+        raise ValueError(f"{name}: got {value!r}, which is 0 in float32 (the kernels' precision), "
+                         "expected 0 or a magnitude of at least 1.4e-45")
+    if _F32_INF_FROM <= magnitude < math.inf:
+        raise ValueError(f"{name}: got {value!r}, which is inf in float32 (the kernels' precision), "
+                         "expected a magnitude of at most 3.4e38")
+    return value
+
+
 def as_float(value, name):
-    """A real number (int, float, numpy scalar, 0-d real tensor), never a string, a bool or a
-    complex value losing its imaginary part."""
+    """A real number (int, float, numpy scalar, 0-d real tensor) that float32 represents as
+    nonzero and finite when it is; never a string, a bool or a complex value losing its
+    imaginary part."""
     if type(value) is float:  # the common case, taken as is (float(value) is value)
-        return value
+        return _fits_float32(value, name)
     complex_like = (isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real)) or (
         isinstance(value, Tensor) and (value.is_complex() or value.numel() != 1))
     if isinstance(value, (bool, str)) or complex_like or not hasattr(value, "__float__"):
@@ -136,7 +155,7 @@ def as_float(value, name):
         raise TypeError(f"{name}: got a tensor that requires grad, expected a real number (it is "
                         "read as a constant; pass a float, or .item() / .detach() it)")
     try:
-        return float(value)
+        return _fits_float32(float(value), name)
     except OverflowError:
         raise ValueError(f"{name}: got an integer too large for a float ({str(value)[:20]}...), "
                          "expected a real number") from None

@@ -187,6 +187,8 @@ class RMSNorm(torch.nn.Module):
         self.zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
         _options(eps, self.zero_centered_gamma)  # the C++ check, cached
         self.hidden_size, self.eps = hidden_size, eps
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype: got {dtype!r} ({type(dtype).__name__}), expected a torch.dtype")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype: got {dtype}, expected a floating-point dtype for the weight")
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))

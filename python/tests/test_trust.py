@@ -422,3 +422,31 @@ def test_outputs_can_be_modified_in_place(device, case):
             assert a is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+# ---- options that float32 cannot hold: refused with the value as passed ----
+
+@pytest.mark.parametrize("call, message", [
+    (lambda h, w, t, x: fusedloss.linear_cross_entropy(h, w, t, logit_softcap=1e-300),
+     r"logit_softcap: got 1e-300, which is 0 in float32"),  # 0 would mean "off": not silently
+    (lambda h, w, t, x: fusedloss.linear_cross_entropy(h, w, t, z_loss=1e300),
+     r"z_loss: got 1e\+300, which is inf in float32"),
+    (lambda h, w, t, x: fusedloss.rms_norm(x, torch.ones(8), eps=1e-50),
+     r"eps: got 1e-50, which is 0 in float32"),
+    (lambda h, w, t, x: fusedloss.rms_norm(x, torch.ones(8), eps=torch.tensor(1e39, dtype=torch.float64)),
+     r"eps: got 1e\+39, which is inf in float32"),
+    (lambda h, w, t, x: fusedloss.cross_entropy(x, t[:6] % 8, label_smoothing=1e-46),
+     r"label_smoothing: got 1e-46, which is 0 in float32"),
+])
+def test_options_float32_cannot_hold_are_refused(call, message):
+    h, w, t, x = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 10, (6,)), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=message):
+        call(h, w, t, x)
+    # the smallest float32 subnormal and the largest finite float32 are accepted
+    fusedloss.linear_cross_entropy(h, w, t, logit_softcap=1.5e-45)
+    fusedloss.rms_norm(x, torch.ones(8), eps=3.4e38)
+
+
+def test_rms_norm_module_dtype_must_be_a_torch_dtype():
+    with pytest.raises(TypeError, match="dtype: got 'float32' \\(str\\), expected a torch.dtype"):
+        fusedloss.RMSNorm(4, dtype="float32")
