@@ -14,9 +14,12 @@
 namespace fusedloss {
 
 struct ScratchAllocator {
-  // `bytes` (> 0) on the current CUDA device, for work queued on `stream` from now on.
-  // nullptr: not served (the call then takes cudaMallocAsync, whose failure raises). Must not
-  // throw.
+  // `bytes` (> 0) for work queued on `stream` from now on, on the stream's device (the current
+  // device when the core calls it from a call whose buffers are on it), 256-byte aligned.
+  // nullptr: not served (the call then takes cudaMallocAsync, whose failure raises; so does a
+  // less aligned block, given back at once). Must not throw. Not called while `stream` is
+  // being captured into a CUDA graph: the graph would use the block at every replay, after the
+  // call gave it back; cudaMallocAsync's memory nodes serve captures.
   void* (*allocate)(size_t bytes, Stream stream, void* context) = nullptr;
   // Takes back what `allocate` returned, with the stream it was allocated for. Work already
   // queued on that stream may still use the memory: it may go only to work queued on that

@@ -37,13 +37,18 @@ def set_scratch_allocator(source: str) -> None:
 
 
 def _scratch_from_environment():
+    """FUSEDLOSS_SCRATCH: a name set_scratch_allocator does not know fails the import; "torch"
+    where the C++ nodes cannot load warns and keeps cudaMallocAsync (the ops still work)."""
     import os
+    import warnings
     source = os.environ.get("FUSEDLOSS_SCRATCH")
     if source:
         try:
             set_scratch_allocator(source)
-        except (ValueError, RuntimeError) as error:
+        except ValueError as error:
             raise ValueError(f"FUSEDLOSS_SCRATCH: {error}") from None
+        except RuntimeError as error:
+            warnings.warn(f"FUSEDLOSS_SCRATCH={source}: {error}; the scratch comes from cudaMallocAsync")
 
 
 _scratch_from_environment()

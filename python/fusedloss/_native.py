@@ -59,7 +59,13 @@ def set_scratch(source: str) -> None:
         raise RuntimeError(f"fusedloss.set_scratch_allocator('torch'): needs the C++ nodes' library, "
                            f"which is {status}")
     if ctypes.CDLL(_LIBRARY).fusedloss_torch_scratch(int(source == "torch")) != 0:
-        raise RuntimeError(f"fusedloss.set_scratch_allocator({source!r}): the core refused it")
+        raise RuntimeError(f"fusedloss.set_scratch_allocator({source!r}): the C++ nodes' library "
+                           "has no core attached")
+    global scratch
+    scratch = source
+
+
+scratch = "cuda"  # where the core's CUDA scratch comes from (set_scratch)
 
 
 ops, status = _load()

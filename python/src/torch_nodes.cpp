@@ -11,6 +11,7 @@
 // Built only against the torch it was compiled with (the version is checked before loading).
 #include <ATen/ATen.h>
 #include <ATen/TensorUtils.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -662,10 +663,11 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 double z_loss, int64_t reduction, double softcap,
                                 int64_t workspace_bytes, int64_t mode, bool tf32, bool acc32,
                                 bool inplace) {
-  // Auto (a direct call may pass it): in_forward for sum/mean, recompute for none; the forward
-  // alone where no node will take gradients (linear_cross_entropy.py: _resolve_mode)
+  // Auto (a direct call may pass it): in_forward for sum/mean with fp32/bf16 inputs, recompute
+  // for none and fp16; the forward alone where no node will take gradients
+  // (linear_cross_entropy.py: _resolve_mode; the core refuses an explicit in_forward in fp16)
   if (mode == int64_t(fusedloss::LinearCeBackward::Auto))
-    mode = reduction == int64_t(fusedloss::Reduction::None)
+    mode = reduction == int64_t(fusedloss::Reduction::None) || hidden.scalar_type() == at::kHalf
                ? int64_t(fusedloss::LinearCeBackward::Recompute) : kInForward;
   if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))
     mode = kForwardOnly;
@@ -708,7 +710,7 @@ namespace {
 
 struct TorchScratch {
   std::mutex mu;
-  std::unordered_map<void*, at::Tensor> held;
+  std::unordered_map<void*, c10::DataPtr> held;
 };
 
 TorchScratch& torch_scratch() {
@@ -716,14 +718,16 @@ TorchScratch& torch_scratch() {
   return *scratch;
 }
 
+// The block comes straight from the registered CUDA allocator (torch's caching allocator), not
+// through at::empty: no dispatcher on the way (a dispatch mode would see an allocation in the
+// middle of a core call; deterministic mode would fill every block).
 void* torch_scratch_allocate(size_t bytes, fusedloss::Stream stream, void*) noexcept {
   try {
     const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
-    const c10::Device device = cuda.getDevice();
-    if (cuda.getStream(device).native_handle() != stream) return nullptr;
-    at::Tensor block = at::empty({static_cast<int64_t>(bytes)},
-                                 at::TensorOptions().dtype(at::kByte).device(device));
-    void* ptr = block.data_ptr();
+    if (cuda.getStream(cuda.getDevice()).native_handle() != stream) return nullptr;
+    c10::DataPtr block = c10::GetAllocator(c10::DeviceType::CUDA)->allocate(bytes);
+    void* ptr = block.get();
+    if (!ptr) return nullptr;
     TorchScratch& s = torch_scratch();
     std::lock_guard<std::mutex> lock(s.mu);
     s.held.emplace(ptr, std::move(block));
@@ -734,13 +738,15 @@ void* torch_scratch_allocate(size_t bytes, fusedloss::Stream stream, void*) noex
 }
 
 void torch_scratch_release(void* ptr, fusedloss::Stream, void*) noexcept {
-  at::Tensor block;  // freed after the lock, into torch's cache
+  c10::DataPtr block;  // freed after the lock, into torch's cache
   TorchScratch& s = torch_scratch();
-  std::lock_guard<std::mutex> lock(s.mu);
-  auto it = s.held.find(ptr);
-  if (it == s.held.end()) return;
-  block = std::move(it->second);
-  s.held.erase(it);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.held.find(ptr);
+    if (it == s.held.end()) return;
+    block = std::move(it->second);
+    s.held.erase(it);
+  }
 }
 
 }  // namespace

@@ -393,6 +393,15 @@ def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
     assert torch.equal(auto, fusedloss.linear_cross_entropy(h, w, t))
     per_row = op(h, w, t, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)
     assert torch.equal(per_row, fusedloss.linear_cross_entropy(h, w, t, reduction="none"))
+    # fp16: auto takes recompute there (the core refuses in_forward for fp16), as the Python API
+    h16, w16 = h.detach().half().requires_grad_(), w.detach().half().requires_grad_()
+    auto16 = op(h16, w16, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
+    auto16.backward()
+    h16_grad, h16.grad = h16.grad, None
+    fusedloss.linear_cross_entropy(h16, w16, t).backward()
+    assert torch.equal(h16_grad, h16.grad)
+    with pytest.raises(ValueError, match="backward_mode: got InForward with fp16 inputs"):
+        op(h16, w16, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     # a new weight gradient is returned as it is, not as a view of itself
     g = torch.autograd.grad(op(h, w.requires_grad_(), t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1,
                                False, True, False), w)[0]

@@ -1,6 +1,7 @@
 """fusedloss.set_scratch_allocator: where the CUDA kernels take the memory a call needs only
 while it runs. "torch": torch's caching allocator, counted in torch's statistics; "cuda":
 cudaMallocAsync (the default)."""
+import os
 import subprocess
 import sys
 
@@ -29,10 +30,19 @@ def test_names_its_choices(restore_default):
     fusedloss.set_scratch_allocator("cuda")
 
 
-def test_a_bad_environment_value_fails_the_import():
-    run = subprocess.run([sys.executable, "-c", "import fusedloss"], capture_output=True, text=True,
-                         env={**__import__("os").environ, "FUSEDLOSS_SCRATCH": "pool"})
+def _import_with(env):
+    return subprocess.run([sys.executable, "-c", "import fusedloss; print(fusedloss._native.scratch)"],
+                          capture_output=True, text=True, env={**os.environ, **env})
+
+
+def test_the_environment_sets_it_at_import():
+    run = _import_with({"FUSEDLOSS_SCRATCH": "pool"})  # a name it does not know: the import fails
     assert run.returncode != 0 and "FUSEDLOSS_SCRATCH: source: got 'pool'" in run.stderr
+    run = _import_with({"FUSEDLOSS_SCRATCH": "torch"})
+    assert run.returncode == 0 and run.stdout.split()[-1] == ("torch" if fusedloss._native.ops else "cuda")
+    run = _import_with({"FUSEDLOSS_SCRATCH": "torch", "FUSEDLOSS_NATIVE_NODES": "0"})
+    assert run.returncode == 0 and run.stdout.split()[-1] == "cuda"  # the ops work on, with a warning
+    assert "FUSEDLOSS_SCRATCH=torch: fusedloss.set_scratch_allocator('torch'): needs" in run.stderr
 
 
 def _lce_step(h, w, t):

@@ -4,6 +4,7 @@
 #include "fusedloss/scratch.h"
 
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <unordered_map>
 #include "api/scratch.h"
@@ -25,6 +26,8 @@ Installed& installed() {
 
 std::atomic<bool> g_ever_installed{false};
 
+constexpr uintptr_t kScratchAlignment = 256;  // cudaMalloc's and cudaMallocAsync's
+
 }  // namespace
 
 void set_scratch_allocator(const ScratchAllocator* allocator) {
@@ -42,6 +45,8 @@ void set_scratch_allocator(const ScratchAllocator* allocator) {
 
 namespace detail {
 
+bool scratch_allocator_installed() { return g_ever_installed.load(std::memory_order_acquire); }
+
 void* scratch_from_installed(size_t bytes, Stream stream) {
   if (!g_ever_installed.load(std::memory_order_acquire)) return nullptr;
   Installed& s = installed();
@@ -52,6 +57,10 @@ void* scratch_from_installed(size_t bytes, Stream stream) {
   }
   if (!allocator) return nullptr;
   void* ptr = allocator->allocate(bytes, stream, allocator->context);
+  if (ptr && reinterpret_cast<uintptr_t>(ptr) % kScratchAlignment != 0) {
+    allocator->release(ptr, stream, allocator->context);  // the kernels' vector loads and
+    return nullptr;                                       // cuBLASLt's choice assume it
+  }
   if (ptr) {
     std::lock_guard<std::mutex> lock(s.mu);
     s.taken[ptr] = allocator;

@@ -32,7 +32,11 @@ void throw_error(cudaError_t err, const char* call, const char* file, int line) 
 
 void* alloc_async(size_t bytes, Stream stream) {
   if (!bytes) return nullptr;
-  if (void* p = detail::scratch_from_installed(bytes, stream)) return p;
+  // An installed allocator serves outside stream capture only: a captured graph keeps using its
+  // scratch at every replay, long after the call gave it back (cudaMallocAsync's memory nodes
+  // belong to the graph).
+  if (detail::scratch_allocator_installed() && !capturing(stream))
+    if (void* p = detail::scratch_from_installed(bytes, stream)) return p;
   void* p = nullptr;
   FL_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_cuda(stream)));
   return p;

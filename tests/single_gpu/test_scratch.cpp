@@ -3,6 +3,7 @@
 // was taken for, and that the results keep their bits.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -79,17 +80,23 @@ struct Outcome {
   std::vector<float> rms_grad_x, rms_grad_w;
 };
 
-Outcome run_ops() {
+// `after(op)` runs once each op is done (to count what each took).
+template <class After>
+Outcome run_ops(After&& after) {
   Outcome o;
   LceCase c;
   c.N = 37, c.H = 24, c.V = 301;
   c.lo.chunk_rows = 16;
-  c.ce.reduction = Reduction::None;  // recompute: chunk buffer + fp32 vocabulary blocks
+  c.lo.vocab_block = 128;            // recompute: chunk buffer + fp32 [N, H] and vocabulary block
+  c.ce.reduction = Reduction::None;
   std::mt19937_64 gen(7);
   const LceProblem p = make_lce_problem(c, gen);
   o.lce_none = run_lce(Device::CUDA, c, p);
-  c.ce.reduction = Reduction::Mean;  // in_forward: the per-row losses
+  after("linear cross-entropy, recompute");
+  c.lo.vocab_block = 0;
+  c.ce.reduction = Reduction::Mean;  // in_forward: chunk buffer + the per-row losses
   o.lce_mean = run_lce(Device::CUDA, c, p);
+  after("linear cross-entropy, in_forward");
 
   const int64_t T = 40, H = 96;  // RMSNorm backward with no workspace: partials taken inside
   Buffer x(Device::CUDA, T * H * 4), gy(Device::CUDA, T * H * 4), w(Device::CUDA, H * 4),
@@ -107,9 +114,14 @@ Outcome run_ops() {
                     rstd.data_as<float>(), RmsNormOptions{},
                     MatrixView{gx.data(), T, H, H, DType::F32, Device::CUDA}, gw.data_as<float>());
   gx.download(), gw.download();
+  after("RMSNorm backward");
   o.rms_grad_x.assign(gx.host_as<float>(), gx.host_as<float>() + T * H);
   o.rms_grad_w.assign(gw.host_as<float>(), gw.host_as<float>() + H);
   return o;
+}
+
+Outcome run_ops() {
+  return run_ops([](const char*) {});
 }
 
 void expect_same_bits(const Outcome& a, const Outcome& b) {
@@ -131,10 +143,15 @@ TEST(ScratchAllocator, EveryOpsScratchComesFromTheInstalledAllocatorAndGoesBack)
   Outcome hooked;
   {
     Installed installed(recorder);
-    hooked = run_ops();
+    int64_t seen = 0;
+    hooked = run_ops([&](const char* op) {  // every op took its scratch from the recorder
+      std::lock_guard<std::mutex> lock(recorder.mu);
+      EXPECT_GT(recorder.allocations, seen) << op;
+      seen = recorder.allocations;
+    });
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_GE(recorder.allocations, 4);  // chunk buffers, fp32 blocks, per-row losses, partials
+  EXPECT_GE(recorder.allocations, 5);  // chunk buffers, fp32 blocks, per-row losses, partials
   EXPECT_EQ(recorder.releases, recorder.allocations);
   EXPECT_EQ(recorder.bad_releases, 0);  // each back with the stream it was taken for, once
   EXPECT_TRUE(recorder.live.empty());
@@ -142,6 +159,45 @@ TEST(ScratchAllocator, EveryOpsScratchComesFromTheInstalledAllocatorAndGoesBack)
   const int64_t before = recorder.allocations;  // uninstalled: cudaMallocAsync again
   run_ops();
   EXPECT_EQ(recorder.allocations, before);
+}
+
+// Under stream capture the installed allocator is not asked: the graph would use its block at
+// every replay, after the call gave it back. cudaMallocAsync's memory nodes serve the capture.
+TEST(ScratchAllocator, ACaptureTakesTheGraphsOwnMemory) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  const int64_t rows = 64, V = 1000;
+  Buffer logits(Device::CUDA, rows * V * 4), target(Device::CUDA, rows * 8), loss(Device::CUDA, 4),
+      lse(Device::CUDA, rows * 4), count(Device::CUDA, 4);
+  for (int64_t i = 0; i < rows * V; ++i) logits.host_as<float>()[i] = float(i % 17) * 0.1f;
+  for (int64_t r = 0; r < rows; ++r) target.host_as<int64_t>()[r] = r % V;
+  logits.upload(), target.upload();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const MatrixView lv{logits.data(), rows, V, V, DType::F32, Device::CUDA};
+  const IndexView tv{target.data(), rows, IndexType::I64, Device::CUDA};
+  CrossEntropyOptions o;  // Mean: per-row losses in scratch
+  const CrossEntropyOutputs out{loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()};
+  cross_entropy_forward(lv, tv, o, out, nullptr, stream);  // warm-up outside the capture
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  Recorder recorder;
+  cudaGraph_t graph = nullptr;
+  {
+    Installed installed(recorder);
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    cross_entropy_forward(lv, tv, o, out, nullptr, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  }
+  EXPECT_EQ(recorder.allocations + recorder.declined, 0);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  loss.poison();
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  loss.download();
+  EXPECT_TRUE(std::isfinite(loss.host_as<float>()[0]));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 TEST(ScratchAllocator, ADeclinedRequestTakesCudaMallocAsync) {
