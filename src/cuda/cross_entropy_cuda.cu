@@ -677,8 +677,8 @@ void ce_local_stats(const MatrixView& logits, const IndexView& target, const CeP
 void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeParams& p,
                     const CrossEntropyOutputs& out, Stream stream) {
   const bool reduce = p.reduction != Reduction::None;
-  float* row_losses = reduce ? static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream))
-                             : out.loss;
+  const ScratchBuffer scratch(reduce ? sizeof(float) * p.rows : 0, stream);
+  float* row_losses = reduce ? scratch.as<float>() : out.loss;
   if (p.rows > 0) launch_stats<true>(logits, target, p, nullptr, out.lse, row_losses, stream);
   if (reduce || out.valid_count) {
     core::dispatch_index(target.type, [&](auto idx) {
@@ -686,7 +686,6 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeP
       launch_reduce(row_losses, static_cast<const Index*>(target.data), p, out, stream);
     });
   }
-  if (reduce) free_async(row_losses, stream);
 }
 
 namespace {
@@ -802,7 +801,8 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
                              ? cluster_plan(reinterpret_cast<const void*>(cluster), logits, launch_shape)
                              : std::pair<int, int64_t>{0, 0};
       if (split.first == 0 && !fused) return;
-      float* row_losses = static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream));
+      const ScratchBuffer scratch(sizeof(float) * p.rows, stream);
+      float* row_losses = scratch.as<float>();
       // Mean: the gradient divides by the valid count, so it is counted first (one small block).
       if (p.reduction == Reduction::Mean) launch_reduce<Index>(nullptr, t, p, out, stream);
       const auto* x = static_cast<const T*>(logits.data);
@@ -828,7 +828,6 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
         FL_CUDA_CHECK_LAUNCH();
       }
       launch_reduce(row_losses, t, p, out, stream);
-      free_async(row_losses, stream);
       done = true;
     };
     if (p.need_sum_logits)
@@ -887,8 +886,8 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
               const CeParams& p, const CrossEntropyOutputs& out, Stream stream) {
   const bool reduce = p.reduction != Reduction::None;
   // Per-row losses land in out.loss for None, else in scratch that the reduction reads.
-  float* row_losses = reduce ? static_cast<float*>(alloc_async(sizeof(float) * p.rows, stream))
-                             : out.loss;
+  const ScratchBuffer scratch(reduce ? sizeof(float) * p.rows : 0, stream);
+  float* row_losses = reduce ? scratch.as<float>() : out.loss;
   core::dispatch_index(target.type, [&](auto idx) {
     using Index = decltype(idx);
     auto* t = static_cast<const Index*>(target.data);
@@ -899,7 +898,6 @@ void ce_merge(const RowStats* combined, int parts, const RowStats* local, const 
     }
     if (reduce || out.valid_count) launch_reduce(row_losses, t, p, out, stream);
   });
-  if (reduce) free_async(row_losses, stream);
 }
 
 void ce_reduce(const float* row_losses, const IndexView& target, const CeParams& p,

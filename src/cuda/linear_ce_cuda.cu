@@ -65,16 +65,6 @@ MatrixView rows_of(const MatrixView& m, int64_t row0, int64_t rows) {
   return v;
 }
 
-// Stream-ordered scratch released on the stream it was allocated on.
-struct AsyncBuffer {
-  void* ptr;
-  Stream stream;
-  AsyncBuffer(size_t bytes, Stream s) : ptr(alloc_async(bytes, s)), stream(s) {}
-  ~AsyncBuffer() { free_async(ptr, stream); }
-  AsyncBuffer(const AsyncBuffer&) = delete;
-  AsyncBuffer& operator=(const AsyncBuffer&) = delete;
-};
-
 // Rows over blockIdx.y, columns over x (no per-element division). In place with a scale of
 // exactly 1 there is nothing to do: every block returns at once (decided on the device, so the
 // common unit upstream gradient of the in-forward mode costs no pass over the gradients).
@@ -210,8 +200,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
   // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).
   const size_t workspace_at = (size_t(B) * buffer_bytes + 255) / 256 * 256;
-  AsyncBuffer mem(workspace_at + kGemmWorkspaceBytes, stream);
-  char* base = static_cast<char*>(mem.ptr);
+  const ScratchBuffer mem(workspace_at + kGemmWorkspaceBytes, stream);
+  char* base = mem.as<char>();
   void* workspace = base + workspace_at;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
   auto rows_in = [&](int64_t i) { return std::min(plan.chunk, plan.rows - i * plan.chunk); };

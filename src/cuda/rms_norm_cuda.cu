@@ -755,12 +755,9 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s,
   const RmsNormTuning tune = current_tuning();
   const int64_t max_parts =
       std::min(max_partial_rows(p.rows, tune), workspace_partial_rows(p.rows));
-  struct Owned {  // the partials allocated here, freed stream-ordered on every exit
-    void* ptr;
-    Stream stream;
-    ~Owned() { free_async(ptr, stream); }
-  } owned{workspace ? nullptr : alloc_async(sizeof(float) * max_parts * p.hidden, stream), stream};
-  float* partial = static_cast<float*>(workspace ? workspace : owned.ptr);
+  // the partials: the caller's workspace, or scratch given back on every exit
+  const ScratchBuffer owned(workspace ? 0 : sizeof(float) * max_parts * p.hidden, stream);
+  float* partial = static_cast<float*>(workspace ? workspace : owned.get());
   int parts = 0;
   dispatch_types(x_or_s.dtype, p.weight_dtype, [&](auto xk, auto wk) {
     constexpr StorageKind X = decltype(xk)::value, W = decltype(wk)::value;

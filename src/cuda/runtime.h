@@ -12,6 +12,21 @@ namespace fusedloss::cuda {
 // cudaMallocAsync; safe inside CUDA graph capture. free_async gives it back where it came from.
 void* alloc_async(size_t bytes, Stream stream);
 void free_async(void* ptr, Stream stream);
+// alloc_async's scratch, given back on scope exit (also when a launch in between throws).
+class ScratchBuffer {
+ public:
+  ScratchBuffer(size_t bytes, Stream stream) : ptr_(alloc_async(bytes, stream)), stream_(stream) {}
+  ~ScratchBuffer() { free_async(ptr_, stream_); }
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+
+ private:
+  void* ptr_;
+  Stream stream_;
+};
 void copy_async(void* dst, const void* src, size_t bytes, bool to_device, Stream stream);
 void synchronize(Stream stream);
 // Whether `stream` is being captured into a CUDA graph (what must not time or synchronise then).

@@ -262,7 +262,8 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
     else run(std::integral_constant<StorageKind, V>{});
     if (grad_bias) {
       const int64_t cols = 2 * p.n, chunks = (p.rows + kRowsPerChunk - 1) / kRowsPerChunk;
-      float* partial = static_cast<float*>(alloc_async(sizeof(float) * cols * chunks, stream));
+      const ScratchBuffer partials(sizeof(float) * cols * chunks, stream);
+      float* partial = partials.as<float>();
       dim3 grid(unsigned((cols + 255) / 256), unsigned(chunks));
       column_partial_kernel<V><<<grid, 256, 0, as_cuda(stream)>>>(
           static_cast<const Elem<V>*>(grad_y.data), grad_y.row_stride, p.rows, cols, partial);
@@ -270,7 +271,6 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core
       column_final_kernel<<<unsigned((cols + 255) / 256), 256, 0, as_cuda(stream)>>>(partial, chunks,
                                                                                 cols, grad_bias);
       FL_CUDA_CHECK_LAUNCH();
-      free_async(partial, stream);
     }
   });
 }
