@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads) forward_rows_kernel(FwdArgs<X,
   constexpr int VEC = vector_width<Elem<X>>();
   __shared__ float scratch[2 * kFwdMaxThreads / 32];
   const RowThreads<false> rt(a.tpr, 1);
-  const int t = rt.t, g = rt.g, groups = rt.groups;
+  const int t = rt.t, g = rt.g;
   const int nvec = int(a.hidden / VEC);  // rows this short fit the registers
   const int64_t step = rt.step();
   const int64_t row_bytes = a.hidden * int64_t(sizeof(Elem<X>));
