@@ -211,8 +211,9 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
     """silu(gate) * up over y [..., 2n] = [gate | up] (fp32/fp16/bf16, any strides); returns
     [..., n] in y's dtype.
 
-    bias [2n] (any float dtype) is added before the activation; per_token_scale with T = rows of
-    y elements ([T, 1], any float dtype and strides) scales each row's output (MoE), with its
+    bias [2n] (any float dtype) is added before the activation; per_token_scale, one scale per
+    row of y ([T, 1], or y's shape with a last dim of 1; any float dtype and strides), scales
+    each row's output (MoE), with its
     gradient; gradients come back in each tensor's own dtype and shape. clamp_value applies
     Megatron's clamped SwiGLU (gate <= c, -c <= up <= c) with the running torch's clamp rule at
     the bound. fp8_input_store saves an e4m3 copy of y for backward instead of y.
@@ -234,9 +235,12 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
         require_same_device(bias, "bias", y, "y")
     if per_token_scale is not None:
         require_float_aux(per_token_scale, "per_token_scale")
-        if per_token_scale.numel() != rows or (per_token_scale.dim() >= 2 and per_token_scale.size(-1) != 1):
+        # [T, 1] or y's shape with a last dim of 1: the shapes whose flattening is y's row order
+        # (a [b, s, 1] scale of an [s, b, 2n] y has T elements too, in another order)
+        if tuple(per_token_scale.shape) not in ((rows, 1), (*y.shape[:-1], 1)):
             raise ValueError(f"per_token_scale: got shape {tuple(per_token_scale.shape)}, expected "
-                             f"({rows}, 1) = [T, 1], one scale per row of y")
+                             f"({rows}, 1) = [T, 1] or {(*y.shape[:-1], 1)} (y's shape with a last "
+                             "dim of 1), one scale per row of y")
         require_same_device(per_token_scale, "per_token_scale", y, "y")
     if clamp_value is not None:
         clamp_value = as_float(clamp_value, "clamp_value")

@@ -144,6 +144,17 @@ def test_bad_inputs(device):
         fusedloss.swiglu(y, torch.randn(6, device=device))
     with pytest.raises(ValueError, match=r"per_token_scale: got shape \(3, 1\)"):
         fusedloss.swiglu(y, per_token_scale=torch.rand(3, 1, device=device))
+    # T scales in another row order than y's ([b, s, 1] for an [s, b, 2n] y), or without the
+    # trailing 1: refused, not read flattened
+    y3 = torch.randn(2, 3, 8, device=device)
+    for shape in [(3, 2, 1), (6,), (2, 3), (6, 1, 1)]:
+        with pytest.raises(ValueError, match=r"per_token_scale: got shape .* expected \(6, 1\) = \[T, 1\] "
+                                             r"or \(2, 3, 1\)"):
+            fusedloss.swiglu(y3, per_token_scale=torch.rand(shape, device=device))
+    for shape in [(6, 1), (2, 3, 1)]:  # both read in y's row order
+        w = torch.rand(shape, device=device)
+        ref = torch.nn.functional.silu(y3[..., :4]) * y3[..., 4:] * w.view(2, 3, 1)
+        torch.testing.assert_close(fusedloss.swiglu(y3, per_token_scale=w), ref)
     with pytest.raises(ValueError, match="inplace_backward=True with fp8_input_store=True"):
         fusedloss.swiglu(y, fp8_input_store=True, inplace_backward=True)
     with pytest.raises(ValueError, match="y.dtype: got torch.float64"):
