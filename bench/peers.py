@@ -100,6 +100,18 @@ def time_provider(fn, pristine, target, iters=30, warmup=3):
 _BUSY_CYCLES = 4_000_000
 
 
+_CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+
+
+def libcudart():
+    """The CUDA runtime of the toolkit (ctypes), for what torch does not expose; None without one."""
+    libs = sorted(glob.glob(os.path.join(_CUDA_HOME, "lib64", "libcudart.so*")))
+    try:
+        return ctypes.CDLL(libs[0]) if libs else None
+    except OSError:
+        return None
+
+
 class StreamOrderedPool:
     """The device's default cudaMallocAsync pool, where fusedloss's scratch lives
     (src/cuda/runtime.cu: the linear cross-entropy's chunk buffer and cuBLASLt workspace, ...):
@@ -110,17 +122,14 @@ class StreamOrderedPool:
     USED_CURRENT, USED_HIGH = 7, 8  # cudaMemPoolAttrUsedMemCurrent, cudaMemPoolAttrUsedMemHigh
 
     def __init__(self):
-        self.rt, self.pool, self.usable = None, ctypes.c_void_p(), False
-        cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-        libs = sorted(glob.glob(os.path.join(cuda_home, "lib64", "libcudart.so*")))
+        self.rt, self.pool, self.usable = libcudart(), ctypes.c_void_p(), False
         try:
-            self.rt = ctypes.CDLL(libs[0]) if libs else None
             self.usable = self.rt is not None and self.rt.cudaDeviceGetDefaultMemPool(
                 ctypes.byref(self.pool), torch.cuda.current_device()) == 0
-        except (OSError, AttributeError):
+        except AttributeError:
             self.usable = False
         if not self.usable:
-            print(f"peers: the stream-ordered pool is not readable (libcudart under {cuda_home}); "
+            print(f"peers: the stream-ordered pool is not readable (libcudart under {_CUDA_HOME}); "
                   "peak memory counts torch's allocator alone")
 
     def _get(self, attr):

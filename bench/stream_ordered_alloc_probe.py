@@ -7,23 +7,23 @@ back, so the next cudaMallocAsync of the linear cross-entropy's 256 MiB chunk bu
 memory again, where torch.empty reuses a cached block. A training step synchronises at least
 once (the loss's .item()).
 
-    python3 bench/stream_ordered_alloc_probe.py      # needs a CUDA GPU and /usr/local/cuda
+    python3 bench/stream_ordered_alloc_probe.py      # needs a CUDA GPU and libcudart under CUDA_HOME
 """
 import ctypes
-import glob
 import statistics
 import time
 
 import torch
 
+import peers
+
 
 def main():
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
-    libs = sorted(glob.glob("/usr/local/cuda/lib64/libcudart.so*"))
-    if not libs:
-        raise SystemExit("no /usr/local/cuda/lib64/libcudart.so*")
-    rt = ctypes.CDLL(libs[0])
+    rt = peers.libcudart()
+    if rt is None:
+        raise SystemExit(f"no libcudart under {peers._CUDA_HOME}")
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
     def check(rc, what):

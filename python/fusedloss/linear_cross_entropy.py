@@ -393,8 +393,15 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtyp
                          "the upstream gradient scales it, so the entries a loss scale would keep "
                          "flush to zero)")
     if mode == -1:
-        mode = _RECOMPUTE if reduction == _NONE or dtype == torch.float16 else _IN_FORWARD
+        mode = _AUTO_MODE[reduction, dtype]
     return mode if needs_grad else _FORWARD_ONLY
+
+
+# What "auto" resolves to, asked of the core (fusedloss::resolve_linear_ce_backward) once per
+# reduction and dtype: a plain lookup, which torch.compile traces
+_AUTO_MODE = {(int(r), dtype): int(_C.resolve_linear_ce_backward(_C.LinearCeBackward.AUTO, r, _DTYPES[dtype]))
+              for r in (_C.Reduction.NONE, _C.Reduction.SUM, _C.Reduction.MEAN)
+              for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 @parsed_once

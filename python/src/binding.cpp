@@ -131,6 +131,10 @@ const python::CoreTable& core_table() {
     t.linear_cross_entropy_backward =
         Exported<decltype(&linear_cross_entropy_backward), &linear_cross_entropy_backward>::call;
     t.set_scratch_allocator = Exported<decltype(&set_scratch_allocator), &set_scratch_allocator>::call;
+    t.resolve_linear_ce_backward = [](LinearCeBackward mode, Reduction reduction, DType dtype,
+                                      LinearCeBackward* resolved) noexcept {
+      return caught([&] { *resolved = resolve_linear_ce_backward(mode, reduction, dtype); });
+    };
     return t;
   }();
   return table;
@@ -299,6 +303,11 @@ PYBIND11_MODULE(_C, m) {
            int64_t vocab_local, int64_t hidden) {
           guarded([&] { validate_linear_cross_entropy_options(ce, o, rows, vocab_local, hidden); });
         });
+  m.def("resolve_linear_ce_backward", [](LinearCeBackward mode, Reduction reduction, DType dtype) {
+    LinearCeBackward resolved = mode;
+    guarded([&] { resolved = resolve_linear_ce_backward(mode, reduction, dtype); });
+    return resolved;
+  });
   py::class_<CallbackCommunicator>(m, "CallbackCommunicator")
       .def(py::init<int, int, Device, py::function, py::function>(), py::arg("rank"),
            py::arg("size"), py::arg("device"), py::arg("gather"), py::arg("reduce"));

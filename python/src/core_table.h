@@ -79,6 +79,8 @@ struct CoreTable {
                                              const LinearCrossEntropyGrads& grads,
                                              Stream stream) = nullptr;
   CoreError (*set_scratch_allocator)(const ScratchAllocator* allocator) = nullptr;
+  CoreError (*resolve_linear_ce_backward)(LinearCeBackward mode, Reduction reduction, DType dtype,
+                                          LinearCeBackward* resolved) = nullptr;
 };
 
 }  // namespace fusedloss::python

@@ -663,12 +663,14 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
                                 double z_loss, int64_t reduction, double softcap,
                                 int64_t workspace_bytes, int64_t mode, bool tf32, bool acc32,
                                 bool inplace) {
-  // Auto (a direct call may pass it): in_forward for sum/mean with fp32/bf16 inputs, recompute
-  // for none and fp16; the forward alone where no node will take gradients
-  // (linear_cross_entropy.py: _resolve_mode; the core refuses an explicit in_forward in fp16)
-  if (mode == int64_t(fusedloss::LinearCeBackward::Auto))
-    mode = reduction == int64_t(fusedloss::Reduction::None) || hidden.scalar_type() == at::kHalf
-               ? int64_t(fusedloss::LinearCeBackward::Recompute) : kInForward;
+  // Auto (a direct call may pass it): what the core resolves it to; the forward alone where no
+  // node will take gradients (linear_cross_entropy.py: _resolve_mode)
+  if (mode == int64_t(fusedloss::LinearCeBackward::Auto)) {
+    fusedloss::LinearCeBackward resolved{};
+    core_call(&CoreTable::resolve_linear_ce_backward, fusedloss::LinearCeBackward::Auto,
+              fusedloss::Reduction(reduction), dtype_of(hidden), &resolved);
+    mode = int64_t(resolved);
+  }
   if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))
     mode = kForwardOnly;
   return LinearCrossEntropy::apply(hidden, weight, target, ignore_index, label_smoothing, formula,
@@ -692,7 +694,8 @@ extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(con
                             (const void*)t.swiglu_backward, (const void*)t.cross_entropy_forward,
                             (const void*)t.cross_entropy_forward_with_grad, (const void*)t.cross_entropy_backward,
                             (const void*)t.cross_entropy_scale_grad, (const void*)t.linear_cross_entropy_forward,
-                            (const void*)t.linear_cross_entropy_backward, (const void*)t.set_scratch_allocator})
+                            (const void*)t.linear_cross_entropy_backward, (const void*)t.set_scratch_allocator,
+                            (const void*)t.resolve_linear_ce_backward})
     if (!entry) return 1;
   g_core.store(table, std::memory_order_release);
   return 0;

@@ -33,6 +33,18 @@ const char* mode_name(LinearCeBackward m) {
 
 int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
+// The checks of a backward mode that need the reduction alone (the options' own checks run
+// without the inputs' dtype).
+void check_mode(LinearCeBackward mode, Reduction reduction) {
+  require(mode == LinearCeBackward::Auto || mode == LinearCeBackward::InForward ||
+              mode == LinearCeBackward::Recompute,
+          "options.backward_mode: got ", int(mode), ", expected Auto, InForward or Recompute");
+  require(mode != LinearCeBackward::InForward || reduction != Reduction::None,
+          "options.backward_mode: got ", mode_name(mode),
+          " with reduction None, expected Recompute or Auto (the in-forward gradients are those "
+          "of a Sum or Mean loss)");
+}
+
 // The options' own checks, shape-only.
 // The chunking options: chunk_rows >= 0, and a workspace when chunk_rows does not fix it.
 void check_chunking(const LinearCrossEntropyOptions& o) {
@@ -53,8 +65,7 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
           ", expected 0 (off) or >= 1 columns");
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
           int(o.dhidden_form), ", expected Partial");
-  // the mode against the reduction; the dtype's rule is checked where the inputs are known
-  resolve_linear_ce_backward(o.backward_mode, p.reduction, DType::F32);
+  check_mode(o.backward_mode, p.reduction);  // the dtype's rule: where the inputs are known
   p.softcap = o.logit_softcap;
   return p;
 }
@@ -181,19 +192,13 @@ core::LceStep gradient_step(const IndexView& target, const core::CeParams& p, co
 
 LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction,
                                             DType dtype) {
-  require(mode == LinearCeBackward::Auto || mode == LinearCeBackward::InForward ||
-              mode == LinearCeBackward::Recompute,
-          "options.backward_mode: got ", int(mode), ", expected Auto, InForward or Recompute");
+  check_mode(mode, reduction);
   // The in-forward gradient is the unit upstream gradient's, stored in the inputs' dtype before
   // the real one (a loss scale, 1/N) reaches it: in fp16 its small entries (p / N at large
   // vocabularies) flush to zero where the recomputed gradient, scaled first, keeps them.
   if (mode == LinearCeBackward::Auto)
     return reduction == Reduction::None || dtype == DType::F16 ? LinearCeBackward::Recompute
                                                                : LinearCeBackward::InForward;
-  require(mode != LinearCeBackward::InForward || reduction != Reduction::None,
-          "options.backward_mode: got ", mode_name(mode),
-          " with reduction None, expected Recompute or Auto (the in-forward gradients are those "
-          "of a Sum or Mean loss)");
   require(mode != LinearCeBackward::InForward || dtype != DType::F16,
           "options.backward_mode: got ", mode_name(mode),
           " with fp16 inputs, expected Recompute or Auto (the in-forward gradient is stored in fp16 "
