@@ -567,6 +567,16 @@ def _check_tp_disagreement(rank, world, what):
             tt = t.to(torch.uint64) if what == "uint64_target" else t.to(torch.uint8).view(torch.bits8)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, tt, tp_group=G),
                                f"vocab-parallel rank 1: target.dtype: got torch.{what[:-7]}")
+    elif what == "fp16_in_forward":  # rank 1 alone in fp16 asks for in_forward: refused there,
+        hh, ww = (h.half(), shard.half()) if rank == 1 else (h.clone(), shard)
+        hh.requires_grad_()
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # inside the agreement
+            hh, ww, t, tp_group=G, backward_mode="in_forward"),
+            "vocab-parallel rank 1: backward_mode: got 'in_forward' with torch.float16 inputs")
+    elif what == "softcap_float32":  # a value float32 cannot hold, on rank 1 alone
+        cap = 1e-300 if rank == 1 else 30.0
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(h, shard, t, tp_group=G, logit_softcap=cap),
+                               "vocab-parallel rank 1: logit_softcap: got 1e-300, which is 0 in float32")
     elif what == "accumulator_at_backward":  # a callable's bad buffer on one rank, with all_reduce
         acc = torch.zeros(64 + (1 if rank == 1 else 0), h.size(1))
         hh, ww = h.clone().requires_grad_(), shard.clone().requires_grad_()
@@ -580,7 +590,8 @@ def _check_tp_disagreement(rank, world, what):
 
 @pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "target_values",
                                   "target_values_recompute", "group_error_type", "check_flag",
-                                  "uint64_target", "bits8_target", "accumulator_at_backward"])
+                                  "uint64_target", "bits8_target", "accumulator_at_backward",
+                                  "fp16_in_forward", "softcap_float32"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 

@@ -163,19 +163,24 @@ def _swiglu_case(draw):
 
 
 def _aux(draw, shape, gen, kind):
-    """bias [2n] or per_token_scale [T, 1]: absent, or any float dtype and layout."""
+    """bias [2n] or per_token_scale ([T, 1] or y's shape with a last dim of 1): absent, or any
+    float dtype and layout, a view of a leaf."""
     if not draw(st.booleans()):
         return None, None, None
     dtype = draw(st.sampled_from(DTYPES + (torch.float64,)))
-    layout = draw(st.sampled_from(["contiguous", "sliced", "expanded"]))
+    layout = draw(st.sampled_from(["contiguous", "sliced", "expanded", "transposed"]))
     scale = 0.3 if kind == "bias" else 1.0
-    if layout == "sliced":  # bias[::2] of a longer vector; scale probs[:, :1] of [T, 4]
-        full = (shape[0] * 2,) if kind == "bias" else (shape[0], 4)
+    nd = len(shape)
+    if layout == "sliced":  # bias[::2] of a longer vector; scale probs[..., :1] of [..., 4]
+        full = (shape[0] * 2,) if kind == "bias" else (*shape[:-1], 4)
         base = (torch.rand(full, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
-        view = (lambda b: b[::2]) if kind == "bias" else (lambda b: b[:, :1])
+        view = (lambda b: b[::2]) if kind == "bias" else (lambda b: b[..., :1])
     elif layout == "expanded":
         base = (torch.rand(1, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
-        view = (lambda b: b.expand(shape[0])) if kind == "bias" else (lambda b: b.view(1, 1).expand(shape))
+        view = lambda b: b.view((1,) * nd).expand(shape)  # noqa: E731
+    elif layout == "transposed":  # the storage of the reversed shape, dims permuted back
+        base = (torch.rand(shape[::-1], generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
+        view = lambda b: b.permute(*reversed(range(nd)))  # noqa: E731
     else:
         base = (torch.rand(shape, generator=gen, dtype=torch.float64) * scale + 0.1).to(dtype)
         view = lambda b: b  # noqa: E731
@@ -200,7 +205,8 @@ def test_swiglu_any_layout(run):
                                               on_bounds if clamp is not None else None)
         rows = y.numel() // y.size(-1) if y.size(-1) else 0
         b, b_view, b64 = _aux(draw, (y.size(-1),), gen, "bias")
-        w, w_view, w64 = _aux(draw, (rows, 1), gen, "scale")
+        # the scale as [T, 1] or in y's shape with a last dim of 1 (both in y's row order)
+        w, w_view, w64 = _aux(draw, draw(st.sampled_from([(rows, 1), (*y.shape[:-1], 1)])), gen, "scale")
         owned = [(t, t.detach().clone()) for t in (base, b, w) if t is not None]
         b_arg = b_view(b) if b is not None else None
         w_arg = w_view(w) if w is not None else None
