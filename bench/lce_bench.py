@@ -54,12 +54,17 @@ VARIANTS = {
     "dh-pieces3": ({"FUSEDLOSS_LCE_DH_PIECES": "3"}, None),
     "dh-pieces2+algos8": ({"FUSEDLOSS_LCE_DH_PIECES": "2", "FUSEDLOSS_LCE_GEMM_ALGOS": "8"}, None),
     "dh-pieces2+ce-rows64": ({"FUSEDLOSS_LCE_DH_PIECES": "2", "FUSEDLOSS_LCE_CE_ROWS": "64"}, None),
+    "ws288": ({}, 288 << 20),  # the chunk of 256 MiB beside cuBLASLt's 32 MiB (before 2026-12-04)
+    "gemm-ws32": ({"FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB": "32"}, None),  # 768 tokens at V 128256
+    "gemm-ws4": ({"FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB": "4"}, None),  # the default: 1024 tokens
+    "gemm-ws1": ({"FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB": "1"}, None),
+    "gemm-ws0": ({"FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB": "0"}, None),
     "ws512": ({}, 512 << 20),
     "ws1024": ({}, 1024 << 20),
 }
 KNOBS = ("FUSEDLOSS_LCE_BUFFERS", "FUSEDLOSS_LCE_DHIDDEN", "FUSEDLOSS_LCE_SIDE_STREAM",
          "FUSEDLOSS_LCE_GEMM_ALGOS", "FUSEDLOSS_LCE_CE_ROWS", "FUSEDLOSS_LCE_DH_PIECES",
-         "FUSEDLOSS_LCE_TIMING")
+         "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", "FUSEDLOSS_LCE_TIMING")
 
 
 def set_knobs(env):

@@ -23,8 +23,8 @@
 // caller all-reduces it over the TP group, or reduce-scatters it along tokens (sequence
 // parallel). dweight is this rank's own shard, complete.
 //
-// Memory beside the caller's buffers: the chunk buffer(s) (bounded by workspace_bytes),
-// O(N) floats, and on CUDA a 32 MiB cuBLASLt workspace cached per (device, stream).
+// Memory beside the caller's buffers: the chunk buffer(s) and on CUDA the cuBLASLt workspace
+// (workspace_bytes together), and O(N) floats.
 // CUDA calls enqueue on `stream` (plus a cached side stream joined back before returning) and
 // never synchronise the host at TP=1; they are CUDA-graph capturable with
 // check_shard_agreement = false at TP>1.
@@ -49,10 +49,12 @@ enum class LinearCeBackward {
 enum class DHiddenForm { Partial };
 
 struct LinearCrossEntropyOptions {
-  // Bound on the chunk buffers together (bytes). With chunk_rows == 0 the chunk is the most
-  // tokens whose [chunk, V_local] buffer (two with FUSEDLOSS_LCE_BUFFERS=2) fits, rounded down
+  // Bound on the chunk buffers and the GEMM workspace together (bytes). The GEMM workspace is
+  // an eighth of it, at most 4 MiB (cuBLASLt's on CUDA; the CPU backend plans the same chunks
+  // and leaves it unallocated). With chunk_rows == 0 the chunk is the most tokens whose
+  // [chunk, V_local] buffer (two with FUSEDLOSS_LCE_BUFFERS=2) fits in the rest, rounded down
   // to whole GEMM tiles (a multiple of 256 or 128 rows when that gives up at most a quarter of
-  // it, else of 64; never less than 1 token).
+  // it, else of 64; never less than 1 token, which may exceed the bound).
   size_t workspace_bytes = size_t(256) << 20;
   // > 0: exactly this many tokens per chunk (the last chunk takes the remainder), whatever
   // workspace_bytes says. Mostly for tests; 0 derives it from workspace_bytes.

@@ -1,7 +1,7 @@
 // fusedloss: where the CUDA backends take their scratch memory.
 //
 // Scratch is what a call needs only while it runs: the linear cross-entropy's logits chunk
-// buffer and cuBLASLt workspace (up to workspace_bytes + 32 MiB), the cross-entropy's per-row
+// buffer and cuBLASLt workspace (workspace_bytes together), the cross-entropy's per-row
 // losses, RMSNorm's and SwiGLU's per-block partial sums when no workspace is passed, the
 // vocab-parallel exchange buffers. By default it comes from cudaMallocAsync on the device's
 // default pool and goes back with cudaFreeAsync on the same stream. A trainer with its own

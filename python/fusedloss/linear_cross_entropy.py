@@ -444,8 +444,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
     (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
     accumulates over token chunks in fp32. fp32 inputs follow
-    torch.backends.cuda.matmul.allow_tf32. workspace_bytes bounds the logits chunk buffer
-    (default 256 MiB).
+    torch.backends.cuda.matmul.allow_tf32. workspace_bytes bounds the logits chunk buffer and the
+    GEMM workspace together (default 256 MiB, of which cuBLASLt takes an eighth, at most 4 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
     backward scales them: 3 GEMMs), "recompute" for none and for fp16 inputs (4 GEMMs, any

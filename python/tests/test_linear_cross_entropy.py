@@ -121,7 +121,7 @@ def test_fp16_gradients_keep_what_loss_scaling_keeps(device, reduction):
     dict(label_smoothing=0.1), dict(label_smoothing=0.2, smoothing_formula="megatron"),
     dict(label_smoothing=0.1, smoothing_scope="partition"), dict(z_loss=1e-3),
     dict(logit_softcap=2.0), dict(logit_softcap=30.0, z_loss=1e-4, label_smoothing=0.05),
-    dict(ignore_index=3), dict(workspace_bytes=2 * 3 * 208 * 4),  # 3 tokens per chunk
+    dict(ignore_index=3), dict(workspace_bytes=2 * 3 * 208 * 4),  # 5 tokens per chunk
 ])
 def test_every_option(device, reduction, options):
     _check(device, torch.float32, reduction=reduction, **options)
@@ -144,7 +144,7 @@ def test_pipeline_variants(device, monkeypatch, knob, value, reduction, mode):
     monkeypatch.setenv(knob, value)
     fusedloss._C.linear_cross_entropy_phase_times(True)
     _check(device, torch.bfloat16, reduction=reduction, backward_mode=mode, shape=(45,),
-           workspace_bytes=2 * 4 * 208 * 2)  # 4 tokens per chunk at 2 buffers, 8 at 1
+           workspace_bytes=2 * 4 * 208 * 2)  # 3 tokens per chunk at 2 buffers, 7 at 1
     t = fusedloss._C.linear_cross_entropy_phase_times(True)
     timed = device == "cuda" and knob == "FUSEDLOSS_LCE_TIMING"
     loops = 1 if mode == "in_forward" else 2  # in_forward's backward only scales

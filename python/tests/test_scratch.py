@@ -1,6 +1,6 @@
 """fusedloss.set_scratch_allocator: where the CUDA kernels take the memory a call needs only
-while it runs. "torch": torch's caching allocator, counted in torch's statistics; "cuda":
-cudaMallocAsync (the default)."""
+while it runs. "torch" (the default where the C++ nodes load): torch's caching allocator,
+counted in torch's statistics; "cuda": cudaMallocAsync."""
 import os
 import subprocess
 import sys
@@ -13,10 +13,13 @@ import fusedloss
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")
 
 
+_DEFAULT = "torch" if fusedloss._native.ops is not None else "cuda"
+
+
 @pytest.fixture
 def restore_default():
     yield
-    fusedloss.set_scratch_allocator("cuda")
+    fusedloss.set_scratch_allocator(_DEFAULT)
 
 
 def test_names_its_choices(restore_default):
@@ -36,6 +39,12 @@ def _import_with(env):
 
 
 def test_the_environment_sets_it_at_import():
+    run = _import_with({"FUSEDLOSS_SCRATCH": ""})  # unset: torch's wherever the C++ nodes load
+    assert run.returncode == 0 and run.stdout.split()[-1] == _DEFAULT
+    run = _import_with({"FUSEDLOSS_SCRATCH": "cuda"})
+    assert run.returncode == 0 and run.stdout.split()[-1] == "cuda"
+    run = _import_with({"FUSEDLOSS_SCRATCH": "", "FUSEDLOSS_NATIVE_NODES": "0"})
+    assert run.returncode == 0 and run.stdout.split()[-1] == "cuda" and "FUSEDLOSS_SCRATCH" not in run.stderr
     run = _import_with({"FUSEDLOSS_SCRATCH": "pool"})  # a name it does not know: the import fails
     assert run.returncode != 0 and "FUSEDLOSS_SCRATCH: source: got 'pool'" in run.stderr
     run = _import_with({"FUSEDLOSS_SCRATCH": "torch"})
@@ -59,6 +68,7 @@ def test_torch_scratch_is_counted_by_torch_and_keeps_the_bits(restore_default):
     h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.05
     t = torch.randint(0, V, (N,), device="cuda")
+    fusedloss.set_scratch_allocator("cuda")
     by_cuda = _lce_step(h, w, t)
     fusedloss.set_scratch_allocator("torch")
     torch.cuda.synchronize()
@@ -72,3 +82,31 @@ def test_torch_scratch_is_counted_by_torch_and_keeps_the_bits(restore_default):
     assert torch.cuda.memory_allocated() - base <= grads + (1 << 20)  # the scratch went back
     for a, b in zip(by_cuda, by_torch):
         assert torch.equal(a, b)
+
+
+@_CUDA
+@pytest.mark.skipif(fusedloss._native.ops is None, reason="the C++ nodes are not loaded")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_peak_is_the_gradients_and_the_workspace(restore_default, reduction):
+    # With torch's allocator every byte of the call is in torch's peak: the gradients dhidden and
+    # dweight plus workspace_bytes (the chunk buffer and cuBLASLt's workspace), never [N, V].
+    N, H, V = 4096, 256, 32000  # logits: 250 MiB
+    workspace = 40 << 20
+    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda")
+    upstream = torch.rand(N, device="cuda")
+    fusedloss.set_scratch_allocator("torch")
+    for _ in range(2):  # the second step: cuBLASLt's plans are made, torch's cache is warm
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fusedloss.linear_cross_entropy(h, w, t, reduction=reduction, workspace_bytes=workspace,
+                                              dweight_accumulation="weight_dtype")
+        (loss if reduction == "mean" else (loss * upstream).sum()).backward()
+        torch.cuda.synchronize()
+    grads = 2 * (N * H + V * H)
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= grads + workspace + (2 << 20), f"peak extra {extra / 2**20:.1f} MiB"
+    assert extra < N * V * 2  # not the logits

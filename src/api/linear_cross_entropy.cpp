@@ -117,16 +117,20 @@ int64_t whole_tiles(int64_t chunk) {
   return chunk - chunk % 64;
 }
 
-// Tokens per chunk for a workspace split into `buffers` chunk buffers.
+// Tokens per chunk for the workspace left beside the GEMM workspace, split into `buffers` chunk
+// buffers.
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
-                       DType dtype, int64_t buffers) {
+                       DType dtype, const core::LceTuning& tuning) {
+  const int64_t buffers = tuning.buffers;
   const int64_t es = detail::element_size(dtype);
   require(vocab_local <= (int64_t(1) << 40), "weight.rows (vocab_local): got ", vocab_local,
           ", expected at most 2^40 (a row of the chunk buffer must fit in memory)");
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    chunk = whole_tiles(int64_t(o.workspace_bytes / size_t(buffers * stride * es)));
+    const size_t for_buffers =
+        o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
+    chunk = whole_tiles(int64_t(for_buffers / size_t(buffers * stride * es)));
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
 }
@@ -140,8 +144,9 @@ core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
   plan.vocab_local = weight.rows;
   plan.dtype = hidden.dtype;
   plan.tf32 = o.allow_tf32;
+  plan.gemm_workspace = core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
   plan.tuning = tuning;
-  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning.buffers);
+  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning);
   plan.stride = round_up(weight.rows, 16 / detail::element_size(hidden.dtype));
   return plan;
 }
@@ -218,7 +223,7 @@ int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int6
   require(rows >= 0, "rows: got ", rows, ", expected >= 0");
   require(vocab_local >= 1, "vocab_local: got ", vocab_local, ", expected >= 1");
   check_chunking(o);
-  return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning().buffers);
+  return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning());
 }
 
 void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& weight,

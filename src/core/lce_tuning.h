@@ -3,6 +3,7 @@
 // every variant (bench/lce_bench.py sets them per provider); unset, each takes the default
 // that ships. Also the per-phase device time the CUDA loop adds up when FUSEDLOSS_LCE_TIMING=1.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 namespace fusedloss {
@@ -45,6 +46,12 @@ struct LceTuning {
   // (r rows of 2 V bytes must fit it: 128 rows at V = 128256 bf16 are 32 MiB of an H200's
   // 50 MiB): one HBM read of the logits instead of two. TP = 1 only.
   int64_t ce_rows = 0;
+  // FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB = m in [0, 256]: the most of workspace_bytes the GEMM
+  // library may take (lce_gemm_workspace_bytes in core/linear_ce_plan.h); the chunk buffers get
+  // the rest. 4: on the H200 cuBLASLt's GEMMs here ran no slower with 4 MiB (or 1) than with
+  // 32, and the 28 MiB left to the buffer keep 1024-token chunks at V = 128256 within 256 MiB,
+  // where 768-token chunks cost 4-15% (bench/NOTES.md).
+  size_t gemm_workspace_cap = size_t(4) << 20;
   // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
   // linear_cross_entropy_phase_times (synchronises the host at the end of each loop).
   bool timing = false;

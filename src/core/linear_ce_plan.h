@@ -4,6 +4,7 @@
 // cross-entropy's own passes (and, at TP > 1, its vocab-parallel hook).
 #pragma once
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include "common/error.h"
@@ -11,6 +12,15 @@
 #include "fusedloss/types.h"
 
 namespace fusedloss::core {
+
+// The GEMM library's workspace out of a call's workspace_bytes: an eighth of it, at most `cap`
+// (LceTuning::gemm_workspace_cap), in whole 256-byte blocks. The chunk buffers get the rest, so
+// workspace_bytes bounds everything a call allocates for its chunks (the CPU backend plans the
+// same chunks and allocates no GEMM workspace).
+constexpr size_t lce_gemm_workspace_bytes(size_t workspace_bytes, size_t cap) {
+  const size_t eighth = workspace_bytes / 8 / 256 * 256;
+  return eighth < cap ? eighth : cap;
+}
 
 struct LcePlan {
   int64_t rows = 0;         // N tokens
@@ -20,6 +30,7 @@ struct LcePlan {
   int64_t stride = 0;       // row stride of a chunk buffer (V_local rounded up to 16 bytes)
   DType dtype = DType::F32; // of hidden, weight and the chunk buffers
   bool tf32 = false;        // fp32 GEMMs may use TF32 (CUDA)
+  size_t gemm_workspace = 0;  // bytes for the GEMM library (lce_gemm_workspace_bytes)
   // Rows per step call when both steps run (0: the whole chunk at once). Slices small enough
   // for the L2 cache let the gradient step re-read what the forward step just read from there
   // instead of HBM. Set only at TP = 1: at TP > 1 every forward step is a collective.

@@ -67,7 +67,7 @@ cublasLtHandle_t handle_for(int device) {
 }
 
 // Everything the algorithm choice depends on, and how it was chosen.
-using Key = std::array<int64_t, 17>;
+using Key = std::array<int64_t, 18>;
 
 // The descriptors and algorithm of one shape, built once and kept for the process (a per-call
 // setup of five descriptors would cost host time on every chunk).
@@ -108,7 +108,8 @@ struct Choice {
 }  // namespace
 
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
-          bool accumulate, bool tf32, void* workspace, Stream stream, int candidates) {
+          bool accumulate, bool tf32, void* workspace, size_t workspace_bytes, Stream stream,
+          int candidates) {
   const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
   detail::require((tb ? B.cols : B.rows) == k && (ta ? A.cols : A.rows) == m &&
                       (tb ? B.rows : B.cols) == n,
@@ -140,7 +141,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   const int heuristics = most_waves ? 8 : asked;
   const Key key{device, m, n, k, ld(A), ld(B), ld(C), int64_t(op1), int64_t(op2),
                 int64_t(A.dtype), int64_t(C.dtype), int64_t(compute), al_a, al_b, al_c,
-                accumulate, asked};
+                accumulate, asked, int64_t(workspace_bytes)};
   static std::mutex mu;
   static std::map<Key, Plan> plans;
   Plan plan;
@@ -166,7 +167,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
                                                uint64_t(C.rows), ld(C)));
     Choice ch;
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&ch.pref));
-    const uint64_t ws = kGemmWorkspaceBytes;
+    const uint64_t ws = workspace_bytes;
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         ch.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
@@ -210,7 +211,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
         auto launch = [&] {
           return cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, out,
                                 plan.c, out, plan.c, &results[size_t(i)].algo, workspace,
-                                kGemmWorkspaceBytes, s);
+                                workspace_bytes, s);
         };
         if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that cannot run here
         FL_CUDA_CHECK(cudaEventRecord(ch.start, s));
@@ -228,7 +229,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   }
   FL_CUBLAS_CHECK(cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C.data,
                                  plan.c, C.data, plan.c, &plan.algo, workspace,
-                                 kGemmWorkspaceBytes, s));
+                                 workspace_bytes, s));
 }
 
 }  // namespace fusedloss::cuda

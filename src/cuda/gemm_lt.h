@@ -5,16 +5,15 @@
 
 namespace fusedloss::cuda {
 
-// The cuBLASLt workspace each gemm() call may use (bytes); callers pass a buffer this large.
-constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
-
 // C[m, n] = op(A)[m, k] @ op(B)[k, n] (+ C when accumulate), row-major views on the current
-// device; op transposes when ta / tb. A and B: one dtype (fp32/fp16/bf16); C: that dtype or
+// device; op transposes when ta / tb. `workspace`: workspace_bytes for cuBLASLt (0 allowed:
+// then only algorithms that need none). A and B: one dtype (fp32/fp16/bf16); C: that dtype or
 // fp32. fp32 accumulation (TF32 tensor cores for fp32 inputs when tf32). Every cuBLASLt status
 // is checked. The descriptors and the algorithm are built once per shape and cached: the
 // heuristic's first answer (candidates = 1), or the fastest of its first `candidates` answers,
 // timed once on this stream (a host sync; under graph capture the first answer, uncached).
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
-          bool accumulate, bool tf32, void* workspace, Stream stream, int candidates = 1);
+          bool accumulate, bool tf32, void* workspace, size_t workspace_bytes, Stream stream,
+          int candidates = 1);
 
 }  // namespace fusedloss::cuda

@@ -15,7 +15,7 @@
 // buffer is refilled only after its group's dW (stream order on S) and, without gradients,
 // after the steps that read it (the event CE[b]). dweight accumulates in group order on S
 // (beta = 1 after the first group). Memory: one stream-ordered allocation of the buffers plus
-// the cuBLASLt workspace, released on S after X has joined it.
+// the cuBLASLt workspace (workspace_bytes in all), released on S after X has joined it.
 //
 // The variants (one buffer, dhidden per group, the steps on S, timed algorithm choice, the
 // steps in L2-sized row slices) and the per-phase timing are chosen in src/core/lce_tuning.h.
@@ -200,7 +200,7 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
   // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).
   const size_t workspace_at = (size_t(B) * buffer_bytes + 255) / 256 * 256;
-  const ScratchBuffer mem(workspace_at + kGemmWorkspaceBytes, stream);
+  const ScratchBuffer mem(workspace_at + plan.gemm_workspace, stream);
   char* base = mem.as<char>();
   void* workspace = base + workspace_at;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
@@ -211,7 +211,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   };
   auto gemm_ = [&](const MatrixView& a, bool ta, const MatrixView& b, bool tb,
                    const MatrixView& c, bool accumulate) {
-    gemm(a, ta, b, tb, c, accumulate, plan.tf32, workspace, stream, tune.gemm_algos);
+    gemm(a, ta, b, tb, c, accumulate, plan.tf32, workspace, plan.gemm_workspace, stream,
+         tune.gemm_algos);
   };
   PhaseClock clock(tune.timing && !capturing(S));
   // L(i) on S, then CE(i) on X.

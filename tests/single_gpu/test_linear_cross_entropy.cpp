@@ -78,10 +78,11 @@ TEST_P(LinearCrossEntropy, ChunkBoundaries) {
       c.dtype = chunk % 2 ? DType::BF16 : DType::F32;
       check(c);
     }
-  // The chunk derived from the workspace bound: one buffer of 5 rows x V_local (rounded to 8).
+  // The chunk derived from the workspace bound: one buffer of 5 rows x V_local (rounded to 8)
+  // beside the GEMM workspace's eighth (256 bytes here).
   LceCase c;
   c.lo.chunk_rows = 0;
-  c.lo.workspace_bytes = 5 * 208 * 2;
+  c.lo.workspace_bytes = 5 * 208 * 2 + 256;
   c.dtype = DType::BF16;
   ASSERT_EQ(linear_cross_entropy_chunk_rows(c.lo, c.N, c.V, c.dtype), 5);
   check(c);
@@ -344,7 +345,7 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
 
 TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
   LinearCrossEntropyOptions o;
-  o.workspace_bytes = 2 * 64 * 1008 * 2;
+  o.workspace_bytes = 300000;  // 262624 bytes beside the GEMM workspace: 130 rows of 2016
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16), 128);  // one buffer
   {
     ScopedEnv two("FUSEDLOSS_LCE_BUFFERS", "2");  // two buffers share the workspace
@@ -355,7 +356,7 @@ TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
       {"FUSEDLOSS_LCE_SIDE_STREAM", "yes"}, {"FUSEDLOSS_LCE_GEMM_ALGOS", "0"},
       {"FUSEDLOSS_LCE_GEMM_ALGOS", "4x"},   {"FUSEDLOSS_LCE_TIMING", "2"},
       {"FUSEDLOSS_LCE_CE_ROWS", "-1"},     {"FUSEDLOSS_LCE_DH_PIECES", "0"},
-      {"FUSEDLOSS_LCE_DH_PIECES", "17"}};
+      {"FUSEDLOSS_LCE_DH_PIECES", "17"},   {"FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", "257"}};
   for (auto [name, value] : bad) {
     ScopedEnv env(name, value);
     expect_error([&] { linear_cross_entropy_chunk_rows(o, 1000, 1001, DType::BF16); },
@@ -365,21 +366,28 @@ TEST(LinearCrossEntropyPlan, TuningFromTheEnvironment) {
 
 TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
   LinearCrossEntropyOptions o;
+  // The buffer and cuBLASLt's 4 MiB together within the 256 MiB default.
+  constexpr int64_t kGemmWorkspace = int64_t(4) << 20;
   for (int64_t V : {int64_t(32000), int64_t(128256), int64_t(151936), int64_t(262144)})
     for (DType d : {DType::BF16, DType::F32}) {
       const int64_t chunk = linear_cross_entropy_chunk_rows(o, 1 << 20, V, d);
       const int64_t es = d == DType::F32 ? 4 : 2, stride = (V + 16 / es - 1) / (16 / es) * (16 / es);
-      EXPECT_LE(chunk * stride * es, int64_t(256) << 20) << "V " << V;  // one buffer
+      EXPECT_LE(chunk * stride * es + kGemmWorkspace, int64_t(256) << 20) << "V " << V;
       EXPECT_GE(chunk, 64) << "V " << V;
       EXPECT_EQ(chunk % 64, 0) << "V " << V;
     }
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 10, 128256, DType::BF16), 10);  // <= N
-  // whole 256-row tiles where that costs at most a quarter: 883 rows fit, 768 taken (not 832)
+  // whole 256-row tiles where that costs at most a quarter: 869 rows fit, 768 taken; 1030, 1024
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 151936, DType::BF16), 768);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 128256, DType::BF16), 1024);
+  {
+    ScopedEnv cap("FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", "32");  // 224 MiB left: 894 rows, 768 taken
+    EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 128256, DType::BF16), 768);
+  }
   for (auto [fits, taken] : {std::pair<int64_t, int64_t>{600, 512}, {700, 640}, {300, 256},
                             {127, 64}, {63, 63}}) {
-    o.workspace_bytes = size_t(fits) * 1024 * 2;
+    // `fits` rows of 2048 bytes beside the GEMM workspace (an eighth, in 256-byte blocks)
+    o.workspace_bytes = size_t(fits) * 1024 * 2 * 8 / 7 + 256;
     EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 1024, DType::BF16), taken) << fits;
   }
   o.workspace_bytes = 1;
@@ -593,8 +601,8 @@ TEST_P(LinearCrossEntropyBadInputs, OutOfRangeTarget) {
 }
 
 #if FUSEDLOSS_HAS_CUDA
-// The peak of stream-ordered allocations during a call: the two chunk buffers, the cuBLASLt
-// workspace and O(N) floats; never [N, V].
+// The peak of stream-ordered allocations during a call: the chunk buffers with the cuBLASLt
+// workspace (workspace_bytes together) and O(N) floats; never [N, V].
 TEST(LinearCrossEntropyCuda, PeakExtraMemoryIsTheWorkspace) {
   std::string why;
   if (!cuda_available(&why)) GTEST_SKIP() << why;
@@ -642,8 +650,7 @@ TEST(LinearCrossEntropyCuda, PeakExtraMemoryIsTheWorkspace) {
     uint64_t high = 0;
     ASSERT_EQ(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high), cudaSuccess);
     const uint64_t blocked = c.lo.vocab_block ? 4 * uint64_t(N + c.lo.vocab_block) * H : 0;
-    const uint64_t bound =
-        c.lo.workspace_bytes + (uint64_t(32) << 20) + 64 * uint64_t(N) + (1 << 20) + blocked;
+    const uint64_t bound = c.lo.workspace_bytes + 64 * uint64_t(N) + (1 << 20) + blocked;
     EXPECT_LE(high, bound) << "variant " << variant << ": peak " << high
                            << " B, logits would be " << N * V * 2 << " B";
   }
