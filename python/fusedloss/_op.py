@@ -13,6 +13,7 @@ cannot tell whether an input's memory belongs to the caller (under AOTAutograd a
 written back to the caller's tensor, a parameter included), so setup sees ctx.traced = True
 there and ops take their out-of-place kernel (_views.inplace_refused decides).
 """
+import functools
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +47,26 @@ def _guard(grad, op, anchors):
 
 
 
+def _on_the_tensors_device(fn):
+    """fn(*args) with the current CUDA device set to that of its first argument (a tensor of the
+    op) while it runs, as torch's own ops do: the core launches on the current device, and the
+    stream it is given is that of the tensors' device (stream_of), which must agree."""
+    @functools.wraps(fn)
+    def run(*args):
+        first = args[0]
+        if first.is_cuda and first.get_device() != _current_device():
+            with torch.cuda.device(first.get_device()):
+                return fn(*args)
+        return fn(*args)
+    return run
+
+
+try:  # torch.cuda.current_device() without its lazy-init check per call
+    from torch._C import _cuda_getDevice as _current_device
+except ImportError:  # a torch without it
+    _current_device = torch.cuda.current_device
+
+
 class FusedOp:
     def __init__(self, name, *, forward, forward_fake, kernels, setup, backward, inplace_flag,
                  n_outputs=1, consumed="overwrote the input with its gradient"):
@@ -59,6 +80,9 @@ class FusedOp:
         self._inplace_flag = inplace_flag
         self._consumed = consumed  # what the in-place backward did, for the second-backward error
         self._setup, self._op_backward = setup, backward
+        forward = _on_the_tensors_device(forward)
+        kernels = {suffix: (_on_the_tensors_device(impl), fake, mutates)
+                   for suffix, (impl, fake, mutates) in kernels.items()}
         self._forward = forward
         self.forward_op = torch.library.custom_op(f"fusedloss::{name}_fwd", mutates_args=())(forward)
         self.forward_op.register_fake(forward_fake)
