@@ -113,9 +113,9 @@ def libcudart():
 
 
 class StreamOrderedPool:
-    """The device's default cudaMallocAsync pool, where fusedloss's scratch lives
-    (src/cuda/runtime.cu: the linear cross-entropy's chunk buffer and cuBLASLt workspace, ...):
-    torch's allocator statistics do not see it. A driver object, so any copy of libcudart reads
+    """The device's default cudaMallocAsync pool, where fusedloss's scratch lives when it does
+    not come from torch's cache (fusedloss.set_scratch_allocator("cuda"), the C++ API, graph
+    captures; src/cuda/runtime.cu): torch's allocator statistics do not see it. A driver object, so any copy of libcudart reads
     the same pool. Where libcudart cannot be loaded or a query fails, `usable` is False and
     `extra` answers 0 (with a printed reason, once)."""
 

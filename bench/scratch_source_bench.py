@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     sources = ["cuda", "torch"]
+    default = fusedloss._native.scratch
     print(f"{torch.cuda.get_device_name()}; bf16; forward+backward; medians over {args.rounds} rounds "
           f"of {args.iters} runs")
     for N, H, V in SHAPES:
@@ -68,7 +69,7 @@ def main():
                         fusedloss.set_scratch_allocator(source)
                     _, _, both, peak, host, _ = peers.time_step(prepare, forward, backward, args.iters, 3)
                     runs.setdefault((name, source), []).append((both, host, peak))
-        fusedloss.set_scratch_allocator("cuda")
+        fusedloss.set_scratch_allocator(default)
         print(f"\nN {N}, H {H}, V {V}")
         print(f"{'':32} {'scratch':>8} {'device ms':>10} {'host ms':>9} {'peak MiB':>9}   host per round")
         for (name, source), v in runs.items():

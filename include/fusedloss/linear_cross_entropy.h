@@ -24,7 +24,8 @@
 // parallel). dweight is this rank's own shard, complete.
 //
 // Memory beside the caller's buffers: the chunk buffer(s) and on CUDA the cuBLASLt workspace
-// (workspace_bytes together), and O(N) floats.
+// (workspace_bytes together), O(N) floats, and with vocab_block (recompute) fp32 [N, H] and
+// [block, H] accumulators.
 // CUDA calls enqueue on `stream` (plus a cached side stream joined back before returning) and
 // never synchronise the host at TP=1; they are CUDA-graph capturable with
 // check_shard_agreement = false at TP>1.

@@ -23,6 +23,13 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// The device had no memory for a call's scratch (an Error too): adapters report it as their
+// framework's out-of-memory error (torch.OutOfMemoryError in Python), not as a bad argument.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 // A row-major matrix: element (r, c) lives at data + (r * row_stride + c) * sizeof(dtype).
 // Columns are contiguous; row_stride >= cols (in elements).
 struct MatrixView {

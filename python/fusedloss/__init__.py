@@ -34,8 +34,12 @@ def set_scratch_allocator(source: str) -> None:
     free memory back at every synchronisation, so a large scratch is mapped again on the next
     call (about 0.3 ms of host time for the linear cross-entropy's 256 MiB on an H200). Under
     CUDA-graph capture, and where torch's cache cannot serve a block, the scratch comes from
-    cudaMallocAsync either way. For the whole process; FUSEDLOSS_SCRATCH=torch|cuda sets it at
-    import. "torch" needs the C++ nodes (fusedloss._native.status)."""
+    cudaMallocAsync either way, as does scratch for a stream other than the current one (the
+    linear cross-entropy's side stream with FUSEDLOSS_LCE_BUFFERS=2). torch keeps a freed block
+    for the stream it was allocated on: each stream that runs the linear cross-entropy keeps its
+    chunk buffer (workspace_bytes) cached until torch.cuda.empty_cache(). For the whole process;
+    FUSEDLOSS_SCRATCH=torch|cuda sets it at import. "torch" needs the C++ nodes
+    (fusedloss._native.status; FUSEDLOSS_NATIVE_NODES=0 leaves the scratch in cudaMallocAsync)."""
     from . import _native
     _native.set_scratch(source)
 
@@ -50,7 +54,10 @@ def _scratch_from_environment():
     source = os.environ.get("FUSEDLOSS_SCRATCH")
     if not source:
         if _native.ops is not None:
-            set_scratch_allocator("torch")
+            try:
+                set_scratch_allocator("torch")
+            except RuntimeError as error:  # the ops work on, their scratch from cudaMallocAsync
+                warnings.warn(f"fusedloss: {error}; the scratch comes from cudaMallocAsync")
         return
     try:
         set_scratch_allocator(source)

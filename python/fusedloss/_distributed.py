@@ -179,7 +179,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            "torch's allow_tf32) and the same target shape on every rank")
         if cc != chunk0:  # a chunked op runs one collective per chunk
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
-                           f"rank 0 {chunk0}; expected the same workspace_bytes and dtype on every rank")
+                           f"rank 0 {chunk0}; expected the same workspace_bytes, dtype and FUSEDLOSS_LCE_BUFFERS / "
+                           "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB on every rank")
         if ss != sum0 and not rejected:
             raise _C.Error(f"{op}: vocab-parallel targets: rank {r}'s differ from rank 0's (a "
                            "checksum of their values); expected the same targets on every rank "

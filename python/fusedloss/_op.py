@@ -52,12 +52,12 @@ def _on_the_tensors_device(fn):
     op) while it runs, as torch's own ops do: the core launches on the current device, and the
     stream it is given is that of the tensors' device (stream_of), which must agree."""
     @functools.wraps(fn)
-    def run(*args):
+    def run(*args, **kwargs):
         first = args[0]
         if first.is_cuda and first.get_device() != _current_device():
             with torch.cuda.device(first.get_device()):
-                return fn(*args)
-        return fn(*args)
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     return run
 
 

@@ -27,6 +27,16 @@ template <class Body>
 void guarded(Body&& body) {
   try {
     body();
+  } catch (const OutOfMemory& e) {
+    // torch.OutOfMemoryError, which batch-size finders and OOM handlers catch (MemoryError
+    // without torch)
+    py::object oom = py::reinterpret_borrow<py::object>(PyExc_MemoryError);
+    try {
+      oom = py::module_::import("torch").attr("OutOfMemoryError");
+    } catch (py::error_already_set&) {
+    }
+    PyErr_SetString(oom.ptr(), e.what());
+    throw py::error_already_set();
   } catch (const Error& e) {
     try {
       std::rethrow_if_nested(e);
@@ -77,9 +87,13 @@ python::CoreError caught(Body&& body) noexcept {
   thread_local std::string message;
   thread_local python::CoreFailure failure;
   failure.argument_error = false;
+  failure.out_of_memory = false;
   try {
     body();
     return nullptr;
+  } catch (const OutOfMemory& e) {
+    failure.out_of_memory = true;
+    message = e.what();
   } catch (const Error& e) {
     failure.argument_error = true;
     message = e.what();

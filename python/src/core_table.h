@@ -20,13 +20,14 @@ namespace fusedloss::python {
 // anything else (an allocation failure, a CUDA error: RuntimeError).
 struct CoreFailure {
   bool argument_error;
+  bool out_of_memory;  // fusedloss::OutOfMemory: torch.OutOfMemoryError
   const char* message;
 };
 using CoreError = const CoreFailure*;
 
 // Raised whenever an entry is added, removed or changes its parameters (or a struct passed
 // through the table changes): a library built against another layout refuses the table.
-constexpr uint32_t kCoreTableVersion = 3;
+constexpr uint32_t kCoreTableVersion = 4;
 
 struct CoreTable {
   uint32_t version = kCoreTableVersion;

@@ -102,6 +102,7 @@ void core_call(Entry CoreTable::*entry, Args&&... args) {
               "(import fusedloss first; fusedloss._native.status says why they are not in use)");
   if (const auto* failure = (core->*entry)(std::forward<Args>(args)...)) {
     const std::string what = failure->message;
+    TORCH_CHECK_WITH(OutOfMemoryError, !failure->out_of_memory, what);
     TORCH_CHECK(failure->argument_error, what);
     // the Python argument's name: "options.label_smoothing: ..." -> "label_smoothing: ..."
     const std::string prefix = "options.";

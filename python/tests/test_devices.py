@@ -41,6 +41,8 @@ def _run(make):
 @pytest.mark.parametrize("nodes", ["cpp", "python"])
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "rms_norm", "swiglu"])
 def test_runs_on_the_tensors_device(monkeypatch, nodes, op):
+    if nodes == "cpp" and fusedloss._native.ops is None:
+        pytest.skip(f"the C++ nodes are {fusedloss._native.status}")
     if nodes == "python":
         for m in _MODULES:
             for name in ("_EAGER", "_EAGER_RESIDUAL"):

@@ -13,7 +13,7 @@ import fusedloss
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")
 
 
-_DEFAULT = "torch" if fusedloss._native.ops is not None else "cuda"
+_DEFAULT = fusedloss._native.scratch  # as this process's import set it
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def _import_with(env):
 
 def test_the_environment_sets_it_at_import():
     run = _import_with({"FUSEDLOSS_SCRATCH": ""})  # unset: torch's wherever the C++ nodes load
-    assert run.returncode == 0 and run.stdout.split()[-1] == _DEFAULT
+    assert run.returncode == 0 and run.stdout.split()[-1] == ("torch" if fusedloss._native.ops else "cuda")
     run = _import_with({"FUSEDLOSS_SCRATCH": "cuda"})
     assert run.returncode == 0 and run.stdout.split()[-1] == "cuda"
     run = _import_with({"FUSEDLOSS_SCRATCH": "", "FUSEDLOSS_NATIVE_NODES": "0"})
@@ -110,3 +110,74 @@ def test_peak_is_the_gradients_and_the_workspace(restore_default, reduction):
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= grads + workspace + (2 << 20), f"peak extra {extra / 2**20:.1f} MiB"
     assert extra < N * V * 2  # not the logits
+
+
+@_CUDA
+@pytest.mark.parametrize("source", ["torch", "cuda"])
+def test_out_of_memory_is_torchs_error(restore_default, source):
+    # Tiny inputs, a chunk buffer beyond the device ([2^19 tokens, 2^18 columns] bf16: 256 GiB):
+    # torch.OutOfMemoryError from either source, and the next call works.
+    if source == "torch" and fusedloss._native.ops is None:
+        pytest.skip("the C++ nodes are not loaded")
+    fusedloss.set_scratch_allocator(source)
+    N, V, H = 1 << 19, 1 << 18, 8
+    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    for grad in (False, True):  # the forward alone (the _C path), and through the autograd node
+        with pytest.raises(torch.OutOfMemoryError, match="fusedloss scratch of"):
+            fusedloss.linear_cross_entropy(h.requires_grad_(grad), w, t, workspace_bytes=1 << 40)
+    loss = fusedloss.linear_cross_entropy(h[:64], w[:1024], t[:64] % 1024)
+    assert torch.isfinite(loss)
+
+
+def _lce_problem(N=384, H=64, V=4000):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    h = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    return h, w, t
+
+
+@_CUDA
+@pytest.mark.parametrize("mode", ["in_forward", "recompute"])
+def test_graph_capture_with_the_default_scratch(mode):
+    # Captured on a side stream with torch's graph pool: the scratch inside the capture comes
+    # from cudaMallocAsync (graph-owned), outside it from the default source; replay = eager.
+    h, w, t = _lce_problem()
+
+    def step():
+        loss = fusedloss.linear_cross_entropy(h, w, t, backward_mode=mode, workspace_bytes=100 * 4000 * 2)
+        return (loss, *torch.autograd.grad(loss, (h, w)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, step()):
+        assert torch.equal(a, b)
+
+
+@_CUDA
+@pytest.mark.skipif(fusedloss._native.ops is None, reason="the C++ nodes are not loaded")
+def test_both_sources_give_the_same_bits_with_two_buffers(restore_default, monkeypatch):
+    # FUSEDLOSS_LCE_BUFFERS=2: the cross-entropy steps on the side stream read the chunk buffers
+    # while the caller's stream runs the GEMMs; many chunks, so buffers are refilled.
+    monkeypatch.setenv("FUSEDLOSS_LCE_BUFFERS", "2")
+    h, w, t = _lce_problem()
+    results = []
+    for source in ("cuda", "torch"):
+        fusedloss.set_scratch_allocator(source)
+        for mode in ("in_forward", "recompute"):
+            loss = fusedloss.linear_cross_entropy(h, w, t, backward_mode=mode, workspace_bytes=100 * 4000 * 2)
+            results.append((loss.detach(), *torch.autograd.grad(loss, (h, w))))
+    for a, b in zip(results[:2], results[2:]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

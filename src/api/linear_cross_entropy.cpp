@@ -130,9 +130,26 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
   if (chunk <= 0) {
     const size_t for_buffers =
         o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
-    chunk = whole_tiles(int64_t(for_buffers / size_t(buffers * stride * es)));
+    const int64_t fits = int64_t(for_buffers / size_t(buffers * stride * es));
+    chunk = fits >= rows ? rows : whole_tiles(fits);  // one chunk of every token needs no rounding
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
+}
+
+// The recompute backward's vocabulary block: options.vocab_block columns (at most V), or fewer,
+// down to half of them, where that lets one chunk hold every token: such a block needs no fp32
+// block buffer and no conversion pass (at N = 16384, H = 4096, the 8192 columns of a 128 MiB
+// fp32 block leave 16128 tokens a chunk beside cuBLASLt's workspace; 8064 columns take all).
+int64_t vocab_block_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
+                        DType dtype, const core::LceTuning& tuning) {
+  const int64_t block = std::min(o.vocab_block, vocab_local);
+  if (o.chunk_rows > 0 || rows <= 0 || chunk_rows_for(o, rows, block, dtype, tuning) >= rows)
+    return block;
+  const int64_t es = detail::element_size(dtype);
+  const size_t for_buffers =
+      o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
+  const int64_t fit = int64_t(for_buffers / size_t(tuning.buffers * rows * es)) / 8 * 8;
+  return fit >= block / 2 && fit > 0 ? fit : block;
 }
 
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
@@ -429,7 +446,9 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   // Vocabulary blocks outside, token chunks inside: a block is a shard of this rank's shard
   // (its columns start at vocab_start + b0), so the cross-entropy's gradient pass runs on it
   // as is. fp32 accumulators: dhidden over the blocks, each block's dweight over all tokens.
-  const int64_t H = hidden.cols, V = weight.rows, block = std::min(options.vocab_block, V);
+  const core::LceTuning tuning = core::lce_tuning();
+  const int64_t H = hidden.cols, V = weight.rows,
+                block = vocab_block_for(options, N, V, hidden.dtype, tuning);
   auto block_of = [&](int64_t b0, int64_t nb) {
     MatrixView wb = weight;
     wb.data = static_cast<char*>(weight.data) +
@@ -439,7 +458,6 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   };
   // One chunk of every token per block (see `direct` below) needs no fp32 block: then it is
   // not allocated (up to 128 MiB). A shorter last block has chunks at least as long.
-  const core::LceTuning tuning = core::lce_tuning();
   const bool all_direct = make_plan(hidden, block_of(0, block), options, tuning).chunk >= N;
   const int64_t block_floats = all_direct ? 0 : block * H;
   vocab_parallel::Scratch acc(dev, sizeof(float) * size_t(N * H + block_floats + 1), stream, kFn);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 #include "api/scratch.h"
 #include "common/error.h"
 
@@ -15,7 +16,10 @@ namespace {
 
 struct Installed {
   std::mutex mu;
-  const ScratchAllocator* current = nullptr;  // copies, never freed: live scratch may point at one
+  const ScratchAllocator* current = nullptr;  // one of `copies`
+  // Every allocator ever installed, one copy each, never freed (live scratch may point at one);
+  // installing an equal one again reuses its copy, so switching back and forth does not grow it.
+  std::vector<const ScratchAllocator*> copies;
   std::unordered_map<void*, const ScratchAllocator*> taken;
 };
 
@@ -39,8 +43,14 @@ void set_scratch_allocator(const ScratchAllocator* allocator) {
   }
   Installed& s = installed();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.current = allocator ? new ScratchAllocator(*allocator) : nullptr;
-  if (allocator) g_ever_installed.store(true, std::memory_order_release);
+  s.current = nullptr;
+  if (!allocator) return;
+  for (const ScratchAllocator* c : s.copies)
+    if (c->allocate == allocator->allocate && c->release == allocator->release &&
+        c->context == allocator->context)
+      s.current = c;
+  if (!s.current) s.copies.push_back(s.current = new ScratchAllocator(*allocator));
+  g_ever_installed.store(true, std::memory_order_release);
 }
 
 namespace detail {

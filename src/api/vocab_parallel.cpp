@@ -202,7 +202,8 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       const Header& h = all[r];
       detail::require(h.chunk_rows == h0.chunk_rows, "vocab-parallel chunking: rank ", r,
                       " computes ", h.chunk_rows, " tokens per chunk, rank 0 ", h0.chunk_rows,
-                      "; expected the same workspace_bytes / chunk_rows and dtype on every rank");
+                      "; expected the same workspace_bytes / chunk_rows, dtype and FUSEDLOSS_LCE_BUFFERS / "
+                      "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB on every rank");
       detail::require(h.collective == h0.collective, "vocab-parallel options.collective: rank ",
                       r, " uses ", collective_name(h.collective), ", rank 0 ",
                       collective_name(h0.collective), "; expected the same on every rank");

@@ -202,7 +202,7 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   const size_t workspace_at = (size_t(B) * buffer_bytes + 255) / 256 * 256;
   const ScratchBuffer mem(workspace_at + plan.gemm_workspace, stream);
   char* base = mem.as<char>();
-  void* workspace = base + workspace_at;
+  void* workspace = plan.gemm_workspace ? base + workspace_at : nullptr;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
   auto rows_in = [&](int64_t i) { return std::min(plan.chunk, plan.rows - i * plan.chunk); };
   auto buffer = [&](int64_t i) {

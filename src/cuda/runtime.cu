@@ -38,7 +38,15 @@ void* alloc_async(size_t bytes, Stream stream) {
   if (detail::scratch_allocator_installed() && !capturing(stream))
     if (void* p = detail::scratch_from_installed(bytes, stream)) return p;
   void* p = nullptr;
-  FL_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_cuda(stream)));
+  const cudaError_t err = cudaMallocAsync(&p, bytes, as_cuda(stream));
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // reported here; later calls must not see it again
+    int device = -1;
+    (void)cudaGetDevice(&device);
+    throw OutOfMemory("CUDA out of memory: fusedloss scratch of " + std::to_string(bytes) +
+                      " bytes on device " + std::to_string(device) + " (cudaMallocAsync)");
+  }
+  FL_CUDA_CHECK(err);
   return p;
 }
 

@@ -183,6 +183,21 @@ TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
         c.accumulate_dweight = acc;
         check(c);
       }
+  // A workspace whose one chunk holds every token of a 48-column block but not of a 64-column
+  // one: the block shrinks to 48 (no fp32 block), the result stays exact.
+  for (auto red : {Reduction::Mean, Reduction::None}) {
+    LceCase c;
+    c.lo.backward_mode = LinearCeBackward::Recompute;
+    c.lo.vocab_block = 64;
+    c.lo.chunk_rows = 0;
+    c.lo.workspace_bytes = 6000;  // 5488 bytes beside the GEMM's 512: 42 rows of 64, 57 of 48
+    c.ce.reduction = red;
+    c.dtype = DType::BF16;
+    c.grad_dtype = DType::BF16;
+    ASSERT_EQ(linear_cross_entropy_chunk_rows(c.lo, c.N, 64, DType::BF16), 42);
+    ASSERT_EQ(linear_cross_entropy_chunk_rows(c.lo, c.N, 48, DType::BF16), 50);
+    check(c);
+  }
   LceCase zero;
   zero.N = 0;
   zero.lo.backward_mode = LinearCeBackward::Recompute;
@@ -240,7 +255,7 @@ TEST_P(LinearCrossEntropy, LargerProblemManyChunks) {
   c.V = 1001;
   c.dtype = DType::BF16;
   c.lo.chunk_rows = 0;
-  c.lo.workspace_bytes = 2 * 16 * 1008 * 2;  // 16 tokens per chunk, 19 chunks
+  c.lo.workspace_bytes = 2 * 16 * 1008 * 2;  // 28 tokens per chunk beside the GEMM's 7936 bytes
   for (auto [mode, red] : {kModes[0], kModes[4]}) {
     c.lo.backward_mode = mode;
     c.ce.reduction = red;
@@ -321,7 +336,7 @@ TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
     c.V = 301;
     c.dtype = DType::BF16;
     c.lo.chunk_rows = 0;
-    c.lo.workspace_bytes = 2 * 16 * 304 * 2;  // 16 tokens per chunk at 2 buffers, 32 at 1
+    c.lo.workspace_bytes = 2 * 16 * 304 * 2;  // 14 tokens per chunk at 2 buffers, 28 at 1
     for (auto [mode, red] : {kModes[1], kModes[2], kModes[4]}) {
       c.lo.backward_mode = mode;
       c.ce.reduction = red;
@@ -381,7 +396,7 @@ TEST(LinearCrossEntropyPlan, DefaultWorkspaceIsAtMost256MiB) {
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 151936, DType::BF16), 768);
   EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 128256, DType::BF16), 1024);
   {
-    ScopedEnv cap("FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", "32");  // 224 MiB left: 894 rows, 768 taken
+    ScopedEnv cap("FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", "32");  // 224 MiB left: 915 rows, 768 taken
     EXPECT_EQ(linear_cross_entropy_chunk_rows(o, 1 << 20, 128256, DType::BF16), 768);
   }
   for (auto [fits, taken] : {std::pair<int64_t, int64_t>{600, 512}, {700, 640}, {300, 256},
