@@ -117,8 +117,12 @@ int64_t whole_tiles(int64_t chunk) {
   return chunk - chunk % 64;
 }
 
-// Tokens per chunk for the workspace left beside the GEMM workspace, split into `buffers` chunk
-// buffers.
+// The bytes of workspace_bytes left to the chunk buffers beside the GEMM workspace.
+size_t buffer_share(const LinearCrossEntropyOptions& o, const core::LceTuning& tuning) {
+  return o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
+}
+
+// Tokens per chunk for the buffers' share of the workspace, split into `buffers` chunk buffers.
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
                        DType dtype, const core::LceTuning& tuning) {
   const int64_t buffers = tuning.buffers;
@@ -128,9 +132,7 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
   const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    const size_t for_buffers =
-        o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
-    const int64_t fits = int64_t(for_buffers / size_t(buffers * stride * es));
+    const int64_t fits = int64_t(buffer_share(o, tuning) / size_t(buffers * stride * es));
     chunk = fits >= rows ? rows : whole_tiles(fits);  // one chunk of every token needs no rounding
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
@@ -146,9 +148,7 @@ int64_t vocab_block_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_
   if (o.chunk_rows > 0 || rows <= 0 || chunk_rows_for(o, rows, block, dtype, tuning) >= rows)
     return block;
   const int64_t es = detail::element_size(dtype);
-  const size_t for_buffers =
-      o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
-  const int64_t fit = int64_t(for_buffers / size_t(tuning.buffers * rows * es)) / 8 * 8;
+  const int64_t fit = int64_t(buffer_share(o, tuning) / size_t(tuning.buffers * rows * es)) / 8 * 8;
   return fit >= block / 2 && fit > 0 ? fit : block;
 }
 
