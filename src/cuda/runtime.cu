@@ -24,6 +24,13 @@ void throw_error(cudaError_t err, const char* call, const char* file, int line) 
       (void)cudaGetLastError();  // the error is reported here; later calls must not see it again
       throw detail::NoUsableCudaDevice(std::string("no usable CUDA device (") +
                                        cudaGetErrorString(err) + ")");
+    case cudaErrorMemoryAllocation: {  // not sticky: the next call may succeed
+      (void)cudaGetLastError();
+      int device = -1;
+      (void)cudaGetDevice(&device);
+      throw OutOfMemory(std::string("CUDA out of memory on device ") + std::to_string(device) +
+                        ": " + call + " (" + file + ":" + std::to_string(line) + ")");
+    }
     default:
       detail::fail(call, " failed: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err), " (",
                    file, ":", line, ")");
@@ -38,15 +45,11 @@ void* alloc_async(size_t bytes, Stream stream) {
   if (detail::scratch_allocator_installed() && !capturing(stream))
     if (void* p = detail::scratch_from_installed(bytes, stream)) return p;
   void* p = nullptr;
-  const cudaError_t err = cudaMallocAsync(&p, bytes, as_cuda(stream));
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();  // reported here; later calls must not see it again
-    int device = -1;
-    (void)cudaGetDevice(&device);
-    throw OutOfMemory("CUDA out of memory: fusedloss scratch of " + std::to_string(bytes) +
-                      " bytes on device " + std::to_string(device) + " (cudaMallocAsync)");
+  try {
+    FL_CUDA_CHECK(cudaMallocAsync(&p, bytes, as_cuda(stream)));
+  } catch (const OutOfMemory& e) {  // the size is what a reader of the error needs
+    throw OutOfMemory("fusedloss scratch of " + std::to_string(bytes) + " bytes: " + e.what());
   }
-  FL_CUDA_CHECK(err);
   return p;
 }
 
