@@ -5,6 +5,7 @@ torch reference; memory the caller owns (leaves, targets, scales, biases) is nev
 CI runs a fixed-seed batch and a few random examples; FUSEDLOSS_PROPERTY_EXAMPLES and
 FUSEDLOSS_PROPERTY_DEVICE=cuda give the long run on a GPU."""
 import contextlib
+import math
 import os
 import warnings
 
@@ -274,12 +275,17 @@ def _lce_case(draw):
     opts = dict(label_smoothing=ls, smoothing_formula=draw(st.sampled_from(["pytorch", "megatron"])),
                 reduction=reduction, z_loss=draw(st.sampled_from([0.0, 1e-3])),
                 logit_softcap=draw(st.sampled_from([None, 3.0])),
+                # in_forward with fp16 inputs is drawn too: refused (the check below)
                 backward_mode=draw(st.sampled_from(["auto", "recompute"] +
-                                                   ([] if reduction == "none" or dtype == torch.float16
-                                                    else ["in_forward"]))),
+                                                   ([] if reduction == "none" else ["in_forward"]))),
                 inplace_backward=draw(st.booleans()),
-                # a few tokens per chunk (chunk boundaries) or the default workspace
-                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])))
+                dweight_accumulation=draw(st.sampled_from(["fp32", "weight_dtype"])),
+                # a few tokens per chunk (chunk boundaries), the default workspace, or 3/4 of
+                # one chunk of every token (a 16-bit recompute with fp32 accumulation then
+                # shrinks its vocabulary block so that one chunk holds them all)
+                workspace_bytes=draw(st.sampled_from([
+                    None, 2 * 3 * ((V + 63) // 64 * 64) * 4,
+                    max(1, math.prod(shape[:-1])) * (3 * V // 4) * dtype.itemsize + 16])))
     return draw, shape, V, dtype, gen, opts
 
 
@@ -300,6 +306,12 @@ def test_linear_cross_entropy_any_layout(run):
         if draw(st.booleans()) and t.numel():  # strided targets
             t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
+        if dtype == torch.float16 and opts["backward_mode"] == "in_forward":
+            with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with torch.float16 inputs"):
+                fusedloss.linear_cross_entropy(h, w, t, **opts)
+            for x, before in owned:
+                assert torch.equal(x.detach(), before), "a refused call wrote a tensor"
+            return
         # the weight's gradient into an fp32 buffer (Megatron's main_grad) in any layout, dtype,
         # as a plain buffer or a parameter-like leaf (or a view of one): fp32 buffers whose rows
         # can be written in are taken, every other one refused with nothing written
