@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fusedloss
+from test_linear_cross_entropy import _problem
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")
 
@@ -65,9 +66,7 @@ def _lce_step(h, w, t):
 @pytest.mark.skipif(fusedloss._native.ops is None, reason="the C++ nodes are not loaded")
 def test_torch_scratch_is_counted_by_torch_and_keeps_the_bits(restore_default):
     N, H, V = 512, 64, 32000
-    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.05
-    t = torch.randint(0, V, (N,), device="cuda")
+    h, w, t = _problem("cuda", torch.bfloat16, shape=(N,), H=H, V=V)
     fusedloss.set_scratch_allocator("cuda")
     by_cuda = _lce_step(h, w, t)
     fusedloss.set_scratch_allocator("torch")
@@ -92,9 +91,8 @@ def test_peak_is_the_gradients_and_the_workspace(restore_default, reduction):
     # dweight plus workspace_bytes (the chunk buffer and cuBLASLt's workspace), never [N, V].
     N, H, V = 4096, 256, 32000  # logits: 250 MiB
     workspace = 40 << 20
-    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
-    t = torch.randint(0, V, (N,), device="cuda")
+    h, w, t = (x.requires_grad_(x.is_floating_point()) for x in
+               _problem("cuda", torch.bfloat16, shape=(N,), H=H, V=V))
     upstream = torch.rand(N, device="cuda")
     fusedloss.set_scratch_allocator("torch")
     for _ in range(2):  # the second step: cuBLASLt's plans are made, torch's cache is warm
@@ -121,9 +119,7 @@ def test_out_of_memory_is_torchs_error(restore_default, source):
         pytest.skip("the C++ nodes are not loaded")
     fusedloss.set_scratch_allocator(source)
     N, V, H = 1 << 19, 1 << 18, 8
-    h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(V, H, device="cuda", dtype=torch.bfloat16)
-    t = torch.randint(0, V, (N,), device="cuda")
+    h, w, t = _problem("cuda", torch.bfloat16, shape=(N,), H=H, V=V)
     for grad in (False, True):  # the forward alone (the _C path), and through the autograd node
         with pytest.raises(torch.OutOfMemoryError, match="fusedloss scratch of"):
             fusedloss.linear_cross_entropy(h.requires_grad_(grad), w, t, workspace_bytes=1 << 40)
@@ -131,12 +127,9 @@ def test_out_of_memory_is_torchs_error(restore_default, source):
     assert torch.isfinite(loss)
 
 
-def _lce_problem(N=384, H=64, V=4000):
-    g = torch.Generator(device="cuda").manual_seed(7)
-    h = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(V, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, V, (N,), device="cuda", generator=g)
-    return h, w, t
+def _lce_problem():  # 384 tokens, V 4000: several chunks at the workspace below
+    h, w, t = _problem("cuda", torch.bfloat16, shape=(384,), H=64, V=4000)
+    return h.requires_grad_(), w.requires_grad_(), t
 
 
 @_CUDA
