@@ -93,6 +93,15 @@ struct LinearCrossEntropyOutputs {
   // accumulates over the token chunks in fp32.
   MatrixView dhidden;
   MatrixView dweight;
+  // Optional: the call's scratch (the chunk buffers and the GEMM workspace within
+  // workspace_bytes, per-row losses, at TP > 1 the exchange of a chunk), in the inputs' memory
+  // space, 256-byte aligned (64 on the host), at least linear_cross_entropy_forward_scratch_bytes,
+  // not used by anything else until the call's work on its stream is done. Null: the call
+  // allocates it (fusedloss/scratch.h), before the agreement at TP > 1. A caller that runs its
+  // own agreement (check_shard_agreement = false) allocates it before that agreement, so that
+  // no rank can fail alone once the per-chunk collectives have begun.
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
 };
 
 // The gradients a backward writes.
@@ -114,6 +123,14 @@ void validate_linear_cross_entropy_options(const CrossEntropyOptions& ce,
 // elements each (of dtype). A backward with vocab_block plans with vocab_local = the block.
 int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& options, int64_t rows,
                                         int64_t vocab_local, DType dtype);
+
+// The bytes of LinearCrossEntropyOutputs::scratch that a forward with these arguments needs on
+// a communicator of comm_size ranks (hidden and weight: their shapes, dtype and device).
+size_t linear_cross_entropy_forward_scratch_bytes(const MatrixView& hidden,
+                                                  const MatrixView& weight,
+                                                  const CrossEntropyOptions& ce,
+                                                  const LinearCrossEntropyOptions& options,
+                                                  int comm_size = 1);
 
 // Diagnostics: the CUDA chunk loop's device time per phase (CUDA events around the logits
 // GEMMs, the cross-entropy steps, the dhidden GEMMs and the dweight GEMMs of every chunk), and

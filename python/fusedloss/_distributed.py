@@ -75,12 +75,19 @@ def rank_and_size(group):
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def merge_over_group(group, stats, target_view, options, v_local, loss, lse, count, stream):
+def gathered_stats(group, stats):
+    """The buffer merge_over_group gathers `stats` into: allocate it with the other buffers,
+    before the agreement."""
+    return stats.new_empty(dist.get_world_size(group) * stats.size(0), stats.size(1))
+
+
+def merge_over_group(group, stats, gathered, target_view, options, v_local, loss, lse, count,
+                     stream):
     """The hook between the local pass and the loss: this rank's stats of every row [rows,
-    ROW_STATS_FLOATS] (16 B/row) all-gathered over the group once, then merged into the loss,
-    lse [rows] and the valid count (fp32 tensors the caller owns)."""
+    ROW_STATS_FLOATS] (16 B/row) all-gathered over the group once (into `gathered`, from
+    gathered_stats), then merged into the loss, lse [rows] and the valid count (fp32 tensors the
+    caller owns)."""
     world = dist.get_world_size(group)
-    gathered = stats.new_empty(world * stats.size(0), stats.size(1))
     dist.all_gather_into_tensor(gathered, stats, group=group)
     _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), target_view, options, v_local,
                            loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
@@ -126,14 +133,15 @@ def _target_checksum(target, device):
 
 
 def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,
-          chunk_rows: int = 0, target=None) -> None:
+          chunk_rows: int = 0, target=None, out_of_memory: bool = False) -> None:
     """Every rank learns every rank's rows, V_local, options fingerprint (any int the ranks must
     share, e.g. hash() of the options: numbers hash the same in every process), rejection,
     tokens per chunk (a chunked op runs one collective per chunk) and a checksum of its targets
     (every rank computes the loss of the same tokens) at the same call, and raises the same
     ValueError when anything disagrees. Costs one all-gather of 48 B per rank and its host sync
     (plus one of 512 B per rank when a rank rejected its arguments). rows = -1: the rank
-    rejected its arguments before its shapes were known."""
+    rejected its arguments before its shapes were known. A rejection that was an out-of-memory
+    error (out_of_memory) is raised as torch.OutOfMemoryError on every rank."""
     device = _header_device(group)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -141,7 +149,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
-    mine = torch.tensor([rows, v_local, options & (2**63 - 1), error is not None, chunk_rows, 0],
+    kind = 0 if error is None else 2 if out_of_memory else 1
+    mine = torch.tensor([rows, v_local, options & (2**63 - 1), kind, chunk_rows, 0],
                         dtype=torch.int64, device=device)
     if target is not None and error is None:  # a rejected rank's targets may not be readable
         mine[5:] = _target_checksum(target, device)
@@ -160,8 +169,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         others = f" (ranks {rejected} rejected their arguments)" if len(rejected) > 1 else ""
         reason = (f"{op}: vocab-parallel rank {first}: "
                   f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
+        error_type = torch.OutOfMemoryError if headers[first][3] == 2 else _C.Error
         if any(headers[r][0] < 0 for r in rejected):  # before its shapes: nothing else to compare
-            raise _C.Error(reason)
+            raise error_type(reason)
     rows0, v0, opt0, _, chunk0, sum0 = headers[0]
     for r, (rr, vv, oo, _, cc, ss) in enumerate(headers):
         if rr != rows0:
@@ -170,6 +180,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         if vv != v0:
             raise _C.Error(f"{op}: vocab-parallel shard size: rank {r} has V_local {vv}, rank 0 has "
                            f"{v0}; expected equal shards on every rank")
+        if rejected:  # the rest is known only where a rank's checks all passed
+            continue
         if oo != opt0:
             raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
                            "the same options (ignore_index, label_smoothing, smoothing_formula, "
@@ -181,12 +193,12 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
                            f"rank 0 {chunk0}; expected the same workspace_bytes, dtype and FUSEDLOSS_LCE_BUFFERS / "
                            "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB on every rank")
-        if ss != sum0 and not rejected:
+        if ss != sum0:
             raise _C.Error(f"{op}: vocab-parallel targets: rank {r}'s differ from rank 0's (a "
                            "checksum of their values); expected the same targets on every rank "
                            "(each rank computes the loss of the same tokens)")
     if reason is not None:
-        raise _C.Error(reason)
+        raise error_type(reason)
 
 
 class rank_checks:
@@ -195,8 +207,10 @@ class rank_checks:
     raised inside (a bad argument, an overflow converting one) does not leave this rank alone:
     it becomes this rank's rejection in agree(), which every rank then raises at the same call;
     a block that passes takes part in agree() with its shapes (unless only_on_error: the op's
-    forward agrees later). Otherwise errors propagate as they are. chunk_rows may be set inside
-    the block."""
+    forward agrees later). Otherwise errors propagate as they are. rows, v_local, chunk_rows and
+    target may be set inside the block. Whatever may fail on one rank alone (a conversion, an
+    allocation: out of memory) belongs inside it, before the collectives that follow: a rank
+    that raised outside would leave the others waiting in them."""
 
     def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False,
                  target=None):
@@ -215,5 +229,6 @@ class rank_checks:
         if kind is None and self.only_on_error:
             return False
         agree(self.group, self.rows, self.v_local, self.options,
-              None if error is None else str(error), self.op, self.chunk_rows, self.target)
+              None if error is None else str(error), self.op, self.chunk_rows, self.target,
+              isinstance(error, torch.OutOfMemoryError))
         return False  # a rejection raised in agree(); a passing block has nothing to suppress

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
+from ._distributed import (gathered_stats, group_name, merge_over_group, rank_and_size, rank_checks,
+                           resolve_group)
 from ._op import FusedOp
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
@@ -70,21 +71,26 @@ def check_targets_on_host(t: Tensor, o, name: str = "target") -> None:
                          f"[0, {v_global}) or ignore_index ({o.ignore_index})")
 
 
+def _outputs(rows, reduction, device):
+    """The forward's loss ([rows] or a scalar), lse [rows] and valid count, fp32."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(rows if reduction == _NONE else (), **f32), torch.empty(rows, **f32),
+            torch.empty((), **f32))
+
+
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
              scope: int, z_loss: float, reduction: int, group: str, check_agreement: bool,
              inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
-    x, _ = rows_of(logits)
-    t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
-    rows, v_local = x.shape
     g = resolve_group(group)
-    dev = x.device
-    loss = torch.empty(rows if reduction == _NONE else (), dtype=torch.float32, device=dev)
-    lse = torch.empty(rows, dtype=torch.float32, device=dev)
-    count = torch.empty((), dtype=torch.float32, device=dev)
-    stream = stream_of(x)
+    dev = logits.device
     if g is None:
+        x, _ = rows_of(logits)
+        t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
+        rows, v_local = x.shape
+        loss, lse, count = _outputs(rows, reduction, dev)
+        stream = stream_of(x)
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, 0, 1, v_local)
         if grad_in_forward:
             xv = matrix(x)
@@ -98,14 +104,22 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
     fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction,
                         tuple(target.shape)))
-    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint, target=t):
+    # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
+    with rank_checks(g, check_agreement, _OP, options=fingerprint) as checks:
+        x, _ = rows_of(logits)
+        t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
+        checks.rows, checks.v_local = rows, v_local = x.shape
+        checks.target = t
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
-    stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
+        loss, lse, count = _outputs(rows, reduction, dev)
+        stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
+        gathered = gathered_stats(g, stats)
+    stream = stream_of(x)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
-    merge_over_group(g, stats, tv, o, v_local, loss, lse, count, stream)
+    merge_over_group(g, stats, gathered, tv, o, v_local, loss, lse, count, stream)
     if grad_in_forward:  # the merged lse first: then the backward for a unit upstream gradient
         _C.cross_entropy_backward(xv, tv, lse.data_ptr(), 0, count.data_ptr(), o, xv, stream)
         _consumed(logits)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import group_name, merge_over_group, rank_and_size, rank_checks, resolve_group
+from ._distributed import (gathered_stats, group_name, merge_over_group, rank_and_size, rank_checks,
+                           resolve_group)
 from ._op import FusedOp
 from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
@@ -89,11 +90,16 @@ def _torch_stream(handle: int, device) -> "torch.cuda.Stream":
     return torch.cuda.ExternalStream(handle, device=device)
 
 
-def _callback_communicator(group, device):
+def _callback_communicator(group, device, chunk_rows):
     """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
     torch.distributed call on the stream the C++ side names. Device memory is staged through
-    tensors of torch's allocator (16 B/row), so the process group only sees its own tensors."""
+    tensors of torch's allocator (16 B/row of a chunk, allocated here: before the agreement),
+    so the process group only sees its own tensors."""
     rank, world = rank_and_size(group)
+    stage_bytes = 16 * chunk_rows  # a chunk's RowStats, the most one collective moves per rank
+    if device.type == "cuda":
+        send_stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device)
+        recv_stage = torch.empty(world * stage_bytes, dtype=torch.uint8, device=device)
 
     def view(ptr, nbytes):
         if nbytes == 0:
@@ -112,18 +118,22 @@ def _callback_communicator(group, device):
             if device.type == "cpu":
                 dist.all_gather_into_tensor(every, mine, group=group)
             else:
-                staged = torch.empty_like(every)
-                dist.all_gather_into_tensor(staged, mine.clone(), group=group)
-                every.copy_(staged)
+                send, recv = send_stage[:nbytes], recv_stage[:world * nbytes]
+                send.copy_(mine)
+                dist.all_gather_into_tensor(recv, send, group=group)
+                every.copy_(recv)
 
     def reduce(data, count, op, stream):
         with on(stream):
             values = view(data, count * 4).view(torch.float32)
             red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            staged = values if device.type == "cpu" else values.clone()
+            if device.type == "cpu":
+                dist.all_reduce(values, op=red, group=group)
+                return
+            staged = send_stage[:count * 4].view(torch.float32)
+            staged.copy_(values)
             dist.all_reduce(staged, op=red, group=group)
-            if staged is not values:
-                values.copy_(staged)
+            values.copy_(staged)
 
     dev = _C.Device.CUDA if device.type == "cuda" else _C.Device.CPU
     return _C.CallbackCommunicator(rank, world, dev, gather, reduce)
@@ -139,55 +149,71 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
              weight_grad_accumulator: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mode = _cpp_mode(lce_mode)  # ("mode" would clash with torch's functionalization of the ops)
-    h, _ = rows_of(hidden)
-    w, _ = rows_of(weight)
-    t, tv = index(target, "target")
-    rows, v_local = h.size(0), w.size(0)
     g = resolve_group(group)
     rank, world = rank_and_size(g)
-    dev = h.device
+    dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    loss = torch.empty(rows if reduction == _NONE else (), **f32)
-    lse = torch.empty(rows, **f32)
-    count = torch.empty((), **f32)
-    stream = stream_of(h)
-    unit_dw = dict(dtype=torch.float32 if acc32 else w.dtype, device=dev)
+    unit_dw = dict(dtype=torch.float32 if acc32 else weight.dtype, device=dev)
     args = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
             workspace_bytes, mode, tf32)
+
+    def outputs(h, w, rows, v_local):
+        loss = torch.empty(rows if reduction == _NONE else (), **f32)
+        lse, count = torch.empty(rows, **f32), torch.empty((), **f32)
+        if mode != _IN_FORWARD:  # distinct: outputs never alias
+            return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
+        return (loss, lse, count, torch.empty(rows, h.size(1), dtype=h.dtype, device=dev),
+                torch.empty(v_local, h.size(1), **unit_dw))
+
     if g is None:
+        h, _ = rows_of(hidden)
+        w, _ = rows_of(weight)
+        t, tv = index(target, "target")
+        rows, v_local = h.size(0), w.size(0)
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
-        if mode == _IN_FORWARD:
-            dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
-            dw = torch.empty(v_local, h.size(1), **unit_dw)
-            dhv, dwv = matrix(dh), matrix(dw)
-        else:
-            dh, dw = torch.empty(0, **f32), torch.empty(0, **f32)  # distinct: outputs never alias
-            dhv = dwv = _absent(_C.Device.CUDA if h.is_cuda else _C.Device.CPU)
+        loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
+        grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(_device(h)),) * 2
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
-                                        lse.data_ptr(), count.data_ptr(), dhv, dwv, stream)
+                                        lse.data_ptr(), count.data_ptr(), *grads, stream_of(h))
         return loss, lse, count, dh, dw
     # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
     # holds what changes the collectives (mode, dhidden_reduction), the dtype and the target's
     # shape ([s, b] on one rank and [b, s] on another have equal rows)
-    fingerprint = hash(args[:7] + args[8:] + (lce_mode, dhidden_reduction, int(_DTYPES[h.dtype]),
+    fingerprint = hash(args[:7] + args[8:] + (lce_mode, dhidden_reduction, int(_DTYPES[hidden.dtype]),
                                              tuple(target.shape)))
-    with rank_checks(g, check_agreement, _OP, rows, v_local, fingerprint, target=t) as checks:
+    # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
+    # scratch, the staging; the local pass of the recompute form) before the agreement.
+    with rank_checks(g, check_agreement, _OP, options=fingerprint) as checks:
+        h, _ = rows_of(hidden)
+        w, _ = rows_of(weight)
+        t, tv = index(target, "target")
+        checks.rows, checks.v_local = rows, v_local = h.size(0), w.size(0)
+        checks.target = t
         o, lo = _options(*args, rank, world, v_local, h.size(1))
-        if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
-            checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
         if check_agreement:
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
+        loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
+        stream = stream_of(h)
+        if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
+            checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
+            scratch = torch.empty(_C.linear_cross_entropy_forward_scratch_bytes(
+                matrix(h), matrix(w), o, lo, world), dtype=torch.uint8, device=dev)
+            comm = _callback_communicator(g, dev, checks.chunk_rows)
+        else:
+            stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
+            gathered = gathered_stats(g, stats)
+            _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
-        dh = torch.empty(rows, h.size(1), dtype=h.dtype, device=dev)
-        dw = torch.empty(v_local, h.size(1), **unit_dw)
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
-                                        stream, _callback_communicator(g, dev))
+                                        stream, comm, scratch.data_ptr(), scratch.numel())
         return loss, lse, count, dh, dw
-    stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
-    _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
-    merge_over_group(g, stats, tv, o, v_local, loss, lse, count, stream)
-    return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
+    merge_over_group(g, stats, gathered, tv, o, v_local, loss, lse, count, stream)
+    return loss, lse, count, dh, dw
+
+
+def _device(t):
+    return _C.Device.CUDA if t.is_cuda else _C.Device.CPU
 
 
 def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
@@ -226,7 +252,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
     if mode == _IN_FORWARD:
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
-        sdh = sdw = _absent(_C.Device.CUDA if h.is_cuda else _C.Device.CPU)
+        sdh = sdw = _absent(_device(h))
     _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                      count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
                                      accumulate, stream_of(h))

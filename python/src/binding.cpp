@@ -348,7 +348,7 @@ PYBIND11_MODULE(_C, m) {
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
-           uintptr_t stream, CallbackCommunicator* comm) {
+           uintptr_t stream, CallbackCommunicator* comm, uintptr_t scratch, size_t scratch_bytes) {
           guarded([&] {
             LinearCrossEntropyOutputs out;
             out.loss = fptr(loss);
@@ -356,12 +356,24 @@ PYBIND11_MODULE(_C, m) {
             out.valid_count = fptr(count);
             out.dhidden = dh;
             out.dweight = dw;
+            out.scratch = ptr(scratch);
+            out.scratch_bytes = scratch_bytes;
             linear_cross_entropy_forward(h, w, t, ce, o, out, comm, ptr(stream));
           });
         },
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"), py::arg("options"),
         py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
-        py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr);
+        py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr, py::arg("scratch") = 0,
+        py::arg("scratch_bytes") = 0);
+  m.def("linear_cross_entropy_forward_scratch_bytes",
+        [](const MatrixView& h, const MatrixView& w, const CrossEntropyOptions& ce,
+           const LinearCrossEntropyOptions& o, int comm_size) {
+          size_t bytes = 0;
+          guarded([&] { bytes = linear_cross_entropy_forward_scratch_bytes(h, w, ce, o, comm_size); });
+          return bytes;
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("ce"), py::arg("options"),
+        py::arg("comm_size"));
   m.def("linear_cross_entropy_local_stats",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 #include "api/check.h"
@@ -196,18 +197,18 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
   mine.target = target;
   mine.fn = fn;
   core::CeParams p;
-  try {
+  std::optional<vocab_parallel::Scratch> scratch;  // allocated before the agreement
+  vocab_parallel::claim_errors(mine, [&] {
     p = forward_params(logits, target, options, out);
     vocab_parallel::check_shard_position(p, *comm, logits.device);
     more_checks();
-  } catch (const Error& e) {
-    mine.error = e.what();
-  }
-  if (options.check_shard_agreement)
-    vocab_parallel::agree(*comm, mine, stream);
-  else if (!mine.error.empty())
-    throw Error(mine.error);
-  vocab_parallel::forward(logits, target, p, options.collective, out, *comm, stream, fn);
+    scratch.emplace(logits.device,
+                    vocab_parallel::forward_scratch_bytes(logits.rows, comm->size(), options.collective),
+                    stream, fn);
+  });
+  vocab_parallel::agree_or_throw(*comm, mine, options.check_shard_agreement, stream);
+  vocab_parallel::forward(logits, target, p, options.collective, out, *comm, scratch->as<char>(),
+                          stream, fn);
 }
 
 }  // namespace

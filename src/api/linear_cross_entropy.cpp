@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include "api/check.h"
 #include "api/vocab_parallel.h"
 #include "core/lce_tuning.h"
@@ -180,11 +181,33 @@ core::CeParams chunk_params(core::CeParams p, int64_t rows) {
   return p;
 }
 
+// The chunk loop in `memory` (core::lce_loop_bytes), or, when null, in scratch of its own.
 void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const MatrixView& hidden,
               const MatrixView& weight, const core::LceSteps& steps, const core::LceGrads& grads,
-              [[maybe_unused]] Stream stream) {
-  FL_DISPATCH(dev, fn, cpu::lce_run(plan, hidden, weight, steps, grads),
-              cuda::lce_run(plan, hidden, weight, steps, grads, stream));
+              Stream stream, void* memory = nullptr) {
+  std::optional<vocab_parallel::Scratch> own;
+  if (!memory) memory = own.emplace(dev, core::lce_loop_bytes(plan, dev), stream, fn).as<char>();
+  FL_DISPATCH(dev, fn, cpu::lce_run(plan, hidden, weight, steps, grads, memory),
+              cuda::lce_run(plan, hidden, weight, steps, grads, memory, stream));
+}
+
+// The forward's scratch, one block at 256-byte boundaries: floats (the per-row losses of a
+// Sum / Mean, the count when the caller passes none, the in-forward mode's unit upstream
+// gradient), the chunk loop's memory, and at TP > 1 the vocab-parallel exchange of a chunk.
+struct ForwardScratch {
+  size_t loop_at = 0, exchange_at = 0, bytes = 0;
+};
+
+ForwardScratch forward_scratch(const core::LcePlan& plan, const core::CeParams& p, int world,
+                               CollectiveForm form, Device dev) {
+  auto aligned = [](size_t b) { return (b + core::kLceAlign - 1) / core::kLceAlign * core::kLceAlign; };
+  const size_t floats = size_t((p.reduction != Reduction::None ? plan.rows : 0) + 2);
+  ForwardScratch s;
+  s.loop_at = aligned(sizeof(float) * floats);
+  s.exchange_at = aligned(s.loop_at + core::lce_loop_bytes(plan, dev));
+  s.bytes = s.exchange_at +
+            (world > 1 ? vocab_parallel::forward_scratch_bytes(plan.chunk, world, form) : 0);
+  return s;
 }
 
 // Reduction (Sum / Mean of row_loss, or null) and count into out; the count alone when
@@ -243,6 +266,18 @@ int64_t linear_cross_entropy_chunk_rows(const LinearCrossEntropyOptions& o, int6
   return chunk_rows_for(o, rows, vocab_local, dtype, core::lce_tuning());
 }
 
+size_t linear_cross_entropy_forward_scratch_bytes(const MatrixView& hidden,
+                                                  const MatrixView& weight,
+                                                  const CrossEntropyOptions& ce,
+                                                  const LinearCrossEntropyOptions& options,
+                                                  int comm_size) {
+  require(comm_size >= 1 && comm_size <= vocab_parallel::kMaxRanks, "comm_size: got ", comm_size,
+          ", expected 1..", vocab_parallel::kMaxRanks);
+  const core::CeParams p = resolve(ce, options, hidden.rows, weight.rows, hidden.cols);
+  return forward_scratch(make_plan(hidden, weight, options), p, comm_size, ce.collective,
+                         hidden.device).bytes;
+}
+
 void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& weight,
                                   const IndexView& target, const CrossEntropyOptions& ce,
                                   const LinearCrossEntropyOptions& options,
@@ -255,15 +290,20 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   const int64_t N = hidden.rows;
   core::CeParams p;
   LinearCeBackward mode = LinearCeBackward::Recompute;
-  // At TP > 1 this rank's argument errors travel to every rank through the agreement, as in
-  // cross_entropy_forward.
+  core::LcePlan plan;
+  ForwardScratch layout;
+  std::optional<vocab_parallel::Scratch> owned;
+  char* mem = nullptr;
+  // At TP > 1 this rank's argument errors, and its failure to allocate, travel to every rank
+  // through the agreement, as in cross_entropy_forward: everything the call allocates is
+  // allocated before it, so no rank fails alone between the per-chunk collectives.
   vocab_parallel::ShardClaim mine;
   mine.rows = hidden.rows;
   mine.vocab_local = weight.rows;
   mine.collective = ce.collective;
   mine.target = target;
   mine.fn = kFn;
-  try {
+  auto local = [&] {
     p = check_inputs(hidden, weight, target, ce, options);
     mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
     mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype);
@@ -281,7 +321,8 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
         {{out.loss, nloss * 4, "out.loss"}, {out.lse, N * 4, "out.lse"},
          {out.valid_count, 4, "out.valid_count"},
          detail::span_of(grads ? out.dhidden : MatrixView{}, "out.dhidden"),
-         detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight")},
+         detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight"),
+         {out.scratch, int64_t(out.scratch_bytes), "out.scratch"}},
         {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
          detail::span_of(target, "target")});
     check_targets_on_host(target, p);
@@ -293,11 +334,26 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
               " without a communicator of size > 1, expected ", weight.rows,
               "/0 (the whole vocabulary on one rank)");
     }
-  } catch (const Error& e) {
-    if (!parallel) throw;
-    mine.error = e.what();
-  }
-  if (parallel) {
+    plan = make_plan(hidden, weight, options);
+    layout = forward_scratch(plan, p, parallel ? comm->size() : 1, ce.collective, dev);
+    if (out.scratch) {
+      require(out.scratch_bytes >= layout.bytes, "out.scratch_bytes: got ", out.scratch_bytes,
+              ", expected at least ", layout.bytes,
+              " (linear_cross_entropy_forward_scratch_bytes for these arguments)");
+      // the GEMM workspace and the kernels' vector loads (CUDA); the host loop's floats
+      const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : 64;
+      require(reinterpret_cast<uintptr_t>(out.scratch) % align == 0,
+              "out.scratch: got an address that is not a multiple of ", align,
+              " bytes, expected an aligned block (as cudaMalloc or torch.empty returns)");
+      mem = static_cast<char*>(out.scratch);
+    } else {
+      mem = owned.emplace(dev, layout.bytes, stream, kFn).as<char>();
+    }
+  };
+  if (!parallel) {
+    local();
+  } else {
+    vocab_parallel::claim_errors(mine, local);
     // the options that change the loss or the gradients beside the cross-entropy's
     // (vocab_block only orders the local backward's sums: not among them)
     const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode)};
@@ -306,22 +362,17 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     h = vocab_parallel::fingerprint_more(h, &softcap, sizeof(float));
     mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
     mine.more_options = ", logit_softcap, allow_tf32, backward_mode";
-    if (ce.check_shard_agreement)
-      vocab_parallel::agree(*comm, mine, stream);
-    else if (!mine.error.empty())
-      throw Error(mine.error);
+    vocab_parallel::agree_or_throw(*comm, mine, ce.check_shard_agreement, stream);
   }
 
-  core::LcePlan plan = make_plan(hidden, weight, options);
   const bool in_forward = mode == LinearCeBackward::InForward;
   if (in_forward && !parallel) plan.step_rows = plan.tuning.ce_rows;
-  // Scratch: per-row losses (Sum / Mean), the count when the caller passes none, and the unit
-  // upstream gradient of the in-forward mode.
   const bool reduced = p.reduction != Reduction::None;
-  vocab_parallel::Scratch scratch(dev, sizeof(float) * size_t((reduced ? N : 0) + 2), stream, kFn);
-  float* row_loss = reduced ? scratch.as<float>() : out.loss;
-  float* count = out.valid_count ? out.valid_count : scratch.as<float>(reduced ? N : 0);
-  float* one = scratch.as<float>((reduced ? N : 0) + 1);
+  float* floats = reinterpret_cast<float*>(mem);
+  float* row_loss = reduced ? floats : out.loss;
+  float* count = out.valid_count ? out.valid_count : floats + (reduced ? N : 0);
+  float* one = floats + (reduced ? N : 0) + 1;
+  char* exchange = mem + layout.exchange_at;
 
   core::LceSteps steps;
   steps.forward = [&, parallel](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
@@ -330,7 +381,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     const IndexView tc = target_rows(target, row0, logits.rows);
     const CrossEntropyOutputs oc{row_loss + row0, out.lse + row0, nullptr};
     if (parallel) {
-      vocab_parallel::forward(logits, tc, pc, ce.collective, oc, *comm, s, kFn);
+      vocab_parallel::forward(logits, tc, pc, ce.collective, oc, *comm, exchange, s, kFn);
       return;
     }
     std::vector<RowStats> stats(logits.device == Device::CPU ? size_t(logits.rows) : 0);
@@ -349,7 +400,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     steps.gradient = gradient_step(target, p, out.lse, one, count);
     grads = core::LceGrads{out.dhidden, out.dweight, false, false};
   }
-  run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream);
+  run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream, mem + layout.loop_at);
   if (reduced)
     reduce(dev, kFn, row_loss, target, p, out.loss, out.valid_count, stream);
   else if (out.valid_count)  // None: the count alone

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <new>
 #include <type_traits>
 #include "core/cross_entropy_math.h"
 #include "core/dispatch.h"
@@ -20,7 +21,12 @@ Scratch::Scratch(Device device, size_t bytes, Stream stream, const char* fn)
     : device_(device), stream_(stream) {
   if (bytes == 0) return;
   if (device == Device::CPU) {
-    host_.resize((bytes + sizeof(RowStats) - 1) / sizeof(RowStats));
+    try {
+      host_.resize((bytes + sizeof(RowStats) - 1) / sizeof(RowStats));
+    } catch (const std::bad_alloc&) {
+      throw OutOfMemory(std::string(fn) + ": fusedloss scratch of " + std::to_string(bytes) +
+                        " bytes: out of host memory");
+    }
     ptr_ = host_.data();
   } else {
     FL_CUDA_BRANCH(fn, ptr_ = cuda::alloc_async(bytes, stream));
@@ -154,7 +160,7 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
   Header header{comm.rank(),     mine.rows,
-                mine.vocab_local, mine.error.empty() ? 0 : 1,
+                mine.vocab_local, mine.error.empty() ? 0 : mine.out_of_memory ? 2 : 1,
                 mine.chunk_rows, int64_t(mine.collective),
                 mine.options,    0};
   // The targets' checksum: on the host for a host communicator (whose targets are host
@@ -227,21 +233,40 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   for (int r = 0; r < world; ++r) {
     if (!all[r].has_error) continue;
     const char* t = texts.data() + kErrorBytes * size_t(r);
-    detail::fail("vocab-parallel: rank ", r, ": ", std::string(t, strnlen(t, kErrorBytes)));
+    throw_as(all[r].has_error == 2, "vocab-parallel: rank " + std::to_string(r) + ": " +
+                                        std::string(t, strnlen(t, kErrorBytes)));
   }
+}
+
+void agree_or_throw(Communicator& comm, const ShardClaim& mine, bool check, Stream stream) {
+  if (check)
+    agree(comm, mine, stream);
+  else if (!mine.error.empty())
+    throw_as(mine.out_of_memory, mine.error);
+}
+
+void throw_as(bool out_of_memory, const std::string& message) {
+  if (out_of_memory) throw OutOfMemory(message);
+  throw Error(message);
+}
+
+size_t forward_scratch_bytes(int64_t rows, int world, CollectiveForm form) {
+  // gather: [local][rank 0 .. world-1]; reduce: [local][summable] + rows floats of maxima
+  const size_t stat_rows =
+      form == CollectiveForm::AllGather ? size_t(world + 1) * size_t(rows) : 2 * size_t(rows);
+  return sizeof(RowStats) * stat_rows + sizeof(float) * size_t(rows);
 }
 
 void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
              CollectiveForm form, const CrossEntropyOutputs& out, Communicator& comm,
-             [[maybe_unused]] Stream stream, const char* fn) {
+             void* scratch, [[maybe_unused]] Stream stream, const char* fn) {
   const int world = comm.size(), rank = comm.rank();
   const Device dev = logits.device;
   const int64_t rows = logits.rows;
   const bool gather = form == CollectiveForm::AllGather;
-  // gather: [local][rank 0 .. world-1]; reduce: [local][summable] + rows floats of maxima
+  // the layout of forward_scratch_bytes
   const size_t stat_rows = gather ? size_t(world + 1) * rows : size_t(2) * rows;
-  Scratch buf(dev, sizeof(RowStats) * stat_rows + sizeof(float) * rows, stream, fn);
-  RowStats* local = buf.as<RowStats>();
+  RowStats* local = static_cast<RowStats*>(scratch);
   RowStats* combined = local + rows;
   float* maxima = reinterpret_cast<float*>(local + stat_rows);
 

@@ -12,7 +12,9 @@
 namespace fusedloss::vocab_parallel {
 
 // Scratch memory on `device`, released at scope exit (stream-ordered on CUDA); `fn` names the
-// entry point in the error of a CUDA call without a usable device.
+// entry point in the error of a CUDA call without a usable device. Throws OutOfMemory when the
+// memory is not there (host or device). At TP > 1 every allocation of a call happens before
+// its agreement, which carries a rank's failure to every rank.
 class Scratch {
  public:
   Scratch(Device device, size_t bytes, Stream stream, const char* fn);
@@ -51,6 +53,7 @@ uint64_t fingerprint_more(uint64_t seed, const void* bytes, size_t n);
 struct ShardClaim {
   int64_t rows = 0, vocab_local = 0;
   std::string error;
+  bool out_of_memory = false;  // the error is an OutOfMemory: every rank throws one
   // Tokens per chunk of a chunked caller (the linear cross-entropy runs one collective per
   // chunk, so the chunking must agree too); 0 for an unchunked call.
   int64_t chunk_rows = 0;
@@ -69,7 +72,7 @@ struct ShardClaim {
 // fixed-size header, then, only if some rank has an error, one all-gather of every rank's
 // error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
 // the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
-// "vocab-parallel: rank R: "), or, with no error anywhere, when the chunking, the collective
+// "vocab-parallel: rank R: ", an OutOfMemory when that rank's was one), or, with no error anywhere, when the chunking, the collective
 // form, the options or the targets (a checksum of their values) differ, or when the gather
 // did not put rank r's header in slot r. On a device communicator it synchronises `stream`
 // (the checksum is computed on the device, inside it). A failure of its own before the first
@@ -77,10 +80,35 @@ struct ShardClaim {
 constexpr size_t kErrorBytes = 512;
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream);
 
+// Runs `local` (this rank's checks and allocations: no collective inside): an Error it throws
+// becomes this rank's claim (`mine.error`), which the agreement hands to every rank.
+template <class Local>
+void claim_errors(ShardClaim& mine, Local&& local) {
+  try {
+    local();
+  } catch (const OutOfMemory& e) {
+    mine.error = e.what();
+    mine.out_of_memory = true;
+  } catch (const Error& e) {
+    mine.error = e.what();
+  }
+}
+
+// agree() when `check` (the caller's check_shard_agreement), else this rank's own error, if any.
+void agree_or_throw(Communicator& comm, const ShardClaim& mine, bool check, Stream stream);
+
+// The bytes of `forward`'s scratch for up to `rows` rows.
+size_t forward_scratch_bytes(int64_t rows, int world, CollectiveForm form);
+
 // Local stats -> all-gather (or all-reduce max, then sum) -> merge, with arguments that are
-// valid on this rank and agreed on every rank.
+// valid on this rank and agreed on every rank. `scratch` (forward_scratch_bytes for at least
+// logits.rows, on the logits' device) was allocated before the agreement, so that nothing
+// between the collectives can fail on one rank alone.
 void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
              CollectiveForm form, const CrossEntropyOutputs& out, Communicator& comm,
-             Stream stream, const char* fn);
+             void* scratch, Stream stream, const char* fn);
+
+// The error to throw on every rank for a rank's failure: an OutOfMemory stays one.
+[[noreturn]] void throw_as(bool out_of_memory, const std::string& message);
 
 }  // namespace fusedloss::vocab_parallel

@@ -40,6 +40,23 @@ struct LcePlan {
   LceTuning tuning;
 };
 
+// The chunk loop's memory, one block the caller allocates: the chunk buffers (adjacent; the
+// CUDA loop fills tuning.buffers of them, the CPU loop one), then, on CUDA, the GEMM library's
+// workspace at a 256-byte boundary. None without rows.
+constexpr size_t kLceAlign = 256;
+inline size_t lce_buffer_bytes(const LcePlan& plan) {
+  return size_t(plan.chunk) * size_t(plan.stride) * size_t(detail::element_size(plan.dtype));
+}
+inline size_t lce_gemm_workspace_at(const LcePlan& plan) {
+  const size_t buffers = size_t(plan.tuning.buffers) * lce_buffer_bytes(plan);
+  return (buffers + kLceAlign - 1) / kLceAlign * kLceAlign;
+}
+inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
+  if (plan.rows == 0) return 0;
+  return device == Device::CPU ? lce_buffer_bytes(plan)
+                               : lce_gemm_workspace_at(plan) + plan.gemm_workspace;
+}
+
 // One step over the chunk of rows [row0, row0 + logits.rows) whose logits (stride plan.stride)
 // are in `logits`; enqueued on `stream` (the loop's cross-entropy stream on CUDA).
 using LceStep = std::function<void(const MatrixView& logits, int64_t row0, Stream stream)>;

@@ -67,17 +67,15 @@ MatrixView rows_of(const MatrixView& m, int64_t row0, int64_t rows) {
 }  // namespace
 
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
-             const core::LceSteps& steps, const core::LceGrads& grads) {
+             const core::LceSteps& steps, const core::LceGrads& grads, void* memory) {
   const bool with_grads = bool(steps.gradient);
   if (with_grads && !grads.accumulate_dweight)  // also right for N == 0: a zero gradient
     for (int64_t v = 0; v < plan.vocab_local; ++v)
       for (int64_t h = 0; h < plan.hidden; ++h) store(grads.dweight, v, h, 0.0f);
-  std::vector<unsigned char> buf(size_t(plan.chunk * plan.stride) *
-                                 size_t(detail::element_size(plan.dtype)));
   for (int64_t row0 = 0; row0 < plan.rows; row0 += plan.chunk) {
     const int64_t n = std::min(plan.chunk, plan.rows - row0);
     const MatrixView h = rows_of(hidden, row0, n);
-    const MatrixView logits{buf.data(), n, plan.vocab_local, plan.stride, plan.dtype, Device::CPU};
+    const MatrixView logits{memory, n, plan.vocab_local, plan.stride, plan.dtype, Device::CPU};
     gemm(h, false, weight, true, logits, false);  // [n, V] = h @ W^T
     core::lce_run_steps(plan, steps, logits, row0, nullptr);
     if (!with_grads) continue;

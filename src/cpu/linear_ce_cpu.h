@@ -8,8 +8,9 @@ namespace fusedloss::cpu {
 
 // For each chunk: logits = hidden_c @ weight^T into a chunk buffer, steps.forward, then (when
 // steps.gradient is set) steps.gradient, dhidden_c = G @ weight, dweight (+)= G^T @ hidden_c.
+// `memory`: core::lce_loop_bytes(plan, Device::CPU), the chunk buffer.
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
-             const core::LceSteps& steps, const core::LceGrads& grads);
+             const core::LceSteps& steps, const core::LceGrads& grads, void* memory);
 
 // dst = scale[0] * src, or dst += scale[0] * src (same shape; dst may be src itself).
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate);

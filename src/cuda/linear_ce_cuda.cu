@@ -14,8 +14,9 @@
 // bytes per element per dW GEMM, which at one chunk of K would rival the GEMM's own time). A
 // buffer is refilled only after its group's dW (stream order on S) and, without gradients,
 // after the steps that read it (the event CE[b]). dweight accumulates in group order on S
-// (beta = 1 after the first group). Memory: one stream-ordered allocation of the buffers plus
-// the cuBLASLt workspace (workspace_bytes in all), released on S after X has joined it.
+// (beta = 1 after the first group). Memory: one block of the caller's holds the buffers and the
+// cuBLASLt workspace (workspace_bytes in all, core::lce_loop_bytes); X joins S before the loop
+// returns, so the caller may release it on S.
 //
 // The variants (one buffer, dhidden per group, the steps on S, timed algorithm choice, the
 // steps in L2-sized row slices) and the per-phase timing are chosen in src/core/lce_tuning.h.
@@ -178,7 +179,8 @@ class PhaseClock {
 }  // namespace
 
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
-             const core::LceSteps& steps, const core::LceGrads& grads, Stream stream) {
+             const core::LceSteps& steps, const core::LceGrads& grads, void* memory,
+             Stream stream) {
   const bool with_grads = bool(steps.gradient);
   const cudaStream_t S = as_cuda(stream);
   if (plan.rows == 0) {
@@ -196,13 +198,10 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   // One buffer leaves nothing to overlap: a chunk's GEMMs wait on its own cross-entropy, so a
   // side stream would only add the fork, the join and two event waits per chunk.
   const cudaStream_t X = B > 1 && tune.side_stream ? pl.side : S;
-  const int64_t es = detail::element_size(plan.dtype);
-  const size_t buffer_bytes = size_t(plan.chunk * plan.stride * es);
   // Adjacent buffers (the row pitch is a multiple of 16 bytes, so the second starts aligned).
-  const size_t workspace_at = (size_t(B) * buffer_bytes + 255) / 256 * 256;
-  const ScratchBuffer mem(workspace_at + plan.gemm_workspace, stream);
-  char* base = mem.as<char>();
-  void* workspace = plan.gemm_workspace ? base + workspace_at : nullptr;
+  const size_t buffer_bytes = core::lce_buffer_bytes(plan);
+  char* base = static_cast<char*>(memory);
+  void* workspace = plan.gemm_workspace ? base + core::lce_gemm_workspace_at(plan) : nullptr;
   const int64_t chunks = (plan.rows + plan.chunk - 1) / plan.chunk;
   auto rows_in = [&](int64_t i) { return std::min(plan.chunk, plan.rows - i * plan.chunk); };
   auto buffer = [&](int64_t i) {

@@ -10,7 +10,8 @@ namespace fusedloss::cuda {
 // forked from and joined back to `stream` (events), so the steps of chunk i overlap the GEMMs
 // of chunk i + 1.
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
-             const core::LceSteps& steps, const core::LceGrads& grads, Stream stream);
+             const core::LceSteps& steps, const core::LceGrads& grads, void* memory,
+             Stream stream);
 
 // dst = scale[0] * src, or dst += scale[0] * src; scale is read on the device.
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate,

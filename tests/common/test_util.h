@@ -82,6 +82,13 @@ inline bool cuda_available(std::string* why) {
     }                                                                               \
   } while (0)
 
+#if FUSEDLOSS_HAS_CUDA
+// A test's own CUDA call: its failure throws, naming the error.
+inline void cuda_check(cudaError_t e) {
+  if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
+}
+#endif
+
 // Raw bytes mirrored on the host; on the CUDA backend the device copy is what the library sees.
 class Buffer {
  public:
@@ -127,9 +134,7 @@ class Buffer {
 
  private:
 #if FUSEDLOSS_HAS_CUDA
-  static void check(cudaError_t e) {
-    if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorString(e));
-  }
+  static void check(cudaError_t e) { cuda_check(e); }
 #endif
   Device device_;
   std::vector<unsigned char> host_;

@@ -143,6 +143,40 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   }
 }
 
+// Rank 1 has too little memory for the call's scratch (chunk buffers of 2048 x 8192 fp32
+// logits): every rank throws OutOfMemory with rank 1's message, none waits in a collective;
+// with the memory back, the same call runs on every rank.
+void expect_out_of_memory_everywhere(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  const int rank = comm.rank(), world = comm.size();
+  const int64_t N = 2048, H = 1, Vl = 8192;
+  Buffer hidden(dev, N * H * 4), weight(dev, Vl * H * 4), target(dev, N * 8), loss(dev, 4),
+      lse(dev, N * 4), count(dev, 4), dh(dev, N * H * 4), dw(dev, Vl * H * 4);
+  for (int64_t r = 0; r < N; ++r) hidden.host_as<float>()[r] = 0.01f * float(r % 7);
+  for (int64_t v = 0; v < Vl; ++v) weight.host_as<float>()[v] = 0.01f * float(v % 5);
+  for (int64_t r = 0; r < N; ++r) target.host_as<int64_t>()[r] = (r * 37) % (Vl * world);
+  hidden.upload(); weight.upload(); target.upload();
+  CrossEntropyOptions ce;
+  ce.vocab_start = rank * Vl;
+  ce.vocab_global = Vl * world;
+  auto call = [&] {
+    LinearCrossEntropyOutputs out;
+    out.loss = loss.data_as<float>();
+    out.lse = lse.data_as<float>();
+    out.valid_count = count.data_as<float>();
+    out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
+    out.dweight = {dw.data(), Vl, H, H, DType::F32, dev};
+    linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
+                                 {weight.data(), Vl, H, H, DType::F32, dev},
+                                 {target.data(), N, IndexType::I64, dev}, ce, {}, out, &comm);
+  };
+  {
+    MemoryCap cap(dev, rank == 1 ? size_t(16) << 20 : 0);
+    expect_error_everywhere<OutOfMemory>(call, "vocab-parallel: rank 1: ");
+  }
+  expect_runs_everywhere(call);
+}
+
 TEST(LinearCrossEntropyMpi, MatchesTp1) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_matches_tp1(Device::CPU, *comm);
@@ -151,6 +185,11 @@ TEST(LinearCrossEntropyMpi, MatchesTp1) {
 TEST(LinearCrossEntropyMpi, MismatchedShardsFailOnEveryRank) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_mismatch_errors(Device::CPU, *comm);
+}
+
+TEST(LinearCrossEntropyMpi, OneRanksOutOfMemoryIsEveryRanks) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_out_of_memory_everywhere(Device::CPU, *comm);
 }
 
 #if FUSEDLOSS_HAS_NCCL
@@ -177,6 +216,7 @@ TEST(LinearCrossEntropyNccl, MatchesTp1AndFailsTogether) {
     auto comm = make_nccl_communicator(nccl);
     expect_matches_tp1(Device::CUDA, *comm);
     expect_mismatch_errors(Device::CUDA, *comm);
+    expect_out_of_memory_everywhere(Device::CUDA, *comm);
   }
   ncclCommDestroy(nccl);
 }

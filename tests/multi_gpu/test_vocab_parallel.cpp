@@ -332,6 +332,26 @@ void expect_opt_out_skips_the_exchange(Device dev, Communicator& comm) {
   }
 }
 
+// Rank 1 has too little memory for the exchange's scratch (2^20 rows of stats): every rank
+// throws OutOfMemory with rank 1's message, none waits in the all-gather; with the memory
+// back, the same call runs on every rank.
+void expect_out_of_memory_everywhere(Device dev, Communicator& comm) {
+  if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
+  Shard s(dev, comm, int64_t(1) << 20, 1);
+  for (int64_t r = 0; r < s.rows; ++r) s.t.host_as<int64_t>()[r] = r % comm.size();
+  s.t.upload();
+  {
+    MemoryCap cap(dev, comm.rank() == 1 ? size_t(16) << 20 : 0);
+    expect_error_everywhere<OutOfMemory>([&] { s.forward(comm); }, "vocab-parallel: rank 1: ");
+  }
+  expect_runs_everywhere([&] { s.forward(comm); });
+}
+
+TEST(VocabParallelMpi, OneRanksOutOfMemoryIsEveryRanks) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_out_of_memory_everywhere(Device::CPU, *comm);
+}
+
 TEST(VocabParallelMpi, MatchesTp1) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_matches_tp1(Device::CPU, *comm);
@@ -445,6 +465,13 @@ TEST(VocabParallelNccl, OneRanksErrorIsEveryRanksError) {
   if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
   NcclComm comm;
   expect_local_error_everywhere(Device::CUDA, comm.get());
+}
+
+TEST(VocabParallelNccl, OneRanksOutOfMemoryIsEveryRanks) {
+  std::string why;
+  if (!nccl_ready(&why)) GTEST_SKIP() << "NCCL test needs a GPU per rank: " << why;
+  NcclComm comm;
+  expect_out_of_memory_everywhere(Device::CUDA, comm.get());
 }
 
 TEST(VocabParallelNccl, OptOutSkipsTheExchange) {
