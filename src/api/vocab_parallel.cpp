@@ -254,7 +254,7 @@ size_t forward_scratch_bytes(int64_t rows, int world, CollectiveForm form) {
   // gather: [local][rank 0 .. world-1]; reduce: [local][summable] + rows floats of maxima
   const size_t stat_rows =
       form == CollectiveForm::AllGather ? size_t(world + 1) * size_t(rows) : 2 * size_t(rows);
-  return sizeof(RowStats) * stat_rows + sizeof(float) * size_t(rows);
+  return sizeof(RowStats) * stat_rows + 2 * sizeof(float) * size_t(rows);  // + maxima, row losses
 }
 
 void forward(const MatrixView& logits, const IndexView& target, const core::CeParams& p,
@@ -269,14 +269,15 @@ void forward(const MatrixView& logits, const IndexView& target, const core::CePa
   RowStats* local = static_cast<RowStats*>(scratch);
   RowStats* combined = local + rows;
   float* maxima = reinterpret_cast<float*>(local + stat_rows);
+  float* row_losses = maxima + rows;  // the merge's, for a Sum / Mean
 
   FL_DISPATCH(dev, fn, cpu::ce_local_stats(logits, target, p, local),
               cuda::ce_local_stats(logits, target, p, local, stream));
   if (gather) {
     hook("all_gather", [&] { comm.all_gather(local, combined, sizeof(RowStats) * rows, stream); });
     FL_DISPATCH(dev, fn,
-                cpu::ce_merge(combined, world, local, target, p, out),
-                cuda::ce_merge(combined, world, local, target, p, out, stream));
+                cpu::ce_merge(combined, world, local, target, p, out, row_losses),
+                cuda::ce_merge(combined, world, local, target, p, out, stream, row_losses));
     return;
   }
   FL_DISPATCH(dev, fn,
@@ -289,8 +290,8 @@ void forward(const MatrixView& logits, const IndexView& target, const core::CePa
   hook("all_reduce", [&] {
     comm.all_reduce(reinterpret_cast<float*>(combined), 4 * size_t(rows), ReduceOp::Sum, stream);
   });
-  FL_DISPATCH(dev, fn, cpu::ce_merge(combined, 1, local, target, p, out),
-              cuda::ce_merge(combined, 1, local, target, p, out, stream));
+  FL_DISPATCH(dev, fn, cpu::ce_merge(combined, 1, local, target, p, out, row_losses),
+              cuda::ce_merge(combined, 1, local, target, p, out, stream, row_losses));
 }
 
 }  // namespace fusedloss::vocab_parallel

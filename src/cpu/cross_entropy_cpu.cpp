@@ -117,11 +117,12 @@ void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexV
 }
 
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
-              const core::CeParams& p, const CrossEntropyOutputs& out) {
+              const core::CeParams& p, const CrossEntropyOutputs& out, float* row_scratch) {
   const int64_t rows = p.rows;
-  // Per-row losses go to out.loss directly for Reduction::None, else to a scratch vector.
-  std::vector<float> scratch(p.reduction == Reduction::None ? 0 : rows);
-  float* row_losses = p.reduction == Reduction::None ? out.loss : scratch.data();
+  // Per-row losses go to out.loss directly for Reduction::None, else to scratch.
+  const bool reduce = p.reduction != Reduction::None;
+  std::vector<float> scratch(reduce && !row_scratch ? rows : 0);
+  float* row_losses = !reduce ? out.loss : row_scratch ? row_scratch : scratch.data();
   for (int64_t r = 0; r < rows; ++r) {
     core::finish_row(core::merge_row(combined, parts, rows, r), core::own_sum_logits(local, r, p),
                      classify(target, r, p), p, out.lse[r], row_losses[r]);

@@ -10,8 +10,10 @@ void ce_local_stats(const MatrixView& logits, const IndexView& target, const cor
                     RowStats* stats);
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
                     const core::CeParams& p, int rank, RowStats* summable);
+// row_scratch: p.rows floats for the per-row losses of a Sum / Mean (null: allocated here).
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
-              const core::CeParams& p, const CrossEntropyOutputs& out);
+              const core::CeParams& p, const CrossEntropyOutputs& out,
+              float* row_scratch = nullptr);
 // The reduction of per-row losses (Sum / Mean into out.loss[0]) and the non-ignored count
 // (into out.valid_count when not null). row_losses may be null: the count alone.
 void ce_reduce(const float* row_losses, const IndexView& target, const core::CeParams& p,

@@ -883,11 +883,12 @@ void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexV
 }
 
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
-              const CeParams& p, const CrossEntropyOutputs& out, Stream stream) {
+              const CeParams& p, const CrossEntropyOutputs& out, Stream stream,
+              float* row_scratch) {
   const bool reduce = p.reduction != Reduction::None;
   // Per-row losses land in out.loss for None, else in scratch that the reduction reads.
-  const ScratchBuffer scratch(reduce ? sizeof(float) * p.rows : 0, stream);
-  float* row_losses = reduce ? scratch.as<float>() : out.loss;
+  const ScratchBuffer scratch(reduce && !row_scratch ? sizeof(float) * p.rows : 0, stream);
+  float* row_losses = !reduce ? out.loss : row_scratch ? row_scratch : scratch.as<float>();
   core::dispatch_index(target.type, [&](auto idx) {
     using Index = decltype(idx);
     auto* t = static_cast<const Index*>(target.data);

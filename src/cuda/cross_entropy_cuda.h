@@ -14,8 +14,10 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const cor
                     const CrossEntropyOutputs& out, Stream stream);
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,
                     const core::CeParams& p, int rank, RowStats* summable, Stream stream);
+// row_scratch: p.rows floats for the per-row losses of a Sum / Mean (null: allocated here).
 void ce_merge(const RowStats* combined, int parts, const RowStats* local, const IndexView& target,
-              const core::CeParams& p, const CrossEntropyOutputs& out, Stream stream);
+              const core::CeParams& p, const CrossEntropyOutputs& out, Stream stream,
+              float* row_scratch = nullptr);
 // As cpu::ce_reduce: Sum / Mean of row_losses into out.loss, the count into out.valid_count
 // (when not null); row_losses may be null (the count alone).
 void ce_reduce(const float* row_losses, const IndexView& target, const core::CeParams& p,
