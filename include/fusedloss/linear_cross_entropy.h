@@ -76,6 +76,14 @@ struct LinearCrossEntropyOptions {
   DHiddenForm dhidden_form = DHiddenForm::Partial;
 };
 
+// The vocab_block the adapters pass for an exact recompute backward into a 16-bit dweight: the
+// columns whose fp32 [block, H] buffer is 128 MiB, in multiples of 64, at least 64.
+inline int64_t linear_cross_entropy_default_vocab_block(int64_t hidden) {
+  constexpr int64_t kBlockBytes = int64_t(128) << 20;
+  const int64_t block = kBlockBytes / (4 * (hidden > 0 ? hidden : 1)) / 64 * 64;
+  return block > 64 ? block : 64;
+}
+
 // The mode `Auto` resolves to for `reduction` and the inputs' `dtype` (Recompute for None and
 // for fp16 inputs, whose unit gradient would flush the entries a loss scale keeps; else
 // InForward), and the check of an explicit InForward against both. Throws Error.

@@ -33,9 +33,10 @@ def set_scratch_allocator(source: str) -> None:
     takes it from cudaMallocAsync's default pool, outside torch's statistics; that pool hands its
     free memory back at every synchronisation, so a large scratch is mapped again on the next
     call (about 0.3 ms of host time for the linear cross-entropy's 256 MiB on an H200). Under
-    CUDA-graph capture, and where torch's cache cannot serve a block, the scratch comes from
-    cudaMallocAsync either way, as does scratch for a stream other than the current one (the
-    linear cross-entropy's side stream with FUSEDLOSS_LCE_BUFFERS=2). torch keeps a freed block
+    CUDA-graph capture the scratch comes from cudaMallocAsync either way, as does scratch for a
+    stream other than the current one (the linear cross-entropy's side stream with
+    FUSEDLOSS_LCE_BUFFERS=2). A block torch's cache has no memory for raises
+    torch.OutOfMemoryError, as torch's own allocation would (within its memory fraction). torch keeps a freed block
     for the stream it was allocated on: each stream that runs the linear cross-entropy keeps its
     chunk buffer (workspace_bytes) cached until torch.cuda.empty_cache(). For the whole process;
     FUSEDLOSS_SCRATCH=torch|cuda sets it at import. "torch" needs the C++ nodes

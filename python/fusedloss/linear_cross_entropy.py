@@ -242,10 +242,10 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
     g = resolve_group(group)
     rank, world = rank_and_size(g)
     # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's dweight
-    # sums over all tokens in a 128 MiB fp32 buffer), dhidden summed over blocks in fp32.
+    # sums over all tokens in an fp32 buffer), dhidden summed over blocks in fp32.
     block = 0
     if mode != _IN_FORWARD and _acc32 and dw.dtype != torch.float32:
-        block = max(64, (128 << 20) // (4 * h.size(1)) // 64 * 64)
+        block = _C.linear_cross_entropy_default_vocab_block(h.size(1))
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                      workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
     gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr

@@ -365,6 +365,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
         py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr, py::arg("scratch") = 0,
         py::arg("scratch_bytes") = 0);
+  m.def("linear_cross_entropy_default_vocab_block", &linear_cross_entropy_default_vocab_block,
+        py::arg("hidden"));
   m.def("linear_cross_entropy_forward_scratch_bytes",
         [](const MatrixView& h, const MatrixView& w, const CrossEntropyOptions& ce,
            const LinearCrossEntropyOptions& o, int comm_size) {

@@ -626,10 +626,10 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     const bool inplace = d["inplace"].toBool();
     const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(saved[2]);
     // recompute into a 16-bit weight gradient, exactly: vocabulary blocks outside, each summing
-    // over all tokens in a 128 MiB fp32 buffer (linear_cross_entropy.py: _run_backward)
+    // over all tokens in fp32 (linear_cross_entropy.py: _run_backward)
     int64_t block = 0;
     if (mode != kInForward && d["acc32"].toBool() && weight.scalar_type() != at::kFloat)
-      block = std::max<int64_t>(64, (int64_t(128) << 20) / (4 * h.size(1)) / 64 * 64);
+      block = fusedloss::linear_cross_entropy_default_vocab_block(h.size(1));
     const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
                               d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
                               d["reduction"].toInt());
@@ -710,7 +710,8 @@ namespace {
 // it drops the tensor, which returns the block to torch's cache for work queued on that stream
 // from then on: the same stream-ordered rule as cudaFreeAsync. Scratch for any other stream
 // (another device's, or a stream that is not the current one) is not served here: the core
-// then takes cudaMallocAsync for it.
+// then takes cudaMallocAsync for it. Out of memory in torch's cache is the call's
+// torch.OutOfMemoryError, as a torch allocation of the same size would be.
 
 struct TorchScratch {
   std::mutex mu;
@@ -725,10 +726,17 @@ TorchScratch& torch_scratch() {
 // The block comes straight from the registered CUDA allocator (torch's caching allocator), not
 // through at::empty: no dispatcher on the way (a dispatch mode would see an allocation in the
 // middle of a core call; deterministic mode would fill every block).
-void* torch_scratch_allocate(size_t bytes, fusedloss::Stream stream, void*) noexcept {
+bool torch_scratch_serves(fusedloss::Stream stream, void*) noexcept {
   try {
     const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
-    if (cuda.getStream(cuda.getDevice()).native_handle() != stream) return nullptr;
+    return cuda.getStream(cuda.getDevice()).native_handle() == stream;
+  } catch (...) {  // no CUDA: cudaMallocAsync reports it
+    return false;
+  }
+}
+
+void* torch_scratch_allocate(size_t bytes, fusedloss::Stream, void*) noexcept {
+  try {
     c10::DataPtr block = c10::GetAllocator(c10::DeviceType::CUDA)->allocate(bytes);
     void* ptr = block.get();
     if (!ptr) return nullptr;
@@ -736,7 +744,7 @@ void* torch_scratch_allocate(size_t bytes, fusedloss::Stream stream, void*) noex
     std::lock_guard<std::mutex> lock(s.mu);
     s.held.emplace(ptr, std::move(block));
     return ptr;
-  } catch (...) {  // out of memory in torch's cache, no CUDA: cudaMallocAsync is tried
+  } catch (...) {  // out of memory in torch's cache: the core raises OutOfMemory
     return nullptr;
   }
 }
@@ -762,7 +770,7 @@ extern "C" __attribute__((visibility("default"))) int fusedloss_torch_scratch(in
   const CoreTable* core = g_core.load(std::memory_order_acquire);
   if (!core) return 1;
   static const fusedloss::ScratchAllocator allocator{&torch_scratch_allocate, &torch_scratch_release,
-                                                      nullptr};
+                                                      nullptr, &torch_scratch_serves};
   return core->set_scratch_allocator(from_torch ? &allocator : nullptr) ? 1 : 0;
 }
 

@@ -127,6 +127,28 @@ def test_out_of_memory_is_torchs_error(restore_default, source):
     assert torch.isfinite(loss)
 
 
+@_CUDA
+def test_torchs_memory_fraction_bounds_the_scratch(restore_default):
+    # A chunk buffer (2 GiB: 2^15 tokens x 2^15 columns bf16) beyond torch's share of the
+    # device but well within the device: torch.OutOfMemoryError, not a cudaMallocAsync block
+    # taken behind torch's back; the next call within the share works.
+    if fusedloss._native.ops is None:
+        pytest.skip("the C++ nodes are not loaded")
+    fusedloss.set_scratch_allocator("torch")
+    N, V, H = 1 << 15, 1 << 15, 8
+    h, w, t = _problem("cuda", torch.bfloat16, shape=(N,), H=H, V=V)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + (1 << 30)) / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="installed scratch allocator has no memory"):
+            fusedloss.linear_cross_entropy(h, w, t, workspace_bytes=N * V * 2 * 2)
+        loss = fusedloss.linear_cross_entropy(h, w, t)  # 256 MiB of chunk buffers
+        assert torch.isfinite(loss)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 def _lce_problem():  # 384 tokens, V 4000: several chunks at the workspace below
     h, w, t = _problem("cuda", torch.bfloat16, shape=(384,), H=64, V=4000)
     return h.requires_grad_(), w.requires_grad_(), t

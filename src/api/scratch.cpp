@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 #include "api/scratch.h"
@@ -47,7 +48,7 @@ void set_scratch_allocator(const ScratchAllocator* allocator) {
   if (!allocator) return;
   for (const ScratchAllocator* c : s.copies)
     if (c->allocate == allocator->allocate && c->release == allocator->release &&
-        c->context == allocator->context)
+        c->serves == allocator->serves && c->context == allocator->context)
       s.current = c;
   if (!s.current) s.copies.push_back(s.current = new ScratchAllocator(*allocator));
   g_ever_installed.store(true, std::memory_order_release);
@@ -66,15 +67,18 @@ void* scratch_from_installed(size_t bytes, Stream stream) {
     allocator = s.current;
   }
   if (!allocator) return nullptr;
+  if (allocator->serves && !allocator->serves(stream, allocator->context)) return nullptr;
   void* ptr = allocator->allocate(bytes, stream, allocator->context);
-  if (ptr && reinterpret_cast<uintptr_t>(ptr) % kScratchAlignment != 0) {
+  if (!ptr)
+    throw OutOfMemory("fusedloss scratch of " + std::to_string(bytes) +
+                      " bytes: the installed scratch allocator has no memory for it");
+  if (reinterpret_cast<uintptr_t>(ptr) % kScratchAlignment != 0) {
     allocator->release(ptr, stream, allocator->context);  // the kernels' vector loads and
-    return nullptr;                                       // cuBLASLt's choice assume it
+    fail("fusedloss scratch of ", bytes, " bytes: the installed scratch allocator returned ",
+         ptr, ", expected a ", kScratchAlignment, "-byte aligned block");  // cuBLASLt assume it
   }
-  if (ptr) {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.taken[ptr] = allocator;
-  }
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.taken[ptr] = allocator;
   return ptr;
 }
 

@@ -36,22 +36,31 @@ TEST(ScratchAllocator, RefusesAnAllocatorWithOneFunctionMissing) {
 struct Recorder {
   std::mutex mu;
   std::map<void*, std::pair<size_t, Stream>> live;
-  int64_t allocations = 0, releases = 0, bad_releases = 0, declined = 0;
-  bool decline = false;  // answer nullptr: the core must take cudaMallocAsync itself
+  int64_t allocations = 0, releases = 0, bad_releases = 0, declined = 0, refused = 0;
+  bool decline = false;    // serves() says no: the core must take cudaMallocAsync itself
+  bool exhausted = false;  // allocate() answers nullptr: out of memory, the call throws
+  bool misalign = false;   // allocate() answers a block 16 bytes into one of its own
 
+  static bool serves(Stream, void* self) {
+    auto* r = static_cast<Recorder*>(self);
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->decline) ++r->declined;
+    return !r->decline;
+  }
   static void* allocate(size_t bytes, Stream stream, void* self) {
     auto* r = static_cast<Recorder*>(self);
     std::lock_guard<std::mutex> lock(r->mu);
-    if (r->decline) return ++r->declined, nullptr;
+    if (r->exhausted) return ++r->refused, nullptr;
     void* p = nullptr;
     if (cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)) != cudaSuccess) return nullptr;
     r->live[p] = {bytes, stream};
     ++r->allocations;
-    return p;
+    return r->misalign ? static_cast<char*>(p) + 16 : p;
   }
   static void release(void* p, Stream stream, void* self) {
     auto* r = static_cast<Recorder*>(self);
     std::lock_guard<std::mutex> lock(r->mu);
+    if (r->misalign) p = static_cast<char*>(p) - 16;
     auto it = r->live.find(p);
     if (it == r->live.end() || it->second.second != stream) {
       ++r->bad_releases;
@@ -61,7 +70,7 @@ struct Recorder {
     ++r->releases;
     (void)cudaFreeAsync(p, static_cast<cudaStream_t>(stream));
   }
-  ScratchAllocator hook() { return ScratchAllocator{&allocate, &release, this}; }
+  ScratchAllocator hook() { return ScratchAllocator{&allocate, &release, this, &serves}; }
 };
 
 // Installs `recorder` for one scope; uninstalls on every exit.
@@ -211,8 +220,40 @@ TEST(ScratchAllocator, ADeclinedRequestTakesCudaMallocAsync) {
     declined = run_ops();
   }
   EXPECT_GE(recorder.declined, 4);
+  EXPECT_EQ(recorder.allocations, 0);  // never asked for a stream it declined
   EXPECT_EQ(recorder.releases + recorder.bad_releases, 0);  // nothing of its own came back to it
   expect_same_bits(by_default, declined);
+}
+
+// An allocator out of memory is the call's OutOfMemory: the core does not take cudaMallocAsync
+// behind its back (the allocator's limits are the trainer's). A misaligned block goes back at
+// once and the call throws. Either way the next call, served again, gives the same bits.
+TEST(ScratchAllocator, AnAllocatorsOutOfMemoryIsTheCallsAndAMisalignedBlockIsRefused) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  const Outcome by_default = run_ops();
+  Recorder recorder;
+  Installed installed(recorder);
+  LceCase c;
+  c.N = 37, c.H = 24, c.V = 301;
+  std::mt19937_64 gen(7);
+  const LceProblem p = make_lce_problem(c, gen);
+  recorder.exhausted = true;
+  try {
+    run_lce(Device::CUDA, c, p);
+    ADD_FAILURE() << "no OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("the installed scratch allocator has no memory"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_GE(recorder.refused, 1);
+  recorder.exhausted = false;
+  recorder.misalign = true;
+  expect_error([&] { run_lce(Device::CUDA, c, p); },
+               {"the installed scratch allocator returned", "expected a 256-byte aligned block"});
+  recorder.misalign = false;
+  EXPECT_EQ(recorder.bad_releases, 0);  // the misaligned block came back as it was given
+  EXPECT_EQ(recorder.live.size(), 0u);
+  expect_same_bits(by_default, run_ops());
 }
 #endif
 
