@@ -36,7 +36,8 @@ struct CrossEntropyOptions {
   // device communicator this costs one small all-gather and one host synchronisation per call.
   // false: the caller guarantees that every rank passes agreeing shapes and valid arguments;
   // no header, no host synchronisation (needed inside CUDA graph capture). A rank that then
-  // rejects its arguments throws alone, and its peers may wait in the next collective.
+  // rejects its arguments throws alone, and its peers may wait in the next collective. The
+  // flag itself must be the same on every rank (it decides whether the header is exchanged).
   bool check_shard_agreement = true;
 };
 
@@ -115,10 +116,13 @@ void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
 
 // Pass 2: combined is [parts][rows] (parts = world size after an all-gather, 1 after the
 // all-reduce form). `local` is this rank's own stats (read only for SmoothingScope::Partition).
+// row_scratch: rows floats (with the target) that a Sum / Mean's per-row losses may use, so
+// that a caller who allocated it before its collectives allocates nothing after them; null:
+// the call allocates them.
 void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* local,
                          const IndexView& target, const CrossEntropyOptions& options,
                          int64_t vocab_local, const CrossEntropyOutputs& out,
-                         Stream stream = nullptr);
+                         Stream stream = nullptr, float* row_scratch = nullptr);
 
 // CUDA only: kernels flag a target outside [0, V_global) that is not ignore_index (its row's
 // loss becomes NaN, nothing is read or written out of bounds). This synchronises `stream`,

@@ -169,11 +169,17 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
 // this rank's RowStats of every row ([N], the cross-entropy's pass 1 over each chunk's
 // soft-capped logits, one GEMM per chunk). Then all-gather them across the TP group,
 // cross_entropy_merge (same `ce`) for loss, lse and valid_count, and the Recompute backward.
-// No collective runs here.
+// No collective runs here. scratch (optional, as LinearCrossEntropyOutputs::scratch): at least
+// linear_cross_entropy_local_stats_scratch_bytes, for a caller that allocates everything before
+// its agreement; null: the call allocates the chunk buffers itself.
 void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
                                       const IndexView& target, const CrossEntropyOptions& ce,
                                       const LinearCrossEntropyOptions& options, RowStats* stats,
-                                      Stream stream = nullptr);
+                                      Stream stream = nullptr, void* scratch = nullptr,
+                                      size_t scratch_bytes = 0);
+size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
+                                                      const MatrixView& weight,
+                                                      const LinearCrossEntropyOptions& options);
 
 // Backward. Same inputs and options as the forward (resolved to the same mode).
 //   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),

@@ -13,6 +13,7 @@ C++ API's header exchange.
 
 The vocab-parallel hook itself (merge_over_group): every rank's stats of every row, gathered once.
 """
+import hashlib
 from typing import Optional
 
 import torch
@@ -75,22 +76,26 @@ def rank_and_size(group):
     return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
 
-def gathered_stats(group, stats):
-    """The buffer merge_over_group gathers `stats` into: allocate it with the other buffers,
-    before the agreement."""
-    return stats.new_empty(dist.get_world_size(group) * stats.size(0), stats.size(1))
+def merge_buffers(group, stats):
+    """What merge_over_group works in beside `stats`: the gathered stats of every rank and the
+    per-row losses of a sum/mean. Allocate them with the other buffers, before the agreement:
+    nothing is allocated after the all-gather."""
+    gathered = stats.new_empty(dist.get_world_size(group) * stats.size(0), stats.size(1))
+    return gathered, stats.new_empty(stats.size(0))
 
 
-def merge_over_group(group, stats, gathered, target_view, options, v_local, loss, lse, count,
+def merge_over_group(group, stats, buffers, target_view, options, v_local, loss, lse, count,
                      stream):
     """The hook between the local pass and the loss: this rank's stats of every row [rows,
-    ROW_STATS_FLOATS] (16 B/row) all-gathered over the group once (into `gathered`, from
-    gathered_stats), then merged into the loss, lse [rows] and the valid count (fp32 tensors the
-    caller owns)."""
+    ROW_STATS_FLOATS] (16 B/row) all-gathered over the group once, then merged into the loss,
+    lse [rows] and the valid count (fp32 tensors the caller owns); `buffers` from
+    merge_buffers."""
     world = dist.get_world_size(group)
+    gathered, row_losses = buffers
     dist.all_gather_into_tensor(gathered, stats, group=group)
     _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), target_view, options, v_local,
-                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream)
+                           loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream,
+                           row_losses.data_ptr())
 
 
 def _header_device(group):
@@ -132,10 +137,18 @@ def _target_checksum(target, device):
     return _mix(t ^ _mix(rows)).sum().reshape(1).to(device)
 
 
+def fingerprint(*values) -> int:
+    """The same int on every rank for equal values (ints, floats, bools, strings, tuples of
+    them), and a different one for any difference: a digest of their exact repr (hash() mixes
+    numbers modulo 2**61 - 1, so 0.5 and 2**-62 would agree, and strings hash per process)."""
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,
           chunk_rows: int = 0, target=None, out_of_memory: bool = False) -> None:
     """Every rank learns every rank's rows, V_local, options fingerprint (any int the ranks must
-    share, e.g. hash() of the options: numbers hash the same in every process), rejection,
+    share: fingerprint() of the options), rejection,
     tokens per chunk (a chunked op runs one collective per chunk) and a checksum of its targets
     (every rank computes the loss of the same tokens) at the same call, and raises the same
     ValueError when anything disagrees. Costs one all-gather of 48 B per rank and its host sync
@@ -149,20 +162,31 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
             "a CUDA graph cannot capture; pass check_shard_agreement=False inside the capture (the "
             "caller then guarantees equal rows and V_local on every rank)")
     world = dist.get_world_size(group)
+    checksum = None
+    if target is not None and error is None:  # a rejected rank's targets may not be readable
+        try:  # its temporaries (8 B a target) may not fit: then that is this rank's rejection
+            checksum = _target_checksum(target, device)
+        except Exception as failure:  # noqa: BLE001 (any failure here must reach every rank)
+            error, out_of_memory = f"the targets' checksum: {failure}", is_out_of_memory(failure)
+    # Everything the exchange needs, before its first collective: a rank that failed to allocate
+    # between the two gathers (the error path, likeliest right after an out-of-memory) would
+    # leave the others in the second.
     kind = 0 if error is None else 2 if out_of_memory else 1
     mine = torch.tensor([rows, v_local, options & (2**63 - 1), kind, chunk_rows, 0],
                         dtype=torch.int64, device=device)
-    if target is not None and error is None:  # a rejected rank's targets may not be readable
-        mine[5:] = _target_checksum(target, device)
+    if checksum is not None:
+        mine[5:] = checksum
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
+    msg = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    msgs = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if error is not None:
+        text = error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+        msg.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
     rejected = [r for r, h in enumerate(headers) if h[3]]
     reason = None
     if rejected:  # every rank takes part in the second gather, whichever error is reported
-        text = (error or "").encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-        msg = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
-        msgs = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
         dist.all_gather_into_tensor(msgs, msg, group=group)
         first = rejected[0]
         raw = bytes(msgs.view(world, _MESSAGE_BYTES)[first].cpu().tolist())
@@ -201,6 +225,13 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         raise error_type(reason)
 
 
+def is_out_of_memory(error) -> bool:
+    """Whether `error` is an allocator's out of memory: torch's (CUDA: torch.OutOfMemoryError;
+    host: a RuntimeError of its CPU allocator), Python's or a C++ std::bad_alloc (MemoryError)."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
 class rank_checks:
     """The local checks of one vocab-parallel call, as a with-block (local work only: no
     collective inside). With the agreement on (check) and a group of size > 1, an exception
@@ -230,5 +261,5 @@ class rank_checks:
             return False
         agree(self.group, self.rows, self.v_local, self.options,
               None if error is None else str(error), self.op, self.chunk_rows, self.target,
-              isinstance(error, torch.OutOfMemoryError))
+              error is not None and is_out_of_memory(error))
         return False  # a rejection raised in agree(); a passing block has nothing to suppress

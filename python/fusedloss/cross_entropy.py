@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (gathered_stats, group_name, merge_over_group, rank_and_size, rank_checks,
+from ._distributed import (fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
@@ -102,10 +102,10 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         return loss, lse, count
     rank, world = rank_and_size(g)
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
-    fingerprint = hash((ignore_index, label_smoothing, formula, scope, z_loss, reduction,
-                        tuple(target.shape)))
+    options = fingerprint(ignore_index, label_smoothing, formula, scope, z_loss, reduction,
+                          tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
-    with rank_checks(g, check_agreement, _OP, options=fingerprint) as checks:
+    with rank_checks(g, check_agreement, _OP, options=options) as checks:
         x, _ = rows_of(logits)
         t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
         checks.rows, checks.v_local = rows, v_local = x.shape
@@ -115,11 +115,11 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
         loss, lse, count = _outputs(rows, reduction, dev)
         stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
-        gathered = gathered_stats(g, stats)
+        buffers = merge_buffers(g, stats)
     stream = stream_of(x)
     xv = matrix(x)
     _C.cross_entropy_local_stats(xv, tv, o, stats.data_ptr(), stream)
-    merge_over_group(g, stats, gathered, tv, o, v_local, loss, lse, count, stream)
+    merge_over_group(g, stats, buffers, tv, o, v_local, loss, lse, count, stream)
     if grad_in_forward:  # the merged lse first: then the backward for a unit upstream gradient
         _C.cross_entropy_backward(xv, tv, lse.data_ptr(), 0, count.data_ptr(), o, xv, stream)
         _consumed(logits)
@@ -263,7 +263,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     ranks agree (same rows, equal V_local, the same options, no rank rejected its arguments) and
     raises the same error on every rank otherwise; that costs one tiny all-gather and a host sync.
     `check_shard_agreement=False` skips it (for CUDA-graph capture): the caller then guarantees
-    agreement, and a disagreement is undefined behaviour of the collective.
+    agreement, and a disagreement is undefined behaviour of the collective. The flag itself must
+    be the same on every rank: it decides whether the exchange runs.
 
     inplace_backward=True writes the gradient into the logits' memory (no [N, V] gradient
     buffer); the logits are then consumed: they hold the gradient, autograd's version check

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (gathered_stats, group_name, merge_over_group, rank_and_size, rank_checks,
+from ._distributed import (fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
 from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
@@ -177,13 +177,16 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
                                         lse.data_ptr(), count.data_ptr(), *grads, stream_of(h))
         return loss, lse, count, dh, dw
     # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
-    # holds what changes the collectives (mode, dhidden_reduction), the dtype and the target's
-    # shape ([s, b] on one rank and [b, s] on another have equal rows)
-    fingerprint = hash(args[:7] + args[8:] + (lce_mode, dhidden_reduction, int(_DTYPES[hidden.dtype]),
-                                             tuple(target.shape)))
+    # holds what changes the collectives (mode, dhidden_reduction; a callable accumulator,
+    # agreed on again in the backward), the dtype, H (the dhidden all-reduce's size) and the
+    # target's shape ([s, b] on one rank and [b, s] on another have equal rows)
+    accumulator = (0 if weight_grad_accumulator is None else
+                   2 if callable(weight_grad_accumulator) else 1)
+    options = fingerprint(*args[:7], *args[8:], lce_mode, dhidden_reduction, str(hidden.dtype),
+                          hidden.size(-1), accumulator, tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
-    # scratch, the staging; the local pass of the recompute form) before the agreement.
-    with rank_checks(g, check_agreement, _OP, options=fingerprint) as checks:
+    # scratch, the staging) before the agreement.
+    with rank_checks(g, check_agreement, _OP, options=options) as checks:
         h, _ = rows_of(hidden)
         w, _ = rows_of(weight)
         t, tv = index(target, "target")
@@ -201,14 +204,17 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
             comm = _callback_communicator(g, dev, checks.chunk_rows)
         else:
             stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
-            gathered = gathered_stats(g, stats)
-            _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream)
+            buffers = merge_buffers(g, stats)
+            scratch = torch.empty(_C.linear_cross_entropy_local_stats_scratch_bytes(
+                matrix(h), matrix(w), lo), dtype=torch.uint8, device=dev)
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
                                         stream, comm, scratch.data_ptr(), scratch.numel())
         return loss, lse, count, dh, dw
-    merge_over_group(g, stats, gathered, tv, o, v_local, loss, lse, count, stream)
+    _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream,
+                                        scratch.data_ptr(), scratch.numel())
+    merge_over_group(g, stats, buffers, tv, o, v_local, loss, lse, count, stream)
     return loss, lse, count, dh, dw
 
 

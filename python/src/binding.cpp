@@ -236,13 +236,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("cross_entropy_merge",
         [](uintptr_t combined, int parts, uintptr_t local, const IndexView& t,
            const CrossEntropyOptions& o, int64_t vocab_local, uintptr_t loss, uintptr_t lse,
-           uintptr_t count, uintptr_t stream) {
+           uintptr_t count, uintptr_t stream, uintptr_t row_scratch) {
           guarded([&] {
             cross_entropy_merge(static_cast<const RowStats*>(ptr(combined)), parts,
                                 static_cast<const RowStats*>(ptr(local)), t, o, vocab_local,
-                                {fptr(loss), fptr(lse), fptr(count)}, ptr(stream));
+                                {fptr(loss), fptr(lse), fptr(count)}, ptr(stream),
+                                fptr(row_scratch));
           });
-        });
+        },
+        py::arg("combined"), py::arg("parts"), py::arg("local"), py::arg("target"),
+        py::arg("options"), py::arg("vocab_local"), py::arg("loss"), py::arg("lse"),
+        py::arg("count"), py::arg("stream"), py::arg("row_scratch") = 0);
   m.def("cross_entropy_backward",
         [](const MatrixView& x, const IndexView& t, uintptr_t lse, uintptr_t grad_loss,
            uintptr_t count, const CrossEntropyOptions& o, const MatrixView& grad, uintptr_t stream) {
@@ -379,12 +383,22 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_cross_entropy_local_stats",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,
-           uintptr_t stream) {
+           uintptr_t stream, uintptr_t scratch, size_t scratch_bytes) {
           guarded([&] {
             linear_cross_entropy_local_stats(h, w, t, ce, o, static_cast<RowStats*>(ptr(stats)),
-                                             ptr(stream));
+                                             ptr(stream), ptr(scratch), scratch_bytes);
           });
-        });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"),
+        py::arg("options"), py::arg("stats"), py::arg("stream"), py::arg("scratch") = 0,
+        py::arg("scratch_bytes") = 0);
+  m.def("linear_cross_entropy_local_stats_scratch_bytes",
+        [](const MatrixView& h, const MatrixView& w, const LinearCrossEntropyOptions& o) {
+          size_t bytes = 0;
+          guarded([&] { bytes = linear_cross_entropy_local_stats_scratch_bytes(h, w, o); });
+          return bytes;
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("options"));
   m.def("linear_cross_entropy_backward",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t, uintptr_t lse,
            uintptr_t grad_loss, uintptr_t count, const CrossEntropyOptions& ce,

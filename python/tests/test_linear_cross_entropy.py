@@ -551,6 +551,20 @@ def _check_tp_disagreement(rank, world, what):
         red = "all_reduce" if rank == 1 else "partial"
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
             h, shard, t, tp_group=G, dhidden_reduction=red), "vocab-parallel options: rank 1's differ")
+    elif what == "hidden_width":  # H differs with rows and V_local equal: the dhidden
+        hh, ww = (torch.cat([h, h], -1), torch.cat([shard, shard], -1)) if rank == 1 else (h, shard)
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # all-reduce would mismatch
+            hh, ww, t, tp_group=G, dhidden_reduction="all_reduce"), "vocab-parallel options: rank 1's differ")
+    elif what == "accumulator_kind":  # a callable on one rank: its backward alone would agree
+        buf = torch.zeros_like(shard)
+        acc = (lambda: buf) if rank == 0 else buf
+        ww = shard.clone().requires_grad_()
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            h, ww, t, tp_group=G, weight_grad_accumulator=acc), "vocab-parallel options: rank 1's differ")
+    elif what == "softcap_hash_alike":  # values hash() does not tell apart (mod 2**61 - 1)
+        cap = 3.0 * 2.0 ** 61 if rank == 1 else 3.0
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            h, shard, t, tp_group=G, logit_softcap=cap), "vocab-parallel options: rank 1's differ")
     elif what == "dtype":
         hh, ww = (h.bfloat16(), shard.bfloat16()) if rank == 1 else (h, shard)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(hh, ww, t, tp_group=G),
@@ -617,7 +631,8 @@ def _check_tp_disagreement(rank, world, what):
 @pytest.mark.parametrize("what", ["dhidden_reduction", "dtype", "grad_state", "target_values",
                                   "target_values_recompute", "group_error_type", "check_flag",
                                   "uint64_target", "bits8_target", "accumulator_at_backward",
-                                  "fp16_in_forward", "softcap_float32"])
+                                  "fp16_in_forward", "softcap_float32", "hidden_width",
+                                  "accumulator_kind", "softcap_hash_alike"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 

@@ -90,3 +90,42 @@ def _every_allocation_fails_together(rank, world, op):
                                 "linear_cross_entropy recompute"])
 def test_one_ranks_out_of_memory_is_every_ranks(op):
     run_world(2, _every_allocation_fails_together, op, timeout_s=30)
+
+
+class _AddressSpaceCap:
+    """While active, this process has about `headroom` bytes of address space left (a real
+    out-of-memory for the host allocator: torch's CPU allocator raises a RuntimeError)."""
+
+    def __init__(self, headroom):
+        self.headroom = headroom
+
+    def __enter__(self):
+        import resource
+        with open("/proc/self/statm") as statm:
+            mapped = int(statm.read().split()[0]) * resource.getpagesize()
+        self.saved = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + self.headroom, self.saved[1]))
+        return self
+
+    def __exit__(self, *exc):
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, self.saved)
+        return False
+
+
+def _real_out_of_memory_fails_together(rank, world):
+    # 2^22 rows, one vocabulary column a rank: the logits and targets exist before the cap; the
+    # call's own buffers (stats: 64 MiB, gathered: 128 MiB) do not fit in rank 1's 16 MiB.
+    rows = 1 << 22
+    x = torch.zeros(rows, 1)
+    t = torch.arange(rows) % world
+    expected = fusedloss.cross_entropy(x, t, tp_group=dist.group.WORLD)
+    cap = _AddressSpaceCap(16 << 20) if rank == 1 else contextlib.nullcontext()
+    with pytest.raises(torch.OutOfMemoryError, match="vocab-parallel rank 1"):
+        with cap:
+            fusedloss.cross_entropy(x, t, tp_group=dist.group.WORLD)
+    assert torch.equal(fusedloss.cross_entropy(x, t, tp_group=dist.group.WORLD), expected)
+
+
+def test_a_real_out_of_memory_is_every_ranks():
+    run_world(2, _real_out_of_memory_fails_together, timeout_s=60)

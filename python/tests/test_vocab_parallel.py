@@ -143,6 +143,12 @@ def _check_later_disagreement(rank, world, what):
         ls = 0.2 if rank == 1 else 0.0
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
                                "vocab-parallel options: rank 1's differ from rank 0's")
+    elif what == "options_hash_alike":  # values hash() does not tell apart (mod 2**61 - 1)
+        kw = [dict(label_smoothing=0.5), dict(label_smoothing=2.0 ** -62),
+              dict(ignore_index=3), dict(ignore_index=3 + 2 ** 61 - 1)]
+        for a, b in ((0, 1), (2, 3)):
+            _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, **kw[b if rank else a]),
+                                   "vocab-parallel options: rank 1's differ from rank 0's")
     elif what == "bad_option":  # raised on that rank alone while the others waited
         ii = 1.5 if rank == 1 else -100
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, ignore_index=ii),
@@ -197,7 +203,7 @@ def _check_later_disagreement(rank, world, what):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("what", ["rows", "V_local", "target", "target_values",
                                   "target_rows_swapped", "target_layouts", "dtype", "options",
-                                  "bad_option",
+                                  "options_hash_alike", "bad_option",
                                   "V_local_and_target", "grad_in_forward", "grad_in_forward_target",
                                   "check_flag", "overflow", "sparse", "transposed_3d", "bits8_target"])
 def test_gloo_disagreement_raises_everywhere(world, what):

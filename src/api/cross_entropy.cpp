@@ -129,7 +129,7 @@ void cross_entropy_prepare_sum(const RowStats* local, const float* global_max,
 void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* local,
                          const IndexView& target, const CrossEntropyOptions& options,
                          int64_t vocab_local, const CrossEntropyOutputs& out,
-                         [[maybe_unused]] Stream stream) {
+                         [[maybe_unused]] Stream stream, float* row_scratch) {
   require(target.size >= 0, "target.size: got ", target.size, ", expected >= 0 (one per row)");
   core::CeParams p = core::resolve_params(options, target.size, vocab_local);
   detail::check_index(target, "target", target.size, target.device);
@@ -145,16 +145,17 @@ void cross_entropy_merge(const RowStats* combined, int parts, const RowStats* lo
   const int64_t nloss = p.reduction == Reduction::None ? target.size : 1;
   const int64_t combined_rows =  // saturated: a span past the address space overlaps anything
       target.size > INT64_MAX / kStatsBytes / parts ? INT64_MAX / kStatsBytes : parts * target.size;
+  if (p.reduction == Reduction::None) row_scratch = nullptr;  // the losses go to out.loss
   detail::require_outputs_apart(
       {{out.loss, nloss * 4, "out.loss"}, {out.lse, target.size * 4, "out.lse"},
-       {out.valid_count, 4, "out.valid_count"}},
+       {out.valid_count, 4, "out.valid_count"}, {row_scratch, target.size * 4, "row_scratch"}},
       {stats_span(combined, combined_rows, "combined"),
        stats_span(p.partition_scope ? local : nullptr, target.size, "local"),
        detail::span_of(target, "target")});
   check_targets_on_host(target, p);
   FL_DISPATCH(target.device, "cross_entropy_merge",
-              cpu::ce_merge(combined, parts, local, target, p, out),
-              cuda::ce_merge(combined, parts, local, target, p, out, stream));
+              cpu::ce_merge(combined, parts, local, target, p, out, row_scratch),
+              cuda::ce_merge(combined, parts, local, target, p, out, stream, row_scratch));
 }
 
 namespace {

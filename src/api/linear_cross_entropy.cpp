@@ -191,6 +191,19 @@ void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const Matri
               cuda::lce_run(plan, hidden, weight, steps, grads, memory, stream));
 }
 
+// A caller's scratch block: at least `needed` bytes, aligned for the backend (the GEMM
+// workspace and the kernels' vector loads on CUDA; the host loop's floats).
+char* callers_scratch(void* scratch, size_t bytes, size_t needed, Device dev, const char* name,
+                      const char* size_fn) {
+  require(bytes >= needed, name, "_bytes: got ", bytes, ", expected at least ", needed, " (",
+          size_fn, " for these arguments)");
+  const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : 64;
+  require(reinterpret_cast<uintptr_t>(scratch) % align == 0, name,
+          ": got an address that is not a multiple of ", align,
+          " bytes, expected an aligned block (as cudaMalloc or torch.empty returns)");
+  return static_cast<char*>(scratch);
+}
+
 // The forward's scratch, one block at 256-byte boundaries: floats (the per-row losses of a
 // Sum / Mean, the count when the caller passes none, the in-forward mode's unit upstream
 // gradient), the chunk loop's memory, and at TP > 1 the vocab-parallel exchange of a chunk.
@@ -337,31 +350,26 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     plan = make_plan(hidden, weight, options);
     layout = forward_scratch(plan, p, parallel ? comm->size() : 1, ce.collective, dev);
     if (out.scratch) {
-      require(out.scratch_bytes >= layout.bytes, "out.scratch_bytes: got ", out.scratch_bytes,
-              ", expected at least ", layout.bytes,
-              " (linear_cross_entropy_forward_scratch_bytes for these arguments)");
-      // the GEMM workspace and the kernels' vector loads (CUDA); the host loop's floats
-      const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : 64;
-      require(reinterpret_cast<uintptr_t>(out.scratch) % align == 0,
-              "out.scratch: got an address that is not a multiple of ", align,
-              " bytes, expected an aligned block (as cudaMalloc or torch.empty returns)");
-      mem = static_cast<char*>(out.scratch);
+      mem = callers_scratch(out.scratch, out.scratch_bytes, layout.bytes, dev, "out.scratch",
+                            "linear_cross_entropy_forward_scratch_bytes");
     } else {
       mem = owned.emplace(dev, layout.bytes, stream, kFn).as<char>();
     }
+    FL_DISPATCH(dev, kFn, (void)0, cuda::lce_prepare(stream));  // streams, events, handle
   };
   if (!parallel) {
     local();
   } else {
     vocab_parallel::claim_errors(mine, local);
     // the options that change the loss or the gradients beside the cross-entropy's
-    // (vocab_block only orders the local backward's sums: not among them)
-    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode)};
+    // (vocab_block only orders the local backward's sums: not among them), and H (the size of
+    // a caller's dhidden all-reduce)
+    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode), hidden.cols};
     const float softcap = options.logit_softcap + 0.0f;  // -0 and 0 are one option
     uint64_t h = vocab_parallel::fingerprint(ce);
     h = vocab_parallel::fingerprint_more(h, &softcap, sizeof(float));
     mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
-    mine.more_options = ", logit_softcap, allow_tf32, backward_mode";
+    mine.more_options = ", logit_softcap, allow_tf32, backward_mode, H";
     vocab_parallel::agree_or_throw(*comm, mine, ce.check_shard_agreement, stream);
   }
 
@@ -407,19 +415,33 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     reduce(dev, kFn, nullptr, target, p, nullptr, out.valid_count, stream);
 }
 
+size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
+                                                      const MatrixView& weight,
+                                                      const LinearCrossEntropyOptions& options) {
+  resolve(CrossEntropyOptions{}, options, hidden.rows, weight.rows, hidden.cols);
+  return core::lce_loop_bytes(make_plan(hidden, weight, options), hidden.device);
+}
+
 void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
                                       const IndexView& target, const CrossEntropyOptions& ce,
                                       const LinearCrossEntropyOptions& options, RowStats* stats,
-                                      Stream stream) {
+                                      Stream stream, void* scratch, size_t scratch_bytes) {
   constexpr const char* kFn = "linear_cross_entropy_local_stats";
   const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
   require(stats != nullptr || hidden.rows == 0, "stats: got null, expected ", hidden.rows,
           " RowStats");
   detail::require_outputs_apart(
-      {{stats, hidden.rows * int64_t(sizeof(RowStats)), "stats"}},
+      {{stats, hidden.rows * int64_t(sizeof(RowStats)), "stats"},
+       {scratch, int64_t(scratch_bytes), "scratch"}},
       {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
        detail::span_of(target, "target")});
   check_targets_on_host(target, p);
+  const core::LcePlan plan = make_plan(hidden, weight, options);
+  char* memory = scratch ? callers_scratch(scratch, scratch_bytes,
+                                           core::lce_loop_bytes(plan, hidden.device),
+                                           hidden.device, "scratch",
+                                           "linear_cross_entropy_local_stats_scratch_bytes")
+                         : nullptr;
   core::LceSteps steps;
   steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     const core::CeParams pc = chunk_params(p, logits.rows);
@@ -427,8 +449,7 @@ void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView
     FL_DISPATCH(logits.device, kFn, cpu::ce_local_stats(logits, tc, pc, stats + row0),
                 cuda::ce_local_stats(logits, tc, pc, stats + row0, s));
   };
-  run_loop(hidden.device, kFn, make_plan(hidden, weight, options), hidden, weight, steps, {},
-           stream);
+  run_loop(hidden.device, kFn, plan, hidden, weight, steps, {}, stream, memory);
 }
 
 void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& weight,

@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include "core/cross_entropy_math.h"
 #include "core/dispatch.h"
@@ -85,10 +86,10 @@ auto hook(const char* what, F&& call) {
 }
 
 // all[r * bytes, (r + 1) * bytes) on the host receives rank r's `mine`, whatever memory the
-// communicator works in (device communicators go through a device buffer and a host sync).
-// On a device communicator, `on_device` (if any) may complete this rank's staged copy on the
-// device before the gather (stream-ordered: no extra host sync).
-void gather_to_host(Communicator& comm, const void* mine, void* all, size_t bytes,
+// communicator works in (device communicators go through `staging`: bytes x (world + 1) of
+// device memory, and a host sync). On a device communicator, `on_device` (if any) may complete
+// this rank's staged copy on the device before the gather (stream-ordered: no extra host sync).
+void gather_to_host(Communicator& comm, const void* mine, void* all, size_t bytes, char* staging,
                     Stream stream, const char* fn,
                     const std::function<void(char*)>& on_device = {}) {
   const Device dev = comm.device();
@@ -97,8 +98,7 @@ void gather_to_host(Communicator& comm, const void* mine, void* all, size_t byte
     return;
   }
   const size_t world = size_t(comm.size());
-  Scratch buf(dev, bytes * (world + 1), stream, fn);
-  char* staged = buf.as<char>();
+  char* staged = staging;
   FL_CUDA_BRANCH(fn, cuda::copy_async(staged + bytes * world, mine, bytes, true, stream));
   if (on_device) on_device(staged + bytes * world);
   hook("all_gather", [&] { comm.all_gather(staged + bytes * world, staged, bytes, stream); });
@@ -176,8 +176,17 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(mine.target, field, stream));
     };
   }
+  // The device staging of both rounds, before the first: nothing is allocated between them (a
+  // rank out of memory is likeliest to reach the second round, the error path). A failure here
+  // is this rank's alone: without device memory it cannot take part in the exchange.
+  std::optional<Scratch> staging;
+  if (comm.device() != Device::CPU)
+    staging.emplace(comm.device(), (sizeof(Header) + kErrorBytes) * size_t(world + 1), stream,
+                    mine.fn);
+  char* staged = staging ? staging->as<char>() : nullptr;
   std::vector<Header> all(world);
-  gather_to_host(comm, &header, all.data(), sizeof(Header), stream, mine.fn, on_device);
+  std::vector<char> texts(kErrorBytes * size_t(world));
+  gather_to_host(comm, &header, all.data(), sizeof(Header), staged, stream, mine.fn, on_device);
   // Slot r must hold rank r's header: a communicator that loses or reorders them (or whose
   // rank() disagrees with its gather's order) cannot carry an error or place the shards.
   // Decided from the gathered bytes alone, the same way on every rank.
@@ -228,8 +237,7 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   // collective matches on every rank.
   char text[kErrorBytes] = {};
   std::memcpy(text, mine.error.data(), std::min(mine.error.size(), kErrorBytes - 1));
-  std::vector<char> texts(kErrorBytes * size_t(world));
-  gather_to_host(comm, text, texts.data(), kErrorBytes, stream, mine.fn);
+  gather_to_host(comm, text, texts.data(), kErrorBytes, staged, stream, mine.fn);
   for (int r = 0; r < world; ++r) {
     if (!all[r].has_error) continue;
     const char* t = texts.data() + kErrorBytes * size_t(r);

@@ -1,7 +1,7 @@
 #include "cpu/linear_ce_cpu.h"
 
 #include <algorithm>
-#include <vector>
+#include <type_traits>
 #include "core/dispatch.h"
 #include "common/error.h"
 #include "cpu/parallel.h"
@@ -31,30 +31,50 @@ void store(const MatrixView& m, int64_t r, int64_t c, float v) {
   detail::fail("linear cross-entropy (cpu): dtype ", to_string(m.dtype), " is not a GEMM output");
 }
 
-// A [rows, cols] matrix as dense floats (op(m): transposed when `t`).
-std::vector<float> dense(const MatrixView& m, bool t) {
-  std::vector<float> out(size_t(m.rows * m.cols));
-  for (int64_t r = 0; r < m.rows; ++r)
-    for (int64_t c = 0; c < m.cols; ++c)
-      out[size_t(t ? c * m.rows + r : r * m.cols + c)] = load(m, r, c);
-  return out;
+// Element i of a GEMM operand of dtype D, as float.
+template <DType D>
+float read(const void* data, int64_t i) {
+  if constexpr (D == DType::F32) return static_cast<const float*>(data)[i];
+  else if constexpr (D == DType::F16) return core::half_to_float(static_cast<const uint16_t*>(data)[i]);
+  else return core::bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+}
+
+// C[m, n] (+)= op(A)[m, k] @ op(B)[k, n] for operands of dtypes DA, DB, read in place: the loop
+// allocates nothing (at TP > 1 it runs between collectives, where a rank must not fail alone).
+template <DType DA, DType DB>
+void gemm_typed(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
+                bool accumulate) {
+  const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
+  // op(A)(i, q) = A.data[i * a_i + q * a_q], op(B)(q, j) = B.data[q * b_q + j * b_j]
+  const int64_t a_i = ta ? 1 : A.row_stride, a_q = ta ? A.row_stride : 1;
+  const int64_t b_q = tb ? 1 : B.row_stride, b_j = tb ? B.row_stride : 1;
+#pragma omp parallel for schedule(static) if (worth_threads(m * n * k))
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = accumulate ? double(load(C, i, j)) : 0.0;
+      for (int64_t q = 0; q < k; ++q)
+        acc += double(read<DA>(A.data, i * a_i + q * a_q)) * double(read<DB>(B.data, q * b_q + j * b_j));
+      store(C, i, j, float(acc));
+    }
 }
 
 // C[m, n] (+)= op(A)[m, k] @ op(B)[k, n], row-major views; double accumulation.
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
           bool accumulate) {
-  const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
-  const std::vector<float> a = dense(A, ta);   // [m, k]
-  const std::vector<float> bt = dense(B, !tb);  // op(B)^T: [n, k]
-#pragma omp parallel for schedule(static) if (worth_threads(m * n * k))
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      double acc = accumulate ? double(load(C, i, j)) : 0.0;
-      const float* ar = &a[size_t(i * k)];
-      const float* br = &bt[size_t(j * k)];
-      for (int64_t q = 0; q < k; ++q) acc += double(ar[q]) * double(br[q]);
-      store(C, i, j, float(acc));
+  auto with_b = [&](auto da) {
+    switch (B.dtype) {
+      case DType::F32: return gemm_typed<decltype(da)::value, DType::F32>(A, ta, B, tb, C, accumulate);
+      case DType::F16: return gemm_typed<decltype(da)::value, DType::F16>(A, ta, B, tb, C, accumulate);
+      case DType::BF16: return gemm_typed<decltype(da)::value, DType::BF16>(A, ta, B, tb, C, accumulate);
+      default: detail::fail("linear cross-entropy (cpu): dtype ", to_string(B.dtype), " is not a GEMM operand");
     }
+  };
+  switch (A.dtype) {
+    case DType::F32: return with_b(std::integral_constant<DType, DType::F32>{});
+    case DType::F16: return with_b(std::integral_constant<DType, DType::F16>{});
+    case DType::BF16: return with_b(std::integral_constant<DType, DType::BF16>{});
+    default: detail::fail("linear cross-entropy (cpu): dtype ", to_string(A.dtype), " is not a GEMM operand");
+  }
 }
 
 MatrixView rows_of(const MatrixView& m, int64_t row0, int64_t rows) {

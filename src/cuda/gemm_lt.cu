@@ -107,6 +107,12 @@ struct Choice {
 
 }  // namespace
 
+void gemm_prepare() {
+  int device = 0;
+  FL_CUDA_CHECK(cudaGetDevice(&device));
+  (void)handle_for(device);
+}
+
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
           bool accumulate, bool tf32, void* workspace, size_t workspace_bytes, Stream stream,
           int candidates) {

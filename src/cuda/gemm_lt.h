@@ -12,8 +12,13 @@ namespace fusedloss::cuda {
 // is checked. The descriptors and the algorithm are built once per shape and cached: the
 // heuristic's first answer (candidates = 1), or the fastest of its first `candidates` answers,
 // timed once on this stream (a host sync; under graph capture the first answer, uncached).
+// Timing (candidates > 1, a benchmarking knob) allocates a scratch copy of an accumulated C.
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
           bool accumulate, bool tf32, void* workspace, size_t workspace_bytes, Stream stream,
           int candidates = 1);
+
+// Creates the current device's cuBLASLt handle if it does not exist yet (gemm does on first
+// use): a caller that must not fail once its collectives have begun calls this before them.
+void gemm_prepare();
 
 }  // namespace fusedloss::cuda

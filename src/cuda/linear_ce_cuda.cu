@@ -178,6 +178,11 @@ class PhaseClock {
 
 }  // namespace
 
+void lce_prepare(Stream stream) {
+  (void)pipeline_for(stream);
+  gemm_prepare();
+}
+
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
              const core::LceSteps& steps, const core::LceGrads& grads, void* memory,
              Stream stream) {

@@ -13,6 +13,10 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
              const core::LceSteps& steps, const core::LceGrads& grads, void* memory,
              Stream stream);
 
+// Creates what lce_run on `stream` creates on first use (the side stream and its events, the
+// cuBLASLt handle), so that a vocab-parallel caller can do it before its agreement.
+void lce_prepare(Stream stream);
+
 // dst = scale[0] * src, or dst += scale[0] * src; scale is read on the device.
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate,
                Stream stream);

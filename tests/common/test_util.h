@@ -109,6 +109,7 @@ class Buffer {
   void* host() { return host_.data(); }
   template <class T> T* host_as() { return reinterpret_cast<T*>(host_.data()); }
   size_t bytes() const { return host_.size(); }
+  Device device() const { return device_; }
   // The pointer handed to the library.
   void* data() { return device_ == Device::CUDA ? dev_ : static_cast<void*>(host_.data()); }
   template <class T> T* data_as() { return static_cast<T*>(data()); }

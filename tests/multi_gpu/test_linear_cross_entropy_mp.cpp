@@ -81,6 +81,20 @@ void expect_matches_tp1(Device dev, Communicator& comm) {
 }
 
 
+// A forward's fp32 outputs in these buffers: dhidden [N, H], dweight [vl, H] (the in-forward
+// mode's gradients).
+LinearCrossEntropyOutputs fp32_outputs(Buffer& loss, Buffer& lse, Buffer& count, Buffer& dh,
+                                       Buffer& dw, int64_t N, int64_t H, int64_t vl) {
+  LinearCrossEntropyOutputs out;
+  out.loss = loss.data_as<float>();
+  out.lse = lse.data_as<float>();
+  out.valid_count = count.data_as<float>();
+  const Device dev = lse.device();
+  out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
+  out.dweight = {dw.data(), vl, H, H, DType::F32, dev};
+  return out;
+}
+
 void expect_mismatch_errors(Device dev, Communicator& comm) {
   if (comm.size() < 2) GTEST_SKIP() << "needs >= 2 ranks";
   const int rank = comm.rank(), world = comm.size();
@@ -98,12 +112,7 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   IndexView tv{target.data(), N, IndexType::I64, dev};
   auto call = [&](int64_t vl, int64_t wcols, LinearCrossEntropyOptions lo = {},
                   size_t hidden_byte_offset = 0) {
-    LinearCrossEntropyOutputs out;
-    out.loss = loss.data_as<float>();
-    out.lse = lse.data_as<float>();
-    out.valid_count = count.data_as<float>();
-    out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
-    out.dweight = {dw.data(), vl, H, H, DType::F32, dev};
+    const LinearCrossEntropyOutputs out = fp32_outputs(loss, lse, count, dh, dw, N, H, vl);
     linear_cross_entropy_forward({hidden.data_as<char>() + hidden_byte_offset, N, H, H, DType::F32, dev},
                                  {weight.data(), vl, wcols, wcols, DType::F32, dev}, tv, ce, lo,
                                  out, &comm);
@@ -160,12 +169,7 @@ void expect_out_of_memory_everywhere(Device dev, Communicator& comm) {
   ce.vocab_start = rank * Vl;
   ce.vocab_global = Vl * world;
   auto call = [&] {
-    LinearCrossEntropyOutputs out;
-    out.loss = loss.data_as<float>();
-    out.lse = lse.data_as<float>();
-    out.valid_count = count.data_as<float>();
-    out.dhidden = {dh.data(), N, H, H, DType::F32, dev};
-    out.dweight = {dw.data(), Vl, H, H, DType::F32, dev};
+    const LinearCrossEntropyOutputs out = fp32_outputs(loss, lse, count, dh, dw, N, H, Vl);
     linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
                                  {weight.data(), Vl, H, H, DType::F32, dev},
                                  {target.data(), N, IndexType::I64, dev}, ce, {}, out, &comm);
@@ -174,6 +178,38 @@ void expect_out_of_memory_everywhere(Device dev, Communicator& comm) {
     MemoryCap cap(dev, rank == 1 ? size_t(16) << 20 : 0);
     expect_error_everywhere<OutOfMemory>(call, "vocab-parallel: rank 1: ");
   }
+  expect_runs_everywhere(call);
+}
+
+// The host chunk loop allocates nothing beyond the call's scratch (a GEMM that copied its
+// operands would take 4 MiB for the weight between the per-chunk collectives): with rank 1
+// left room for about the scratch alone, the call runs on every rank.
+void expect_the_loop_to_run_within_its_scratch(Communicator& comm) {
+  const Device dev = Device::CPU;
+  const int rank = comm.rank(), world = comm.size();
+  const int64_t N = 128, H = 256, Vl = 4096;
+  Buffer hidden(dev, N * H * 4), weight(dev, Vl * H * 4), target(dev, N * 8), loss(dev, 4),
+      lse(dev, N * 4), count(dev, 4), dh(dev, N * H * 4), dw(dev, Vl * H * 4);
+  for (int64_t i = 0; i < N * H; ++i) hidden.host_as<float>()[i] = 0.01f * float(i % 7);
+  for (int64_t i = 0; i < Vl * H; ++i) weight.host_as<float>()[i] = 0.01f * float(i % 5);
+  for (int64_t r = 0; r < N; ++r) target.host_as<int64_t>()[r] = (r * 37) % (Vl * world);
+  CrossEntropyOptions ce;
+  ce.vocab_start = rank * Vl;
+  ce.vocab_global = Vl * world;
+  LinearCrossEntropyOptions lo;
+  lo.chunk_rows = 16;  // 256 KiB of logits a chunk
+  auto call = [&] {
+    linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
+                                 {weight.data(), Vl, H, H, DType::F32, dev},
+                                 {target.data(), N, IndexType::I64, dev}, ce, lo,
+                                 fp32_outputs(loss, lse, count, dh, dw, N, H, Vl), &comm);
+  };
+  ASSERT_LE(linear_cross_entropy_forward_scratch_bytes({hidden.data(), N, H, H, DType::F32, dev},
+                                                       {weight.data(), Vl, H, H, DType::F32, dev},
+                                                       ce, lo, world),
+            size_t(512) << 10);
+  expect_runs_everywhere(call);  // first outside the cap: the threads and the heap exist
+  MemoryCap cap(dev, rank == 1 ? size_t(2) << 20 : 0);
   expect_runs_everywhere(call);
 }
 
@@ -190,6 +226,11 @@ TEST(LinearCrossEntropyMpi, MismatchedShardsFailOnEveryRank) {
 TEST(LinearCrossEntropyMpi, OneRanksOutOfMemoryIsEveryRanks) {
   auto comm = make_mpi_communicator(MPI_COMM_WORLD);
   expect_out_of_memory_everywhere(Device::CPU, *comm);
+}
+
+TEST(LinearCrossEntropyMpi, TheLoopRunsWithinItsScratch) {
+  auto comm = make_mpi_communicator(MPI_COMM_WORLD);
+  expect_the_loop_to_run_within_its_scratch(*comm);
 }
 
 #if FUSEDLOSS_HAS_NCCL

@@ -7,13 +7,12 @@ output layer: with labels on the last pipeline stage (training or evaluation), t
 go through the vocab-parallel linear cross-entropy and the [s, b, V/tp] logits never exist;
 without labels, in inference, or before the last stage, Megatron's own _postprocess runs.
 """
-import zlib
 from types import SimpleNamespace
 
 import torch
 
 import fusedloss
-from fusedloss._distributed import rank_checks
+from fusedloss._distributed import fingerprint, rank_checks
 from fusedloss._views import require_tensor
 from fusedloss.linear_cross_entropy import _validate as validate_linear_ce_inputs
 from fusedloss.cross_entropy import check_targets_on_host
@@ -105,15 +104,15 @@ def _run_forward_pre_hooks(module, args):
 
 
 def _fingerprint(options, hidden, weight, labels) -> int:
-    """The same int on every rank (crc32, not hash(): strings hash differently per process)
-    for what the op's own agreement compared besides rows and V_local: its options and torch's
+    """The same int on every rank for what the op's own agreement compared besides rows and
+    V_local: its options and torch's
     TF32 setting, the dtypes and device types, H (with rows and V_local these set the op's
     chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
     shards in the gather)."""
     what = (sorted(options.items()), bool(torch.backends.cuda.matmul.allow_tf32),
             str(hidden.dtype), str(weight.dtype), hidden.device.type, weight.device.type,
             weight.shape[-1], tuple(labels.shape))
-    return zlib.crc32(repr(what).encode())
+    return fingerprint(what)
 
 
 def _check_inputs(hidden, weight, labels, sequence_parallel, tp_size):
