@@ -211,8 +211,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            "the same options (ignore_index, label_smoothing, smoothing_formula, "
                            "smoothing_scope, z_loss, reduction; for the linear cross-entropy also "
                            "logit_softcap, the backward mode, the grad state (a call no gradient "
-                           "follows runs the forward alone), dhidden_reduction, the dtype and "
-                           "torch's allow_tf32) and the same target shape on every rank")
+                           "follows runs the forward alone), dhidden_reduction, the dtype, H, "
+                           "the weight_grad_accumulator's kind and torch's allow_tf32) and the "
+                           "same target shape on every rank")
         if cc != chunk0:  # a chunked op runs one collective per chunk
             raise _C.Error(f"{op}: vocab-parallel chunking: rank {r} computes {cc} tokens per chunk, "
                            f"rank 0 {chunk0}; expected the same workspace_bytes, dtype and FUSEDLOSS_LCE_BUFFERS / "
@@ -241,13 +242,20 @@ class rank_checks:
     forward agrees later). Otherwise errors propagate as they are. rows, v_local, chunk_rows and
     target may be set inside the block. Whatever may fail on one rank alone (a conversion, an
     allocation: out of memory) belongs inside it, before the collectives that follow: a rank
-    that raised outside would leave the others waiting in them."""
+    that raised outside would leave the others waiting in them.
+
+    While torch.compile traces, no collective can run: with defer_when_compiling (a public
+    function's argument checks) the rejection is kept in `deferred` and the exception
+    suppressed, and the caller returns deferred_rejection(...), an op that takes part in the
+    agreement when the graph runs (so the other ranks, waiting in their op's agreement, raise
+    the same error); other blocks let the exception propagate while tracing."""
 
     def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False,
-                 target=None):
+                 target=None, defer_when_compiling=False):
         self.group, self.check, self.op = group, check, op
         self.rows, self.v_local, self.options = rows, v_local, options
         self.only_on_error, self.chunk_rows, self.target = only_on_error, 0, target
+        self.defer_when_compiling, self.deferred = defer_when_compiling, None
 
     def __enter__(self):
         return self
@@ -257,9 +265,32 @@ class rank_checks:
             return False
         if kind is not None and not issubclass(kind, Exception):
             return False  # an interrupt: nothing to agree on
+        if torch.compiler.is_compiling():
+            if kind is None or not self.defer_when_compiling:
+                return False
+            self.deferred = str(error)
+            return True
         if kind is None and self.only_on_error:
             return False
         agree(self.group, self.rows, self.v_local, self.options,
               None if error is None else str(error), self.op, self.chunk_rows, self.target,
               error is not None and is_out_of_memory(error))
         return False  # a rejection raised in agree(); a passing block has nothing to suppress
+
+
+@torch.library.custom_op("fusedloss::vocab_parallel_rejection", mutates_args=())
+def _rejection(like: torch.Tensor, group: str, op: str, message: str) -> torch.Tensor:
+    agree(resolve_group(group), -1, -1, 0, message, op)  # raises on every rank
+    raise AssertionError(f"{op}: a rejection passed the agreement")
+
+
+@_rejection.register_fake
+def _rejection_fake(like, group, op, message):
+    return like.new_empty((), dtype=torch.float32)
+
+
+def deferred_rejection(like, group: str, op: str, message: str):
+    """The loss a traced call whose arguments were rejected returns: when the graph runs, it
+    takes part in the agreement as this rank's rejection and raises there, as the other ranks
+    do in their op's agreement (`like`: a tensor of the call, for its device)."""
+    return _rejection(like, group, op, message)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
+from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
@@ -289,13 +289,16 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     """
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
-    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
+    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
+                     defer_when_compiling=True) as checks:
         if bad_flag is not None:
             raise bad_flag
         opts, inplace, in_forward = _option_args(ignore_index, label_smoothing, smoothing_formula,
                                                  smoothing_scope, reduction, z_loss,
                                                  inplace_backward, grad_in_forward)
         _validate(logits, target)
+    if checks.deferred is not None:  # traced: raised on every rank when the graph runs
+        return deferred_rejection(logits, name, _OP, checks.deferred)
     inplace = inplace or in_forward
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
                   and torch.is_grad_enabled() and not torch.compiler.is_compiling()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
+from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
 from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
@@ -517,7 +517,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     """
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
-    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True):
+    with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
+                     defer_when_compiling=True) as checks:
         if bad_flag is not None:
             raise bad_flag
         opts, mode, dh_red, acc32, inplace = _option_args(
@@ -538,6 +539,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             if not callable(weight_grad_accumulator):
                 _validate_accumulator(weight_grad_accumulator, weight, hidden)
             acc32 = True  # the saved unit gradient in fp32 too: no rounding on the way
+    if checks.deferred is not None:  # traced: raised on every rank when the graph runs
+        return deferred_rejection(hidden, name, _OP, checks.deferred)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not torch.compiler.is_compiling()):
         loss = _EAGER(hidden, weight, target, *opts, mode, tf32, acc32, inplace)

@@ -245,3 +245,30 @@ def test_target_checksum_matches_the_cpp_formula():
     base = torch.stack([t, torch.zeros_like(t)], -1)  # a strided view of the same values
     for same in (base[:, 0], t.to(torch.int32), t.view(5, 1).expand(5, 3)[:, 1]):
         assert torch.equal(_target_checksum(same, "cpu"), _target_checksum(t, "cpu"))
+
+
+def _check_compiled_rejection(rank, world, op, everywhere):
+    # Traced with fullgraph=True, a rejected argument cannot reach the other ranks while
+    # tracing (no collective there): it is raised by every rank when the graph runs.
+    V_local, rows, H = 32, 6, 8
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, V_local, generator=g)
+    h, w = torch.randn(rows, H, generator=g), torch.randn(V_local, H, generator=g)
+    t = torch.randint(0, V_local * world, (rows,), generator=g)
+    bad = everywhere or rank == 1
+    G = dist.group.WORLD
+    if op == "cross_entropy":
+        call = lambda: fusedloss.cross_entropy(x, t, tp_group=G, reduction="bogus" if bad else "mean")
+        match = "reduction: got 'bogus'"
+    else:
+        call = lambda: fusedloss.linear_cross_entropy(h, w, t, tp_group=G,
+                                                      logit_softcap=-1.0 if bad else 0.0)
+        match = "logit_softcap: got -1"
+    _same_error_everywhere(torch.compile(call, fullgraph=True, backend="aot_eager"),
+                           f"vocab-parallel rank {0 if everywhere else 1}: ", match)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_compiled_rejection_raises_everywhere(op, everywhere):
+    run_world(2, _check_compiled_rejection, op, everywhere, timeout_s=60)
