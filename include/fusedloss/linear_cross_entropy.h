@@ -181,6 +181,11 @@ size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
                                                       const MatrixView& weight,
                                                       const LinearCrossEntropyOptions& options);
 
+// Creates what a call on `stream` creates on first use (CUDA: the chunk loop's side stream and
+// events, the cuBLASLt handle; nothing on the host). The forward does it before its agreement;
+// a caller running its own agreement around local_stats calls this before it too.
+void linear_cross_entropy_prepare(Device device, Stream stream = nullptr);
+
 // Backward. Same inputs and options as the forward (resolved to the same mode).
 //   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),
 //              elementwise on the device; hidden, weight, lse and valid_count are not read.

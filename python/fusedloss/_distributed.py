@@ -14,7 +14,7 @@ C++ API's header exchange.
 The vocab-parallel hook itself (merge_over_group): every rank's stats of every row, gathered once.
 """
 import hashlib
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -141,6 +141,7 @@ def fingerprint(*values) -> int:
     """The same int on every rank for equal values (ints, floats, bools, strings, tuples of
     them), and a different one for any difference: a digest of their exact repr (hash() mixes
     numbers modulo 2**61 - 1, so 0.5 and 2**-62 would agree, and strings hash per process)."""
+    values = tuple(v + 0.0 if isinstance(v, float) else v for v in values)  # -0.0 is 0.0
     digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
@@ -177,7 +178,7 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
     if checksum is not None:
         mine[5:] = checksum
     every = torch.empty(world * _HEADER, dtype=torch.int64, device=device)
-    msg = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    msg = torch.empty(_MESSAGE_BYTES, dtype=torch.uint8, device=device)  # read only if rejected
     msgs = torch.empty(world * _MESSAGE_BYTES, dtype=torch.uint8, device=device)
     if error is not None:
         text = error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
@@ -279,18 +280,29 @@ class rank_checks:
 
 
 @torch.library.custom_op("fusedloss::vocab_parallel_rejection", mutates_args=())
-def _rejection(like: torch.Tensor, group: str, op: str, message: str) -> torch.Tensor:
+def _rejection(like: torch.Tensor, shape: List[int], group: str, op: str,
+               message: str) -> torch.Tensor:
     agree(resolve_group(group), -1, -1, 0, message, op)  # raises on every rank
     raise AssertionError(f"{op}: a rejection passed the agreement")
 
 
 @_rejection.register_fake
-def _rejection_fake(like, group, op, message):
-    return like.new_empty((), dtype=torch.float32)
+def _rejection_fake(like, shape, group, op, message):
+    return like.new_empty(shape, dtype=torch.float32)
 
 
-def deferred_rejection(like, group: str, op: str, message: str):
+# the graph of a training step differentiates the loss: the rejection raises before that runs
+_rejection.register_autograd(lambda ctx, grad: (None,) * 5)
+
+
+def deferred_rejection(args, reduction, target, group: str, op: str, message: str):
     """The loss a traced call whose arguments were rejected returns: when the graph runs, it
     takes part in the agreement as this rank's rejection and raises there, as the other ranks
-    do in their op's agreement (`like`: a tensor of the call, for its device)."""
-    return _rejection(like, group, op, message)
+    do in their op's agreement. It has the shape a valid call would have (the target's for
+    reduction 'none'), so the code after the call traces on every rank. `args`: the call's
+    arguments (a tensor among them gives the device)."""
+    like = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if like is None:
+        like = torch.empty(0)
+    shape = list(target.shape) if reduction == "none" and isinstance(target, torch.Tensor) else []
+    return _rejection(like, shape, group, op, message)

@@ -298,7 +298,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                                                  inplace_backward, grad_in_forward)
         _validate(logits, target)
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
-        return deferred_rejection(logits, name, _OP, checks.deferred)
+        return deferred_rejection((logits, target), reduction, target, name, _OP, checks.deferred)
     inplace = inplace or in_forward
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
                   and torch.is_grad_enabled() and not torch.compiler.is_compiling()

@@ -207,6 +207,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
             buffers = merge_buffers(g, stats)
             scratch = torch.empty(_C.linear_cross_entropy_local_stats_scratch_bytes(
                 matrix(h), matrix(w), lo), dtype=torch.uint8, device=dev)
+            _C.linear_cross_entropy_prepare(_device(h), stream)  # what its first call creates
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
@@ -540,7 +541,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                 _validate_accumulator(weight_grad_accumulator, weight, hidden)
             acc32 = True  # the saved unit gradient in fp32 too: no rounding on the way
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
-        return deferred_rejection(hidden, name, _OP, checks.deferred)
+        return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
+                                  checks.deferred)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not torch.compiler.is_compiling()):
         loss = _EAGER(hidden, weight, target, *opts, mode, tf32, acc32, inplace)

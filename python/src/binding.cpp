@@ -392,6 +392,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"),
         py::arg("options"), py::arg("stats"), py::arg("stream"), py::arg("scratch") = 0,
         py::arg("scratch_bytes") = 0);
+  m.def("linear_cross_entropy_prepare",
+        [](Device device, uintptr_t stream) {
+          guarded([&] { linear_cross_entropy_prepare(device, ptr(stream)); });
+        },
+        py::arg("device"), py::arg("stream"));
   m.def("linear_cross_entropy_local_stats_scratch_bytes",
         [](const MatrixView& h, const MatrixView& w, const LinearCrossEntropyOptions& o) {
           size_t bytes = 0;

@@ -247,28 +247,40 @@ def test_target_checksum_matches_the_cpp_formula():
         assert torch.equal(_target_checksum(same, "cpu"), _target_checksum(t, "cpu"))
 
 
-def _check_compiled_rejection(rank, world, op, everywhere):
-    # Traced with fullgraph=True, a rejected argument cannot reach the other ranks while
-    # tracing (no collective there): it is raised by every rank when the graph runs.
+def _check_compiled_rejection(rank, world, op, everywhere, use):
+    # Traced with fullgraph=True, an argument rejected while tracing cannot reach the other
+    # ranks there (no collective): every rank raises it when the graph runs, whatever the code
+    # after the call does with the loss (a training step's backward; a per-token loss's view).
     V_local, rows, H = 32, 6, 8
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(rows, V_local, generator=g)
-    h, w = torch.randn(rows, H, generator=g), torch.randn(V_local, H, generator=g)
-    t = torch.randint(0, V_local * world, (rows,), generator=g)
+    x = torch.randn(rows, V_local, generator=g, requires_grad=True)
+    h = torch.randn(rows, H, generator=g, requires_grad=True)
+    w = torch.randn(V_local, H, generator=g, requires_grad=True)
+    t = torch.randint(0, V_local * world, (2, rows // 2), generator=g)
     bad = everywhere or rank == 1
     G = dist.group.WORLD
-    if op == "cross_entropy":
-        call = lambda: fusedloss.cross_entropy(x, t, tp_group=G, reduction="bogus" if bad else "mean")
-        match = "reduction: got 'bogus'"
-    else:
-        call = lambda: fusedloss.linear_cross_entropy(h, w, t, tp_group=G,
-                                                      logit_softcap=-1.0 if bad else 0.0)
-        match = "logit_softcap: got -1"
-    _same_error_everywhere(torch.compile(call, fullgraph=True, backend="aot_eager"),
+    if op == "cross_entropy":  # an option rejected while tracing
+        loss_of = lambda: fusedloss.cross_entropy(
+            x, t.view(-1), tp_group=G, reduction="none",
+            smoothing_formula="bogus" if bad else "pytorch").view(t.shape)
+        match = "smoothing_formula: got 'bogus'"
+    else:  # the target's dtype, rejected while tracing
+        loss_of = lambda: fusedloss.linear_cross_entropy(
+            h, w, (t.float() if bad else t).view(-1), tp_group=G, reduction="none").view(t.shape)
+        match = "target.dtype: got torch.float32"
+
+    def step():
+        loss = loss_of()
+        if use == "backward":
+            loss.sum().backward()
+        return loss
+
+    _same_error_everywhere(torch.compile(step, fullgraph=use != "backward", backend="aot_eager"),
                            f"vocab-parallel rank {0 if everywhere else 1}: ", match)
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 @pytest.mark.parametrize("everywhere", [False, True])
-def test_compiled_rejection_raises_everywhere(op, everywhere):
-    run_world(2, _check_compiled_rejection, op, everywhere, timeout_s=60)
+@pytest.mark.parametrize("use", ["view", "backward"])
+def test_compiled_rejection_raises_everywhere(op, everywhere, use):
+    run_world(2, _check_compiled_rejection, op, everywhere, use, timeout_s=60)

@@ -355,7 +355,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     } else {
       mem = owned.emplace(dev, layout.bytes, stream, kFn).as<char>();
     }
-    FL_DISPATCH(dev, kFn, (void)0, cuda::lce_prepare(stream));  // streams, events, handle
+    linear_cross_entropy_prepare(dev, stream);  // streams, events, the GEMM handle
   };
   if (!parallel) {
     local();
@@ -413,6 +413,10 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     reduce(dev, kFn, row_loss, target, p, out.loss, out.valid_count, stream);
   else if (out.valid_count)  // None: the count alone
     reduce(dev, kFn, nullptr, target, p, nullptr, out.valid_count, stream);
+}
+
+void linear_cross_entropy_prepare(Device device, [[maybe_unused]] Stream stream) {
+  FL_DISPATCH(device, "linear_cross_entropy_prepare", (void)0, cuda::lce_prepare(stream));
 }
 
 size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,

@@ -39,7 +39,9 @@ struct LceTuning {
   // inner dimension under a large output, the dweight GEMMs, its answer with the most waves:
   // src/cuda/gemm_lt.cu); k > 1 asks for k and times them once per shape (a host sync on first
   // use, skipped under graph capture; a GEMM that accumulates into C is timed on a zeroed
-  // scratch of C's size, e.g. the fp32 [V_local, H] dweight, allocated for that first call only).
+  // scratch of C's size, e.g. the fp32 [V_local, H] dweight, allocated for that first call only:
+  // inside the chunk loop, so a benchmarking knob, not for TP > 1, where nothing may fail on one
+  // rank once the per-chunk collectives have begun).
   int gemm_algos = 1;
   // FUSEDLOSS_LCE_CE_ROWS = r >= 0: the in-forward cross-entropy (stats, then gradient) in
   // slices of r rows (0: the whole chunk), so the gradient pass re-reads the rows from L2
@@ -53,7 +55,8 @@ struct LceTuning {
   // where 768-token chunks cost 4-15% (bench/NOTES.md).
   size_t gemm_workspace_cap = size_t(4) << 20;
   // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
-  // linear_cross_entropy_phase_times (synchronises the host at the end of each loop).
+  // linear_cross_entropy_phase_times (synchronises the host at the end of each loop; creates its
+  // events inside the loop: a diagnostic, as gemm_algos above).
   bool timing = false;
 };
 

@@ -1,5 +1,6 @@
 // mpirun test helpers: this rank and the world, and an error every rank must raise.
 #pragma once
+#include <malloc.h>
 #include <mpi.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -56,6 +57,7 @@ class MemoryCap {
   MemoryCap(Device device, size_t headroom) {
     if (!headroom) return;
     if (device == Device::CPU) {
+      malloc_trim(0);  // free heap given back: an allocation under the cap needs new space
       getrlimit(RLIMIT_AS, &saved_);
       std::ifstream statm("/proc/self/statm");
       size_t pages = 0;
