@@ -32,8 +32,6 @@ const char* mode_name(LinearCeBackward m) {
   return "unknown";
 }
 
-int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
 // The checks of a backward mode that need the reduction alone (the options' own checks run
 // without the inputs' dtype).
 void check_mode(LinearCeBackward mode, Reduction reduction) {
@@ -130,7 +128,7 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
   const int64_t es = detail::element_size(dtype);
   require(vocab_local <= (int64_t(1) << 40), "weight.rows (vocab_local): got ", vocab_local,
           ", expected at most 2^40 (a row of the chunk buffer must fit in memory)");
-  const int64_t stride = round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
+  const int64_t stride = core::round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
     const int64_t fits = int64_t(buffer_share(o, tuning) / size_t(buffers * stride * es));
@@ -165,7 +163,7 @@ core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
   plan.gemm_workspace = core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
   plan.tuning = tuning;
   plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning);
-  plan.stride = round_up(weight.rows, 16 / detail::element_size(hidden.dtype));
+  plan.stride = core::round_up(weight.rows, int64_t(16) / detail::element_size(hidden.dtype));
   return plan;
 }
 
@@ -213,11 +211,10 @@ struct ForwardScratch {
 
 ForwardScratch forward_scratch(const core::LcePlan& plan, const core::CeParams& p, int world,
                                CollectiveForm form, Device dev) {
-  auto aligned = [](size_t b) { return (b + core::kLceAlign - 1) / core::kLceAlign * core::kLceAlign; };
   const size_t floats = size_t((p.reduction != Reduction::None ? plan.rows : 0) + 2);
   ForwardScratch s;
-  s.loop_at = aligned(sizeof(float) * floats);
-  s.exchange_at = aligned(s.loop_at + core::lce_loop_bytes(plan, dev));
+  s.loop_at = core::round_up(sizeof(float) * floats, core::kLceAlign);
+  s.exchange_at = core::round_up(s.loop_at + core::lce_loop_bytes(plan, dev), core::kLceAlign);
   s.bytes = s.exchange_at +
             (world > 1 ? vocab_parallel::forward_scratch_bytes(plan.chunk, world, form) : 0);
   return s;

@@ -13,6 +13,12 @@
 
 namespace fusedloss::core {
 
+// v rounded up to a multiple of `to` (> 0).
+template <class T>
+constexpr T round_up(T v, T to) {
+  return (v + to - 1) / to * to;
+}
+
 // The GEMM library's workspace out of a call's workspace_bytes: an eighth of it, at most `cap`
 // (LceTuning::gemm_workspace_cap), in whole 256-byte blocks. The chunk buffers get the rest, so
 // workspace_bytes bounds everything a call allocates for its chunks (the CPU backend plans the
@@ -48,8 +54,7 @@ inline size_t lce_buffer_bytes(const LcePlan& plan) {
   return size_t(plan.chunk) * size_t(plan.stride) * size_t(detail::element_size(plan.dtype));
 }
 inline size_t lce_gemm_workspace_at(const LcePlan& plan) {
-  const size_t buffers = size_t(plan.tuning.buffers) * lce_buffer_bytes(plan);
-  return (buffers + kLceAlign - 1) / kLceAlign * kLceAlign;
+  return round_up(size_t(plan.tuning.buffers) * lce_buffer_bytes(plan), kLceAlign);
 }
 inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
   if (plan.rows == 0) return 0;

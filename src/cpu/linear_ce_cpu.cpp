@@ -1,7 +1,6 @@
 #include "cpu/linear_ce_cpu.h"
 
 #include <algorithm>
-#include <type_traits>
 #include "core/dispatch.h"
 #include "common/error.h"
 #include "cpu/parallel.h"
@@ -31,17 +30,15 @@ void store(const MatrixView& m, int64_t r, int64_t c, float v) {
   detail::fail("linear cross-entropy (cpu): dtype ", to_string(m.dtype), " is not a GEMM output");
 }
 
-// Element i of a GEMM operand of dtype D, as float.
-template <DType D>
+// Element i of a GEMM operand stored as K, as float.
+template <core::StorageKind K>
 float read(const void* data, int64_t i) {
-  if constexpr (D == DType::F32) return static_cast<const float*>(data)[i];
-  else if constexpr (D == DType::F16) return core::half_to_float(static_cast<const uint16_t*>(data)[i]);
-  else return core::bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  return core::St<K>::load(static_cast<const core::Elem<K>*>(data)[i]);
 }
 
 // C[m, n] (+)= op(A)[m, k] @ op(B)[k, n] for operands of dtypes DA, DB, read in place: the loop
 // allocates nothing (at TP > 1 it runs between collectives, where a rank must not fail alone).
-template <DType DA, DType DB>
+template <core::StorageKind DA, core::StorageKind DB>
 void gemm_typed(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
                 bool accumulate) {
   const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
@@ -78,20 +75,11 @@ void gemm_typed(const MatrixView& A, bool ta, const MatrixView& B, bool tb, cons
 // C[m, n] (+)= op(A)[m, k] @ op(B)[k, n], row-major views; double accumulation.
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
           bool accumulate) {
-  auto with_b = [&](auto da) {
-    switch (B.dtype) {
-      case DType::F32: return gemm_typed<decltype(da)::value, DType::F32>(A, ta, B, tb, C, accumulate);
-      case DType::F16: return gemm_typed<decltype(da)::value, DType::F16>(A, ta, B, tb, C, accumulate);
-      case DType::BF16: return gemm_typed<decltype(da)::value, DType::BF16>(A, ta, B, tb, C, accumulate);
-      default: detail::fail("linear cross-entropy (cpu): dtype ", to_string(B.dtype), " is not a GEMM operand");
-    }
-  };
-  switch (A.dtype) {
-    case DType::F32: return with_b(std::integral_constant<DType, DType::F32>{});
-    case DType::F16: return with_b(std::integral_constant<DType, DType::F16>{});
-    case DType::BF16: return with_b(std::integral_constant<DType, DType::BF16>{});
-    default: detail::fail("linear cross-entropy (cpu): dtype ", to_string(A.dtype), " is not a GEMM operand");
-  }
+  core::dispatch_dtype(A.dtype, [&](auto a) {
+    core::dispatch_dtype(B.dtype, [&](auto b) {
+      gemm_typed<decltype(a)::value, decltype(b)::value>(A, ta, B, tb, C, accumulate);
+    });
+  });
 }
 
 MatrixView rows_of(const MatrixView& m, int64_t row0, int64_t rows) {
