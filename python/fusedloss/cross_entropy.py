@@ -71,8 +71,9 @@ def check_targets_on_host(t: Tensor, o, name: str = "target") -> None:
                          f"[0, {v_global}) or ignore_index ({o.ignore_index})")
 
 
-def _outputs(rows, reduction, device):
-    """The forward's loss ([rows] or a scalar), lse [rows] and valid count, fp32."""
+def loss_outputs(rows, reduction, device):
+    """A forward's loss ([rows] or a scalar), lse [rows] and valid count, fp32 (the linear
+    cross-entropy's too)."""
     f32 = dict(dtype=torch.float32, device=device)
     return (torch.empty(rows if reduction == _NONE else (), **f32), torch.empty(rows, **f32),
             torch.empty((), **f32))
@@ -89,7 +90,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         x, _ = rows_of(logits)
         t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
         rows, v_local = x.shape
-        loss, lse, count = _outputs(rows, reduction, dev)
+        loss, lse, count = loss_outputs(rows, reduction, dev)
         stream = stream_of(x)
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, 0, 1, v_local)
         if grad_in_forward:
@@ -113,7 +114,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
-        loss, lse, count = _outputs(rows, reduction, dev)
+        loss, lse, count = loss_outputs(rows, reduction, dev)
         stats = torch.empty(rows, _C.ROW_STATS_FLOATS, dtype=torch.float32, device=dev)
         buffers = merge_buffers(g, stats)
     stream = stream_of(x)

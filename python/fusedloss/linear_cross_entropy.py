@@ -27,10 +27,11 @@ from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
-from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, index, matrix, require_same_device,
+from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, device_of, index, matrix, require_same_device,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
                      values_in)
-from .cross_entropy import _FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, make_options
+from .cross_entropy import (_FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, loss_outputs,
+                            make_options)
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -158,8 +159,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
             workspace_bytes, mode, tf32)
 
     def outputs(h, w, rows, v_local):
-        loss = torch.empty(rows if reduction == _NONE else (), **f32)
-        lse, count = torch.empty(rows, **f32), torch.empty((), **f32)
+        loss, lse, count = loss_outputs(rows, reduction, dev)
         if mode != _IN_FORWARD:  # distinct: outputs never alias
             return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
         return (loss, lse, count, torch.empty(rows, h.size(1), dtype=h.dtype, device=dev),
@@ -172,7 +172,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         rows, v_local = h.size(0), w.size(0)
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
         loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
-        grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(_device(h)),) * 2
+        grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(device_of(h)),) * 2
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), *grads, stream_of(h))
         return loss, lse, count, dh, dw
@@ -207,7 +207,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
             buffers = merge_buffers(g, stats)
             scratch = torch.empty(_C.linear_cross_entropy_local_stats_scratch_bytes(
                 matrix(h), matrix(w), lo), dtype=torch.uint8, device=dev)
-            _C.linear_cross_entropy_prepare(_device(h), stream)  # what its first call creates
+            _C.linear_cross_entropy_prepare(device_of(h), stream)  # what its first call creates
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
@@ -217,10 +217,6 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
                                         scratch.data_ptr(), scratch.numel())
     merge_over_group(g, stats, buffers, tv, o, v_local, loss, lse, count, stream)
     return loss, lse, count, dh, dw
-
-
-def _device(t):
-    return _C.Device.CUDA if t.is_cuda else _C.Device.CPU
 
 
 def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
@@ -259,7 +255,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
     if mode == _IN_FORWARD:
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
-        sdh = sdw = _absent(_device(h))
+        sdh = sdw = _absent(device_of(h))
     _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                      count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
                                      accumulate, stream_of(h))
