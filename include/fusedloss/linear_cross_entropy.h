@@ -103,7 +103,7 @@ struct LinearCrossEntropyOutputs {
   MatrixView dweight;
   // Optional: the call's scratch (the chunk buffers and the GEMM workspace within
   // workspace_bytes, per-row losses, at TP > 1 the exchange of a chunk), in the inputs' memory
-  // space, 256-byte aligned (64 on the host), at least linear_cross_entropy_forward_scratch_bytes,
+  // space, 256-byte aligned (16 on the host), at least linear_cross_entropy_forward_scratch_bytes,
   // not used by anything else until the call's work on its stream is done. Null: the call
   // allocates it (fusedloss/scratch.h), before the agreement at TP > 1. A caller that runs its
   // own agreement (check_shard_agreement = false) allocates it before that agreement, so that

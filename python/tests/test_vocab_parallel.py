@@ -284,3 +284,48 @@ def _check_compiled_rejection(rank, world, op, everywhere, use):
 @pytest.mark.parametrize("use", ["view", "backward"])
 def test_compiled_rejection_raises_everywhere(op, everywhere, use):
     run_world(2, _check_compiled_rejection, op, everywhere, use, timeout_s=60)
+
+
+def _check_one_ranks_layouts(rank, world, op):
+    # Rank 1 alone passes its tensors in every layout (views of a leaf) and dtype: each call
+    # gives the bits that rank's contiguous copy gives, on every rank, writes nothing the caller
+    # owns, and its gradient reaches the leaf as autograd maps the contiguous copy's through the
+    # view (rows that share memory sum).
+    from layouts import LAYOUTS, leaf
+    rows, V_local, H = 6, 16, 8
+    t = torch.randint(0, V_local * world, (rows,), generator=torch.Generator().manual_seed(5))
+    G = dist.group.WORLD
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for layout in LAYOUTS:
+            gen = torch.Generator().manual_seed(100 + rank)
+            mine = layout if rank == 1 else "contiguous"
+            if op == "cross_entropy":
+                shapes = [(rows, V_local)]
+                call = lambda x: fusedloss.cross_entropy(x[0], t, tp_group=G, reduction="none")
+            else:
+                shapes = [(rows, H), (V_local, H)]
+                call = lambda x: fusedloss.linear_cross_entropy(x[0], x[1], t, tp_group=G,
+                                                                reduction="none")
+            made = [leaf(mine, s, dtype, "cpu", gen, step=3) for s in shapes]
+            bases = [b for b, _ in made]
+            views = [view(b) for b, view in made]
+            before = [b.detach().clone() for b in bases]
+            copies = [v.detach().clone().requires_grad_(True) for v in views]
+            upstream = torch.rand(rows, generator=gen) + 0.5
+            loss = call(views)
+            (loss * upstream).sum().backward()
+            expected = call(copies)
+            (expected * upstream).sum().backward()
+            where = f"{dtype} {layout}"
+            assert torch.equal(loss, expected), where
+            for b, old in zip(bases, before):
+                assert torch.equal(b.detach(), old), f"{where}: the caller's tensor was written"
+            for (b, view), c in zip(made, copies):
+                want, = torch.autograd.grad(view(b), b, c.grad)
+                torch.testing.assert_close(b.grad, want, rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                                           atol=1e-6, msg=where)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_one_ranks_layouts_give_its_contiguous_bits(op):
+    run_world(2, _check_one_ranks_layouts, op, timeout_s=60)

@@ -190,12 +190,12 @@ void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const Matri
 }
 
 // A caller's scratch block: at least `needed` bytes, aligned for the backend (the GEMM
-// workspace and the kernels' vector loads on CUDA; the host loop's floats).
+// workspace and the kernels' vector loads on CUDA; the host loop's floats and RowStats).
 char* callers_scratch(void* scratch, size_t bytes, size_t needed, Device dev, const char* name,
                       const char* size_fn) {
   require(bytes >= needed, name, "_bytes: got ", bytes, ", expected at least ", needed, " (",
           size_fn, " for these arguments)");
-  const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : 64;
+  const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : sizeof(RowStats);
   require(reinterpret_cast<uintptr_t>(scratch) % align == 0, name,
           ": got an address that is not a multiple of ", align,
           " bytes, expected an aligned block (as cudaMalloc or torch.empty returns)");

@@ -596,6 +596,49 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
                {"options.workspace_bytes: got 0"});
 }
 
+// A caller's scratch (forward and local_stats): enough of it gives the bits of the call's own;
+// too little, a misaligned block or one over an input is refused before anything is written.
+TEST_P(LinearCrossEntropyBadInputs, CallersScratch) {
+  BadFixture f(GetParam());
+  CrossEntropyOptions ce;
+  ce.reduction = Reduction::None;
+  LinearCrossEntropyOptions lo;
+  lo.chunk_rows = 4;  // two chunks
+  const size_t need = linear_cross_entropy_forward_scratch_bytes(f.hv(), f.wv(), ce, lo);
+  ASSERT_GT(need, 0u);
+  Buffer scratch(f.dev, need + 512);
+  auto run = [&](void* at, size_t bytes) {
+    f.loss.poison();
+    LinearCrossEntropyOutputs o = f.out();
+    o.scratch = at;
+    o.scratch_bytes = bytes;
+    linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), ce, lo, o);
+    f.loss.download();
+    return std::vector<float>(f.loss.host_as<float>(), f.loss.host_as<float>() + BadFixture::N);
+  };
+  const std::vector<float> own = run(nullptr, 0);
+  EXPECT_EQ(run(scratch.data(), need), own);
+  expect_error([&] { run(scratch.data(), need - 1); },
+               {"out.scratch_bytes: got", "linear_cross_entropy_forward_scratch_bytes"});
+  expect_error([&] { run(scratch.data_as<char>() + 4, need); },
+               {"out.scratch: got an address that is not a multiple of"});
+  expect_error([&] { run(f.hidden.data(), need); }, {"out.scratch", "overlaps", "hidden"});
+  f.loss.download();
+  EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));  // refused before any write
+
+  const size_t stats_need = linear_cross_entropy_local_stats_scratch_bytes(f.hv(), f.wv(), lo);
+  Buffer stats(f.dev, BadFixture::N * sizeof(RowStats)), with(f.dev, BadFixture::N * sizeof(RowStats));
+  linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), ce, lo, stats.data_as<RowStats>());
+  linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), ce, lo, with.data_as<RowStats>(),
+                                   nullptr, scratch.data(), stats_need);
+  stats.download(), with.download();
+  EXPECT_EQ(0, std::memcmp(stats.host(), with.host(), stats.bytes()));
+  expect_error([&] {
+    linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), ce, lo, with.data_as<RowStats>(),
+                                     nullptr, scratch.data(), stats_need - 1);
+  }, {"scratch_bytes: got", "linear_cross_entropy_local_stats_scratch_bytes"});
+}
+
 TEST_P(LinearCrossEntropyBadInputs, OutOfRangeTarget) {
   BadFixture f(GetParam());
   f.target.host_as<int64_t>()[3] = BadFixture::V;
