@@ -13,7 +13,9 @@
 //   InForward  (Sum/Mean reductions, fp32/bf16 inputs: a unit gradient in fp16 would flush the
 //              entries a loss scale keeps) the forward also computes the gradients of the reduced
 //              loss for an upstream gradient of 1 (3 GEMMs in all); the backward only scales
-//              them by the upstream scalar, read on the device.
+//              them by the upstream scalar, read on the device. Also Reduction::None with row
+//              weights w (LinearCrossEntropyOutputs::row_weight, e.g. Megatron's loss_mask):
+//              the gradients of sum(w * loss), for an upstream gradient c * w.
 //   Recompute  (any reduction, any per-row upstream gradient) the forward keeps lse (4 B/row);
 //              the backward recomputes each chunk's logits (4 GEMMs in all).
 //
@@ -40,8 +42,9 @@
 namespace fusedloss {
 
 enum class LinearCeBackward {
-  Auto,       // InForward for Reduction::Sum / Mean, Recompute for Reduction::None and fp16
-  InForward,  // Sum / Mean, fp32 or bf16 inputs only
+  Auto,       // InForward for Reduction::Sum / Mean and for None with row weights, Recompute
+              // for None without them and for fp16
+  InForward,  // Sum / Mean or None with row weights, fp32 or bf16 inputs only
   Recompute,
 };
 
@@ -84,10 +87,12 @@ inline int64_t linear_cross_entropy_default_vocab_block(int64_t hidden) {
   return block > 64 ? block : 64;
 }
 
-// The mode `Auto` resolves to for `reduction` and the inputs' `dtype` (Recompute for None and
-// for fp16 inputs, whose unit gradient would flush the entries a loss scale keeps; else
-// InForward), and the check of an explicit InForward against both. Throws Error.
-LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction, DType dtype);
+// The mode `Auto` resolves to for `reduction`, the inputs' `dtype` and whether the call has row
+// weights (Recompute for None without row weights and for fp16 inputs, whose unit gradient
+// would flush the entries a loss scale keeps; else InForward), and the check of an explicit
+// InForward against them. Throws Error.
+LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction, DType dtype,
+                                            bool row_weighted = false);
 
 // Forward outputs, in the inputs' memory space (host or device).
 struct LinearCrossEntropyOutputs {
@@ -101,6 +106,14 @@ struct LinearCrossEntropyOutputs {
   // accumulates over the token chunks in fp32.
   MatrixView dhidden;
   MatrixView dweight;
+  // An input, Reduction::None only (null otherwise): fp32 row weights w [N] with the inputs.
+  // The InForward gradients are then those of sum(w * loss), and the backward needs an upstream
+  // gradient grad_loss = c * w for one scalar c (Megatron's loss_func reduces
+  // c * sum(loss_mask * loss)): it finds c on the device and scales by it. Another grad_loss
+  // has no such c: on CUDA the gradients are NaN and check_device_errors() throws; on the host
+  // the backward throws. The loss itself is not weighted. Recompute (fp16 inputs, or asked
+  // for) does not read it. Not compared across ranks at TP > 1: the same on every rank.
+  const float* row_weight = nullptr;
   // Optional: the call's scratch (the chunk buffers and the GEMM workspace within
   // workspace_bytes, per-row losses, at TP > 1 the exchange of a chunk), in the inputs' memory
   // space, 256-byte aligned (16 on the host), at least linear_cross_entropy_forward_scratch_bytes,
@@ -189,6 +202,8 @@ void linear_cross_entropy_prepare(Device device, Stream stream = nullptr);
 // Backward. Same inputs and options as the forward (resolved to the same mode).
 //   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),
 //              elementwise on the device; hidden, weight, lse and valid_count are not read.
+//              With saved.row_weight (None): grad_loss is [N] = c x row_weight, and the
+//              scale is c (see LinearCrossEntropyOutputs::row_weight).
 //              grads may be the saved buffers themselves (scaled in place).
 //   Recompute: grad_loss is [N] for Reduction::None, else [1]; lse and valid_count (Mean) are
 //              the forward's; each chunk's logits are recomputed (no communication).

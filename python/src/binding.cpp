@@ -321,11 +321,13 @@ PYBIND11_MODULE(_C, m) {
            int64_t vocab_local, int64_t hidden) {
           guarded([&] { validate_linear_cross_entropy_options(ce, o, rows, vocab_local, hidden); });
         });
-  m.def("resolve_linear_ce_backward", [](LinearCeBackward mode, Reduction reduction, DType dtype) {
-    LinearCeBackward resolved = mode;
-    guarded([&] { resolved = resolve_linear_ce_backward(mode, reduction, dtype); });
-    return resolved;
-  });
+  m.def("resolve_linear_ce_backward",
+        [](LinearCeBackward mode, Reduction reduction, DType dtype, bool row_weighted) {
+          LinearCeBackward resolved = mode;
+          guarded([&] { resolved = resolve_linear_ce_backward(mode, reduction, dtype, row_weighted); });
+          return resolved;
+        },
+        py::arg("mode"), py::arg("reduction"), py::arg("dtype"), py::arg("row_weighted") = false);
   py::class_<CallbackCommunicator>(m, "CallbackCommunicator")
       .def(py::init<int, int, Device, py::function, py::function>(), py::arg("rank"),
            py::arg("size"), py::arg("device"), py::arg("gather"), py::arg("reduce"));
@@ -352,9 +354,11 @@ PYBIND11_MODULE(_C, m) {
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
-           uintptr_t stream, CallbackCommunicator* comm, uintptr_t scratch, size_t scratch_bytes) {
+           uintptr_t stream, CallbackCommunicator* comm, uintptr_t scratch, size_t scratch_bytes,
+           uintptr_t row_weight) {
           guarded([&] {
             LinearCrossEntropyOutputs out;
+            out.row_weight = fptr(row_weight);
             out.loss = fptr(loss);
             out.lse = fptr(lse);
             out.valid_count = fptr(count);
@@ -368,7 +372,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"), py::arg("options"),
         py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
         py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr, py::arg("scratch") = 0,
-        py::arg("scratch_bytes") = 0);
+        py::arg("scratch_bytes") = 0, py::arg("row_weight") = 0);
   m.def("linear_cross_entropy_default_vocab_block", &linear_cross_entropy_default_vocab_block,
         py::arg("hidden"));
   m.def("linear_cross_entropy_forward_scratch_bytes",
@@ -409,15 +413,20 @@ PYBIND11_MODULE(_C, m) {
            uintptr_t grad_loss, uintptr_t count, const CrossEntropyOptions& ce,
            const LinearCrossEntropyOptions& o, const MatrixView& saved_dh,
            const MatrixView& saved_dw, const MatrixView& dh, const MatrixView& dw,
-           bool accumulate_dweight, uintptr_t stream) {
+           bool accumulate_dweight, uintptr_t stream, uintptr_t row_weight) {
           guarded([&] {
             LinearCrossEntropyOutputs saved;
             saved.dhidden = saved_dh;
             saved.dweight = saved_dw;
+            saved.row_weight = fptr(row_weight);
             linear_cross_entropy_backward(h, w, t, fptr(lse), fptr(grad_loss), fptr(count), ce, o,
                                           saved, {dh, dw, accumulate_dweight}, ptr(stream));
           });
-        });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("lse"),
+        py::arg("grad_loss"), py::arg("count"), py::arg("ce"), py::arg("options"),
+        py::arg("saved_dhidden"), py::arg("saved_dweight"), py::arg("dhidden"), py::arg("dweight"),
+        py::arg("accumulate_dweight"), py::arg("stream"), py::arg("row_weight") = 0);
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   // The address and size of the core table, for fusedloss/_native.py to hand to the C++ nodes.

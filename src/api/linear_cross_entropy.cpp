@@ -32,16 +32,12 @@ const char* mode_name(LinearCeBackward m) {
   return "unknown";
 }
 
-// The checks of a backward mode that need the reduction alone (the options' own checks run
-// without the inputs' dtype).
-void check_mode(LinearCeBackward mode, Reduction reduction) {
+// The backward mode's own check (its value); what it may be for a reduction, the inputs' dtype
+// and row weights is resolve_linear_ce_backward's.
+void check_mode(LinearCeBackward mode) {
   require(mode == LinearCeBackward::Auto || mode == LinearCeBackward::InForward ||
               mode == LinearCeBackward::Recompute,
           "options.backward_mode: got ", int(mode), ", expected Auto, InForward or Recompute");
-  require(mode != LinearCeBackward::InForward || reduction != Reduction::None,
-          "options.backward_mode: got ", mode_name(mode),
-          " with reduction None, expected Recompute or Auto (the in-forward gradients are those "
-          "of a Sum or Mean loss)");
 }
 
 // The options' own checks, shape-only.
@@ -64,7 +60,7 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
           ", expected 0 (off) or >= 1 columns");
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
           int(o.dhidden_form), ", expected Partial");
-  check_mode(o.backward_mode, p.reduction);  // the dtype's rule: where the inputs are known
+  check_mode(o.backward_mode);  // the rules with the reduction: where the inputs are known
   p.softcap = o.logit_softcap;
   return p;
 }
@@ -246,14 +242,19 @@ core::LceStep gradient_step(const IndexView& target, const core::CeParams& p, co
 }  // namespace
 
 LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction,
-                                            DType dtype) {
-  check_mode(mode, reduction);
+                                            DType dtype, bool row_weighted) {
+  check_mode(mode);
   // The in-forward gradient is the unit upstream gradient's, stored in the inputs' dtype before
   // the real one (a loss scale, 1/N) reaches it: in fp16 its small entries (p / N at large
   // vocabularies) flush to zero where the recomputed gradient, scaled first, keeps them.
+  const bool in_forward_reduction = reduction != Reduction::None || row_weighted;
   if (mode == LinearCeBackward::Auto)
-    return reduction == Reduction::None || dtype == DType::F16 ? LinearCeBackward::Recompute
-                                                               : LinearCeBackward::InForward;
+    return !in_forward_reduction || dtype == DType::F16 ? LinearCeBackward::Recompute
+                                                        : LinearCeBackward::InForward;
+  require(mode != LinearCeBackward::InForward || in_forward_reduction,
+          "options.backward_mode: got ", mode_name(mode),
+          " with reduction None and no row weights, expected Recompute or Auto (the in-forward "
+          "gradients are those of a Sum or Mean loss, or of sum(row_weight * loss))");
   require(mode != LinearCeBackward::InForward || dtype != DType::F16,
           "options.backward_mode: got ", mode_name(mode),
           " with fp16 inputs, expected Recompute or Auto (the in-forward gradient is stored in fp16 "
@@ -316,7 +317,11 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   auto local = [&] {
     p = check_inputs(hidden, weight, target, ce, options);
     mine.chunk_rows = linear_cross_entropy_chunk_rows(options, N, weight.rows, hidden.dtype);
-    mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype);
+    require(out.row_weight == nullptr || p.reduction == Reduction::None,
+            "out.row_weight: got a pointer with a Sum or Mean reduction, expected null (row "
+            "weights weight the per-row losses of Reduction::None)");
+    mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype,
+                                      out.row_weight != nullptr);
     const int64_t nloss = p.reduction == Reduction::None ? N : 1;
     require(out.loss != nullptr || nloss == 0, "out.loss: got null, expected a float buffer of ",
             nloss, " elements");
@@ -334,7 +339,8 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
          detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight"),
          {out.scratch, int64_t(out.scratch_bytes), "out.scratch"}},
         {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
-         detail::span_of(target, "target")});
+         detail::span_of(target, "target"),
+         {grads ? out.row_weight : nullptr, N * 4, "out.row_weight"}});
     check_targets_on_host(target, p);
     if (parallel) {
       vocab_parallel::check_shard_position(p, *comm, dev);
@@ -402,7 +408,8 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     count_only.reduction = Reduction::None;
     reduce(dev, kFn, nullptr, target, count_only, nullptr, count, stream);
     FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
-    steps.gradient = gradient_step(target, p, out.lse, one, count);
+    // None: each row's upstream gradient is its weight; Sum / Mean: the unit scalar
+    steps.gradient = gradient_step(target, p, out.lse, reduced ? one : out.row_weight, count);
     grads = core::LceGrads{out.dhidden, out.dweight, false, false};
   }
   run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream, mem + layout.loop_at);
@@ -462,7 +469,11 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                    const LinearCrossEntropyGrads& grads, Stream stream) {
   constexpr const char* kFn = "linear_cross_entropy_backward";
   const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
-  const LinearCeBackward mode = resolve_linear_ce_backward(options.backward_mode, p.reduction, hidden.dtype);
+  require(saved.row_weight == nullptr || p.reduction == Reduction::None,
+          "saved.row_weight: got a pointer with a Sum or Mean reduction, expected null (the "
+          "forward's row weights, Reduction::None only)");
+  const LinearCeBackward mode = resolve_linear_ce_backward(options.backward_mode, p.reduction,
+                                                           hidden.dtype, saved.row_weight != nullptr);
   const Device dev = hidden.device;
   const int64_t N = hidden.rows;
   check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight);
@@ -477,7 +488,8 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                       detail::span_of(grads.dweight, "grads.dweight")})
     detail::require_read_apart(written, {{grad_loss, ngrad * 4, "grad_loss"}, {lse, N * 4, "lse"},
                                          {valid_count, 4, "valid_count"},
-                                         detail::span_of(target, "target")});
+                                         detail::span_of(target, "target"),
+                                         {saved.row_weight, N * 4, "saved.row_weight"}});
 
   if (mode == LinearCeBackward::InForward) {
     check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight);
@@ -496,11 +508,24 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                {detail::span_of(saved.dweight, "saved.dweight")});
     detail::require_read_apart(detail::span_of(grads.dweight, "grads.dweight"),
                                {detail::span_of(saved.dhidden, "saved.dhidden")});
+    // The scale: grad_loss[0], or (row weights) the c of grad_loss = c * row_weight, found
+    // where grad_loss lives (a float of device memory on CUDA).
+    const float* scale = grad_loss;
+    float host_scale = 0.0f;
+    std::optional<vocab_parallel::Scratch> device_scale;
+    if (saved.row_weight) {
+      FL_DISPATCH(dev, kFn,
+                  host_scale = cpu::lce_row_weight_scale(grad_loss, saved.row_weight, N);
+                  scale = &host_scale,
+                  scale = device_scale.emplace(dev, sizeof(float), stream, kFn).as<float>();
+                  cuda::lce_row_weight_scale(grad_loss, saved.row_weight, N,
+                                             const_cast<float*>(scale), stream));
+    }
     FL_DISPATCH(dev, kFn,
-                cpu::lce_scale(saved.dhidden, grads.dhidden, grad_loss, false);
-                cpu::lce_scale(saved.dweight, grads.dweight, grad_loss, grads.accumulate_dweight),
-                cuda::lce_scale(saved.dhidden, grads.dhidden, grad_loss, false, stream);
-                cuda::lce_scale(saved.dweight, grads.dweight, grad_loss,
+                cpu::lce_scale(saved.dhidden, grads.dhidden, scale, false);
+                cpu::lce_scale(saved.dweight, grads.dweight, scale, grads.accumulate_dweight),
+                cuda::lce_scale(saved.dhidden, grads.dhidden, scale, false, stream);
+                cuda::lce_scale(saved.dweight, grads.dweight, scale,
                                 grads.accumulate_dweight, stream));
     return;
   }

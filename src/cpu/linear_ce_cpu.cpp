@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include "core/dispatch.h"
+#include "core/row_weight.h"
 #include "common/error.h"
 #include "cpu/parallel.h"
 
@@ -115,6 +116,23 @@ void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale,
   for (int64_t r = 0; r < src.rows; ++r)
     for (int64_t c = 0; c < src.cols; ++c)
       store(dst, r, c, s * load(src, r, c) + (accumulate ? load(dst, r, c) : 0.0f));
+}
+
+float lce_row_weight_scale(const float* grad_loss, const float* row_weight, int64_t n) {
+  int64_t first = 0;
+  while (first < n && row_weight[first] == 0.0f) ++first;
+  const float c = first < n ? core::row_weight_scale(grad_loss[first], row_weight[first]) : 0.0f;
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(grad_loss[i])) return std::nanf("");
+  for (int64_t i = 0; i < n; ++i)
+    detail::require(core::fits_row_weight(grad_loss[i], row_weight[i], c),
+                    "linear_cross_entropy_backward: grad_loss[", i, "]: got ", grad_loss[i],
+                    " where row_weight[", i, "] is ", row_weight[i], ", expected c * row_weight "
+                    "for one scalar c (here ", c, ", from row ", first, "): the in-forward "
+                    "gradients are those of sum(row_weight * loss), so the upstream gradient "
+                    "must be proportional to the row weights (e.g. Megatron's loss_mask); use "
+                    "the Recompute backward for any other");
+  return c;
 }
 
 }  // namespace fusedloss::cpu

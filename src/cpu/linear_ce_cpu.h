@@ -15,4 +15,9 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
 // dst = scale[0] * src, or dst += scale[0] * src (same shape; dst may be src itself).
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate);
 
+// The c with grad_loss == c * row_weight over n rows (core/row_weight.h); NaN when grad_loss
+// has a non-finite entry (the gradients are then NaN, as a recomputed backward's would be).
+// Throws Error naming the first row that does not fit.
+float lce_row_weight_scale(const float* grad_loss, const float* row_weight, int64_t n);
+
 }  // namespace fusedloss::cpu

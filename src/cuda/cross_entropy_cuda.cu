@@ -6,12 +6,14 @@
 #include "cuda/cross_entropy_cuda.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
 #include <utility>
 
 #include "core/dispatch.h"
+#include "core/row_weight.h"
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
@@ -933,6 +935,58 @@ void ce_backward(const MatrixView& logits, const IndexView& target, const float*
   });
 }
 
+namespace {
+
+constexpr int kRowWeightThreads = 1024;
+
+struct MinRow {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
+};
+
+__global__ void __launch_bounds__(kRowWeightThreads)
+row_weight_scale_kernel(const float* grad_loss, const float* row_weight, int64_t n, float* scale) {
+  __shared__ int64_t scratch[kRowWeightThreads / 32];
+  int64_t first = n;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    if (row_weight[i] != 0.0f) {
+      first = i;
+      break;
+    }
+  first = block_reduce(first, MinRow{}, scratch);
+  const float c =
+      first < n ? core::row_weight_scale(grad_loss[first], row_weight[first]) : 0.0f;
+  int64_t non_finite = n, bad = n;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float g = grad_loss[i];
+    if (!isfinite(g))
+      non_finite = min(non_finite, i);
+    else if (!core::fits_row_weight(g, row_weight[i], c))
+      bad = min(bad, i);
+  }
+  non_finite = block_reduce(non_finite, MinRow{}, scratch);
+  bad = block_reduce(bad, MinRow{}, scratch);
+  if (threadIdx.x != 0) return;
+  if (non_finite < n) {
+    *scale = __int_as_float(0x7fc00000);  // NaN, as a recomputed backward's gradients would be
+  } else if (bad < n) {
+    *scale = __int_as_float(0x7fc00000);
+    const int64_t bits = int64_t(uint32_t(__float_as_uint(grad_loss[bad]))) |
+                         (int64_t(__float_as_uint(row_weight[bad])) << 32);
+    report_device_error(kNotRowWeighted, bad, bits);
+  } else {
+    *scale = c;
+  }
+}
+
+}  // namespace
+
+void lce_row_weight_scale(const float* grad_loss, const float* row_weight, int64_t n,
+                          float* scale, Stream stream) {
+  row_weight_scale_kernel<<<1, kRowWeightThreads, 0, as_cuda(stream)>>>(grad_loss, row_weight, n,
+                                                                         scale);
+  FL_CUDA_CHECK_LAUNCH();
+}
+
 void check_device_errors(Stream stream) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -948,6 +1002,19 @@ void check_device_errors(Stream stream) {
   FL_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_device_error, &clear, sizeof(clear), 0,
                                         cudaMemcpyHostToDevice, as_cuda(stream)));
   FL_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream)));
+  if (host.flag == kNotRowWeighted) {
+    const uint32_t g_bits = uint32_t(uint64_t(host.value)), w_bits = uint32_t(uint64_t(host.value) >> 32);
+    float g = 0.0f, w = 0.0f;
+    memcpy(&g, &g_bits, 4);
+    memcpy(&w, &w_bits, 4);
+    detail::fail("linear_cross_entropy_backward: grad_loss[", host.row, "]: got ", g,
+                 " where row_weight[", host.row, "] is ", w,
+                 ", expected c * row_weight for one scalar c (reported by the CUDA kernels; the "
+                 "gradients of that backward are NaN): the in-forward gradients are those of "
+                 "sum(row_weight * loss), so the upstream gradient must be proportional to the "
+                 "row weights (e.g. Megatron's loss_mask); use the Recompute backward for any "
+                 "other");
+  }
   detail::fail("target[", host.row, "]: got ", host.value,
                ", expected in [0, vocab_global) or ignore_index (reported by the CUDA kernels; "
                "that row's loss is NaN)");

@@ -38,7 +38,14 @@ void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream s
 // caller).
 void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream);
 
-// The device error word (first out-of-range target); see check_device_errors().
+// The device error word (the first out-of-range target, or upstream gradient that does not
+// fit lce_row_weight_scale); see check_device_errors().
 void check_device_errors(Stream stream);
+
+// *scale = the c with grad_loss == c * row_weight over n rows (core/row_weight.h), one block on
+// the device; NaN when grad_loss has a non-finite entry, and NaN with the first row that does
+// not fit reported into the device error word (here, beside the word's one definition).
+void lce_row_weight_scale(const float* grad_loss, const float* row_weight, int64_t n,
+                          float* scale, Stream stream);
 
 }  // namespace fusedloss::cuda

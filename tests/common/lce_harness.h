@@ -25,6 +25,9 @@ struct LceCase {
   bool accumulate_dweight = false;
   bool in_place_scale = false;  // InForward: scale the saved buffers in place
   float logit_sigma = 2.0f;
+  // Reduction::None with row weights (LinearCrossEntropyOutputs::row_weight): 0 off, 1 a 0/1
+  // mask, 2 arbitrary weights; the upstream gradient is then grad_scale x the weights.
+  int row_weights = 0;
 
   LceCase() { lo.chunk_rows = 7; }
   std::string describe() const {
@@ -37,7 +40,7 @@ struct LceCase {
        << " scope=" << int(ce.smoothing_scope) << " z=" << ce.z_loss
        << " softcap=" << lo.logit_softcap << " tf32=" << lo.allow_tf32
        << " ignore=" << ignore_fraction << " accumulate=" << accumulate_dweight
-       << " in_place=" << in_place_scale;
+       << " in_place=" << in_place_scale << " row_weights=" << row_weights;
     return os.str();
   }
 };
@@ -48,6 +51,7 @@ struct LceProblem {
   std::vector<int64_t> target;
   float grad_scale = 1.0f;            // upstream gradient of a Sum / Mean loss
   std::vector<float> grad_rows;       // upstream gradient per row (None)
+  std::vector<float> row_weight;      // the row weights (LceCase::row_weights)
   std::vector<float> dweight_init;    // dweight before an accumulating backward
 };
 
@@ -73,6 +77,14 @@ LceProblem make_lce_problem(const LceCase& c, Gen& gen) {
   p.grad_scale = 0.5f + float(u(gen));
   p.grad_rows.resize(c.N);
   for (auto& g : p.grad_rows) g = float(u(gen)) * 2.0f - 0.5f;
+  if (c.row_weights) {
+    p.row_weight.resize(c.N);
+    for (int64_t r = 0; r < c.N; ++r) {
+      const double draw = u(gen);
+      p.row_weight[r] = draw < 0.3 ? 0.0f : c.row_weights == 1 ? 1.0f : float(u(gen)) * 3.0f - 1.0f;
+      p.grad_rows[r] = p.grad_scale * p.row_weight[r];  // c x w, as autograd forms it
+    }
+  }
   p.dweight_init.resize(c.V * c.H);
   for (auto& v : p.dweight_init) v = normal(gen) * 0.01f;
   return p;
@@ -84,7 +96,7 @@ struct LceResult {
 };
 
 inline LinearCeBackward resolved_mode(const LceCase& c) {
-  return resolve_linear_ce_backward(c.lo.backward_mode, c.ce.reduction, c.dtype);
+  return resolve_linear_ce_backward(c.lo.backward_mode, c.ce.reduction, c.dtype, c.row_weights != 0);
 }
 
 // The library on `device` (with `comm`: this rank's shard, rows [v0, v0 + V) of the weight in
@@ -110,7 +122,8 @@ inline LceResult run_lce(Device device, const LceCase& c, const LceProblem& p,
   const bool none = c.ce.reduction == Reduction::None;
   const int64_t nloss = none ? N : 1;
   Buffer loss(device, size_t(std::max<int64_t>(nloss, 1) * 4)), lse(device, size_t(std::max<int64_t>(N, 1) * 4)),
-      count(device, 4), gl(device, size_t(std::max<int64_t>(N, 1) * 4));
+      count(device, 4), gl(device, size_t(std::max<int64_t>(N, 1) * 4)),
+      rw(device, size_t(std::max<int64_t>(N, 1) * 4));
   loss.poison(); lse.poison(); count.poison();
   Buffer sdh(device, size_t(std::max<int64_t>(N * H, 1) * gs)), sdw(device, size_t(V * H * gs));
   Buffer dh(device, size_t(std::max<int64_t>(N * H, 1) * gs)), dw(device, size_t(V * H * gs));
@@ -127,6 +140,11 @@ inline LceResult run_lce(Device device, const LceCase& c, const LceProblem& p,
   out.valid_count = count.data_as<float>();
   out.dhidden = MatrixView{sdh.data(), N, H, H, c.grad_dtype, device};
   out.dweight = MatrixView{sdw.data(), V, H, H, c.grad_dtype, device};
+  if (c.row_weights) {
+    std::copy(p.row_weight.begin(), p.row_weight.end(), rw.host_as<float>());
+    rw.upload();
+    out.row_weight = rw.data_as<float>();
+  }
   linear_cross_entropy_forward(hv, wv, tv, c.ce, c.lo, out, comm);
   for (int64_t r = 0; r < N; ++r) gl.host_as<float>()[r] = none ? p.grad_rows[r] : p.grad_scale;
   gl.upload();

@@ -152,6 +152,37 @@ TEST_P(LinearCrossEntropy, GradientDtypesAccumulationInPlace) {
   }
 }
 
+// Reduction::None with row weights: the forward computes the gradients of sum(w * loss) (Auto
+// takes InForward), the backward scales them by the c of an upstream gradient c * w; a 0/1 mask
+// (Megatron's loss_mask) and arbitrary weights, across chunk boundaries, 16-bit gradients
+// scaled in place, accumulation into dweight; fp16 takes Recompute (the weights unread).
+TEST_P(LinearCrossEntropy, RowWeightedInForward) {
+  for (DType d : {DType::F32, DType::BF16, DType::F16})
+    for (int weights : {1, 2})
+      for (int64_t chunk : {int64_t(1), int64_t(7), int64_t(64)}) {
+        LceCase c;
+        c.dtype = d;
+        c.ce.reduction = Reduction::None;
+        c.row_weights = weights;
+        c.lo.chunk_rows = chunk;
+        EXPECT_EQ(resolved_mode(c), d == DType::F16 ? LinearCeBackward::Recompute
+                                                     : LinearCeBackward::InForward);
+        check(c);
+      }
+  LceCase c;
+  c.dtype = c.grad_dtype = DType::BF16;
+  c.ce.reduction = Reduction::None;
+  c.row_weights = 1;
+  c.in_place_scale = true;
+  check(c);
+  c.in_place_scale = false;
+  c.grad_dtype = DType::F32;
+  c.accumulate_dweight = true;
+  c.ce.label_smoothing = 0.1f;
+  c.lo.logit_softcap = 5.0f;
+  check(c);
+}
+
 TEST_P(LinearCrossEntropy, VocabBlockedRecompute) {
   // Vocabulary blocks outside, token chunks inside: blocks of 1 column, odd blocks, one block,
   // a block wider than V_local; every option that reads the column index.
@@ -637,6 +668,78 @@ TEST_P(LinearCrossEntropyBadInputs, CallersScratch) {
     linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), ce, lo, with.data_as<RowStats>(),
                                      nullptr, scratch.data(), stats_need - 1);
   }, {"scratch_bytes: got", "linear_cross_entropy_local_stats_scratch_bytes"});
+}
+
+// Row weights (Reduction::None, InForward): an upstream gradient that is not c x the weights
+// has no scale that gives the true gradients. The host backward throws naming the row; CUDA
+// gives NaN gradients and check_device_errors() throws. A non-finite upstream gradient gives
+// NaN gradients without an error (as a recomputed backward's would be); all-zero weights with
+// a zero upstream gradient give zeros. Row weights with a Sum / Mean, or under an output, are
+// refused.
+TEST_P(LinearCrossEntropyBadInputs, UpstreamGradientNotProportionalToRowWeights) {
+  BadFixture f(GetParam());
+  const Device dev = GetParam();
+  Buffer rw(dev, BadFixture::N * 4);
+  const float mask[BadFixture::N] = {1, 0, 1, 1, 0, 1};
+  std::copy(mask, mask + BadFixture::N, rw.host_as<float>());
+  rw.upload();
+  CrossEntropyOptions none;
+  none.reduction = Reduction::None;
+  LinearCrossEntropyOutputs out = f.out();
+  out.row_weight = rw.data_as<float>();
+  Buffer gdh(dev, BadFixture::N * BadFixture::H * 4), gdw(dev, BadFixture::V * BadFixture::H * 4);
+  LinearCrossEntropyGrads grads;
+  grads.dhidden = {gdh.data(), BadFixture::N, BadFixture::H, BadFixture::H, DType::F32, dev};
+  grads.dweight = {gdw.data(), BadFixture::V, BadFixture::H, BadFixture::H, DType::F32, dev};
+  auto backward_with = [&](std::initializer_list<float> g) {
+    std::copy(g.begin(), g.end(), f.gl.host_as<float>());
+    f.gl.upload();
+    gdh.poison();
+    gdw.poison();
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), nullptr, none, {}, out, grads);
+  };
+  auto all_of_dhidden = [&](auto pred) {
+    gdh.download();
+    for (int64_t i = 0; i < BadFixture::N * BadFixture::H; ++i)
+      if (!pred(gdh.host_as<float>()[i])) return false;
+    return true;
+  };
+  linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), none, {}, out);
+  // row 1 has weight 0 and a gradient; c = 0.5 from row 0
+  const std::initializer_list<float> off = {0.5f, 0.25f, 0.5f, 0.5f, 0.0f, 0.5f};
+  auto expect_why = [](auto call) {
+    expect_error(call, {"grad_loss[1]", "row_weight[1] is 0", "expected c * row_weight", "Recompute"});
+  };
+  if (dev == Device::CPU) {
+    expect_why([&] { backward_with(off); });
+  } else {
+    backward_with(off);
+    expect_why([&] { check_device_errors(); });
+    EXPECT_TRUE(all_of_dhidden([](float v) { return std::isnan(v); }));
+  }
+  backward_with({0.5f, 0.0f, 0.5f, INFINITY, 0.0f, 0.5f});  // not an error: NaN gradients
+  check_device_errors();
+  EXPECT_TRUE(all_of_dhidden([](float v) { return std::isnan(v); }));
+  backward_with({0.5f, 0.0f, 0.5f, 0.5f, 0.0f, 0.5f});  // fits
+  check_device_errors();
+  EXPECT_TRUE(all_of_dhidden([](float v) { return std::isfinite(v); }));
+  // every weight 0: c = 0, and a zero upstream gradient fits
+  for (int64_t r = 0; r < BadFixture::N; ++r) rw.host_as<float>()[r] = 0.0f;
+  rw.upload();
+  linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), none, {}, out);
+  backward_with({0, 0, 0, 0, 0, 0});
+  check_device_errors();
+  EXPECT_TRUE(all_of_dhidden([](float v) { return v == 0.0f; }));
+
+  CrossEntropyOptions sum;
+  sum.reduction = Reduction::Sum;
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), sum, {}, out); },
+               {"out.row_weight", "Sum or Mean", "expected null"});
+  LinearCrossEntropyOutputs under = out;  // the weights under dhidden, which the forward writes
+  under.row_weight = static_cast<const float*>(out.dhidden.data);
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), none, {}, under); },
+               {"out.row_weight"});
 }
 
 TEST_P(LinearCrossEntropyBadInputs, OutOfRangeTarget) {
