@@ -31,7 +31,8 @@ void expect_matches_tp1(Device dev, Communicator& comm) {
   const std::pair<LinearCeBackward, Reduction> modes[] = {
       {LinearCeBackward::InForward, Reduction::Mean},
       {LinearCeBackward::Recompute, Reduction::Sum},
-      {LinearCeBackward::Recompute, Reduction::None}};
+      {LinearCeBackward::Recompute, Reduction::None},
+      {LinearCeBackward::InForward, Reduction::None}};  // with row weights (a 0/1 mask)
   for (auto [mode, red] : modes)
     for (float ls : {0.0f, 0.1f})
       for (int64_t chunk : {1, 5, 64}) {
@@ -43,6 +44,7 @@ void expect_matches_tp1(Device dev, Communicator& comm) {
         global.lo.backward_mode = mode;
         global.lo.logit_softcap = ls > 0 ? 4.0f : 0.0f;
         global.ce.reduction = red;
+        global.row_weights = mode == LinearCeBackward::InForward && red == Reduction::None;
         global.ce.label_smoothing = ls;
         global.ce.z_loss = ls > 0 ? 1e-3f : 0.0f;
         global.ce.collective = chunk == 5 ? CollectiveForm::AllReduce : CollectiveForm::AllGather;
