@@ -60,8 +60,11 @@ def train(args, patched):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        per_token = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:])  # [b, s] fp32
-        loss = per_token.float().mean()
+        # as pretrain_gpt: the loss_mask to the model and the loss function (the fused head
+        # then computes its gradients in the forward)
+        loss_mask = torch.ones(tokens.size(0), args.seq, device="cuda")
+        per_token = model(tokens[:, :-1], pos, mask, labels=tokens[:, 1:], loss_mask=loss_mask)
+        loss = (per_token.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
         loss.backward()
         opt.step()
         torch.cuda.synchronize()

@@ -135,7 +135,12 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         mark("forward")
         pos = torch.arange(self.shape.seq, device="cuda").unsqueeze(0).expand(tokens.size(0), -1)
-        loss = self.model(tokens[:, :-1], pos, self.mask, labels=tokens[:, 1:]).float().mean()
+        # as pretrain_gpt's forward_step and loss_func: the loss_mask goes to the model (the
+        # fused head then computes its gradients in the forward) and weights the per-token loss
+        loss_mask = torch.ones(tokens.size(0), self.shape.seq, device="cuda")
+        per_token = self.model(tokens[:, :-1], pos, self.mask, labels=tokens[:, 1:],
+                               loss_mask=loss_mask)
+        loss = (per_token.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
         mark("backward")
         loss.backward()
         mark("optimizer")

@@ -6,9 +6,10 @@ backward modes (chosen here, both exact):
   in_forward  reduction sum/mean: the forward also computes the gradients of the loss for an
               upstream gradient of 1 (3 GEMMs in all); the backward scales them by the upstream
               scalar on the device. Saved: dhidden [N, H] (hidden's dtype) and dweight [V, H]
-              (fp32).
-  recompute   reduction none (or asked for): the forward keeps lse (4 B/row); the backward
-              recomputes each chunk's logits (4 GEMMs in all).
+              (fp32). reduction none with a loss_mask m: the gradients of sum(m * loss), for
+              an upstream gradient c * m (found on the device).
+  recompute   reduction none without a loss_mask (or asked for): the forward keeps lse
+              (4 B/row); the backward recomputes each chunk's logits (4 GEMMs in all).
 tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
 stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
 of every row and merges them after one all-gather. The hidden gradient is this rank's partial
@@ -144,7 +145,13 @@ def _absent(device):
     return _C.MatrixView(0, 0, 1, 1, _C.DType.F32, device)
 
 
-def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
+def _address(row_weight: Optional[Tensor]) -> int:
+    """The row weights' address for the core (0: none), an fp32 contiguous [N] tensor."""
+    return 0 if row_weight is None else row_weight.data_ptr()
+
+
+def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optional[Tensor],
+             ignore_index: int,
              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
@@ -174,7 +181,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
         loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
         grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(device_of(h)),) * 2
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
-                                        lse.data_ptr(), count.data_ptr(), *grads, stream_of(h))
+                                        lse.data_ptr(), count.data_ptr(), *grads, stream_of(h),
+                                        row_weight=_address(row_weight))
         return loss, lse, count, dh, dw
     # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
     # holds what changes the collectives (mode, dhidden_reduction; a callable accumulator,
@@ -211,7 +219,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
     if mode == _IN_FORWARD:  # per chunk: stats, the all-gather (a callback to the group), merge
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
-                                        stream, comm, scratch.data_ptr(), scratch.numel())
+                                        stream, comm, scratch.data_ptr(), scratch.numel(),
+                                        _address(row_weight))
         return loss, lse, count, dh, dw
     _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream,
                                         scratch.data_ptr(), scratch.numel())
@@ -219,7 +228,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
     return loss, lse, count, dh, dw
 
 
-def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula, scope, z_loss,
+def _forward_fake(hidden, weight, target, row_weight, ignore_index, label_smoothing, formula, scope, z_loss,
                   reduction, softcap, workspace_bytes, lce_mode, tf32, group, check_agreement,
                   dhidden_reduction, acc32, inplace, weight_grad_accumulator):
     rows, H = target.numel(), hidden.size(-1)
@@ -233,8 +242,8 @@ def _forward_fake(hidden, weight, target, ignore_index, label_smoothing, formula
     return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw
 
 
-def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw,
-                  accumulate=False):
+def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
+                  opts, dh, dw, accumulate=False):
     """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
     accumulate: dw += the weight's gradient)."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
@@ -258,13 +267,14 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved
         sdh = sdw = _absent(device_of(h))
     _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                      count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
-                                     accumulate, stream_of(h))
+                                     accumulate, stream_of(h), _address(row_weight))
     if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
         dist.all_reduce(dh, group=g)
 
 
 def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
-              count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+              count: Tensor, row_weight: Optional[Tensor], saved_dh: Tensor, saved_dw: Tensor,
+              ignore_index: int,
               label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
               softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
               check_agreement: bool, dhidden_reduction: int, acc32: bool,
@@ -276,12 +286,14 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
     # recompute: dweight sums over all tokens in fp32 per vocabulary block (acc32), or chunk pair
     # by chunk pair in the weight's dtype. in_forward: the saved unit gradient, scaled.
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts, dh, dw)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
+                  opts, dh, dw)
     return dh.view(hidden.shape), dw
 
 
 def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
-                   count: Tensor, saved_dh: Tensor, saved_dw: Tensor, ignore_index: int,
+                   count: Tensor, row_weight: Optional[Tensor], saved_dh: Tensor,
+                   saved_dw: Tensor, ignore_index: int,
                    label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
                    softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
                    check_agreement: bool, dhidden_reduction: int, acc32: bool,
@@ -289,8 +301,8 @@ def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Te
     """in_forward with saved gradients in the inputs' dtypes: scaled where they are."""
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
             workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
-    _run_backward(grad_loss, hidden, weight, target, lse, count, saved_dh, saved_dw, opts,
-                  saved_dh, saved_dw)
+    _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
+                  opts, saved_dh, saved_dw)
 
 
 def _backward_fake(grad_loss, hidden, weight, *rest):
@@ -299,7 +311,7 @@ def _backward_fake(grad_loss, hidden, weight, *rest):
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, *opts, accumulator = inputs
+    hidden, weight, target, row_weight, *opts, accumulator = inputs
     _, lse, count, dh, dw = output
     if accumulator is not None and ctx.traced:  # (refused before the call; a traced op still)
         raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
@@ -314,7 +326,7 @@ def _setup(ctx, inputs, output):
     # owned here alone); the second backward this rules out raises (the scaffold's guard).
     ctx.inplace = (opts[-1] and opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
                    and dw.dtype == weight.dtype)
-    ctx.save_for_backward(hidden, weight, target, lse, count, dh, dw)
+    ctx.save_for_backward(hidden, weight, target, lse, count, row_weight, dh, dw)
 
 
 def _accumulator_at_backward(ctx, weight, hidden):
@@ -331,8 +343,8 @@ def _accumulator_at_backward(ctx, weight, hidden):
 
 
 def _grads(ctx, grad_loss, kernels):
-    hidden, weight, target, lse, count, dh, dw = ctx.saved_tensors
-    nones = (None,) * (len(ctx.opts) + 2)  # target, the options, the accumulator
+    hidden, weight, target, lse, count, row_weight, dh, dw = ctx.saved_tensors
+    nones = (None,) * (len(ctx.opts) + 3)  # target, the row weights, the options, the accumulator
     group, check = ctx.opts[10], ctx.opts[11]
     g = resolve_group(group) if callable(ctx.accumulator) and check else None
     # A callable's buffer is known only now: at TP > 1 every rank takes part in one agreement,
@@ -342,16 +354,17 @@ def _grads(ctx, grad_loss, kernels):
     if accumulator is not None:  # eager only (see _setup)
         out_dh = dh if ctx.inplace else torch.empty(target.numel(), hidden.size(-1),
                                                     dtype=hidden.dtype, device=hidden.device)
-        _run_backward(grad_loss, hidden, weight, target, lse, count, dh, dw, ctx.opts, out_dh,
-                      accumulator, accumulate=True)
+        _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw, ctx.opts,
+                      out_dh, accumulator, accumulate=True)
         # autograd still gets a weight gradient (Megatron's DDP hooks wait for one): zeros,
         # expanded from one element
         zeros = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
         return (out_dh.view(hidden.shape), zeros) + nones, (dh if ctx.inplace else None)
     if ctx.inplace:
-        kernels.scale_(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
+        kernels.scale_(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw, *ctx.opts)
         return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
-    dh, dw = kernels.bwd(grad_loss, hidden, weight, target, lse, count, dh, dw, *ctx.opts)
+    dh, dw = kernels.bwd(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw,
+                         *ctx.opts)
     return (dh, dw) + nones, None
 
 
@@ -383,6 +396,24 @@ def _validate(hidden, weight, target):
     require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
 
 
+def _validate_loss_mask(loss_mask, target, hidden, per_token, reduction):
+    require_tensor(loss_mask, "loss_mask")
+    if not per_token:
+        raise ValueError(f"loss_mask: got a tensor with reduction={reduction!r}, expected "
+                         "reduction='none' (it weights the per-token losses; a sum or mean "
+                         "takes the in-forward backward without one)")
+    if loss_mask.shape != target.shape:
+        raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected target's "
+                         f"shape {tuple(target.shape)}")
+    if loss_mask.is_complex():
+        raise ValueError(f"loss_mask.dtype: got {loss_mask.dtype}, expected a real dtype "
+                         "(bool, integer or floating point)")
+    if loss_mask.requires_grad:
+        raise ValueError("loss_mask: got a tensor that requires grad, expected a constant (no "
+                         "gradient flows to it)")
+    require_same_device(loss_mask, "loss_mask", hidden, "hidden")
+
+
 def _validate_accumulator(acc, weight, hidden):
     require_tensor(acc, "weight_grad_accumulator")
     if acc.dtype != torch.float32 or tuple(acc.shape) != tuple(weight.shape):
@@ -402,9 +433,10 @@ def _validate_accumulator(acc, weight, hidden):
                              "a separate buffer")
 
 
-def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtype) -> int:
-    """backward_mode "auto" (-1): in_forward for sum/mean, recompute for none and for fp16
-    inputs. A call that no gradient will follow (no_grad, or neither hidden nor weight requires
+def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtype,
+                  masked: bool) -> int:
+    """backward_mode "auto" (-1): in_forward for sum/mean and for none with a loss_mask
+    (masked), recompute for none without one and for fp16 inputs. A call that no gradient will follow (no_grad, or neither hidden nor weight requires
     one) runs the forward alone whatever the mode: in_forward would compute and keep dhidden and
     an fp32 dweight for nothing (3 GEMMs instead of 1).
 
@@ -412,11 +444,12 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtyp
     (a loss scale, 1/N) reaches it, so its small entries flush to zero where recompute, scaling
     first, keeps them (measured: 13-15% error in dhidden at 4096 tokens x V 8192 under any loss
     scale, against torch's 5e-4)."""
-    auto = _AUTO_MODE[reduction, dtype]  # the core's rule: in_forward where auto takes it
+    auto = _AUTO_MODE[reduction, dtype, masked]  # the core's rule: in_forward where auto takes it
     if mode == _IN_FORWARD and auto != _IN_FORWARD:
         raise ValueError(
-            "backward_mode: got 'in_forward' with reduction='none', expected 'recompute' or 'auto' "
-            "(per-row losses have per-row upstream gradients, known only in the backward)"
+            "backward_mode: got 'in_forward' with reduction='none' and no loss_mask, expected "
+            "'recompute' or 'auto' (per-row losses have per-row upstream gradients, known only "
+            "in the backward), or a loss_mask the upstream gradient is proportional to"
             if reduction == _NONE else
             f"backward_mode: got 'in_forward' with {dtype} inputs, expected 'recompute' or 'auto' "
             "(the in-forward gradient is stored in fp16 before the upstream gradient scales it, so "
@@ -427,10 +460,13 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtyp
 
 
 # What "auto" resolves to, asked of the core (fusedloss::resolve_linear_ce_backward) once per
-# reduction and dtype: a plain lookup, which torch.compile traces
-_AUTO_MODE = {(int(r), dtype): int(_C.resolve_linear_ce_backward(_C.LinearCeBackward.AUTO, r, _DTYPES[dtype]))
+# reduction, dtype and row weights (none with a loss_mask): a plain lookup, which torch.compile
+# traces
+_AUTO_MODE = {(int(r), dtype, masked): int(_C.resolve_linear_ce_backward(
+                  _C.LinearCeBackward.AUTO, r, _DTYPES[dtype], masked and r == _C.Reduction.NONE))
               for r in (_C.Reduction.NONE, _C.Reduction.SUM, _C.Reduction.MEAN)
-              for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+              for dtype in (torch.float32, torch.float16, torch.bfloat16)
+              for masked in (False, True)}
 
 
 @parsed_once
@@ -465,7 +501,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          dhidden_reduction: str = "partial",
                          dweight_accumulation: str = "fp32",
                          inplace_backward: bool = True,
-                         weight_grad_accumulator: Optional[Tensor] = None) -> Tensor:
+                         weight_grad_accumulator: Optional[Tensor] = None,
+                         loss_mask: Optional[Tensor] = None) -> Tensor:
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -481,6 +518,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     upstream gradient; in fp16 a unit gradient would flush what a loss scale keeps, so
     "in_forward" is refused there). A call no gradient follows (no_grad, or no input requiring
     one) runs the forward alone.
+
+    loss_mask (reduction="none"): a tensor of target's shape (any real dtype, no gradient) that
+    the caller reduces the per-token loss with, as Megatron's loss_func does: loss = c *
+    sum(loss_mask * per_token_loss) for one scalar c (1 / the number of tokens, a loss scale).
+    "auto" then takes "in_forward" (3 GEMMs, not 4): the forward computes the gradients of
+    sum(loss_mask * loss), and the backward finds c on the device from the upstream gradient,
+    which must be c * loss_mask. The returned loss is not masked. An upstream gradient of
+    another form has no such c: on CUDA the gradients are NaN and fusedloss.check_device_errors()
+    raises (no host sync); on the CPU the backward raises. Use backward_mode="recompute" for
+    any other reduction of the per-token loss. At tp_group size > 1 it must be equal on every
+    rank (not compared, like hidden).
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
@@ -523,8 +571,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
             inplace_backward)
         _validate(hidden, weight, target)
+        if loss_mask is not None:
+            _validate_loss_mask(loss_mask, target, hidden, opts[5] == _NONE, reduction)
         mode = _resolve_mode(mode, opts[5], torch.is_grad_enabled() and
-                             (hidden.requires_grad or weight.requires_grad), hidden.dtype)
+                             (hidden.requires_grad or weight.requires_grad), hidden.dtype,
+                             loss_mask is not None)
+        # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
+        # agreement's reach: an allocation that fails on one rank fails on every rank)
+        row_weight = (loss_mask.detach().reshape(-1).to(torch.float32).contiguous()
+                      if loss_mask is not None and mode == _IN_FORWARD else None)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, _cpp_mode(mode), tf32, 0, 1, 2, 1)
@@ -539,10 +594,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
                                   checks.deferred)
-    if (_EAGER is not None and not name and weight_grad_accumulator is None
+    if (_EAGER is not None and not name and weight_grad_accumulator is None and row_weight is None
             and not torch.compiler.is_compiling()):
         loss = _EAGER(hidden, weight, target, *opts, mode, tf32, acc32, inplace)
     else:
-        loss = _linear_cross_entropy(hidden, weight, target, *opts, mode, tf32, name, check, dh_red,
-                                     acc32, inplace, weight_grad_accumulator)
+        loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,
+                                     check, dh_red, acc32, inplace, weight_grad_accumulator)
     return loss.view(target.shape) if opts[5] == _NONE else loss

@@ -92,6 +92,42 @@ def _check_parity(model, batch):
     return ref_grads
 
 
+def _masked_step(model, batch, reduce_with_mask=True, **patch_options):
+    """A step as pretrain_gpt's: the loss_mask goes to the model's forward, and loss_func reduces
+    sum(loss * loss_mask) / loss_mask.sum() (times a loss scale here)."""
+    ids, pos, labels, mask, scale = batch
+    apply_fusedloss_to_megatron(**BASE, **patch_options)
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1).view(1, 1, S, S)
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, causal, labels=labels, loss_mask=mask)
+    # otherwise: per-token weights, still 0 where the label is ignored (Megatron's loss there
+    # is lse, fusedloss's 0: only the mask makes them agree)
+    weights = (mask if reduce_with_mask else scale).reshape(-1)
+    ((loss.float().view(-1) * weights).sum() / mask.sum() * 2.5).backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_masked_parity(model, batch):
+    """With the loss_mask Megatron's forward receives, the fused head computes the gradients in
+    its forward (linear_cross_entropy_backward="auto"): the same loss and gradients as the
+    unpatched model; a loss function that does not reduce with the mask is refused in the
+    backward (CPU: it raises, naming the way out), and "recompute" takes it."""
+    mask = batch[3].bool()
+    for reduce_with_mask in (True, False):
+        ref_loss, ref_grads = _masked_step(model, batch, reduce_with_mask)
+        for backward in ("auto", "recompute"):
+            options = dict(linear_cross_entropy=True, linear_cross_entropy_backward=backward)
+            if backward == "auto" and not reduce_with_mask:
+                with pytest.raises(ValueError, match=r"grad_loss\[\d+\].*loss_mask.*recompute"):
+                    _masked_step(model, batch, reduce_with_mask, **options)
+                continue
+            loss, grads = _masked_step(model, batch, reduce_with_mask, **options)
+            torch.testing.assert_close(loss[mask], ref_loss[mask], rtol=1e-5, atol=1e-5)
+            for name in ref_grads:
+                torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5,
+                                           msg=f"{name} ({backward}, reduce_with_mask={reduce_with_mask})")
+
+
 def _check_main_grad(model, batch, ref_grads, tied, dtype=torch.float32):
     """Gradient-accumulation fusion: the head's weight gradient lands in main_grad (fp32: from
     the op itself; bf16, grad_reduce_in_fp32=False: through autograd), what reaches .grad is
@@ -122,6 +158,7 @@ def _tp1(rank, world):
         model = _model(1, False, tied)
         batch = _batch(1 + tied)
         ref_grads = _check_parity(model, batch)
+        _check_masked_parity(model, batch)
         _check_main_grad(model, batch, ref_grads, tied)
         _check_main_grad(model, batch, ref_grads, tied, torch.bfloat16)
     ids, pos, labels, _, _ = batch
@@ -167,6 +204,7 @@ def _tp2(rank, world):
             assert model.output_layer.sequence_parallel is sp
             batch = _batch(3 + 2 * sp + tied)  # same batch on both ranks, as Megatron feeds
             ref_grads = _check_parity(model, batch)
+            _check_masked_parity(model, batch)
             _check_main_grad(model, batch, ref_grads, tied)  # this rank's shard of main_grad
 
 

@@ -108,9 +108,11 @@ void rms_norm_backward(const MatrixView& grad_y, const MatrixView& x_or_s, const
   check_like(grad_x, "grad_x", x_or_s, "x_or_s");
   require(rstd != nullptr || x_or_s.rows == 0, "rstd: got null, expected the forward's [",
           x_or_s.rows, "] fp32 buffer");
-  require(grad_weight_dtype == DType::F32 || grad_weight_dtype == DType::BF16 ||
-              grad_weight_dtype == DType::F16,
-          "grad_weight_dtype: got ", to_string(grad_weight_dtype), ", expected fp32, bf16 or fp16");
+  const bool known = grad_weight_dtype == DType::F32 || grad_weight_dtype == DType::BF16 ||
+                     grad_weight_dtype == DType::F16 || grad_weight_dtype == DType::FP8_E4M3;
+  require(known && grad_weight_dtype != DType::FP8_E4M3, "grad_weight_dtype: got ",
+          known ? std::string(to_string(grad_weight_dtype)) : std::to_string(int(grad_weight_dtype)),
+          ", expected fp32, bf16 or fp16");
   const int64_t gw_size = detail::element_size(grad_weight_dtype);
   require(grad_weight != nullptr, "grad_weight: got null, expected a [", x_or_s.cols, "] ",
           to_string(grad_weight_dtype), " buffer");

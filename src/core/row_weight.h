@@ -17,6 +17,13 @@ namespace fusedloss::core {
 
 constexpr float kRowWeightTolerance = 1.0f / float(1 << 20);
 
+// The end of the error for a row that does not fit (host and CUDA backends).
+constexpr const char* kNotRowWeightedWhy =
+    " for one scalar c: the in-forward gradients are those of sum(row_weight * loss), so the "
+    "upstream gradient must be proportional to the row weights (e.g. Megatron's loss_mask, as "
+    "its loss_func reduces); use the Recompute backward (Python: backward_mode=\"recompute\") "
+    "for any other";
+
 FL_HD float row_weight_scale(float g_first, float w_first) { return g_first / w_first; }
 
 FL_HD bool fits_row_weight(float g, float w, float c) {

@@ -127,11 +127,9 @@ float lce_row_weight_scale(const float* grad_loss, const float* row_weight, int6
   for (int64_t i = 0; i < n; ++i)
     detail::require(core::fits_row_weight(grad_loss[i], row_weight[i], c),
                     "linear_cross_entropy_backward: grad_loss[", i, "]: got ", grad_loss[i],
-                    " where row_weight[", i, "] is ", row_weight[i], ", expected c * row_weight "
-                    "for one scalar c (here ", c, ", from row ", first, "): the in-forward "
-                    "gradients are those of sum(row_weight * loss), so the upstream gradient "
-                    "must be proportional to the row weights (e.g. Megatron's loss_mask); use "
-                    "the Recompute backward for any other");
+                    " where row_weight[", i, "] (Python: loss_mask) is ", row_weight[i],
+                    ", expected c * row_weight (here c = ", c, ", from row ", first, ")",
+                    core::kNotRowWeightedWhy);
   return c;
 }
 

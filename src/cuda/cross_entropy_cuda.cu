@@ -1008,12 +1008,9 @@ void check_device_errors(Stream stream) {
     memcpy(&g, &g_bits, 4);
     memcpy(&w, &w_bits, 4);
     detail::fail("linear_cross_entropy_backward: grad_loss[", host.row, "]: got ", g,
-                 " where row_weight[", host.row, "] is ", w,
-                 ", expected c * row_weight for one scalar c (reported by the CUDA kernels; the "
-                 "gradients of that backward are NaN): the in-forward gradients are those of "
-                 "sum(row_weight * loss), so the upstream gradient must be proportional to the "
-                 "row weights (e.g. Megatron's loss_mask); use the Recompute backward for any "
-                 "other");
+                 " where row_weight[", host.row, "] (Python: loss_mask) is ", w,
+                 " (reported by the CUDA kernels; that backward's gradients are NaN), expected "
+                 "c * row_weight", core::kNotRowWeightedWhy);
   }
   detail::fail("target[", host.row, "]: got ", host.value,
                ", expected in [0, vocab_global) or ignore_index (reported by the CUDA kernels; "

@@ -709,7 +709,8 @@ TEST_P(LinearCrossEntropyBadInputs, UpstreamGradientNotProportionalToRowWeights)
   // row 1 has weight 0 and a gradient; c = 0.5 from row 0
   const std::initializer_list<float> off = {0.5f, 0.25f, 0.5f, 0.5f, 0.0f, 0.5f};
   auto expect_why = [](auto call) {
-    expect_error(call, {"grad_loss[1]", "row_weight[1] is 0", "expected c * row_weight", "Recompute"});
+    expect_error(call, {"grad_loss[1]", "row_weight[1] (Python: loss_mask) is 0", "expected c * row_weight",
+                        "Recompute"});
   };
   if (dev == Device::CPU) {
     expect_why([&] { backward_with(off); });

@@ -685,6 +685,8 @@ TEST(RmsNormBadInputs, ClearErrors) {
   expect_error([&] { rms_norm_backward(gv, xv, wv, nullptr, o, gxv, gw.data()); }, "rstd", "null");
   expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, gw.data(), DType::FP8_E4M3); },
                "grad_weight_dtype: got fp8_e4m3", "fp32, bf16 or fp16");
+  expect_error([&] { rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv, gw.data(), DType(9)); },
+               "grad_weight_dtype: got 9", "fp32, bf16 or fp16");
   expect_error([&] {
     rms_norm_backward(gv, xv, wv, rstd.data(), o, gxv,
                       reinterpret_cast<char*>(gw.data()) + 1, DType::BF16);

@@ -15,6 +15,7 @@ import fusedloss
 from fusedloss._distributed import fingerprint, rank_checks
 from fusedloss._views import require_tensor
 from fusedloss.linear_cross_entropy import _validate as validate_linear_ce_inputs
+from fusedloss.linear_cross_entropy import _validate_loss_mask as validate_loss_mask
 from fusedloss.cross_entropy import check_targets_on_host
 
 from . import state
@@ -103,19 +104,20 @@ def _run_forward_pre_hooks(module, args):
             hook(module, args)
 
 
-def _fingerprint(options, hidden, weight, labels) -> int:
+def _fingerprint(options, hidden, weight, labels, loss_mask) -> int:
     """The same int on every rank for what the op's own agreement compared besides rows and
     V_local: its options and torch's
     TF32 setting, the dtypes and device types, H (with rows and V_local these set the op's
     chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
-    shards in the gather)."""
+    shards in the gather), and whether a loss_mask came (it sets the op's backward mode, and
+    with it the collectives)."""
     what = (sorted(options.items()), bool(torch.backends.cuda.matmul.allow_tf32),
             str(hidden.dtype), str(weight.dtype), hidden.device.type, weight.device.type,
-            weight.shape[-1], tuple(labels.shape))
+            weight.shape[-1], tuple(labels.shape), loss_mask is not None)
     return fingerprint(what)
 
 
-def _check_inputs(hidden, weight, labels, sequence_parallel, tp_size):
+def _check_inputs(hidden, weight, labels, loss_mask, sequence_parallel, tp_size):
     """What the gather or copy before the op needs equal on every rank (a rank whose hidden
     states do not fit would hang or mix shards in Megatron's collective), and the op's own
     per-tensor checks, which it skips under the head's agreement: a rank that fails any of them
@@ -133,11 +135,16 @@ def _check_inputs(hidden, weight, labels, sequence_parallel, tp_size):
                          + (f" gathered over {tp_size} sequence-parallel ranks" if sequence_parallel else ""))
     # the op's checks (dtypes, devices, integer labels), on this rank's rows of the labels
     validate_linear_ce_inputs(hidden, weight, labels.transpose(0, 1)[:hidden.shape[0]])
+    if loss_mask is not None:
+        validate_loss_mask(loss_mask, labels, hidden, True, "none")
 
 
-def fused_head_loss(model, hidden, labels):
+def fused_head_loss(model, hidden, labels, loss_mask=None):
     """hidden [s(/tp under sequence parallel), b, H], labels [b, s] -> per-token loss [b, s]
-    fp32, as output_layer + compute_language_model_loss return it. The input gradient leaves as
+    fp32, as output_layer + compute_language_model_loss return it. With the loss_mask [b, s]
+    that Megatron's forward received (and linear_cross_entropy_backward="auto"), the op computes
+    the gradients of sum(loss_mask * loss) in the forward (3 GEMMs, not 4): Megatron's loss_func
+    reduces exactly that, times one scalar. The input gradient leaves as
     Megatron's ColumnParallelLinear leaves it: reduce-scattered along tokens under sequence
     parallel (the gather's backward), all-reduced otherwise at TP > 1 (the copy's backward);
     the op hands back this rank's partial sum for them to reduce."""
@@ -151,6 +158,8 @@ def fused_head_loss(model, hidden, labels):
     group = state.guard(tp, _OP)
     _run_forward_pre_hooks(layer, (hidden,))
     options = state.lce_options()
+    if options["backward_mode"] == "recompute":
+        loss_mask = None  # any reduction of the per-token loss: the mask is not needed
     if group is not None:
         # One agreement for the head and the op (one host sync a call): what the op's own
         # would compare (rows, V_local, options, dtypes, and CPU targets) is agreed here, before
@@ -158,7 +167,7 @@ def fused_head_loss(model, hidden, labels):
         check = options["check_shard_agreement"]
         with rank_checks(group, check, _OP) as checks:
             size = state.group_size(group)
-            _check_inputs(hidden, weight, labels, layer.sequence_parallel, size)
+            _check_inputs(hidden, weight, labels, loss_mask, layer.sequence_parallel, size)
             if check:
                 check_targets_on_host(labels, SimpleNamespace(
                     vocab_global=weight.shape[0] * size, ignore_index=options["ignore_index"]),
@@ -166,7 +175,7 @@ def fused_head_loss(model, hidden, labels):
             # last: a rank that failed above sends no shapes (rows = -1), so its own error is
             # the one every rank raises
             checks.rows, checks.v_local = labels.numel(), weight.shape[0]
-            checks.options = _fingerprint(options, hidden, weight, labels)
+            checks.options = _fingerprint(options, hidden, weight, labels, loss_mask)
         options = dict(options, check_shard_agreement=False)  # agreed above
         if layer.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(
@@ -180,8 +189,10 @@ def fused_head_loss(model, hidden, labels):
         else:
             added = [False]
         weight = _IntoMainGrad.apply(weight, added)
-    loss = fusedloss.linear_cross_entropy(hidden, weight, labels.transpose(0, 1), **options,
-                                          tp_group=group, weight_grad_accumulator=accumulator)
+    loss = fusedloss.linear_cross_entropy(
+        hidden, weight, labels.transpose(0, 1), **options, tp_group=group,
+        weight_grad_accumulator=accumulator,
+        loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1))
     return loss.transpose(0, 1).contiguous()
 
 
@@ -197,7 +208,7 @@ def make_postprocess(original):
         if (labels is None or not self.post_process
                 or (kwargs.get("inference_context") is not None and not self.training)):
             return original(self, **kwargs)
-        return fused_head_loss(self, kwargs["hidden_states"], labels)
+        return fused_head_loss(self, kwargs["hidden_states"], labels, kwargs.get("loss_mask"))
 
     _postprocess.__fusedloss_original__ = original
     return _postprocess

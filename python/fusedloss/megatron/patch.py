@@ -183,7 +183,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                                 linear_cross_entropy: bool = False, ignore_index: int = -100,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
-                                check_shard_agreement: bool = True, swiglu_in_place=None) -> None:
+                                check_shard_agreement: bool = True, swiglu_in_place=None,
+                                linear_cross_entropy_backward: str = "auto") -> None:
     """Swap Megatron-core's cross-entropy, SwiGLU, RMSNorm and (asked for) the GPT head for
     fusedloss's. Idempotent; a later call sets the patch to exactly what it asks for
     (cross_entropy=False after a full patch restores Megatron's cross-entropy).
@@ -214,6 +215,14 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       gradient-accumulation fusion (the weight gradient is added to `main_grad`) as Megatron's
       output layer; a multi-token-prediction model, an output bias, deferred embedding wgrad or
       MuP logit scaling raise a RuntimeError naming it. Same options as cross_entropy.
+    linear_cross_entropy_backward: "auto" (default): when Megatron's forward receives a
+      `loss_mask` (pretrain_gpt's forward_step passes it), the forward computes the gradients of
+      sum(loss_mask * loss), which Megatron's loss_func reduces times one scalar, and the
+      backward only scales them (3 GEMMs); without one, the per-token losses are recomputed in
+      the backward (4 GEMMs). A loss function that reduces the per-token loss otherwise (not
+      c * sum(loss_mask * loss)) makes the gradients NaN with an error from
+      fusedloss.check_device_errors() (on the CPU the backward raises): patch with
+      "recompute" for it, which takes any upstream gradient.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
@@ -229,6 +238,9 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                  swiglu_inplace_backward=swiglu_inplace_backward,
                  check_shard_agreement=check_shard_agreement)
     flags = {k: as_bool(v, k) for k, v in flags.items()}
+    if linear_cross_entropy_backward not in ("auto", "recompute"):
+        raise ValueError(f"linear_cross_entropy_backward: got {linear_cross_entropy_backward!r}, "
+                         "expected 'auto' or 'recompute'")
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
@@ -258,8 +270,9 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     wanted = {(m, a) for _, m, a, _ in resolved}
     for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
         setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
-    state.configure(flags, ignore_index, label_smoothing)
-    state.CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    state.configure(flags, ignore_index, label_smoothing, linear_cross_entropy_backward)
+    state.CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                   linear_cross_entropy_backward=linear_cross_entropy_backward)
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))

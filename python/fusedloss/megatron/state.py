@@ -15,7 +15,7 @@ _CE_KWARGS = {}
 _LCE_KWARGS = {}
 
 
-def configure(flags, ignore_index, label_smoothing):
+def configure(flags, ignore_index, label_smoothing, lce_backward="auto"):
     CONFIG.clear()
     CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
     common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
@@ -24,8 +24,9 @@ def configure(flags, ignore_index, label_smoothing):
     _CE_KWARGS.clear()
     _CE_KWARGS.update(common, inplace_backward=flags["inplace_backward"])
     _LCE_KWARGS.clear()
-    # recompute: per-token losses take any upstream gradient (Megatron masks and scales them)
-    _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode="recompute",
+    # "auto": in_forward with the loss_mask Megatron's forward received (its loss_func reduces
+    # c * sum(loss_mask * loss)), recompute without one; "recompute": any upstream gradient
+    _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode=lce_backward,
                        dhidden_reduction="partial")
 
 

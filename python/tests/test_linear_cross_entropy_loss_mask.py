@@ -1,0 +1,184 @@
+"""fusedloss.linear_cross_entropy(..., reduction="none", loss_mask=m): the in-forward backward
+for per-token losses that the caller reduces as c * sum(m * loss) (Megatron's loss_func), against
+float64 torch; the backward's check of the upstream gradient; bad masks; torch.compile; gloo TP."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import fusedloss
+from dist_util import run_world
+from test_linear_cross_entropy import _TOL, _problem, _rel, reference
+
+_MASKS = {
+    "bool": lambda shape, g: torch.rand(shape, generator=g) > 0.3,
+    "float01": lambda shape, g: (torch.rand(shape, generator=g) > 0.3).float(),
+    "int": lambda shape, g: (torch.rand(shape, generator=g) > 0.3).to(torch.int64),
+    "weights": lambda shape, g: torch.where(torch.rand(shape, generator=g) > 0.3,
+                                            torch.rand(shape, generator=g) * 3 - 1, 0.0),
+    "strided": lambda shape, g: (torch.rand(*shape, 2, generator=g) > 0.3).float()[..., 1],
+    "all_zero": lambda shape, g: torch.zeros(shape),
+}
+
+
+def _megatron_reduction(loss, mask, scale=3.0):
+    """Megatron's loss_func: sum(loss * mask) over the tokens, divided by their count, times a
+    loss scale."""
+    mask = mask.to(loss.dtype)
+    return (loss.reshape(-1) * mask.reshape(-1)).sum() / mask.sum().clamp(min=1) * scale
+
+
+def _check_masked(device, dtype, mask_kind, shape=(9, 4), seed=0, **options):
+    h, w, t = _problem(device, dtype, shape=shape, seed=seed)
+    mask = _MASKS[mask_kind](shape, torch.Generator().manual_seed(seed + 1)).to(device)
+    mask_before = mask.clone()
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none", loss_mask=mask, **options)
+    _megatron_reduction(loss, mask).backward()
+    fusedloss.check_device_errors()
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    ref_opts = {k: v for k, v in options.items() if k in ("label_smoothing", "z_loss", "logit_softcap")}
+    ref = reference(h64, w64, t.cpu(), reduction="none", **ref_opts)
+    _megatron_reduction(ref, mask.cpu()).backward()
+    tol = _TOL[dtype]
+    assert _rel(loss.detach().cpu(), ref.detach()) <= max(tol, 1e-5)  # the loss is not masked
+    if mask_kind == "all_zero":
+        assert not hh.grad.any() and not ww.grad.any()
+    else:
+        assert _rel(hh.grad.cpu(), h64.grad) <= tol and _rel(ww.grad.cpu(), w64.grad) <= tol
+    assert torch.equal(mask, mask_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", list(_MASKS))
+def test_masked_loss_matches_float64(device, dtype, mask_kind):
+    _check_masked(device, dtype, mask_kind)
+
+
+@pytest.mark.parametrize("options", [dict(workspace_bytes=1), dict(inplace_backward=False),
+                                     dict(dweight_accumulation="weight_dtype"),
+                                     dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0),
+                                     dict(backward_mode="in_forward"),
+                                     dict(backward_mode="recompute")])
+def test_masked_loss_with_options(device, options):
+    _check_masked(device, torch.bfloat16, "float01", **options)
+
+
+def _upstream_check_fails(device, backward):
+    """The in-forward backward refuses an upstream gradient that is not c * loss_mask: the host
+    raises; CUDA gives NaN gradients and raises at check_device_errors()."""
+    why = r"grad_loss\[\d+\].*loss_mask.*expected c \* row_weight.*recompute"
+    if device == "cpu":
+        with pytest.raises(ValueError, match=why):
+            backward()
+        return
+    backward()
+    with pytest.raises(ValueError, match=why):
+        fusedloss.check_device_errors()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_gradient_not_proportional_to_the_mask(device, dtype):
+    h, w, t = _problem(device, dtype, shape=(9, 4))
+    mask = torch.ones(9, 4, device=device)
+    mask[2, 1] = 0
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none", loss_mask=mask)
+    _upstream_check_fails(device, lambda: loss.mean().backward())  # ignores the mask
+    if device != "cpu":
+        assert hh.grad.isnan().all() and ww.grad.isnan().all()
+    # fp16 takes recompute: any upstream gradient, the mask unread
+    h16, w16 = h.to(torch.float16).requires_grad_(), w.to(torch.float16).requires_grad_()
+    fusedloss.linear_cross_entropy(h16, w16, t, reduction="none", loss_mask=mask).mean().backward()
+    h64, w64 = h16.detach().double().cpu().requires_grad_(), w16.detach().double().cpu().requires_grad_()
+    reference(h64, w64, t.cpu(), reduction="none").mean().backward()
+    assert _rel(h16.grad.cpu(), h64.grad) <= _TOL[torch.float16]
+
+
+def test_non_finite_upstream_gradient_gives_nan_gradients(device):
+    h, w, t = _problem(device, torch.float32, shape=(12,))
+    mask = torch.ones(12, device=device)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none", loss_mask=mask)
+    g = torch.ones_like(loss)
+    g[3] = float("inf")
+    loss.backward(g)
+    fusedloss.check_device_errors()  # not the mask's error: the gradient overflowed upstream
+    assert hh.grad.isnan().all() and ww.grad.isnan().all()
+
+
+def test_bad_masks(device):
+    h, w, t = _problem(device, torch.float32, shape=(9, 4))
+    h.requires_grad_()
+    mask = torch.ones(9, 4, device=device)
+    call = lambda **kw: fusedloss.linear_cross_entropy(h, w, t, **kw)
+    with pytest.raises(ValueError, match=r"loss_mask: got a tensor with reduction='mean', expected reduction='none'"):
+        call(loss_mask=mask)
+    with pytest.raises(ValueError, match=r"loss_mask: got shape \(4, 9\), expected target's shape \(9, 4\)"):
+        call(reduction="none", loss_mask=mask.t())
+    with pytest.raises(ValueError, match="loss_mask: got a tensor that requires grad"):
+        call(reduction="none", loss_mask=mask.clone().requires_grad_())
+    with pytest.raises(ValueError, match="loss_mask.dtype: got torch.complex64"):
+        call(reduction="none", loss_mask=mask.to(torch.complex64))
+    with pytest.raises(TypeError, match="loss_mask: got list"):
+        call(reduction="none", loss_mask=[1.0] * 36)
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with reduction='none' and no loss_mask"):
+        call(reduction="none", backward_mode="in_forward")
+    if device == "cuda":
+        with pytest.raises(ValueError, match="loss_mask.device: got cpu"):
+            call(reduction="none", loss_mask=mask.cpu())
+
+
+def test_mask_changed_before_the_backward_raises(device):
+    # the mask is saved for the backward's check (not copied when already fp32 and contiguous):
+    # an in-place change in between is autograd's version error, not a wrong gradient
+    h, w, t = _problem(device, torch.float32, shape=(12,))
+    h.requires_grad_()
+    mask = torch.ones(12, device=device)
+    loss = fusedloss.linear_cross_entropy(h, w, t, reduction="none", loss_mask=mask)
+    mask[0] = 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _megatron_reduction(loss, mask).backward()
+
+
+def test_compile_fullgraph(device):
+    h, w, t = _problem(device, torch.float32, shape=(9, 4))
+    mask = (torch.rand(9, 4, generator=torch.Generator().manual_seed(3)) > 0.3).float().to(device)
+
+    def step(h, w, m):
+        return _megatron_reduction(
+            fusedloss.linear_cross_entropy(h, w, t, reduction="none", loss_mask=m), m)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (step, compiled):
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        out = fn(hh, ww, mask)
+        out.backward()
+        grads.append((out.detach(), hh.grad.clone(), ww.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def _check_tp_masked(rank, world, dh_reduction):
+    h, w, t = _problem("cpu", torch.float32, shape=(13,), V=192)
+    mask = (torch.rand(13, generator=torch.Generator().manual_seed(5)) > 0.3).float()
+    V_local = w.size(0) // world
+    shard = w[rank * V_local:(rank + 1) * V_local].clone().requires_grad_(True)
+    hh = h.clone().requires_grad_(True)
+    loss = fusedloss.linear_cross_entropy(hh, shard, t, tp_group=dist.group.WORLD, reduction="none",
+                                          loss_mask=mask, dhidden_reduction=dh_reduction,
+                                          workspace_bytes=1)
+    _megatron_reduction(loss, mask).backward()
+    h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    _megatron_reduction(reference(h64, w64, t, reduction="none"), mask).backward()
+    dh = hh.grad.clone()
+    if dh_reduction == "partial":
+        dist.all_reduce(dh)
+    assert _rel(dh, h64.grad) <= 1e-5
+    assert _rel(shard.grad, w64.grad[rank * V_local:(rank + 1) * V_local]) <= 1e-5
+
+
+@pytest.mark.parametrize("dh_reduction", ["partial", "all_reduce"])
+def test_gloo_tp(dh_reduction):
+    run_world(2, _check_tp_masked, dh_reduction)
