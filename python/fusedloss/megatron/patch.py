@@ -222,7 +222,9 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       the backward (4 GEMMs). A loss function that reduces the per-token loss otherwise (not
       c * sum(loss_mask * loss)) makes the gradients NaN with an error from
       fusedloss.check_device_errors() (on the CPU the backward raises): patch with
-      "recompute" for it, which takes any upstream gradient.
+      "recompute" for it, which takes any upstream gradient. The 3-GEMM mode keeps the
+      gradients between forward and backward (dhidden [N, H], dweight [V/tp, H] in fp32 under
+      gradient-accumulation fusion); "recompute" keeps 4 bytes a token.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
