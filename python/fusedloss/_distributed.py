@@ -137,13 +137,33 @@ def _target_checksum(target, device):
     return _mix(t ^ _mix(rows)).sum().reshape(1).to(device)
 
 
-def fingerprint(*values) -> int:
+class Fingerprint(int):
+    """fingerprint()'s int, with the values it digests as "name=value" texts (`pairs`): what
+    agree() exchanges to name the option that differs."""
+    pairs = ()
+
+
+def fingerprint(*values, **named) -> int:
     """The same int on every rank for equal values (ints, floats, bools, strings, tuples of
     them), and a different one for any difference: a digest of their exact repr (hash() mixes
-    numbers modulo 2**61 - 1, so 0.5 and 2**-62 would agree, and strings hash per process)."""
-    values = tuple(v + 0.0 if isinstance(v, float) else v for v in values)  # -0.0 is 0.0
-    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    numbers modulo 2**61 - 1, so 0.5 and 2**-62 would agree, and strings hash per process).
+    Named values are named in agree()'s error when they differ."""
+    def exact(v):
+        return v + 0.0 if isinstance(v, float) else v  # -0.0 is 0.0
+    values = tuple(exact(v) for v in values)
+    named = tuple((k, exact(v)) for k, v in named.items())
+    digest = hashlib.blake2b(repr((values, named)).encode(), digest_size=8).digest()
+    out = Fingerprint(int.from_bytes(digest, "little") & (2**63 - 1))
+    out.pairs = tuple(repr(v) for v in values) + tuple(f"{k}={v!r}" for k, v in named)
+    return out
+
+
+def _differing_option(mine, first, r):
+    """"rank r's NAME=A differs from rank 0's NAME=B" for the first pair that differs."""
+    for a, b in zip(mine, first):
+        if a != b:
+            return f"rank {r}'s {a} differs from rank 0's {b}"
+    return f"rank {r}'s differ from rank 0's, though both read ({', '.join(mine)})"
 
 
 def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op: str,
@@ -183,6 +203,10 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
     if error is not None:
         text = error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
         msg.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    else:  # the options as text (unit-separated pairs), sent only if the fingerprints differ
+        text = "\x1f".join(getattr(options, "pairs", ())).encode()
+        options_text = torch.frombuffer(bytearray(text[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")),
+                                        dtype=torch.uint8)
     dist.all_gather_into_tensor(every, mine, group=group)
     headers = every.view(world, _HEADER).tolist()
     rejected = [r for r, h in enumerate(headers) if h[3]]
@@ -207,9 +231,13 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            f"{v0}; expected equal shards on every rank")
         if rejected:  # the rest is known only where a rank's checks all passed
             continue
-        if oo != opt0:
-            raise _C.Error(f"{op}: vocab-parallel options: rank {r}'s differ from rank 0's; expected "
-                           "the same options (ignore_index, label_smoothing, smoothing_formula, "
+        if oo != opt0:  # every rank read the same headers: each takes this second gather
+            msg.copy_(options_text)
+            dist.all_gather_into_tensor(msgs, msg, group=group)
+            texts = [bytes(row).rstrip(bytes(1)).decode(errors="replace").split("\x1f")
+                     for row in msgs.view(world, _MESSAGE_BYTES).cpu().tolist()]
+            raise _C.Error(f"{op}: vocab-parallel options: {_differing_option(texts[r], texts[0], r)}; "
+                           "expected the same options (ignore_index, label_smoothing, smoothing_formula, "
                            "smoothing_scope, z_loss, reduction; for the linear cross-entropy also "
                            "logit_softcap, the backward mode, the grad state (a call no gradient "
                            "follows runs the forward alone), dhidden_reduction, the dtype, H, "

@@ -103,8 +103,9 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         return loss, lse, count
     rank, world = rank_and_size(g)
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
-    options = fingerprint(ignore_index, label_smoothing, formula, scope, z_loss, reduction,
-                          tuple(target.shape))
+    options = fingerprint(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                          smoothing_formula=formula, smoothing_scope=scope, z_loss=z_loss,
+                          reduction=reduction, target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
         x, _ = rows_of(logits)

@@ -190,8 +190,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     # target's shape ([s, b] on one rank and [b, s] on another have equal rows)
     accumulator = (0 if weight_grad_accumulator is None else
                    2 if callable(weight_grad_accumulator) else 1)
-    options = fingerprint(*args[:7], *args[8:], lce_mode, dhidden_reduction, str(hidden.dtype),
-                          hidden.size(-1), accumulator, tuple(target.shape))
+    names = ("ignore_index", "label_smoothing", "smoothing_formula", "smoothing_scope", "z_loss",
+             "reduction", "logit_softcap")
+    options = fingerprint(**dict(zip(names, args[:7])), backward_mode=lce_mode, allow_tf32=tf32,
+                          dhidden_reduction=dhidden_reduction, dtype=str(hidden.dtype),
+                          H=hidden.size(-1), weight_grad_accumulator=accumulator,
+                          target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
     # scratch, the staging) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:

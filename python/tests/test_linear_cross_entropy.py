@@ -415,8 +415,8 @@ def test_bad_inputs(device):
         fusedloss.linear_cross_entropy(h, w, t[:-1])
     with pytest.raises(ValueError, match="target.dtype"):
         fusedloss.linear_cross_entropy(h, w, t.float())
-    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with reduction='none', "
-                       "expected 'recompute' or 'auto'"):
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with reduction='none' and "
+                       "no loss_mask, expected 'recompute' or 'auto'"):
         fusedloss.linear_cross_entropy(h, w, t, reduction="none", backward_mode="in_forward")
     with pytest.raises(ValueError, match="logit_softcap: got -1"):
         fusedloss.linear_cross_entropy(h, w, t, logit_softcap=-1.0)
@@ -550,29 +550,34 @@ def _check_tp_disagreement(rank, world, what):
     if what == "dhidden_reduction":  # the backward's all-reduce on one rank only: a hang before
         red = "all_reduce" if rank == 1 else "partial"
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
-            h, shard, t, tp_group=G, dhidden_reduction=red), "vocab-parallel options: rank 1's differ")
+            h, shard, t, tp_group=G, dhidden_reduction=red),
+            "vocab-parallel options: rank 1's dhidden_reduction=1 differs from rank 0's dhidden_reduction=0")
     elif what == "hidden_width":  # H differs with rows and V_local equal: the dhidden
         hh, ww = (torch.cat([h, h], -1), torch.cat([shard, shard], -1)) if rank == 1 else (h, shard)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # all-reduce would mismatch
-            hh, ww, t, tp_group=G, dhidden_reduction="all_reduce"), "vocab-parallel options: rank 1's differ")
+            hh, ww, t, tp_group=G, dhidden_reduction="all_reduce"),
+            "vocab-parallel options: rank 1's H=48 differs from rank 0's H=24")
     elif what == "accumulator_kind":  # a callable on one rank: its backward alone would agree
         buf = torch.zeros_like(shard)
         acc = (lambda: buf) if rank == 0 else buf
         ww = shard.clone().requires_grad_()
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
-            h, ww, t, tp_group=G, weight_grad_accumulator=acc), "vocab-parallel options: rank 1's differ")
+            h, ww, t, tp_group=G, weight_grad_accumulator=acc),
+            "rank 1's weight_grad_accumulator=1 differs from rank 0's weight_grad_accumulator=2")
     elif what == "softcap_hash_alike":  # values hash() does not tell apart (mod 2**61 - 1)
         cap = 3.0 * 2.0 ** 61 if rank == 1 else 3.0
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
-            h, shard, t, tp_group=G, logit_softcap=cap), "vocab-parallel options: rank 1's differ")
+            h, shard, t, tp_group=G, logit_softcap=cap),
+            f"rank 1's logit_softcap={3.0 * 2.0 ** 61!r} differs from rank 0's logit_softcap=3.0")
     elif what == "dtype":
         hh, ww = (h.bfloat16(), shard.bfloat16()) if rank == 1 else (h, shard)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(hh, ww, t, tp_group=G),
-                               "vocab-parallel options: rank 1's differ")
+                               "rank 1's dtype='torch.bfloat16' differs from rank 0's dtype='torch.float32'")
     elif what == "grad_state":  # one rank with nothing to differentiate would skip the backward
         hh = h.clone().requires_grad_(rank == 0)  # (its collectives: dhidden's all-reduce, the
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # accumulator's agreement)
-            hh, shard, t, tp_group=G, reduction="none"), "vocab-parallel options: rank 1's differ")
+            hh, shard, t, tp_group=G, reduction="none"),
+            "vocab-parallel options: rank 1's backward_mode=-2 differs from rank 0's backward_mode=")
     elif what in ("target_values", "target_values_recompute"):  # another token on one rank
         other = t.clone()
         if rank == 1:

@@ -142,13 +142,16 @@ def _check_later_disagreement(rank, world, what):
     elif what == "options":  # another smoothing on one rank: different losses, silently, before
         ls = 0.2 if rank == 1 else 0.0
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, label_smoothing=ls),
-                               "vocab-parallel options: rank 1's differ from rank 0's")
+                               "vocab-parallel options: rank 1's label_smoothing=0.2 differs from "
+                               "rank 0's label_smoothing=0.0")
     elif what == "options_hash_alike":  # values hash() does not tell apart (mod 2**61 - 1)
         kw = [dict(label_smoothing=0.5), dict(label_smoothing=2.0 ** -62),
               dict(ignore_index=3), dict(ignore_index=3 + 2 ** 61 - 1)]
         for a, b in ((0, 1), (2, 3)):
+            name = next(iter(kw[a]))
             _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, **kw[b if rank else a]),
-                                   "vocab-parallel options: rank 1's differ from rank 0's")
+                                   f"vocab-parallel options: rank 1's {name}={kw[b][name]!r} differs "
+                                   f"from rank 0's {name}={kw[a][name]!r}")
     elif what == "bad_option":  # raised on that rank alone while the others waited
         ii = 1.5 if rank == 1 else -100
         _same_error_everywhere(lambda: _ce(torch.randn(rows, V_local), t, ignore_index=ii),
@@ -194,7 +197,8 @@ def _check_later_disagreement(rank, world, what):
         x, t3 = torch.randn(3, 2, V_local), t.view(3, 2)
         if rank == 1:
             x, t3 = x.transpose(0, 1).contiguous(), t3.transpose(0, 1).contiguous()
-        _same_error_everywhere(lambda: _ce(x, t3), "vocab-parallel options: rank 1's differ")
+        _same_error_everywhere(lambda: _ce(x, t3), "vocab-parallel options: rank 1's target_shape=(2, 3) "
+                               "differs from rank 0's target_shape=(3, 2)")
     # and the group is still usable afterwards: a good call agrees again
     loss = _ce(torch.randn(rows, V_local), t)
     assert torch.isfinite(loss)

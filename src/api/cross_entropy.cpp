@@ -195,6 +195,7 @@ void forward_checked(const MatrixView& logits, const IndexView& target,
   mine.vocab_local = logits.cols;
   mine.collective = options.collective;
   mine.options = vocab_parallel::fingerprint(options);
+  mine.options_text = vocab_parallel::describe(options);
   mine.target = target;
   mine.fn = fn;
   core::CeParams p;

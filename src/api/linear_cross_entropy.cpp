@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iomanip>
 #include <optional>
+#include <sstream>
 #include "api/check.h"
 #include "api/vocab_parallel.h"
 #include "core/lce_tuning.h"
@@ -372,7 +374,11 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     uint64_t h = vocab_parallel::fingerprint(ce);
     h = vocab_parallel::fingerprint_more(h, &softcap, sizeof(float));
     mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
-    mine.more_options = ", logit_softcap, allow_tf32, backward_mode, H";
+    std::ostringstream more_text;
+    more_text << std::setprecision(9) << ", logit_softcap=" << softcap
+              << ", allow_tf32=" << options.allow_tf32 << ", backward_mode=" << mode_name(mode)
+              << ", H=" << hidden.cols;
+    mine.options_text = vocab_parallel::describe(ce) + more_text.str();
     vocab_parallel::agree_or_throw(*comm, mine, ce.check_shard_agreement, stream);
   }
 

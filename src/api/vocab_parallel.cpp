@@ -5,8 +5,10 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <iomanip>
 #include <new>
 #include <optional>
+#include <sstream>
 #include <type_traits>
 #include "core/cross_entropy_math.h"
 #include "core/dispatch.h"
@@ -144,6 +146,18 @@ uint64_t fingerprint_more(uint64_t seed, const void* bytes, size_t n) {
   return mix(seed, bytes, n);
 }
 
+std::string describe(const CrossEntropyOptions& o) {
+  std::ostringstream os;
+  os << std::setprecision(9) << "ignore_index=" << o.ignore_index
+     << ", label_smoothing=" << o.label_smoothing + 0.0f << ", smoothing_formula="
+     << (o.smoothing_formula == SmoothingFormula::PyTorch ? "PyTorch" : "Megatron")
+     << ", smoothing_scope=" << (o.smoothing_scope == SmoothingScope::Global ? "Global" : "Partition")
+     << ", z_loss=" << o.z_loss + 0.0f << ", reduction="
+     << (o.reduction == Reduction::None ? "None" : o.reduction == Reduction::Sum ? "Sum" : "Mean")
+     << ", vocab_global=" << o.vocab_global;
+  return os.str();
+}
+
 void check_shard_position(const core::CeParams& p, const Communicator& comm, Device device) {
   const int64_t world = comm.size(), rank = comm.rank();
   detail::require(comm.device() == device, "comm: a ", to_string(comm.device()),
@@ -156,6 +170,29 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
                   p.vocab_start, ", expected rank (", rank, ") x V_local (", p.vocab_local,
                   ") = ", rank * p.vocab_local);
 }
+
+namespace {
+
+// "rank r's NAME=A differs from rank 0's NAME=B" for the first pair of two describe() texts
+// that differs (the whole texts when none does: a difference the text rounds away).
+std::string differing_option(const std::string& mine, const std::string& first, int r) {
+  auto pairs = [](const std::string& text) {
+    std::vector<std::string> out;
+    for (size_t at = 0; at <= text.size();) {
+      const size_t end = std::min(text.find(", ", at), text.size());
+      out.push_back(text.substr(at, end - at));
+      at = end + 2;
+    }
+    return out;
+  };
+  const std::vector<std::string> a = pairs(mine), b = pairs(first);
+  const std::string rank = "rank " + std::to_string(r) + "'s ";
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    if (a[i] != b[i]) return rank + a[i] + " differs from rank 0's " + b[i];
+  return rank + "differ from rank 0's, though both read (" + mine + ")";
+}
+
+}  // namespace
 
 void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   const int world = comm.size();
@@ -225,10 +262,20 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       detail::require(h.targets == h0.targets, "vocab-parallel targets: rank ", r,
                       "'s differ from rank 0's (a checksum of their values); expected the same ",
                       "targets on every rank (each rank computes the loss of the same tokens)");
-      detail::require(h.options == h0.options, "vocab-parallel options: rank ", r,
-                      "'s differ from rank 0's (ignore_index, label_smoothing, smoothing_formula, ",
-                      "smoothing_scope, z_loss, reduction, vocab_global", mine.more_options,
-                      "); expected the same options on every rank");
+      if (h.options != h0.options) {
+        // Every rank read the same headers: each takes this second round, which names the
+        // option (its text, truncated to the fixed size the collective needs).
+        char text[kErrorBytes] = {};
+        std::memcpy(text, mine.options_text.data(),
+                    std::min(mine.options_text.size(), kErrorBytes - 1));
+        gather_to_host(comm, text, texts.data(), kErrorBytes, staged, stream, mine.fn);
+        auto text_of = [&](int q) {
+          const char* t = texts.data() + kErrorBytes * size_t(q);
+          return std::string(t, strnlen(t, kErrorBytes));
+        };
+        detail::fail("vocab-parallel options: ", differing_option(text_of(r), text_of(0), r),
+                     "; expected the same options on every rank");
+      }
     }
     return;
   }

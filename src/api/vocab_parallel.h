@@ -47,6 +47,9 @@ void check_shard_position(const core::CeParams& p, const Communicator& comm, Dev
 // own); `seed` chains a caller's further options (fingerprint_more).
 uint64_t fingerprint(const CrossEntropyOptions& o);
 uint64_t fingerprint_more(uint64_t seed, const void* bytes, size_t n);
+// The same options as "name=value" pairs joined by ", " (what an options mismatch names);
+// a caller appends its further options' pairs to it.
+std::string describe(const CrossEntropyOptions& o);
 
 // What this rank brings to the agreement: its shape and, when its own arguments were
 // rejected, the error it would have thrown (empty when none).
@@ -61,7 +64,9 @@ struct ShardClaim {
   // the options (ranks that differ would compute different losses without an error).
   CollectiveForm collective = CollectiveForm::AllGather;
   uint64_t options = 0;
-  const char* more_options = "";  // the caller's options in the fingerprint, for its message
+  // The fingerprinted options as text (describe(), and the caller's further pairs): exchanged
+  // only when the fingerprints differ, to name the option and the two values.
+  std::string options_text;
   // The targets, whose checksum every rank must share (the same tokens on every rank); read
   // only when this rank has no error.
   IndexView target;

@@ -137,8 +137,24 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   // Rank 1 soft-caps its logits: no hang, but every rank would compute another loss.
   lo = {};
   lo.logit_softcap = rank == 1 ? 30.0f : 0.0f;
-  expect_error_everywhere([&] { call(Vl, H, lo); }, "options: rank 1's differ from rank 0's");
+  expect_error_everywhere([&] { call(Vl, H, lo); },
+                          "options: rank 1's logit_softcap=30 differs from rank 0's logit_softcap=0");
   call(Vl, H);  // agreed again: fine
+  // Rank 1's hidden states and weight are wider: valid on each rank, but a caller's dhidden
+  // all-reduce would not pair. Named, with both values.
+  {
+    LinearCrossEntropyOptions recompute;  // (no dhidden output of the forward to size)
+    recompute.backward_mode = LinearCeBackward::Recompute;
+    const int64_t h = H + (rank == 1);
+    const LinearCrossEntropyOutputs out = fp32_outputs(loss, lse, count, dh, dw, N, H, Vl);
+    expect_error_everywhere(
+        [&] {
+          linear_cross_entropy_forward({hidden.data(), N, h, h, DType::F32, dev},
+                                       {weight.data(), Vl, h, h, DType::F32, dev}, tv, ce,
+                                       recompute, out, &comm);
+        },
+        "options: rank 1's H=5 differs from rank 0's H=4");
+  }
   // Rank 1 alone changes a target (in range): refused everywhere.
   target.download();
   if (rank == 1) target.host_as<int64_t>()[2] = 0;

@@ -241,7 +241,9 @@ void expect_option_disagreement_fails_everywhere(Device dev, Communicator& comm)
   }
   s.o.collective = CollectiveForm::AllGather;
   s.o.label_smoothing = odd ? 0.1f : 0.0f;
-  expect_same_error_everywhere([&] { s.forward(comm); }, "options: rank 1's differ from rank 0's");
+  expect_same_error_everywhere([&] { s.forward(comm); },
+                               "options: rank 1's label_smoothing=0.100000001 differs from rank "
+                               "0's label_smoothing=0");
   s.o.label_smoothing = 0.0f;
   // Rank 1 alone changes one target (in range: its own checks pass): every rank would return
   // a loss of other tokens than its gradient's.

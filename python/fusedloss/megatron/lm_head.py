@@ -111,10 +111,11 @@ def _fingerprint(options, hidden, weight, labels, loss_mask) -> int:
     chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
     shards in the gather), and whether a loss_mask came (it sets the op's backward mode, and
     with it the collectives)."""
-    what = (sorted(options.items()), bool(torch.backends.cuda.matmul.allow_tf32),
-            str(hidden.dtype), str(weight.dtype), hidden.device.type, weight.device.type,
-            weight.shape[-1], tuple(labels.shape), loss_mask is not None)
-    return fingerprint(what)
+    return fingerprint(**options, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+                       hidden_dtype=str(hidden.dtype), weight_dtype=str(weight.dtype),
+                       hidden_device=hidden.device.type, weight_device=weight.device.type,
+                       H=weight.shape[-1], labels_shape=tuple(labels.shape),
+                       loss_mask=loss_mask is not None)
 
 
 def _check_inputs(hidden, weight, labels, loss_mask, sequence_parallel, tp_size):
