@@ -182,3 +182,23 @@ def _check_tp_masked(rank, world, dh_reduction):
 @pytest.mark.parametrize("dh_reduction", ["partial", "all_reduce"])
 def test_gloo_tp(dh_reduction):
     run_world(2, _check_tp_masked, dh_reduction)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_grad_accumulator(device, dtype):
+    # Megatron's main_grad under gradient-accumulation fusion: the masked in-forward gradient,
+    # scaled, is added to the fp32 buffer; autograd gets zeros for the weight
+    h, w, t = _problem(device, dtype, shape=(9, 4))
+    mask = (torch.rand(9, 4, generator=torch.Generator().manual_seed(7)) > 0.3).float().to(device)
+    main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(8)).to(device)
+    before = main_grad.clone()
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none", loss_mask=mask,
+                                          weight_grad_accumulator=main_grad)
+    _megatron_reduction(loss, mask).backward()
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    _megatron_reduction(reference(h64, w64, t.cpu(), reduction="none"), mask.cpu()).backward()
+    tol = _TOL[dtype]
+    assert _rel((main_grad - before).cpu(), w64.grad) <= tol
+    assert _rel(hh.grad.cpu(), h64.grad) <= tol
+    assert not ww.grad.any()
