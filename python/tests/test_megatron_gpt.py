@@ -242,6 +242,12 @@ def _tp2_one_rank_wrong(rank, world):
         with pytest.raises(ValueError, match=r"vocab-parallel rank 1: hidden_states: got shape .* output weight of shape \(128, 1, 64\)"):
             lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)))
         model.output_layer.weight = weight
+        # a setting the fused head refuses, on one rank only: refused on every rank
+        model.config.use_mup = rank == 1
+        with pytest.raises(ValueError, match=r"vocab-parallel rank 1: fusedloss.megatron: "
+                           r"linear_cross_entropy=True: config.use_mup=True scales the logits"):
+            lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)))
+        model.config.use_mup = False
         with pytest.raises(ValueError, match="vocab-parallel rank 1: target.dtype: got torch.float32"):
             lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)).float() if rank == 1
                                     else torch.randint(0, V, (B, S)))

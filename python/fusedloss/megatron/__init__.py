@@ -2,7 +2,8 @@
 linear cross-entropy head inside Megatron.
 
     from fusedloss.megatron import apply_fusedloss_to_megatron
-    apply_fusedloss_to_megatron()          # before or after building the model
+    apply_fusedloss_to_megatron()          # before building the model (its norms are built
+                                           # then); the same arguments on every rank
 
 What is replaced is the object each public Megatron function resolves at call time, so every
 consumer sees the patch whatever its import order (language_module.py, mlp.py, moe/*.py import

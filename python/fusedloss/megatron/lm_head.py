@@ -150,13 +150,14 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
     parallel (the gather's backward), all-reduced otherwise at TP > 1 (the copy's backward);
     the op hands back this rank's partial sum for them to reduce."""
     from megatron.core.tensor_parallel import mappings
-    _refuse_unsupported(model)
     layer = model.output_layer
-    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
-              else layer.weight)
     tp = getattr(layer, "tp_group", None)
     tp = tp if tp is not None else _tp_group(model)
     group = state.guard(tp, _OP)
+    if group is None:
+        _refuse_unsupported(model)  # (at TP > 1 inside the agreement: never one rank alone)
+    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+              else layer.weight)
     _run_forward_pre_hooks(layer, (hidden,))
     options = state.lce_options()
     if options["backward_mode"] == "recompute":
@@ -167,6 +168,7 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
         # Megatron's gather or copy, which would hang or mix shards on ranks that disagree.
         check = options["check_shard_agreement"]
         with rank_checks(group, check, _OP) as checks:
+            _refuse_unsupported(model)
             size = state.group_size(group)
             _check_inputs(hidden, weight, labels, loss_mask, layer.sequence_parallel, size)
             if check:
