@@ -173,7 +173,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
     tokens per chunk (a chunked op runs one collective per chunk) and a checksum of its targets
     (every rank computes the loss of the same tokens) at the same call, and raises the same
     ValueError when anything disagrees. Costs one all-gather of 48 B per rank and its host sync
-    (plus one of 512 B per rank when a rank rejected its arguments). rows = -1: the rank
+    (plus one of 512 B per rank when a rank rejected its arguments, or when the options differ:
+    then each rank's named options, from fingerprint(), name the one that differs). rows = -1: the rank
     rejected its arguments before its shapes were known. A rejection that was an out-of-memory
     error (out_of_memory) is raised as torch.OutOfMemoryError on every rank."""
     device = _header_device(group)

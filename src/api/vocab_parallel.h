@@ -78,8 +78,9 @@ struct ShardClaim {
 // error text (kErrorBytes each). Throws the same Error on every rank when the row counts or
 // the shard sizes differ, or when any rank has an error (the lowest such rank's, prefixed
 // "vocab-parallel: rank R: ", an OutOfMemory when that rank's was one), or, with no error anywhere, when the chunking, the collective
-// form, the options or the targets (a checksum of their values) differ, or when the gather
-// did not put rank r's header in slot r. On a device communicator it synchronises `stream`
+// form, the options or the targets (a checksum of their values) differ (options: a second
+// all-gather of each rank's options_text, kErrorBytes each, names the first that differs), or
+// when the gather did not put rank r's header in slot r. On a device communicator it synchronises `stream`
 // (the checksum is computed on the device, inside it). A failure of its own before the first
 // gather (a device allocation, copy or launch: sticky CUDA errors) is thrown on this rank alone.
 constexpr size_t kErrorBytes = 512;
