@@ -45,7 +45,9 @@ def train(args, patched):
 
     if patched:
         # <- the one line (--linear-cross-entropy: the output layer and loss fused too)
-        apply_fusedloss_to_megatron(linear_cross_entropy=args.linear_cross_entropy)
+        # "auto": with the loss_mask below, the head computes its gradients in the forward
+        apply_fusedloss_to_megatron(linear_cross_entropy=args.linear_cross_entropy,
+                                    linear_cross_entropy_backward="auto")
     model = build(args, seed=1234)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     g = torch.Generator(device="cuda").manual_seed(99)

@@ -49,7 +49,8 @@ CONFIGS = {
     "native": None,
     "ce+swiglu": dict(cross_entropy=True, swiglu=True, rms_norm=False),
     "+rmsnorm": dict(cross_entropy=True, swiglu=True, rms_norm=True),
-    "+linear-ce": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True),
+    "+linear-ce": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True,
+                       linear_cross_entropy_backward="auto"),  # 3 GEMMs with the loss_mask
 }
 TASKS = ("train", "snapshot", "loss-bound", "max-batch", "fp32", "tiny")  # most wanted first
 MAX_BATCH_S = 60  # the micro-batch search's own bound (it also stops at the configuration's deadline)

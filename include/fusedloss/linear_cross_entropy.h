@@ -101,6 +101,7 @@ struct LinearCrossEntropyOutputs {
   float* valid_count = nullptr;  // [1]: rows whose target != ignore_index (Mean's divisor).
                                  // Optional (null: kept in the call's scratch), but the
                                  // Recompute backward of a Reduction::Mean reads the forward's
+                                 // count: pass a buffer then
   // InForward only (ignored for Recompute): the gradients of the reduced loss for an upstream
   // gradient of 1. dhidden [N, H] (at TP > 1 this rank's partial), dweight [V_local, H]; each
   // fp32, or the inputs' dtype (bf16/fp16 inputs). An fp32 dweight is the exact choice: it

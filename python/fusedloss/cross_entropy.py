@@ -26,6 +26,15 @@ from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice,
 _REDUCTIONS = {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM), "mean": int(_C.Reduction.MEAN)}
 _FORMULAS = {"pytorch": int(_C.SmoothingFormula.PYTORCH), "megatron": int(_C.SmoothingFormula.MEGATRON)}
 _SCOPES = {"global": int(_C.SmoothingScope.GLOBAL), "partition": int(_C.SmoothingScope.PARTITION)}
+
+
+def option_names(ignore_index, label_smoothing, formula, scope, z_loss, reduction):
+    """The options as the user names them (the TP agreement's mismatch error shows these)."""
+    def name(table, value):
+        return next((k for k, v in table.items() if v == value), value)
+    return dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                smoothing_formula=name(_FORMULAS, formula), smoothing_scope=name(_SCOPES, scope),
+                z_loss=z_loss, reduction=name(_REDUCTIONS, reduction))
 _NONE = _REDUCTIONS["none"]
 _OP = "fusedloss.cross_entropy"
 
@@ -103,9 +112,8 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         return loss, lse, count
     rank, world = rank_and_size(g)
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
-    options = fingerprint(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                          smoothing_formula=formula, smoothing_scope=scope, z_loss=z_loss,
-                          reduction=reduction, target_shape=tuple(target.shape))
+    options = fingerprint(**option_names(ignore_index, label_smoothing, formula, scope, z_loss,
+                                         reduction), target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
         x, _ = rows_of(logits)

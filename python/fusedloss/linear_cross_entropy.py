@@ -32,7 +32,7 @@ from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool
                      parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
                      values_in)
 from .cross_entropy import (_FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, loss_outputs,
-                            make_options)
+                            make_options, option_names)
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -43,6 +43,11 @@ _FORWARD_ONLY = -2
 
 
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
+# what the TP agreement's mismatch error calls the values (fingerprint's named options)
+_MODE_NAMES = {_IN_FORWARD: "in_forward", _RECOMPUTE: "recompute",
+               _FORWARD_ONLY: "none (no gradient follows: the forward alone)"}
+_DHIDDEN_NAMES = {v: k for k, v in _DHIDDEN.items()}
+_ACCUMULATOR_KINDS = ("none", "a tensor", "a callable")
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
 
@@ -190,11 +195,11 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     # target's shape ([s, b] on one rank and [b, s] on another have equal rows)
     accumulator = (0 if weight_grad_accumulator is None else
                    2 if callable(weight_grad_accumulator) else 1)
-    names = ("ignore_index", "label_smoothing", "smoothing_formula", "smoothing_scope", "z_loss",
-             "reduction", "logit_softcap")
-    options = fingerprint(**dict(zip(names, args[:7])), backward_mode=lce_mode, allow_tf32=tf32,
-                          dhidden_reduction=dhidden_reduction, dtype=str(hidden.dtype),
-                          H=hidden.size(-1), weight_grad_accumulator=accumulator,
+    options = fingerprint(**option_names(*args[:6]), logit_softcap=softcap,
+                          loss_mask=row_weight is not None, backward_mode=_MODE_NAMES[lce_mode],
+                          allow_tf32=tf32, dhidden_reduction=_DHIDDEN_NAMES[dhidden_reduction],
+                          dtype=str(hidden.dtype), H=hidden.size(-1),
+                          weight_grad_accumulator=_ACCUMULATOR_KINDS[accumulator],
                           target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
     # scratch, the staging) before the agreement.
@@ -580,6 +585,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         mode = _resolve_mode(mode, opts[5], torch.is_grad_enabled() and
                              (hidden.requires_grad or weight.requires_grad), hidden.dtype,
                              loss_mask is not None)
+        if mode == _IN_FORWARD and opts[5] == _NONE and target.numel() == 0:
+            mode = _RECOMPUTE  # no rows: nothing to weight (an empty mask has no address)
         # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
         # agreement's reach: an allocation that fails on one rank fails on every rank)
         row_weight = (loss_mask.detach().reshape(-1).to(torch.float32).contiguous()

@@ -551,7 +551,7 @@ def _check_tp_disagreement(rank, world, what):
         red = "all_reduce" if rank == 1 else "partial"
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
             h, shard, t, tp_group=G, dhidden_reduction=red),
-            "vocab-parallel options: rank 1's dhidden_reduction=1 differs from rank 0's dhidden_reduction=0")
+            "vocab-parallel options: rank 1's dhidden_reduction='all_reduce' differs from rank 0's dhidden_reduction='partial'")
     elif what == "hidden_width":  # H differs with rows and V_local equal: the dhidden
         hh, ww = (torch.cat([h, h], -1), torch.cat([shard, shard], -1)) if rank == 1 else (h, shard)
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # all-reduce would mismatch
@@ -563,7 +563,7 @@ def _check_tp_disagreement(rank, world, what):
         ww = shard.clone().requires_grad_()
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
             h, ww, t, tp_group=G, weight_grad_accumulator=acc),
-            "rank 1's weight_grad_accumulator=1 differs from rank 0's weight_grad_accumulator=2")
+            "rank 1's weight_grad_accumulator='a tensor' differs from rank 0's weight_grad_accumulator='a callable'")
     elif what == "softcap_hash_alike":  # values hash() does not tell apart (mod 2**61 - 1)
         cap = 3.0 * 2.0 ** 61 if rank == 1 else 3.0
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
@@ -577,7 +577,8 @@ def _check_tp_disagreement(rank, world, what):
         hh = h.clone().requires_grad_(rank == 0)  # (its collectives: dhidden's all-reduce, the
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # accumulator's agreement)
             hh, shard, t, tp_group=G, reduction="none"),
-            "vocab-parallel options: rank 1's backward_mode=-2 differs from rank 0's backward_mode=")
+            "vocab-parallel options: rank 1's backward_mode='none (no gradient follows: the forward "
+            "alone)' differs from rank 0's backward_mode='recompute'")
     elif what in ("target_values", "target_values_recompute"):  # another token on one rank
         other = t.clone()
         if rank == 1:

@@ -184,6 +184,29 @@ def test_gloo_tp(dh_reduction):
     run_world(2, _check_tp_masked, dh_reduction)
 
 
+def _check_tp_mask_on_one_rank(rank, world):
+    from test_vocab_parallel import _same_error_everywhere
+    h, w, t = _problem("cpu", torch.float32, shape=(8,), V=64 * world)
+    shard = w[rank * 64:(rank + 1) * 64].clone().requires_grad_()
+    mask = torch.ones(8) if rank == 1 else None  # the modes' collectives would not pair
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=mask),
+        "vocab-parallel options: rank 1's loss_mask=True differs from rank 0's loss_mask=False")
+
+
+def test_gloo_tp_mask_on_one_rank_raises_everywhere():
+    run_world(2, _check_tp_mask_on_one_rank)
+
+
+def test_empty_batch(device):
+    h, w, t = _problem(device, torch.bfloat16, shape=(0, 4))
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction="none", loss_mask=torch.ones(0, 4, device=device))
+    assert loss.shape == (0, 4)
+    loss.sum().backward()
+    assert hh.grad.shape == h.shape and not ww.grad.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_grad_accumulator(device, dtype):
     # Megatron's main_grad under gradient-accumulation fusion: the masked in-forward gradient,

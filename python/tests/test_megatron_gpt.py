@@ -109,7 +109,7 @@ def _masked_step(model, batch, reduce_with_mask=True, **patch_options):
 
 def _check_masked_parity(model, batch):
     """With the loss_mask Megatron's forward receives, the fused head computes the gradients in
-    its forward (linear_cross_entropy_backward="auto"): the same loss and gradients as the
+    its forward (linear_cross_entropy_backward="auto", opt-in): the same loss and gradients as the
     unpatched model; a loss function that does not reduce with the mask is refused in the
     backward (CPU: it raises, naming the way out), and "recompute" takes it."""
     mask = batch[3].bool()

@@ -143,7 +143,7 @@ def _check_inputs(hidden, weight, labels, loss_mask, sequence_parallel, tp_size)
 def fused_head_loss(model, hidden, labels, loss_mask=None):
     """hidden [s(/tp under sequence parallel), b, H], labels [b, s] -> per-token loss [b, s]
     fp32, as output_layer + compute_language_model_loss return it. With the loss_mask [b, s]
-    that Megatron's forward received (and linear_cross_entropy_backward="auto"), the op computes
+    that Megatron's forward received (and linear_cross_entropy_backward="auto": opt-in), the op computes
     the gradients of sum(loss_mask * loss) in the forward (3 GEMMs, not 4): Megatron's loss_func
     reduces exactly that, times one scalar. The input gradient leaves as
     Megatron's ColumnParallelLinear leaves it: reduce-scattered along tokens under sequence

@@ -184,7 +184,7 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
                                 check_shard_agreement: bool = True, swiglu_in_place=None,
-                                linear_cross_entropy_backward: str = "auto") -> None:
+                                linear_cross_entropy_backward: str = "recompute") -> None:
     """Swap Megatron-core's cross-entropy, SwiGLU, RMSNorm and (asked for) the GPT head for
     fusedloss's. Idempotent; a later call sets the patch to exactly what it asks for
     (cross_entropy=False after a full patch restores Megatron's cross-entropy).
@@ -215,16 +215,17 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       gradient-accumulation fusion (the weight gradient is added to `main_grad`) as Megatron's
       output layer; a multi-token-prediction model, an output bias, deferred embedding wgrad or
       MuP logit scaling raise a RuntimeError naming it. Same options as cross_entropy.
-    linear_cross_entropy_backward: "auto" (default): when Megatron's forward receives a
-      `loss_mask` (pretrain_gpt's forward_step passes it), the forward computes the gradients of
-      sum(loss_mask * loss), which Megatron's loss_func reduces times one scalar, and the
-      backward only scales them (3 GEMMs); without one, the per-token losses are recomputed in
-      the backward (4 GEMMs). A loss function that reduces the per-token loss otherwise (not
-      c * sum(loss_mask * loss)) makes the gradients NaN with an error from
-      fusedloss.check_device_errors() (on the CPU the backward raises): patch with
-      "recompute" for it, which takes any upstream gradient. The 3-GEMM mode keeps the
-      gradients between forward and backward (dhidden [N, H], dweight [V/tp, H] in fp32 under
-      gradient-accumulation fusion); "recompute" keeps 4 bytes a token.
+    linear_cross_entropy_backward: "recompute" (default): the backward recomputes the logits
+      (4 GEMMs), for any reduction of the per-token loss; 4 bytes a token kept in between.
+      "auto": when Megatron's forward receives a `loss_mask` (pretrain_gpt's forward_step
+      passes it), the forward computes the gradients of sum(loss_mask * loss), which Megatron's
+      loss_func reduces times one scalar, and the backward only scales them (3 GEMMs; bf16 and
+      fp32 models, fp16 recomputes); without one, "recompute". It keeps the gradients between
+      forward and backward (dhidden [N, H], dweight [V/tp, H] in fp32 under
+      gradient-accumulation fusion), and needs a loss function that reduces exactly
+      c * sum(loss_mask * loss): any other makes the gradients (and an fp32 main_grad they are
+      added to) NaN, raised by fusedloss.check_device_errors() on CUDA (on the CPU the
+      backward raises).
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny

@@ -15,7 +15,7 @@ _CE_KWARGS = {}
 _LCE_KWARGS = {}
 
 
-def configure(flags, ignore_index, label_smoothing, lce_backward="auto"):
+def configure(flags, ignore_index, label_smoothing, lce_backward="recompute"):
     CONFIG.clear()
     CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
     common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
@@ -24,8 +24,8 @@ def configure(flags, ignore_index, label_smoothing, lce_backward="auto"):
     _CE_KWARGS.clear()
     _CE_KWARGS.update(common, inplace_backward=flags["inplace_backward"])
     _LCE_KWARGS.clear()
-    # "auto": in_forward with the loss_mask Megatron's forward received (its loss_func reduces
-    # c * sum(loss_mask * loss)), recompute without one; "recompute": any upstream gradient
+    # "recompute": any upstream gradient; "auto": in_forward with the loss_mask Megatron's
+    # forward received (its loss_func reduces c * sum(loss_mask * loss)), recompute without one
     _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode=lce_backward,
                        dhidden_reduction="partial")
 
