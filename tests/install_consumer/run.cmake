@@ -1,7 +1,8 @@
 # A downstream project that only knows find_package(fusedloss), configured, built and run
 # against an installed fusedloss. MODE:
 #   install   (default) cmake --install FUSEDLOSS_BUILD into a scratch prefix; the consumer
-#             requires exactly the components that build has, and requiring one it lacks fails
+#             requires exactly the components that build has, and requiring one it lacks fails;
+#             then the same consumer against the build tree itself (fusedloss_DIR)
 #   cpu_only  configure, build and install a CPU-only fusedloss (no CUDA, NCCL, MPI) from
 #             FUSEDLOSS_SOURCE; the consumer configures with CUDA, NCCL and MPI hidden
 #   prefix    an existing install: PREFIXES is a list of CMAKE_PREFIX_PATH values to try each
@@ -45,6 +46,8 @@ if(MODE STREQUAL "install")
   run(${CMAKE_COMMAND} --install ${FUSEDLOSS_BUILD} --prefix ${BUILD_ROOT}/prefix)
   # HAS_COMPONENTS: what that build has, comma-separated (e.g. CUDA,NCCL,MPI)
   consume(consumer ${BUILD_ROOT}/prefix -DFUSEDLOSS_COMPONENTS=${HAS_COMPONENTS})
+  consume(consumer-build-tree "" -Dfusedloss_DIR=${FUSEDLOSS_BUILD}
+          -DFUSEDLOSS_COMPONENTS=${HAS_COMPONENTS})
   string(REPLACE "," ";" has "${HAS_COMPONENTS}")
   foreach(component CUDA NCCL MPI)
     if(NOT component IN_LIST has)
