@@ -51,6 +51,9 @@ CONFIGS = {
     "+rmsnorm": dict(cross_entropy=True, swiglu=True, rms_norm=True),
     "+linear-ce": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True,
                        linear_cross_entropy_backward="auto"),  # 3 GEMMs with the loss_mask
+    # the head's default: 4 GEMMs, 4 B/token kept (in_forward keeps dweight [V, H] in fp32)
+    "+linear-ce-recompute": dict(cross_entropy=True, swiglu=True, rms_norm=True,
+                                 linear_cross_entropy=True, linear_cross_entropy_backward="recompute"),
 }
 TASKS = ("train", "snapshot", "loss-bound", "max-batch", "fp32", "tiny")  # most wanted first
 MAX_BATCH_S = 60  # the micro-batch search's own bound (it also stops at the configuration's deadline)

@@ -221,13 +221,15 @@ def test_plot_draws_every_measured_configuration(monkeypatch):
 
 def test_the_micro_batch_search_runs_for_native_and_the_most_patched_offered(monkeypatch):
     configs, tasks = list(e2e.CONFIGS), ["train", "max-batch"]
-    # a configuration whose options the patch does not take is not the most patched one
-    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce", dict(cross_entropy=True, no_such_option=True))
+    assert configs[-1] == "+linear-ce-recompute"  # the head's leanest form: the largest batch
+    # configurations whose options the patch does not take are not the most patched one
+    for name in ("+linear-ce", "+linear-ce-recompute"):
+        monkeypatch.setitem(e2e.CONFIGS, name, dict(cross_entropy=True, no_such_option=True))
     assert e2e.plan_tasks(configs, tasks) == {"native": tasks, "ce+swiglu": ["train"], "+rmsnorm": tasks,
-                                              "+linear-ce": ["train"]}
-    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce", dict(cross_entropy=True, rms_norm=True))
+                                              "+linear-ce": ["train"], "+linear-ce-recompute": ["train"]}
+    monkeypatch.setitem(e2e.CONFIGS, "+linear-ce-recompute", dict(cross_entropy=True, rms_norm=True))
     assert e2e.plan_tasks(configs, tasks)["+rmsnorm"] == ["train"]
-    assert e2e.plan_tasks(configs, tasks)["+linear-ce"] == tasks
+    assert e2e.plan_tasks(configs, tasks)["+linear-ce-recompute"] == tasks
     assert e2e.plan_tasks(configs, ["max-batch"])["ce+swiglu"] == []
 
 
