@@ -336,10 +336,23 @@ def test_linear_cross_entropy_any_layout(run):
                     fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
                 assert torch.equal(acc_base.detach(), acc_before)
                 acc = None
+        # per-token losses reduced with a mask (Megatron's loss_func): the mask in any real
+        # dtype and layout, the in-forward backward for it (auto, or asked for), the upstream
+        # gradient c * mask
+        mask = None
+        if opts["reduction"] == "none" and draw(st.booleans()):
+            mask_dtype = draw(st.sampled_from([torch.bool, torch.float32, torch.bfloat16, torch.int32]))
+            mask = (torch.rand(shape[:-1], generator=gen) > 0.3).to(mask_dtype).to(DEVICE)
+            owned.append((mask, mask.clone()))
+            if draw(st.booleans()) and mask.numel():  # strided
+                mask = torch.stack([mask, torch.zeros_like(mask)], -1)[..., 0]
+            if dtype != torch.float16 and draw(st.booleans()):
+                opts = dict(opts, backward_mode="in_forward")
         no_grad = draw(st.sampled_from([False, False, False, True]))  # evaluation: forward alone
         with warnings.catch_warnings(), torch.no_grad() if no_grad else contextlib.nullcontext():
             warnings.simplefilter("ignore")
-            loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc, **opts)
+            loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc,
+                                                  loss_mask=mask, **opts)
         ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
@@ -350,6 +363,10 @@ def test_linear_cross_entropy_any_layout(run):
                 assert torch.equal(x.detach(), before), "a tensor was written without a backward"
             return
         up, up64 = _upstream(draw, loss, gen)
+        if mask is not None:
+            c = draw(st.sampled_from([1.0, 0.37, -2.5]))
+            up = lambda o: (o * mask.to(o.dtype)).sum() * c  # noqa: E731
+            up64 = lambda o: (o * mask.cpu().double()).sum() * c  # noqa: E731
         up(loss).backward()
         w64.retain_grad()  # the gradient of the op's weight argument, the view, for the buffer
         up64(ref).backward()
