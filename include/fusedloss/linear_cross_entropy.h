@@ -114,8 +114,9 @@ struct LinearCrossEntropyOutputs {
   // c * sum(loss_mask * loss)): it finds c on the device and scales by it. Another grad_loss
   // has no such c: on CUDA the gradients are NaN and check_device_errors() throws; on the host
   // the backward throws. The loss itself is not weighted. Recompute (fp16 inputs, or asked
-  // for) does not read it. Not compared across ranks at TP > 1: the same on every rank. With
-  // N == 0 a null pointer reads as no row weights: pass Auto (or Recompute) there.
+  // for) does not read it. At TP > 1 the same on every rank: the agreement compares a
+  // checksum of it with the targets'. With N == 0 a null pointer reads as no row weights: pass
+  // Auto (or Recompute) there.
   const float* row_weight = nullptr;
   // Optional: the call's scratch (the chunk buffers and the GEMM workspace within
   // workspace_bytes, per-row losses, at TP > 1 the exchange of a chunk), in the inputs' memory

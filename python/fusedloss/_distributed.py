@@ -132,9 +132,17 @@ def _target_checksum(target, device):
     """sum_i mix(t_i ^ mix(i)) in wrapping 64-bit arithmetic (the C++ agreement's checksum,
     src/core/cross_entropy_math.h): a change of one target always changes it, permuted rows or
     several changes only by a 2^-64 coincidence. A 1-element int64 tensor on `device`."""
-    t = target.reshape(-1).to(torch.int64)
-    rows = torch.arange(t.numel(), dtype=torch.int64, device=t.device)
-    return _mix(t ^ _mix(rows)).sum().reshape(1).to(device)
+    if isinstance(target, tuple):  # the targets and fp32 row weights (their bits, rows after)
+        t, w = target
+        bits = (w.reshape(-1) + 0.0).view(torch.int32).to(torch.int64)  # (-0.0 is 0.0)
+        return (_checksum(t.reshape(-1).to(torch.int64), 0) +
+                _checksum(bits, t.numel())).reshape(1).to(device)
+    return _checksum(target.reshape(-1).to(torch.int64), 0).reshape(1).to(device)
+
+
+def _checksum(values, first_row):
+    rows = torch.arange(first_row, first_row + values.numel(), dtype=torch.int64, device=values.device)
+    return _mix(values ^ _mix(rows)).sum()
 
 
 class Fingerprint(int):
@@ -250,7 +258,8 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB on every rank")
         if ss != sum0:
             raise _C.Error(f"{op}: vocab-parallel targets: rank {r}'s differ from rank 0's (a "
-                           "checksum of their values); expected the same targets on every rank "
+                           "checksum of their values, and of a loss_mask's); expected the same "
+                           "targets (and loss_mask) on every rank "
                            "(each rank computes the loss of the same tokens)")
     if reason is not None:
         raise error_type(reason)

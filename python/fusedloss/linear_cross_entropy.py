@@ -208,7 +208,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
         w, _ = rows_of(weight)
         t, tv = index(target, "target")
         checks.rows, checks.v_local = rows, v_local = h.size(0), w.size(0)
-        checks.target = t
+        checks.target = t if row_weight is None else (t, row_weight)  # both compared
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if check_agreement:
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
@@ -537,7 +537,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     another form has no such c: on CUDA the gradients are NaN and fusedloss.check_device_errors()
     raises (no host sync); on the CPU the backward raises. Use backward_mode="recompute" for
     any other reduction of the per-token loss. At tp_group size > 1 it must be equal on every
-    rank (not compared, like hidden).
+    rank: the agreement compares a checksum of it with the targets'.
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an

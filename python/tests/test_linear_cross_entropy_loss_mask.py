@@ -192,6 +192,16 @@ def _check_tp_mask_on_one_rank(rank, world):
     _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
         h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=mask),
         "vocab-parallel options: rank 1's loss_mask=True differs from rank 0's loss_mask=False")
+    # another mask on rank 1 would weight its gradients otherwise: compared with the targets
+    mask = torch.ones(8)
+    mask[3] = 0.0 if rank == 1 else 1.0
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=mask),
+        "vocab-parallel targets: rank 1's differ from rank 0's (a checksum of their values, and "
+        "of a loss_mask's)")
+    mask[3] = 1.0  # equal masks agree
+    fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, reduction="none",
+                                   loss_mask=mask).sum().backward()
 
 
 def test_gloo_tp_mask_on_one_rank_raises_everywhere():

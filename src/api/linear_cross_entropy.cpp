@@ -379,6 +379,8 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
               << ", allow_tf32=" << options.allow_tf32 << ", backward_mode=" << mode_name(mode)
               << ", H=" << hidden.cols;
     mine.options_text = vocab_parallel::describe(ce) + more_text.str();
+    if (mode == LinearCeBackward::InForward && p.reduction == Reduction::None)
+      mine.row_weight = out.row_weight;  // compared with the targets (the gradients' weights)
     vocab_parallel::agree_or_throw(*comm, mine, ce.check_shard_agreement, stream);
   }
 

@@ -67,9 +67,11 @@ struct ShardClaim {
   // The fingerprinted options as text (describe(), and the caller's further pairs): exchanged
   // only when the fingerprints differ, to name the option and the two values.
   std::string options_text;
-  // The targets, whose checksum every rank must share (the same tokens on every rank); read
-  // only when this rank has no error.
+  // The targets, whose checksum every rank must share (the same tokens on every rank), and
+  // row weights (`target.size` floats, or null) summed into it by their bits; read only when
+  // this rank has no error.
   IndexView target;
+  const float* row_weight = nullptr;
   const char* fn = "cross_entropy_forward";  // the entry point, for its errors
 };
 

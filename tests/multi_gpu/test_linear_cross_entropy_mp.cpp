@@ -162,6 +162,26 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   expect_error_everywhere([&] { call(Vl, H); }, "targets: rank 1's differ from rank 0's");
   target.host_as<int64_t>()[2] = 2;
   target.upload();
+  // Rank 1 weights one row otherwise (row weights, InForward): its gradients would weight the
+  // rows differently from the others', silently. Refused everywhere, with the targets; equal
+  // weights agree.
+  {
+    CrossEntropyOptions none = ce;
+    none.reduction = Reduction::None;
+    Buffer rw(dev, N * 4);
+    LinearCrossEntropyOutputs out = fp32_outputs(loss, lse, count, dh, dw, N, H, Vl);
+    out.row_weight = rw.data_as<float>();
+    auto weighted = [&](bool rank1_differs) {
+      for (int64_t r = 0; r < N; ++r)
+        rw.host_as<float>()[r] = rank1_differs && rank == 1 && r == 2 ? 0.0f : 1.0f;
+      rw.upload();
+      linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
+                                   {weight.data(), Vl, H, H, DType::F32, dev}, tv, none, {}, out,
+                                   &comm);
+    };
+    expect_error_everywhere([&] { weighted(true); }, "targets: rank 1's differ from rank 0's");
+    weighted(false);
+  }
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {
     if (rank == 0) target.host_as<int64_t>()[3] = Vl * world;
