@@ -605,9 +605,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
                                   checks.deferred)
-    if (_EAGER is not None and not name and weight_grad_accumulator is None and row_weight is None
+    if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not torch.compiler.is_compiling()):
-        loss = _EAGER(hidden, weight, target, *opts, mode, tf32, acc32, inplace)
+        loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)
     else:
         loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,
                                      check, dh_red, acc32, inplace, weight_grad_accumulator)

@@ -146,8 +146,9 @@ const python::CoreTable& core_table() {
         Exported<decltype(&linear_cross_entropy_backward), &linear_cross_entropy_backward>::call;
     t.set_scratch_allocator = Exported<decltype(&set_scratch_allocator), &set_scratch_allocator>::call;
     t.resolve_linear_ce_backward = [](LinearCeBackward mode, Reduction reduction, DType dtype,
-                                      LinearCeBackward* resolved) noexcept {
-      return caught([&] { *resolved = resolve_linear_ce_backward(mode, reduction, dtype); });
+                                      bool row_weighted, LinearCeBackward* resolved) noexcept {
+      return caught(
+          [&] { *resolved = resolve_linear_ce_backward(mode, reduction, dtype, row_weighted); });
     };
     return t;
   }();

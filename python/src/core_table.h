@@ -81,7 +81,7 @@ struct CoreTable {
                                              Stream stream) = nullptr;
   CoreError (*set_scratch_allocator)(const ScratchAllocator* allocator) = nullptr;
   CoreError (*resolve_linear_ce_backward)(LinearCeBackward mode, Reduction reduction, DType dtype,
-                                          LinearCeBackward* resolved) = nullptr;
+                                          bool row_weighted, LinearCeBackward* resolved) = nullptr;
 };
 
 }  // namespace fusedloss::python

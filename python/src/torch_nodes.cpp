@@ -527,7 +527,8 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 }
 
 // ---- linear_cross_entropy (python/fusedloss/linear_cross_entropy.py), without a tp_group
-// or a weight_grad_accumulator ----
+// or a weight_grad_accumulator; row_weight: the loss_mask as fp32 [N] (contiguous), or
+// undefined ----
 
 // The backward modes as the Python schema carries them: LinearCeBackward's values, and the
 // forward alone (no gradient follows), which runs as the recompute form's forward.
@@ -555,11 +556,14 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
   // soft-cap, the workspace (0: the default), the resolved backward mode, TF32, fp32
   // accumulation of the weight's gradient, and inplace (scale the saved gradients in place)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
-                            const at::Tensor& target, int64_t ignore_index, double label_smoothing,
+                            const at::Tensor& target,
+                            const std::optional<at::Tensor>& row_weight_or_none,
+                            int64_t ignore_index, double label_smoothing,
                             int64_t formula, int64_t scope, double z_loss, int64_t reduction,
                             double softcap, int64_t workspace_bytes, int64_t mode, bool tf32,
                             bool acc32, bool inplace) {
     c10::OptionalDeviceGuard device(hidden.device());
+    const at::Tensor row_weight = or_undefined(row_weight_or_none);
     // (the Python caller checked these; the op is public as torch.ops.fusedloss.linear_cross_entropy_eager)
     require_index_dtype(target);
     TORCH_CHECK_VALUE(hidden.dim() == 2 || hidden.dim() == 3, "hidden: got ", hidden.dim(),
@@ -570,6 +574,13 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     for (const at::Tensor* t : {&weight, &target})
       TORCH_CHECK_VALUE(t->device() == hidden.device(), t == &weight ? "weight" : "target",
                         ".device: got ", t->device(), ", expected hidden's device ", hidden.device());
+    if (row_weight.defined())
+      TORCH_CHECK_VALUE(row_weight.scalar_type() == at::kFloat && row_weight.dim() == 1 &&
+                            row_weight.is_contiguous() && row_weight.numel() == target.numel() &&
+                            row_weight.device() == hidden.device(),
+                        "row_weight: got ", row_weight.scalar_type(), " ", row_weight.sizes(),
+                        " on ", row_weight.device(), ", expected a contiguous float32 [",
+                        target.numel(), "] on hidden's device (the loss_mask, converted)");
     const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(target);
     const int64_t rows = h.size(0), H = h.size(1);
     const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction);
@@ -581,6 +592,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     out.loss = loss.data_ptr<float>();
     out.lse = lse.data_ptr<float>();
     out.valid_count = count.data_ptr<float>();
+    if (mode == kInForward && row_weight.defined()) out.row_weight = row_weight.data_ptr<float>();
     at::Tensor dh, dw;  // in_forward: the gradients for a unit upstream gradient
     if (mode == kInForward) {
       dh = at::empty({rows, H}, h.options());
@@ -593,7 +605,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     }
     core_call(&CoreTable::linear_cross_entropy_forward, matrix(h), matrix(w), index_view(t), o,
               lce_options(softcap, workspace_bytes, mode, tf32, 0), out, nullptr, stream_of(h));
-    ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw});
+    ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw, row_weight});
     auto& d = ctx->saved_data;
     d["ignore_index"] = ignore_index;
     d["label_smoothing"] = label_smoothing;
@@ -619,7 +631,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     at::AutoGradMode no_grad(false);
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &hidden = saved[0], &weight = saved[1], &lse = saved[3], &count = saved[4];
-    const at::Tensor &saved_dh = saved[5], &saved_dw = saved[6];
+    const at::Tensor &saved_dh = saved[5], &saved_dw = saved[6], &row_weight = saved[7];
     c10::OptionalDeviceGuard device(hidden.device());
     auto& d = ctx->saved_data;
     const int64_t mode = d["mode"].toInt();
@@ -640,6 +652,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     fusedloss::LinearCrossEntropyOutputs kept;
     kept.dhidden = mode == kInForward ? matrix(saved_dh) : absent_matrix(h);
     kept.dweight = mode == kInForward ? matrix(saved_dw) : absent_matrix(h);
+    if (mode == kInForward && row_weight.defined()) kept.row_weight = row_weight.data_ptr<float>();
     const at::Tensor dh = inplace ? saved_dh : at::empty({h.size(0), h.size(1)}, h.options());
     const at::Tensor dw = inplace ? saved_dw : at::empty(weight.sizes(), weight.options());
     fusedloss::LinearCrossEntropyGrads out;
@@ -649,7 +662,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
               lse.data_ptr<float>(), gl.data_ptr<float>(), count.data_ptr<float>(), o, lo, kept,
               out, stream_of(h));
     if (inplace) mark_consumed(ctx, saved_dh);
-    variable_list result(15);
+    variable_list result(16);
     result[0] = dh.view(hidden.sizes());
     result[1] = inplace ? dw.view(weight.sizes()) : dw;  // (a new dw has weight's shape: no view)
     at::AutoGradMode restored(create_graph);
@@ -659,7 +672,8 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
 };
 
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
-                                const at::Tensor& target, int64_t ignore_index,
+                                const at::Tensor& target,
+                                const std::optional<at::Tensor>& row_weight, int64_t ignore_index,
                                 double label_smoothing, int64_t formula, int64_t scope,
                                 double z_loss, int64_t reduction, double softcap,
                                 int64_t workspace_bytes, int64_t mode, bool tf32, bool acc32,
@@ -669,12 +683,14 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
   if (mode == int64_t(fusedloss::LinearCeBackward::Auto)) {
     fusedloss::LinearCeBackward resolved{};
     core_call(&CoreTable::resolve_linear_ce_backward, fusedloss::LinearCeBackward::Auto,
-              fusedloss::Reduction(reduction), dtype_of(hidden), &resolved);
+              fusedloss::Reduction(reduction), dtype_of(hidden),
+              row_weight.has_value() && row_weight->defined(), &resolved);
     mode = int64_t(resolved);
   }
   if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))
     mode = kForwardOnly;
-  return LinearCrossEntropy::apply(hidden, weight, target, ignore_index, label_smoothing, formula,
+  return LinearCrossEntropy::apply(hidden, weight, target, row_weight,
+                                   ignore_index, label_smoothing, formula,
                                    scope, z_loss, reduction, softcap, workspace_bytes, mode, tf32,
                                    acc32, inplace);
 }
@@ -785,7 +801,8 @@ TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("cross_entropy_eager(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
         "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, bool inplace, "
         "bool grad_in_forward) -> Tensor");
-  m.def("linear_cross_entropy_eager(Tensor hidden, Tensor weight, Tensor target, int ignore_index, "
+  m.def("linear_cross_entropy_eager(Tensor hidden, Tensor weight, Tensor target, Tensor? row_weight, "
+        "int ignore_index, "
         "float label_smoothing, int smoothing_formula, int smoothing_scope, float z_loss, "
         "int reduction, float logit_softcap, int workspace_bytes, int backward_mode, bool tf32, "
         "bool fp32_dweight, bool inplace) -> Tensor");

@@ -359,6 +359,17 @@ def test_linear_cross_entropy_node_in_use_and_inplace_consumed(device):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+    # a loss_mask too: its row weights through the C++ node
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], device=device)
+    loss = fusedloss.linear_cross_entropy(h, w, t, reduction="none", loss_mask=mask)
+    assert "Cpp" in type(loss.grad_fn).__name__
+    h.grad = w.grad = None
+    (loss * mask).sum().backward()
+    ref_h, ref_w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (fusedloss.linear_cross_entropy(ref_h, ref_w, t, reduction="none", backward_mode="recompute")
+     * mask).sum().backward()
+    torch.testing.assert_close(h.grad, ref_h.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
     # routed to the Python node: a tp_group or an accumulator (those stay in Python)
     acc = torch.zeros(11, 8, device=device)
     loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc)
@@ -372,40 +383,51 @@ def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
     h = torch.randn(4, 8, device=device, requires_grad=True)
     w = torch.randn(6, 8, device=device)
     with pytest.raises(ValueError, match="target.dtype"):
-        op(h, w, torch.zeros(4, device=device), -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        op(h, w, torch.zeros(4, device=device), None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     with pytest.raises(ValueError, match="weight"):  # the core names H's mismatch
         op(h, torch.randn(6, 7, device=device), torch.zeros(4, dtype=torch.long, device=device),
-           -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+           None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     t = torch.zeros(4, dtype=torch.long, device=device)
     with pytest.raises(ValueError, match="target.dtype"):  # uint64 ids may not fit int64
-        op(h, w, t.to(torch.uint64), -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        op(h, w, t.to(torch.uint64), None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     with pytest.raises(ValueError, match="hidden: got 1 dimensions"):
-        op(h[0], w, t[:1], -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        op(h[0], w, t[:1], None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     with pytest.raises(ValueError, match="weight: got 3 dimensions"):
-        op(h, w[None], t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        op(h, w[None], t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     with pytest.raises(ValueError, match="workspace_bytes: got -1"):
-        op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, -1, 1, False, True, True)
+        op(h, w, t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, -1, 1, False, True, True)
     with torch.no_grad():  # no node: the forward alone, whatever mode the caller passed
-        loss = op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        loss = op(h, w, t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     assert loss.grad_fn is None and torch.isfinite(loss)
     # backward_mode 0 ("auto"): in_forward for a mean, recompute for none, as the Python API
-    auto = op(h, w, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
+    auto = op(h, w, t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
     assert torch.equal(auto, fusedloss.linear_cross_entropy(h, w, t))
-    per_row = op(h, w, t, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)
+    per_row = op(h, w, t, None, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)
     assert torch.equal(per_row, fusedloss.linear_cross_entropy(h, w, t, reduction="none"))
     # fp16: auto takes recompute there (the core refuses in_forward for fp16), as the Python API
     h16, w16 = h.detach().half().requires_grad_(), w.detach().half().requires_grad_()
-    auto16 = op(h16, w16, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
+    auto16 = op(h16, w16, t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 0, False, True, True)
     auto16.backward()
     h16_grad, h16.grad = h16.grad, None
     fusedloss.linear_cross_entropy(h16, w16, t).backward()
     assert torch.equal(h16_grad, h16.grad)
     with pytest.raises(ValueError, match="backward_mode: got InForward with fp16 inputs"):
-        op(h16, w16, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
+        op(h16, w16, t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1, False, True, True)
     # a new weight gradient is returned as it is, not as a view of itself
-    g = torch.autograd.grad(op(h, w.requires_grad_(), t, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1,
+    g = torch.autograd.grad(op(h, w.requires_grad_(), t, None, -100, 0.0, 0, 0, 0.0, 2, 0.0, 0, 1,
                                False, True, False), w)[0]
     assert g._base is None
+    # the loss_mask as the Python caller converts it: fp32, contiguous, one per target
+    for bad in (torch.ones(4, dtype=torch.float64, device=device), torch.ones(3, device=device),
+                torch.ones(8, device=device)[::2]):
+        with pytest.raises(ValueError, match=r"row_weight: got .*expected a contiguous float32 \[4\]"):
+            op(h, w, t, bad, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 1, False, True, True)
+    # Auto with row weights and reduction none: the in-forward gradients of sum(w * loss)
+    rw = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
+    loss = op(h, w, t, rw, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)
+    with pytest.raises(ValueError, match=r"grad_loss\[1\]"):  # (CPU: the check raises)
+        loss.sum().backward() if device == "cpu" else (loss.sum().backward(), fusedloss.check_device_errors())
+
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="allocations are counted on a CUDA device")
