@@ -72,7 +72,9 @@ _scratch_from_environment()
 
 
 def check_device_errors(device=None):
-    """Synchronises the current CUDA stream and raises ValueError naming the first out-of-range
-    target the kernels met since the last call (CUDA defers that report to avoid host syncs)."""
+    """Synchronises the current CUDA stream and raises ValueError naming the first error the
+    kernels met since the last call (CUDA defers these reports to avoid host syncs): an
+    out-of-range target, or an upstream gradient that is not c * loss_mask for a
+    linear_cross_entropy whose forward computed the masked gradients."""
     if torch.cuda.is_available():
         _C.check_device_errors(torch.cuda.current_stream(device).cuda_stream)

@@ -320,3 +320,20 @@ def test_head_patch_is_all_or_nothing_and_unpatch_restores(monkeypatch):
     assert GPTModel.__dict__["_postprocess"] is before[0]
     unpatch_megatron()
     assert (GPTModel.__dict__["_postprocess"], LanguageModule.__dict__["compute_language_model_loss"]) == before
+
+
+def test_auto_reads_the_device_check_once(monkeypatch, device):
+    # linear_cross_entropy_backward="auto" on CUDA: the device's verdict on the loss function is
+    # read at the first backward after the patch, once (the CPU backward raises by itself)
+    from fusedloss.megatron import lm_head, state
+    calls = []
+    monkeypatch.setattr(fusedloss, "check_device_errors", lambda dev=None: calls.append(dev))
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_backward="auto")
+    for _ in range(2):
+        h = torch.randn(3, 4, device=device, requires_grad=True)
+        y = h * 2
+        lm_head._check_loss_function_once(y)
+        y.sum().backward()
+    assert len(calls) == (1 if device == "cuda" else 0)
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_backward="auto")
+    assert not state.CONFIG.get("loss_function_checked")  # a new patch reads it again

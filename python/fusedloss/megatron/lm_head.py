@@ -192,11 +192,32 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
         else:
             added = [False]
         weight = _IntoMainGrad.apply(weight, added)
+    if loss_mask is not None:
+        _check_loss_function_once(hidden)
     loss = fusedloss.linear_cross_entropy(
         hidden, weight, labels.transpose(0, 1), **options, tp_group=group,
         weight_grad_accumulator=accumulator,
         loss_mask=None if loss_mask is None else loss_mask.transpose(0, 1))
     return loss.transpose(0, 1).contiguous()
+
+
+def _check_loss_function_once(hidden):
+    """linear_cross_entropy_backward="auto" needs a loss function that reduces
+    c * sum(loss_mask * loss). On CUDA the op checks that on the device (no host sync): a loss
+    function that does not fit gets NaN gradients and the device error word. Read here once, at
+    the first backward after the patch (one host sync, when the hidden states' gradient is
+    done), so that such a loss raises at its first step rather than training on NaN. (On the
+    CPU the backward raises by itself.)"""
+    if (state.CONFIG.get("loss_function_checked") or hidden.device.type != "cuda"
+            or not hidden.requires_grad or torch.compiler.is_compiling()):
+        return
+    state.CONFIG["loss_function_checked"] = True
+
+    def check(grad):
+        fusedloss.check_device_errors(grad.device)
+        return grad
+
+    hidden.register_hook(check)
 
 
 def make_postprocess(original):

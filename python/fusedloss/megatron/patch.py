@@ -225,7 +225,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       gradient-accumulation fusion), and needs a loss function that reduces exactly
       c * sum(loss_mask * loss): any other makes the gradients (and an fp32 main_grad they are
       added to) NaN, raised by fusedloss.check_device_errors() on CUDA (on the CPU the
-      backward raises).
+      backward raises); the head reads that error once itself, at the first backward after the
+      patch (one host sync), so a loss function that does not fit raises at its first step.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
