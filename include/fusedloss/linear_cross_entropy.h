@@ -115,7 +115,7 @@ struct LinearCrossEntropyOutputs {
   // has no such c: on CUDA the gradients are NaN and check_device_errors() throws; on the host
   // the backward throws. The loss itself is not weighted. Recompute (fp16 inputs, or asked
   // for) does not read it. At TP > 1 the same on every rank: the agreement compares a
-  // checksum of it with the targets'. With N == 0 a null pointer reads as no row weights: pass
+  // checksum of it with the targets' (InForward). With N == 0 a null pointer reads as no row weights: pass
   // Auto (or Recompute) there.
   const float* row_weight = nullptr;
   // Optional: the call's scratch (the chunk buffers and the GEMM workspace within

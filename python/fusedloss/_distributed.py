@@ -131,7 +131,9 @@ def _mix(z):
 def _target_checksum(target, device):
     """sum_i mix(t_i ^ mix(i)) in wrapping 64-bit arithmetic (the C++ agreement's checksum,
     src/core/cross_entropy_math.h): a change of one target always changes it, permuted rows or
-    several changes only by a 2^-64 coincidence. A 1-element int64 tensor on `device`."""
+    several changes only by a 2^-64 coincidence. A (targets, fp32 row weights) pair adds the
+    weights' terms as the core does (row_weight_checksum_term: bits with -0 as 0, rows N..2N-1).
+    A 1-element int64 tensor on `device`."""
     if isinstance(target, tuple):  # the targets and fp32 row weights (their bits, rows after)
         t, w = target
         bits = (w.reshape(-1) + 0.0).view(torch.int32).to(torch.int64)  # (-0.0 is 0.0)
@@ -257,9 +259,10 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
                            f"rank 0 {chunk0}; expected the same workspace_bytes, dtype and FUSEDLOSS_LCE_BUFFERS / "
                            "FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB on every rank")
         if ss != sum0:
+            masked = isinstance(target, tuple)  # (the same on every rank: options agreed)
             raise _C.Error(f"{op}: vocab-parallel targets: rank {r}'s differ from rank 0's (a "
-                           "checksum of their values, and of a loss_mask's); expected the same "
-                           "targets (and loss_mask) on every rank "
+                           f"checksum of their values{', and of the loss_mask' if masked else ''}); "
+                           f"expected the same targets{' and loss_mask' if masked else ''} on every rank "
                            "(each rank computes the loss of the same tokens)")
     if reason is not None:
         raise error_type(reason)

@@ -537,7 +537,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     another form has no such c: on CUDA the gradients are NaN and fusedloss.check_device_errors()
     raises (no host sync); on the CPU the backward raises. Use backward_mode="recompute" for
     any other reduction of the per-token loss. At tp_group size > 1 it must be equal on every
-    rank: the agreement compares a checksum of it with the targets'.
+    rank: the agreement compares a checksum of it with the targets' when the in-forward
+    backward uses it (recompute, fp16 and no_grad calls do not read it).
 
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an

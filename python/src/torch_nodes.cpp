@@ -581,6 +581,9 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
                         "row_weight: got ", row_weight.scalar_type(), " ", row_weight.sizes(),
                         " on ", row_weight.device(), ", expected a contiguous float32 [",
                         target.numel(), "] on hidden's device (the loss_mask, converted)");
+    TORCH_CHECK_VALUE(!row_weight.defined() || !row_weight.requires_grad(),
+                      "row_weight: got a tensor that requires grad, expected a constant (no "
+                      "gradient flows to it)");
     const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(target);
     const int64_t rows = h.size(0), H = h.size(1);
     const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction);
@@ -605,7 +608,10 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     }
     core_call(&CoreTable::linear_cross_entropy_forward, matrix(h), matrix(w), index_view(t), o,
               lce_options(softcap, workspace_bytes, mode, tf32, 0), out, nullptr, stream_of(h));
-    ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw, row_weight});
+    // the row weights only where the backward reads them (in_forward): a mask changed in place
+    // after a recompute forward is no error
+    ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw,
+                            mode == kInForward ? row_weight : at::Tensor()});
     auto& d = ctx->saved_data;
     d["ignore_index"] = ignore_index;
     d["label_smoothing"] = label_smoothing;
@@ -684,7 +690,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
     fusedloss::LinearCeBackward resolved{};
     core_call(&CoreTable::resolve_linear_ce_backward, fusedloss::LinearCeBackward::Auto,
               fusedloss::Reduction(reduction), dtype_of(hidden),
-              row_weight.has_value() && row_weight->defined(), &resolved);
+              row_weight.has_value() && row_weight->defined() && row_weight->numel() > 0,
+              &resolved);  // (no rows: nothing to weight, and an empty tensor has no address)
     mode = int64_t(resolved);
   }
   if (!at::GradMode::is_enabled() || !(hidden.requires_grad() || weight.requires_grad()))

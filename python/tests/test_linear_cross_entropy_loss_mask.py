@@ -198,10 +198,12 @@ def _check_tp_mask_on_one_rank(rank, world):
     _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
         h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=mask),
         "vocab-parallel targets: rank 1's differ from rank 0's (a checksum of their values, and "
-        "of a loss_mask's)")
-    mask[3] = 1.0  # equal masks agree
-    fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, reduction="none",
-                                   loss_mask=mask).sum().backward()
+        "of the loss_mask)")
+    mask[3] = 1.0  # equal masks agree, -0.0 and 0.0 too (one weight)
+    mask[5] = -0.0 if rank == 1 else 0.0
+    loss = fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, reduction="none",
+                                          loss_mask=mask)
+    (loss * mask).sum().backward()
 
 
 def test_gloo_tp_mask_on_one_rank_raises_everywhere():

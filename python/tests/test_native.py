@@ -422,6 +422,13 @@ def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
                 torch.ones(8, device=device)[::2]):
         with pytest.raises(ValueError, match=r"row_weight: got .*expected a contiguous float32 \[4\]"):
             op(h, w, t, bad, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 1, False, True, True)
+    with pytest.raises(ValueError, match="row_weight: got a tensor that requires grad"):
+        op(h, w, t, torch.ones(4, device=device, requires_grad=True), -100, 0.0, 0, 0, 0.0, 0,
+           0.0, 0, 0, False, True, True)
+    # no rows: Auto recomputes (nothing to weight; an empty tensor has no address)
+    empty = op(h[:0], w, t[:0], torch.ones(0, device=device), -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0,
+               False, True, True)
+    empty.sum().backward()
     # Auto with row weights and reduction none: the in-forward gradients of sum(w * loss)
     rw = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
     loss = op(h, w, t, rw, -100, 0.0, 0, 0, 0.0, 0, 0.0, 0, 0, False, True, True)

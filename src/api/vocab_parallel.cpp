@@ -204,19 +204,19 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
   // memory: the devices were checked), else added on the device into the staged header's
   // field, which the copy of `header` zeroed.
   const bool sum_targets = mine.error.empty() && mine.target.size > 0;
-  // row weights by their bits, as int32 "targets" (the checksum's terms are per row and value)
-  const IndexView weight_bits{const_cast<float*>(mine.row_weight), mine.target.size,
-                              IndexType::I32, mine.target.device};
   const bool sum_weights = sum_targets && mine.row_weight != nullptr;
+  const int64_t rows = mine.target.size;
   std::function<void(char*)> on_device;
   if (sum_targets && comm.device() == Device::CPU) {
-    header.targets = host_checksum(mine.target) + (sum_weights ? host_checksum(weight_bits) : 0);
+    header.targets = host_checksum(mine.target);
+    for (int64_t r = 0; sum_weights && r < rows; ++r)
+      header.targets += core::row_weight_checksum_term(mine.row_weight[r], r, rows);
   } else if (sum_targets) {
     on_device = [&](char* staged) {
       auto* field = reinterpret_cast<uint64_t*>(staged + offsetof(Header, targets));
       FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(mine.target, field, stream));
       if (sum_weights)
-        FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(weight_bits, field, stream));
+        FL_CUDA_BRANCH(mine.fn, cuda::ce_row_weight_checksum(mine.row_weight, rows, field, stream));
     };
   }
   // The device staging of both rounds, before the first: nothing is allocated between them (a
@@ -265,10 +265,6 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       detail::require(h.collective == h0.collective, "vocab-parallel options.collective: rank ",
                       r, " uses ", collective_name(h.collective), ", rank 0 ",
                       collective_name(h0.collective), "; expected the same on every rank");
-      detail::require(h.targets == h0.targets, "vocab-parallel targets: rank ", r,
-                      "'s differ from rank 0's (a checksum of their values, and of row weights'); "
-                      "expected the same targets (and row weights) on every rank (each rank "
-                      "computes the loss of the same tokens)");
       if (h.options != h0.options) {
         // Every rank read the same headers: each takes this second round, which names the
         // option (its text, truncated to the fixed size the collective needs).
@@ -283,6 +279,12 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
         detail::fail("vocab-parallel options: ", differing_option(text_of(r), text_of(0), r),
                      "; expected the same options on every rank");
       }
+      // (after the options: a rank with row weights and one without differ there first)
+      detail::require(h.targets == h0.targets, "vocab-parallel targets: rank ", r,
+                      "'s differ from rank 0's (a checksum of their values",
+                      mine.row_weight ? ", and of the row weights'" : "",
+                      "); expected the same targets", mine.row_weight ? " and row weights" : "",
+                      " on every rank (each rank computes the loss of the same tokens)");
     }
     return;
   }

@@ -6,6 +6,7 @@
 //   dloss/dx_j = p_j (1 + 2 z lse) - (1 - a)[j == target] - a / K,   p_j = exp(x_j - lse)
 // with a the effective smoothing and K the number of columns it averages over.
 #pragma once
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include "core/platform.h"
@@ -234,6 +235,14 @@ FL_HD uint64_t checksum_mix(uint64_t z) {
 }
 FL_HD uint64_t target_checksum_term(int64_t target, int64_t row) {
   return checksum_mix(uint64_t(target) ^ checksum_mix(uint64_t(row)));
+}
+// A row weight's term in the same sum: its bits (-0 read as 0: one weight), as the row
+// rows + row (after the targets' rows, so that a target and a weight cannot trade places).
+FL_HD uint64_t row_weight_checksum_term(float weight, int64_t row, int64_t rows) {
+  const float w = weight + 0.0f;
+  int32_t bits;
+  memcpy(&bits, &w, sizeof(bits));
+  return target_checksum_term(int64_t(bits), rows + row);
 }
 
 }  // namespace fusedloss::core

@@ -219,16 +219,33 @@ __global__ void extract_max_kernel(const RowStats* stats, int64_t rows, float* m
   if (r < rows) maxima[r] = stats[r].max;
 }
 
-// The targets' checksum added into *out (a wrapping uint64 sum: the same bits in any order,
-// so the blocks' atomic adds are deterministic).
+// The agreement's checksum of the targets (and row weights) added into *out (a wrapping
+// uint64 sum: the same bits in any order, so the blocks' atomic adds are deterministic).
 template <class Index>
-__global__ void __launch_bounds__(256) target_checksum_kernel(const Index* target, int64_t rows,
-                                                              unsigned long long* out) {
+struct TargetTerm {
+  const Index* target;
+  __device__ uint64_t operator()(int64_t r) const {
+    return core::target_checksum_term(int64_t(target[r]), r);
+  }
+};
+
+struct RowWeightTerm {
+  const float* weight;
+  int64_t rows;
+  __device__ uint64_t operator()(int64_t r) const {
+    return core::row_weight_checksum_term(weight[r], r, rows);
+  }
+};
+
+// *out += the sum over rows of term(r) (wrapping; the order does not matter).
+template <class Term>
+__global__ void __launch_bounds__(256) checksum_kernel(Term term, int64_t rows,
+                                                       unsigned long long* out) {
   __shared__ unsigned long long part[8];
   unsigned long long s = 0;
   for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows;
        r += int64_t(gridDim.x) * blockDim.x)
-    s += core::target_checksum_term(int64_t(target[r]), r);
+    s += term(r);
   for (int o = 16; o > 0; o /= 2) s += __shfl_down_sync(0xffffffffu, s, o);
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = s;
   __syncthreads();
@@ -866,11 +883,19 @@ void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream) {
   core::dispatch_index(target.type, [&](auto idx) {
     using Index = decltype(idx);
     const auto blocks = unsigned(std::min<int64_t>((target.size + 255) / 256, 264));
-    target_checksum_kernel<<<blocks, 256, 0, as_cuda(stream)>>>(
-        static_cast<const Index*>(target.data), target.size,
+    checksum_kernel<<<blocks, 256, 0, as_cuda(stream)>>>(
+        TargetTerm<Index>{static_cast<const Index*>(target.data)}, target.size,
         reinterpret_cast<unsigned long long*>(out));
     FL_CUDA_CHECK_LAUNCH();
   });
+}
+
+void ce_row_weight_checksum(const float* weight, int64_t rows, uint64_t* out, Stream stream) {
+  if (rows == 0) return;
+  const auto blocks = unsigned(std::min<int64_t>((rows + 255) / 256, 264));
+  checksum_kernel<<<blocks, 256, 0, as_cuda(stream)>>>(
+      RowWeightTerm{weight, rows}, rows, reinterpret_cast<unsigned long long*>(out));
+  FL_CUDA_CHECK_LAUNCH();
 }
 
 void ce_prepare_sum(const RowStats* local, const float* global_max, const IndexView& target,

@@ -37,6 +37,8 @@ void ce_extract_max(const RowStats* stats, int64_t rows, float* maxima, Stream s
 // *out += sum over rows of core::target_checksum_term (out: device memory, zeroed by the
 // caller).
 void ce_target_checksum(const IndexView& target, uint64_t* out, Stream stream);
+// *out += sum over rows of core::row_weight_checksum_term.
+void ce_row_weight_checksum(const float* weight, int64_t rows, uint64_t* out, Stream stream);
 
 // The device error word (the first out-of-range target, or upstream gradient that does not
 // fit lce_row_weight_scale); see check_device_errors().

@@ -164,23 +164,26 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
   target.upload();
   // Rank 1 weights one row otherwise (row weights, InForward): its gradients would weight the
   // rows differently from the others', silently. Refused everywhere, with the targets; equal
-  // weights agree.
+  // weights agree (-0 and 0 are one weight).
   {
     CrossEntropyOptions none = ce;
     none.reduction = Reduction::None;
     Buffer rw(dev, N * 4);
     LinearCrossEntropyOutputs out = fp32_outputs(loss, lse, count, dh, dw, N, H, Vl);
     out.row_weight = rw.data_as<float>();
-    auto weighted = [&](bool rank1_differs) {
+    auto weighted = [&](float rank1_row2) {  // row 2 weighs 0 on the other ranks
       for (int64_t r = 0; r < N; ++r)
-        rw.host_as<float>()[r] = rank1_differs && rank == 1 && r == 2 ? 0.0f : 1.0f;
+        rw.host_as<float>()[r] = r != 2 ? 1.0f : rank == 1 ? rank1_row2 : 0.0f;
       rw.upload();
       linear_cross_entropy_forward({hidden.data(), N, H, H, DType::F32, dev},
                                    {weight.data(), Vl, H, H, DType::F32, dev}, tv, none, {}, out,
                                    &comm);
     };
-    expect_error_everywhere([&] { weighted(true); }, "targets: rank 1's differ from rank 0's");
-    weighted(false);
+    expect_error_everywhere([&] { weighted(1.0f); },
+                            "targets: rank 1's differ from rank 0's (a checksum of their values, "
+                            "and of the row weights')");
+    weighted(0.0f);
+    weighted(-0.0f);  // one weight: -0 and 0 agree
   }
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {
