@@ -206,9 +206,10 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     rms_norm: the norm Megatron's local spec builds for normalization="RMSNorm" (WrappedTorchNorm:
       the transformer layers' input/pre-MLP norms, q/k norms and the final norm) becomes
       fusedloss.RMSNorm, whichever module imported the spec, in the models built while the patch
-      is on (a norm is a module of the model: patch before building it); zero-centred gamma and sequence parallelism are supported (the weight
-      keeps its `sequence_parallel` attribute for Megatron's all-reduce). TransformerEngine's spec
-      (TENorm, and the norm fused into TELayerNormColumnParallelLinear) is left alone.
+      is on (a norm is a module of the model: patch before building it); zero-centred gamma and
+      sequence parallelism are supported (the weight keeps its `sequence_parallel` attribute for
+      Megatron's all-reduce). TransformerEngine's spec (TENorm, and the norm fused into
+      TELayerNormColumnParallelLinear) is left alone.
     linear_cross_entropy: GPTModel's output layer + loss become one
       fusedloss.linear_cross_entropy whenever labels are given (no [s, b, V/tp] logits); without
       labels, or in inference, Megatron's own head runs. Tied embeddings, sequence parallelism,
