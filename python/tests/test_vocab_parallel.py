@@ -249,6 +249,14 @@ def test_target_checksum_matches_the_cpp_formula():
     base = torch.stack([t, torch.zeros_like(t)], -1)  # a strided view of the same values
     for same in (base[:, 0], t.to(torch.int32), t.view(5, 1).expand(5, 3)[:, 1]):
         assert torch.equal(_target_checksum(same, "cpu"), _target_checksum(t, "cpu"))
+    # with a loss_mask's row weights (the C++ test pins the same): -0 is 0, and a target and a
+    # weight of the same bits cannot trade places
+    w = torch.tensor([1.0, 0.0, -0.0, 0.5, 2.0])
+    assert int(_target_checksum((t, w), "cpu")) & (2**64 - 1) == 0x3317C8ADCA28A5C0
+    assert torch.equal(_target_checksum((t, w.abs()), "cpu"), _target_checksum((t, w), "cpu"))
+    bits = lambda v: torch.tensor([v], dtype=torch.int32).view(torch.float32)  # noqa: E731
+    assert not torch.equal(_target_checksum((torch.tensor([5]), bits(0)), "cpu"),
+                           _target_checksum((torch.tensor([0]), bits(5)), "cpu"))
 
 
 def _check_compiled_rejection(rank, world, op, everywhere, use):

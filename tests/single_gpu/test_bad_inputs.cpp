@@ -368,6 +368,10 @@ TEST(BadInputsHook, TargetChecksumTestVector) {
   uint64_t sum = 0;
   for (int64_t r = 0; r < 5; ++r) sum += core::target_checksum_term(targets[r], r);
   EXPECT_EQ(sum, 0x7f5c27945f2feaaaull);
+  // with row weights (the loss_mask's), -0 read as 0
+  const float weights[] = {1.0f, 0.0f, -0.0f, 0.5f, 2.0f};
+  for (int64_t r = 0; r < 5; ++r) sum += core::row_weight_checksum_term(weights[r], r, 5);
+  EXPECT_EQ(sum, 0x3317c8adca28a5c0ull);
 }
 
 // A communicator whose own size, rank or gather is wrong; throws a foreign exception on demand.
