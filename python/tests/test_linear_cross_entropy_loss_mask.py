@@ -16,6 +16,11 @@ _MASKS = {
     "weights": lambda shape, g: torch.where(torch.rand(shape, generator=g) > 0.3,
                                             torch.rand(shape, generator=g) * 3 - 1, 0.0),
     "strided": lambda shape, g: (torch.rand(*shape, 2, generator=g) > 0.3).float()[..., 1],
+    "transposed": lambda shape, g: (torch.rand(*reversed(shape), generator=g) > 0.3).float().t(),
+    "sliced": lambda shape, g: (torch.rand(shape[0], 2 * shape[1] + 1, generator=g) > 0.3)
+    .to(torch.float16)[:, 1::2],
+    "expanded": lambda shape, g: (torch.rand(1, shape[1], generator=g) > 0.3).double().expand(shape),
+    "float64": lambda shape, g: (torch.rand(shape, generator=g) > 0.3).double(),
     "all_zero": lambda shape, g: torch.zeros(shape),
 }
 
@@ -199,6 +204,16 @@ def _check_tp_mask_on_one_rank(rank, world):
         h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=mask),
         "vocab-parallel targets: rank 1's differ from rank 0's (a checksum of their values, and "
         "of the loss_mask)")
+    # a mask only rank 1 gets wrong: its error, on every rank
+    bad = torch.ones(7) if rank == 1 else torch.ones(8)
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        h, shard, t, tp_group=dist.group.WORLD, reduction="none", loss_mask=bad),
+        "vocab-parallel rank 1: loss_mask: got shape (7,), expected target's shape (8,)")
+    # the same values in another layout and dtype on rank 1 alone (expanded, stride 0): agreed
+    same = torch.ones(1, dtype=torch.bool).expand(8) if rank == 1 else torch.ones(8)
+    loss = fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, reduction="none",
+                                          loss_mask=same)
+    loss.sum().backward()
     mask[3] = 1.0  # equal masks agree, -0.0 and 0.0 too (one weight)
     mask[5] = -0.0 if rank == 1 else 0.0
     loss = fusedloss.linear_cross_entropy(h, shard, t, tp_group=dist.group.WORLD, reduction="none",

@@ -289,6 +289,22 @@ def _lce_case(draw):
     return draw, shape, V, dtype, gen, opts
 
 
+def _mask_input(draw, shape, gen):
+    """(leaf, loss_mask): a 0/1 mask of target's shape in a drawn real dtype and layout, the
+    leaf itself or a view of it (2-D: every layout of layouts.build; 1-D: a row of one, or a
+    stride-0 expansion of one value)."""
+    dtype = draw(st.sampled_from([torch.bool, torch.int32, torch.float16, torch.bfloat16,
+                                  torch.float32, torch.float64]))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "sliced", "offset", "expanded"]))
+    make = lambda n: (torch.rand(n, generator=gen) > 0.3).to(dtype).to(DEVICE)  # noqa: E731
+    if len(shape) == 1 and layout == "expanded":
+        base = make(1)
+        return base, base.expand(shape)
+    base, view = build(layout, shape if len(shape) == 2 else (1, *shape), make)
+    mask = view(base)
+    return base, mask if len(shape) == 2 else mask[0]
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_linear_cross_entropy_any_layout(run):
     from test_linear_cross_entropy import reference
@@ -340,12 +356,9 @@ def test_linear_cross_entropy_any_layout(run):
         # dtype and layout, the in-forward backward for it (auto, or asked for), the upstream
         # gradient c * mask
         mask = None
-        if opts["reduction"] == "none" and draw(st.booleans()):
-            mask_dtype = draw(st.sampled_from([torch.bool, torch.float32, torch.bfloat16, torch.int32]))
-            mask = (torch.rand(shape[:-1], generator=gen) > 0.3).to(mask_dtype).to(DEVICE)
-            owned.append((mask, mask.clone()))
-            if draw(st.booleans()) and mask.numel():  # strided
-                mask = torch.stack([mask, torch.zeros_like(mask)], -1)[..., 0]
+        if opts["reduction"] == "none" and draw(st.sampled_from([True, True, True, False])):
+            mask_base, mask = _mask_input(draw, shape[:-1], gen)
+            owned.append((mask_base, mask_base.clone()))
             if dtype != torch.float16 and draw(st.booleans()):
                 opts = dict(opts, backward_mode="in_forward")
         no_grad = draw(st.sampled_from([False, False, False, True]))  # evaluation: forward alone
