@@ -174,6 +174,11 @@ def as_choice(value, name, allowed):
     return allowed[value]
 
 
+def choice_name(allowed, value):
+    """as_choice's inverse: the name of `value` in `allowed` (the value itself if none)."""
+    return next((k for k, v in allowed.items() if v == value), value)
+
+
 _PLAIN = frozenset((int, float, str, bool, type(None)))
 
 

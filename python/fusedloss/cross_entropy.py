@@ -18,7 +18,7 @@ from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
-from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, as_float, as_int, index, inplace_refused, matrix,
+from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, choice_name, as_float, as_int, index, inplace_refused, matrix,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
                      values_in)
 
@@ -30,11 +30,10 @@ _SCOPES = {"global": int(_C.SmoothingScope.GLOBAL), "partition": int(_C.Smoothin
 
 def option_names(ignore_index, label_smoothing, formula, scope, z_loss, reduction):
     """The options as the user names them (the TP agreement's mismatch error shows these)."""
-    def name(table, value):
-        return next((k for k, v in table.items() if v == value), value)
     return dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                smoothing_formula=name(_FORMULAS, formula), smoothing_scope=name(_SCOPES, scope),
-                z_loss=z_loss, reduction=name(_REDUCTIONS, reduction))
+                smoothing_formula=choice_name(_FORMULAS, formula),
+                smoothing_scope=choice_name(_SCOPES, scope), z_loss=z_loss,
+                reduction=choice_name(_REDUCTIONS, reduction))
 _NONE = _REDUCTIONS["none"]
 _OP = "fusedloss.cross_entropy"
 

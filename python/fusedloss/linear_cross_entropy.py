@@ -28,7 +28,7 @@ from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
-from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, as_float, as_int, device_of, index, matrix, require_same_device,
+from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, choice_name, as_float, as_int, device_of, index, matrix, require_same_device,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
                      values_in)
 from .cross_entropy import (_FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, loss_outputs,
@@ -43,10 +43,7 @@ _FORWARD_ONLY = -2
 
 
 _DHIDDEN = {"partial": 0, "all_reduce": 1}
-# what the TP agreement's mismatch error calls the values (fingerprint's named options)
-_MODE_NAMES = {_IN_FORWARD: "in_forward", _RECOMPUTE: "recompute",
-               _FORWARD_ONLY: "none (no gradient follows: the forward alone)"}
-_DHIDDEN_NAMES = {v: k for k, v in _DHIDDEN.items()}
+# what the TP agreement's mismatch error calls the accumulator (fingerprint's named options)
 _ACCUMULATOR_KINDS = ("none", "a tensor", "a callable")
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
@@ -195,9 +192,11 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     # target's shape ([s, b] on one rank and [b, s] on another have equal rows)
     accumulator = (0 if weight_grad_accumulator is None else
                    2 if callable(weight_grad_accumulator) else 1)
+    mode_name = ("none (no gradient follows: the forward alone)" if lce_mode == _FORWARD_ONLY
+                 else choice_name(_MODES, lce_mode))
     options = fingerprint(**option_names(*args[:6]), logit_softcap=softcap,
-                          loss_mask=row_weight is not None, backward_mode=_MODE_NAMES[lce_mode],
-                          allow_tf32=tf32, dhidden_reduction=_DHIDDEN_NAMES[dhidden_reduction],
+                          loss_mask=row_weight is not None, backward_mode=mode_name,
+                          allow_tf32=tf32, dhidden_reduction=choice_name(_DHIDDEN, dhidden_reduction),
                           dtype=str(hidden.dtype), H=hidden.size(-1),
                           weight_grad_accumulator=_ACCUMULATOR_KINDS[accumulator],
                           target_shape=tuple(target.shape))
