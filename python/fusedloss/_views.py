@@ -301,6 +301,20 @@ def as_dtype(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def autocast_operands(*tensors):
+    """The operands of a matrix product as torch.autocast hands them to F.linear: where autocast
+    is on for their device type, floating tensors other than float64 in its dtype (a cast that
+    autograd differentiates back to each tensor's own dtype), else as they are. Anything not
+    a tensor is returned as it is, for the argument checks to name."""
+    first = tensors[0]
+    if not isinstance(first, Tensor) or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
+                 and t.dtype != torch.float64 and t.device.type == first.device.type else t
+                 for t in tensors)
+
+
 def values_in(t, dtype):
     """A small auxiliary tensor (bias, scale, grad_output) contiguous in `dtype`."""
     return as_dtype(t, dtype).contiguous()

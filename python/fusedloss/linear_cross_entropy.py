@@ -28,9 +28,10 @@ from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp
-from ._views import (agreement_flag, shares_memory, _DTYPES, _rows_view, as_bool, as_choice, choice_name, as_float, as_int, device_of, index, matrix, require_same_device,
-                     parsed_once, require_targets, require_tensor, require_values, rows_of, stream_of, validated,
-                     values_in)
+from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands,
+                     choice_name, device_of, _DTYPES, index, matrix, parsed_once,
+                     require_same_device, require_targets, require_tensor, require_values,
+                     rows_of, _rows_view, shares_memory, stream_of, validated, values_in)
 from .cross_entropy import (_FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, loss_outputs,
                             make_options, option_names)
 
@@ -518,7 +519,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
     (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
     accumulates over token chunks in fp32. fp32 inputs follow
-    torch.backends.cuda.matmul.allow_tf32. workspace_bytes bounds the logits chunk buffer and the
+    torch.backends.cuda.matmul.allow_tf32. Under torch.autocast, hidden and weight are cast to
+    its dtype as F.linear's operands are (an fp32 weight with a bf16 hidden, too); the loss stays
+    fp32. workspace_bytes bounds the logits chunk buffer and the
     GEMM workspace together (default 256 MiB, of which cuBLASLt takes an eighth, at most 4 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
@@ -579,6 +582,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
             logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
             inplace_backward)
+        # under torch.autocast the GEMMs run in its dtype, as F.linear's would
+        hidden, weight = autocast_operands(hidden, weight)
         _validate(hidden, weight, target)
         if loss_mask is not None:
             _validate_loss_mask(loss_mask, target, hidden, opts[5] == _NONE, reduction)

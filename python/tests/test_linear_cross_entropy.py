@@ -403,6 +403,35 @@ def test_tf32_follows_torch(device):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, "autocast"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_autocast_runs_the_gemms_in_its_dtype(device, autocast_dtype, hidden_dtype, compiled):
+    """Under torch.autocast the op is F.linear + F.cross_entropy there: fp32 operands (and the
+    autocast model's bf16 hidden with its fp32 head weight) are cast to the autocast dtype, the
+    loss is fp32, and each gradient comes back in its input's dtype through the cast."""
+    h, w, t = _problem(device, torch.float32)
+    hidden_dtype = autocast_dtype if hidden_dtype == "autocast" else hidden_dtype
+    op = torch.compile(fusedloss.linear_cross_entropy, fullgraph=True) if compiled else \
+        fusedloss.linear_cross_entropy
+
+    def run(hidden, weight, autocast):
+        hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(h.device.type, dtype=autocast_dtype, enabled=autocast):
+            loss = op(hidden, weight, t)
+        loss.backward()
+        return loss, hidden.grad, weight.grad
+
+    loss, dh, dw = run(h.to(hidden_dtype), w, True)
+    assert loss.dtype == torch.float32 and dh.dtype == hidden_dtype and dw.dtype == torch.float32
+    cast = run(h.to(autocast_dtype), w.to(autocast_dtype), False)
+    for got, want in zip((loss, dh, dw), cast):
+        assert torch.equal(got, want.to(got.dtype))
+    with torch.autocast(h.device.type, dtype=autocast_dtype):  # the unfused ops agree
+        ref = F.cross_entropy(F.linear(h.to(hidden_dtype), w), t)
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+
+
 def test_bad_inputs(device):
     h, w, t = _problem(device, torch.float32)
     with pytest.raises(ValueError, match=r"weight: got shape \(203, 23\), expected \[V_local, 24\]"):
