@@ -132,11 +132,13 @@ def _target_checksum(target, device):
     """sum_i mix(t_i ^ mix(i)) in wrapping 64-bit arithmetic (the C++ agreement's checksum,
     src/core/cross_entropy_math.h): a change of one target always changes it, permuted rows or
     several changes only by a 2^-64 coincidence. A (targets, fp32 row weights) pair adds the
-    weights' terms as the core does (row_weight_checksum_term: bits with -0 as 0, rows N..2N-1).
+    weights' terms as the core does (row_weight_checksum_term: bits with -0 as 0 and one NaN,
+    rows N..2N-1).
     A 1-element int64 tensor on `device`."""
     if isinstance(target, tuple):  # the targets and fp32 row weights (their bits, rows after)
         t, w = target
-        bits = (w.reshape(-1) + 0.0).view(torch.int32).to(torch.int64)  # (-0.0 is 0.0)
+        w = w.reshape(-1) + 0.0  # -0.0 is 0.0, and every NaN the one quiet NaN
+        bits = torch.where(w.isnan(), 0x7FC00000, w.view(torch.int32)).to(torch.int64)
         return (_checksum(t.reshape(-1).to(torch.int64), 0) +
                 _checksum(bits, t.numel())).reshape(1).to(device)
     return _checksum(target.reshape(-1).to(torch.int64), 0).reshape(1).to(device)

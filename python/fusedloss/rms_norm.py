@@ -19,6 +19,10 @@ from ._views import (_DTYPES, as_bool, as_dtype, as_float, as_int, matrix, requi
                      vector)
 
 _OP = "fusedloss.rms_norm"
+# eps=None as torch's rms_norm takes it: the epsilon of its math type, fp32 for every input dtype
+# fusedloss reads (F.rms_norm's output for bf16 x with eps=None equals eps=2^-23, not
+# finfo(bfloat16).eps)
+_TORCH_EPS = torch.finfo(torch.float32).eps
 _ABSENT = _C.MatrixView(0, 0, 1, 1, _C.DType.F32, _C.Device.CPU)
 # weight dtypes the kernels read as they are, per input dtype; any other float weight is read in fp32
 _WEIGHT_AS_IS = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
@@ -139,7 +143,7 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
         raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected ({hidden},) = [H], "
                          "one weight per column of x")
     require_same_device(weight, "weight", x, "x")
-    eps = as_float(eps, "eps")
+    eps = _TORCH_EPS if eps is None else as_float(eps, "eps")
     zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(eps, zero_centered_gamma)  # the C++ check (finite, > 0), once per value
@@ -152,11 +156,15 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
     return eps
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False,
+def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5, zero_centered_gamma: bool = False,
              residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """RMSNorm of x [..., H] (fp32/fp16/bf16, any strides; [T, H] or Megatron's [s, b, H]) with
     weight [H] (any float dtype): y = x / sqrt(mean(x^2, -1) + eps) * gamma, gamma = weight, or
     1 + weight with zero_centered_gamma. Returns y in x's dtype and shape.
+
+    eps: 1e-5 by default (Megatron's layernorm_epsilon, TransformerEngine's); None takes
+    torch.nn.RMSNorm's default, the fp32 epsilon 2^-23 (what F.rms_norm(eps=None) adds for
+    every dtype fusedloss reads). Pass the model's own eps when swapping in for another norm.
 
     With residual (x's shape and dtype): s = x + residual (rounded to x's dtype, as the unfused
     sum is), y = rmsnorm(s); returns (y, s), both differentiable.
@@ -175,17 +183,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, zero_centered_gamma: 
 
 class RMSNorm(torch.nn.Module):
     """nn.Module form of fusedloss.rms_norm with a learnable weight [hidden_size], initialised
-    like torch.nn.RMSNorm's (ones), or zeros with zero_centered_gamma (gamma = 1 + weight)."""
+    like torch.nn.RMSNorm's (ones), or zeros with zero_centered_gamma (gamma = 1 + weight).
+    eps defaults to 1e-5, where torch.nn.RMSNorm's default is None: pass eps=None (or the
+    model's eps) when loading a torch.nn.RMSNorm's weights, which do not carry it."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: Optional[float] = 1e-5,
+                 zero_centered_gamma: bool = False, device=None, dtype=None):
         super().__init__()
         hidden_size = as_int(hidden_size, "hidden_size")
         if hidden_size < 1:
             raise ValueError(f"hidden_size: got {hidden_size}, expected >= 1")
-        eps = as_float(eps, "eps")
+        eps = None if eps is None else as_float(eps, "eps")  # None: torch's default (rms_norm)
         self.zero_centered_gamma = as_bool(zero_centered_gamma, "zero_centered_gamma")
-        _options(eps, self.zero_centered_gamma)  # the C++ check, cached
+        _options(_TORCH_EPS if eps is None else eps, self.zero_centered_gamma)  # the C++ check
         self.hidden_size, self.eps = hidden_size, eps
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype: got {dtype!r} ({type(dtype).__name__}), expected a torch.dtype")

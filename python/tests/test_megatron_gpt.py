@@ -328,12 +328,26 @@ def test_auto_reads_the_device_check_once(monkeypatch, device):
     from fusedloss.megatron import lm_head, state
     calls = []
     monkeypatch.setattr(fusedloss, "check_device_errors", lambda dev=None: calls.append(dev))
-    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_backward="auto")
-    for _ in range(2):
+
+    def step():
         h = torch.randn(3, 4, device=device, requires_grad=True)
         y = h * 2
         lm_head._check_loss_function_once(y)
         y.sum().backward()
+
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_backward="auto")
+    for _ in range(2):
+        step()
     assert len(calls) == (1 if device == "cuda" else 0)
     apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_backward="auto")
     assert not state.CONFIG.get("loss_function_checked")  # a new patch reads it again
+    # a backward captured into a CUDA graph cannot sync: the next one outside a capture reads it
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    calls.clear()
+    step()
+    assert calls == []
+    capturing[0] = False
+    step()
+    step()
+    assert len(calls) == (1 if device == "cuda" else 0)

@@ -144,6 +144,25 @@ def test_matches_torch_rms_norm(device):
                                torch.nn.functional.rms_norm(x, (128,), w, eps=1e-6), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_eps_none_is_torchs_default(device, dtype):
+    """eps=None adds what torch's rms_norm adds for eps=None (the fp32 epsilon for every dtype),
+    in the function and in the module, so a torch.nn.RMSNorm() swapped out keeps its values;
+    small activations show any other eps (1e-5 moves them by ~1)."""
+    x = (torch.randn(9, 64, device=device) * 1e-3).to(dtype)
+    w = torch.randn(64, device=device, dtype=dtype)
+    want = torch.nn.functional.rms_norm(x.float(), (64,), w.float()).to(dtype)
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fusedloss.rms_norm(x, w, eps=None), want, **tol)
+    torch.testing.assert_close(torch.nn.functional.rms_norm(x, (64,), w), want, **tol)
+    ref = torch.nn.RMSNorm(64, device=device, dtype=dtype)
+    mine = fusedloss.RMSNorm(64, eps=None, device=device, dtype=dtype)
+    mine.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(mine(x), ref(x), **tol)
+    assert "eps=None" in repr(mine)
+    assert (fusedloss.rms_norm(x, w).float() - want.float()).abs().max() > 0.1  # the 1e-5 default
+
+
 def test_deterministic(device):
     x = torch.randn(700, 256, device=device, dtype=torch.bfloat16)
     w = torch.randn(256, device=device, dtype=torch.float32)

@@ -254,7 +254,10 @@ def test_target_checksum_matches_the_cpp_formula():
     w = torch.tensor([1.0, 0.0, -0.0, 0.5, 2.0])
     assert int(_target_checksum((t, w), "cpu")) & (2**64 - 1) == 0x3317C8ADCA28A5C0
     assert torch.equal(_target_checksum((t, w.abs()), "cpu"), _target_checksum((t, w), "cpu"))
-    bits = lambda v: torch.tensor([v], dtype=torch.int32).view(torch.float32)  # noqa: E731
+    bits = lambda *v: torch.tensor(v, dtype=torch.int64).to(torch.int32).view(torch.float32)  # noqa: E731
+    # every NaN (sign, payload, signalling) is the one quiet NaN (pinned in C++ too)
+    nans = bits(0xFFC00001 - 2**32, 0x3F800000, 0x7F800001)
+    assert int(_target_checksum((t[:3], nans), "cpu")) & (2**64 - 1) == 0x90776F2527E8F90C
     assert not torch.equal(_target_checksum((torch.tensor([5]), bits(0)), "cpu"),
                            _target_checksum((torch.tensor([0]), bits(5)), "cpu"))
 

@@ -236,12 +236,14 @@ FL_HD uint64_t checksum_mix(uint64_t z) {
 FL_HD uint64_t target_checksum_term(int64_t target, int64_t row) {
   return checksum_mix(uint64_t(target) ^ checksum_mix(uint64_t(row)));
 }
-// A row weight's term in the same sum: its bits (-0 read as 0: one weight), as the row
-// rows + row (after the targets' rows, so that a target and a weight cannot trade places).
+// A row weight's term in the same sum: its bits, -0 read as 0 and every NaN as the one quiet
+// NaN 0x7fc00000 (the same weight; a NaN's payload and sign are not kept alike by host and
+// device arithmetic), as the row rows + row (after the targets' rows, so that a target and a
+// weight cannot trade places).
 FL_HD uint64_t row_weight_checksum_term(float weight, int64_t row, int64_t rows) {
   const float w = weight + 0.0f;
-  int32_t bits;
-  memcpy(&bits, &w, sizeof(bits));
+  int32_t bits = 0x7fc00000;
+  if (w == w) memcpy(&bits, &w, sizeof(bits));
   return target_checksum_term(int64_t(bits), rows + row);
 }
 

@@ -5,7 +5,10 @@
 // by c. Any other g has no such c: the backward reports it instead of a wrong gradient.
 //
 //   c = g_k / w_k for the first row k with w_k != 0 (0 when every weight is 0)
-//   row i fits when |g_i - c w_i| <= 2^-20 |c w_i|
+//   row i fits when c w_i is finite and |g_i - c w_i| <= 2^-20 |c w_i|
+//
+// (c w_i finite: a c that overflows, from a tiny first weight, would otherwise fit every row
+// with inf and leave the gradients infinite without a report.)
 //
 // Exact for 0/1 weights (c = g_k, and c w_i is then the product autograd formed); for other
 // weights c rounds once, a few units of fp32 rounding, well inside the tolerance.
@@ -28,7 +31,7 @@ FL_HD float row_weight_scale(float g_first, float w_first) { return g_first / w_
 
 FL_HD bool fits_row_weight(float g, float w, float c) {
   const float cw = c * w;
-  return fabsf(g - cw) <= kRowWeightTolerance * fabsf(cw);
+  return fabsf(cw) <= 3.4028235e38f && fabsf(g - cw) <= kRowWeightTolerance * fabsf(cw);
 }
 
 }  // namespace fusedloss::core

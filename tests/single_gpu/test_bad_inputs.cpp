@@ -372,6 +372,16 @@ TEST(BadInputsHook, TargetChecksumTestVector) {
   const float weights[] = {1.0f, 0.0f, -0.0f, 0.5f, 2.0f};
   for (int64_t r = 0; r < 5; ++r) sum += core::row_weight_checksum_term(weights[r], r, 5);
   EXPECT_EQ(sum, 0x3317c8adca28a5c0ull);
+  // every NaN (sign, payload, signalling) is the one quiet NaN
+  const int64_t three[] = {5, -100, 0};
+  const uint32_t weight_bits[] = {0xffc00001u, 0x3f800000u, 0x7f800001u};
+  sum = 0;
+  for (int64_t r = 0; r < 3; ++r) {
+    float w;
+    memcpy(&w, &weight_bits[r], 4);
+    sum += core::target_checksum_term(three[r], r) + core::row_weight_checksum_term(w, r, 3);
+  }
+  EXPECT_EQ(sum, 0x90776f2527e8f90cull);
 }
 
 // A communicator whose own size, rank or gather is wrong; throws a foreign exception on demand.

@@ -732,6 +732,22 @@ TEST_P(LinearCrossEntropyBadInputs, UpstreamGradientNotProportionalToRowWeights)
   backward_with({0, 0, 0, 0, 0, 0});
   check_device_errors();
   EXPECT_TRUE(all_of_dhidden([](float v) { return v == 0.0f; }));
+  // c = g_0 / w_0 overflows to inf: inf * w_i would fit every finite g_i, so it is refused
+  const float no_zero[BadFixture::N] = {1e-30f, 1, 1, 1, 1, 1};
+  std::copy(no_zero, no_zero + BadFixture::N, rw.host_as<float>());
+  rw.upload();
+  linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), none, {}, out);
+  const std::initializer_list<float> overflowing = {1e10f, 0.5f, 0.5f, 0.5f, 0.5f, 0.5f};
+  auto expect_overflow = [](auto call) {
+    expect_error(call, {"grad_loss[0]", "row_weight[0] (Python: loss_mask) is 1e-30", "expected c * row_weight"});
+  };
+  if (dev == Device::CPU) {
+    expect_overflow([&] { backward_with(overflowing); });
+  } else {
+    backward_with(overflowing);
+    expect_overflow([&] { check_device_errors(); });
+    EXPECT_TRUE(all_of_dhidden([](float v) { return std::isnan(v); }));
+  }
 
   CrossEntropyOptions sum;
   sum.reduction = Reduction::Sum;

@@ -206,15 +206,19 @@ def _check_loss_function_once(hidden):
     c * sum(loss_mask * loss). On CUDA the op checks that on the device (no host sync): a loss
     function that does not fit gets NaN gradients and the device error word. Read here once, at
     the first backward after the patch (one host sync, when the hidden states' gradient is
-    done), so that such a loss raises at its first step rather than training on NaN. (On the
-    CPU the backward raises by itself.)"""
+    done), so that such a loss raises at its first step rather than training on NaN. A backward
+    captured into a CUDA graph cannot sync: the check waits for the next one that is not. (On
+    the CPU the backward raises by itself.)"""
     if (state.CONFIG.get("loss_function_checked") or hidden.device.type != "cuda"
             or not hidden.requires_grad or torch.compiler.is_compiling()):
         return
     state.CONFIG["loss_function_checked"] = True
 
     def check(grad):
-        fusedloss.check_device_errors(grad.device)
+        if torch.cuda.is_current_stream_capturing():
+            state.CONFIG["loss_function_checked"] = False  # the next forward arms it again
+        else:
+            fusedloss.check_device_errors(grad.device)
         return grad
 
     hidden.register_hook(check)
