@@ -61,6 +61,25 @@ def _on_the_tensors_device(fn):
     return run
 
 
+try:
+    _FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+    def _fake_mode_active():
+        return torch._C._get_dispatch_mode(_FAKE) is not None
+except AttributeError:  # a torch without dispatch-mode keys
+    def _fake_mode_active():
+        return False
+
+
+def through_custom_ops() -> bool:
+    """Whether a call must take the torch.library custom ops, not an eager autograd node: while
+    torch.compile traces, under a FakeTensorMode (an eager node reads the data that fake tensors
+    lack; the custom ops have fake implementations) and under torch.func transforms (vmap runs
+    a custom op row by row; what differentiates is refused by name, FusedOp.__call__)."""
+    return (torch.compiler.is_compiling() or _fake_mode_active()
+            or torch._C._are_functorch_transforms_active())
+
+
 try:  # torch.cuda.current_device() without its lazy-init check per call
     from torch._C import _cuda_getDevice as _current_device
 except ImportError:  # a torch without it
@@ -98,8 +117,17 @@ class FusedOp:
         self._function = self._eager_function()
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
-            out = self.forward_op(*args)
+        if through_custom_ops():
+            try:
+                out = self.forward_op(*args)
+            except RuntimeError as error:
+                if "functorch transforms" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"{self.name}: torch.func transforms that differentiate (grad, vjp, jvp, "
+                    "jacrev, jacfwd) are not supported: its backward is a fused kernel without a "
+                    "functorch rule. Differentiate with torch.autograd (loss.backward(), "
+                    "torch.autograd.grad); torch.func.vmap of the forward alone works") from error
         elif torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
             return self._function.apply(*args)
         else:  # nothing to differentiate (no_grad, inference_mode, constants): no node, nothing saved

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
-from ._op import FusedOp
+from ._op import FusedOp, through_custom_ops
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, choice_name, as_float, as_int, index, inplace_refused, matrix,
                      parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
                      values_in)
@@ -310,9 +310,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         return deferred_rejection((logits, target), reduction, target, name, _OP, checks.deferred)
     inplace = inplace or in_forward
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
-                  and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                  and torch.is_grad_enabled() and not through_custom_ops()
                   and storage_is_ours(logits))
-    if _EAGER is not None and not name and not torch.compiler.is_compiling():
+    if _EAGER is not None and not name and not through_custom_ops():
         # the C++ node (_native.py), with the Python node's in-place decision (and its warning),
         # made where the Python node's setup makes it: when a node is recorded
         if inplace and not in_forward:

@@ -27,7 +27,7 @@ from torch import Tensor
 from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
-from ._op import FusedOp
+from ._op import FusedOp, through_custom_ops
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
                      require_same_device, require_targets, require_tensor, require_values,
@@ -611,7 +611,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
                                   checks.deferred)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
-            and not torch.compiler.is_compiling()):
+            and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)
     else:
         loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _native
-from ._op import FusedOp
+from ._op import FusedOp, through_custom_ops
 from ._views import (_DTYPES, as_bool, as_dtype, as_float, as_int, matrix, require_float_aux,
                      require_same_device, require_values, rows_of, stream_of, validated, values_in,
                      vector)
@@ -172,7 +172,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5, zero_center
     bits on every call on a given device). Math in fp32; no host synchronisation.
     """
     eps = _check(x, weight, eps, zero_centered_gamma, residual)
-    if _EAGER is not None and not torch.compiler.is_compiling():  # the C++ nodes (_native.py)
+    if _EAGER is not None and not through_custom_ops():  # the C++ nodes (_native.py)
         if residual is not None:
             return _EAGER_RESIDUAL(x, weight, residual, eps, zero_centered_gamma)
         return _EAGER(x, weight, eps, zero_centered_gamma)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _native
-from ._op import FusedOp
+from ._op import FusedOp, through_custom_ops
 from ._views import (EAGER_CALL, apart_from, as_bool, as_dtype, as_float, inplace_refused, matrix, require_float_aux, require_same_device,
                      require_values, rows_of, stream_of, validated, values_in, vector)
 
@@ -247,7 +247,7 @@ def swiglu(y: Tensor, bias: Optional[Tensor] = None, *, per_token_scale: Optiona
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _check_clamp(clamp_value)
     fp8_input_store = _check_fp8_store(fp8_input_store, inplace)
-    if _EAGER is not None and not fp8_input_store and not torch.compiler.is_compiling():
+    if _EAGER is not None and not fp8_input_store and not through_custom_ops():
         return _eager(y, bias, per_token_scale, clamp_value, inplace)  # the C++ node (_native.py)
     return _swiglu(y, bias, per_token_scale, clamp_value, fp8_input_store, inplace)
 

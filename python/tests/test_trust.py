@@ -450,3 +450,51 @@ def test_options_float32_cannot_hold_are_refused(call, message):
 def test_rms_norm_module_dtype_must_be_a_torch_dtype():
     with pytest.raises(TypeError, match="dtype: got 'float32' \\(str\\), expected a torch.dtype"):
         fusedloss.RMSNorm(4, dtype="float32")
+
+
+# ---- torch.func and fake tensors: the custom ops serve where an eager node cannot ----
+
+def _op_calls(device):
+    """name -> (the op summed to a scalar, its inputs); the op's arguments built on `device`
+    (fake tensors under a FakeTensorMode)."""
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    t, head = torch.randint(0, 8, (4,), device=device), torch.randn(8, 8, device=device)
+    return {
+        "rms_norm": (lambda x, w: fusedloss.rms_norm(x, w).sum(), (x, w)),
+        "rms_norm_residual": (lambda x, w: sum(v.sum() for v in fusedloss.rms_norm(x, w, residual=2 * x)),
+                              (x, w)),
+        "cross_entropy": (lambda x, w: fusedloss.cross_entropy(x * w, t), (x, w)),
+        "linear_cross_entropy": (lambda x, w: fusedloss.linear_cross_entropy(x * w, head, t), (x, w)),
+        "linear_cross_entropy_masked": (lambda x, w: fusedloss.linear_cross_entropy(
+            x * w, head, t, reduction="none", loss_mask=t > 2).sum(), (x, w)),
+        "swiglu": (lambda x, w: fusedloss.swiglu(torch.cat([x, x * w], -1)).sum(), (x, w)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_op_calls("cpu")))
+def test_torch_func_grad_is_refused_by_name_and_vmap_of_the_forward_works(device, name):
+    from torch.func import grad, vmap
+    f, (x, w) = _op_calls(device)[name]
+    with pytest.raises(RuntimeError, match=r"fusedloss\.\w+: torch.func transforms that differentiate"):
+        grad(f)(x, w)
+    xs, ws = torch.stack([x, -x, 2 * x]), torch.stack([w, w.flip(0), w + 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "no batching rule": the custom op row by row
+        batched = vmap(f)(xs, ws)
+    torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, ws)]))
+
+
+@pytest.mark.parametrize("name", list(_op_calls("cpu")))
+def test_fake_tensors_take_the_fake_implementations(device, name):
+    """Under a FakeTensorMode (memory estimators, tracing tools) the ops give fake results of
+    the right shapes, forward and backward, instead of reaching for data fake tensors lack."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    f, (x, w) = _op_calls(device)[name]
+    real = f(x, w)
+    with FakeTensorMode():
+        f, (x, w) = _op_calls(device)[name]
+        x.requires_grad_(True), w.requires_grad_(True)
+        loss = f(x, w)
+        loss.backward()
+        assert loss.shape == real.shape and loss.dtype == real.dtype
+        assert x.grad.shape == x.shape and w.grad.shape == w.shape
