@@ -262,7 +262,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     """Cross-entropy of logits [N, V] or [s, b, V] (fp32/fp16/bf16, any strides) against integer
     targets.
 
-    Matches torch.nn.functional.cross_entropy for the options they share. `z_loss` adds
+    Matches torch.nn.functional.cross_entropy for the options they share, but for one case:
+    'mean' over no counted row (an empty batch, every target ignore_index) is 0 with zero
+    gradients, where torch gives NaN. The loss is fp32 for every input dtype. `z_loss` adds
     z * lse^2 per row. `smoothing_formula='megatron'` uses a = ls * K / (K - 1) and
     `smoothing_scope='partition'` averages over the rank's own shard, as Megatron's
     vocab_parallel_cross_entropy does.
