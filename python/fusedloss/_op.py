@@ -71,11 +71,23 @@ except AttributeError:  # a torch without dispatch-mode keys
         return False
 
 
+try:
+    from torch._C._functorch import TransformType as _Transform
+    from torch._C._functorch import get_interpreter_stack as _interpreters
+    _UNDIFFERENTIATED = (_Transform.Vmap, _Transform.Functionalize)
+
+    def _differentiating_transform():
+        return any(level.key() not in _UNDIFFERENTIATED for level in _interpreters() or ())
+except ImportError:  # a torch without the interpreter stack: any transform
+    def _differentiating_transform():
+        return torch._C._are_functorch_transforms_active()
+
+
 def through_custom_ops() -> bool:
     """Whether a call must take the torch.library custom ops, not an eager autograd node: while
     torch.compile traces, under a FakeTensorMode (an eager node reads the data that fake tensors
     lack; the custom ops have fake implementations) and under torch.func transforms (vmap runs
-    a custom op row by row; what differentiates is refused by name, FusedOp.__call__)."""
+    a custom op row by row; grad and jvp are refused by name in FusedOp.__call__)."""
     return (torch.compiler.is_compiling() or _fake_mode_active()
             or torch._C._are_functorch_transforms_active())
 
@@ -118,16 +130,15 @@ class FusedOp:
 
     def __call__(self, *args):
         if through_custom_ops():
-            try:
-                out = self.forward_op(*args)
-            except RuntimeError as error:
-                if "functorch transforms" not in str(error):
-                    raise
+            # grad would fail inside torch with its own message, jvp would silently give a zero
+            # tangent (the custom op has no forward-mode rule)
+            if torch._C._are_functorch_transforms_active() and _differentiating_transform():
                 raise RuntimeError(
                     f"{self.name}: torch.func transforms that differentiate (grad, vjp, jvp, "
-                    "jacrev, jacfwd) are not supported: its backward is a fused kernel without a "
-                    "functorch rule. Differentiate with torch.autograd (loss.backward(), "
-                    "torch.autograd.grad); torch.func.vmap of the forward alone works") from error
+                    "jacrev, jacfwd, hessian) are not supported: its backward is a fused kernel "
+                    "without a functorch rule. Differentiate with torch.autograd (loss.backward(), "
+                    "torch.autograd.grad); torch.func.vmap of the forward works")
+            out = self.forward_op(*args)
         elif torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
             return self._function.apply(*args)
         else:  # nothing to differentiate (no_grad, inference_mode, constants): no node, nothing saved

@@ -301,16 +301,35 @@ def as_dtype(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def autocast_operands(*tensors):
+class _Cast(torch.autograd.Function):
+    """t.to(dtype) whose backward hands a gradient expanded from one element (the zeros an op
+    gives autograd when it adds the true gradient to an accumulator itself) back expanded, where
+    Tensor.to's backward would materialise it: an fp32 [V, H] of zeros for a head's weight."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        ctx.source = t.dtype
+        return t.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.dim() and not any(grad.stride()):
+            return grad[(0,) * grad.dim()].to(ctx.source).expand(grad.shape), None
+        return grad.to(ctx.source), None
+
+
+def autocast_operands(*tensors, expanded_grads=False):
     """The operands of a matrix product as torch.autocast hands them to F.linear: where autocast
     is on for their device type, floating tensors other than float64 in its dtype (a cast that
-    autograd differentiates back to each tensor's own dtype), else as they are. Anything not
-    a tensor is returned as it is, for the argument checks to name."""
+    autograd differentiates back to each tensor's own dtype; with expanded_grads, one that keeps
+    a gradient expanded from one element so), else as they are. Anything not a tensor is
+    returned as it is, for the argument checks to name."""
     first = tensors[0]
     if not isinstance(first, Tensor) or not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point()
+    cast = (lambda t: _Cast.apply(t, dtype)) if expanded_grads else (lambda t: t.to(dtype))
+    return tuple(cast(t) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype
                  and t.dtype != torch.float64 and t.device.type == first.device.type else t
                  for t in tensors)
 

@@ -582,14 +582,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
             logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
             inplace_backward)
-        # under torch.autocast the GEMMs run in its dtype, as F.linear's would
-        hidden, weight = autocast_operands(hidden, weight)
+        # under torch.autocast the GEMMs run in its dtype, as F.linear's would (an accumulator
+        # leaves autograd expanded zeros for the weight, which the cast keeps expanded)
+        hidden, weight = autocast_operands(hidden, weight,
+                                           expanded_grads=weight_grad_accumulator is not None)
         _validate(hidden, weight, target)
         if loss_mask is not None:
             _validate_loss_mask(loss_mask, target, hidden, opts[5] == _NONE, reduction)
-        mode = _resolve_mode(mode, opts[5], torch.is_grad_enabled() and
-                             (hidden.requires_grad or weight.requires_grad), hidden.dtype,
-                             loss_mask is not None)
+        # (under vmap a batched tensor does not say whether the tensor under it requires grad)
+        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                                  torch._C._are_functorch_transforms_active())
+        mode = _resolve_mode(mode, opts[5], wants_grad, hidden.dtype, loss_mask is not None)
         if mode == _IN_FORWARD and opts[5] == _NONE and target.numel() == 0:
             mode = _RECOMPUTE  # no rows: nothing to weight (an empty mask has no address)
         # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
@@ -600,10 +603,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             _options(*opts, _cpp_mode(mode), tf32, 0, 1, 2, 1)
         if weight_grad_accumulator is not None:
-            if torch.compiler.is_compiling():
+            if through_custom_ops():
                 raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under "
-                                   "torch.compile (the backward would write into a tensor the "
-                                   "graph does not own); call the op eagerly, or leave it out")
+                                   "torch.compile, a FakeTensorMode or torch.func (the backward "
+                                   "writes into a tensor the graph or transform does not own); "
+                                   "call the op eagerly, or leave it out")
             if not callable(weight_grad_accumulator):
                 _validate_accumulator(weight_grad_accumulator, weight, hidden)
             acc32 = True  # the saved unit gradient in fp32 too: no rounding on the way

@@ -279,6 +279,20 @@ def test_weight_grad_accumulator_refused(device):
         fusedloss.linear_cross_entropy(rows[:37], ww, t, weight_grad_accumulator=rows)
     with pytest.raises(TypeError, match="weight_grad_accumulator"):
         fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc.tolist())
+    # where the custom ops serve (compile, fake tensors, torch.func): refused by name
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import vmap
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fh, fw = torch.randn(37, 24, device=device), torch.randn(203, 24, device=device, requires_grad=True)
+        for a in (torch.zeros(203, 24, device=device), lambda: None):
+            with pytest.raises(RuntimeError, match="weight_grad_accumulator is not supported under"):
+                fusedloss.linear_cross_entropy(fh, fw, t, weight_grad_accumulator=a)
+    with pytest.raises(RuntimeError, match="weight_grad_accumulator is not supported under"):
+        vmap(lambda x: fusedloss.linear_cross_entropy(x, ww, t, weight_grad_accumulator=acc))(h[None])
+    compiled = torch.compile(lambda: fusedloss.linear_cross_entropy(h, ww, t, weight_grad_accumulator=acc),
+                             fullgraph=True)
+    with pytest.raises(Exception, match="weight_grad_accumulator is not supported under"):
+        compiled()
 
 
 @pytest.mark.parametrize("how", ["no_grad", "no_input_requires_grad", "inference_mode"])
@@ -430,6 +444,20 @@ def test_autocast_runs_the_gemms_in_its_dtype(device, autocast_dtype, hidden_dty
     with torch.autocast(h.device.type, dtype=autocast_dtype):  # the unfused ops agree
         ref = F.cross_entropy(F.linear(h.to(hidden_dtype), w), t)
     assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+
+
+def test_autocast_with_a_weight_grad_accumulator(device):
+    """The accumulator gets the fp32 gradient of the autocast GEMMs; autograd's zeros for the
+    weight reach its fp32 leaf expanded from one element (not an fp32 [V, H] of zeros)."""
+    h, w, t = _problem(device, torch.float32)
+    ww, acc, seen = w.clone().requires_grad_(), torch.zeros(w.shape, device=device), []
+    ww.register_hook(lambda g: seen.append(g.stride()))
+    with torch.autocast(h.device.type, dtype=torch.bfloat16):
+        fusedloss.linear_cross_entropy(h, ww, t, weight_grad_accumulator=acc).backward()
+    wb = w.bfloat16().requires_grad_()
+    fusedloss.linear_cross_entropy(h.bfloat16(), wb, t, dweight_accumulation="fp32").backward()
+    assert seen == [(0, 0)] and not ww.grad.any()
+    torch.testing.assert_close(acc, wb.grad.float(), rtol=1e-2, atol=1e-4)
 
 
 def test_bad_inputs(device):

@@ -351,3 +351,17 @@ def test_auto_reads_the_device_check_once(monkeypatch, device):
     step()
     step()
     assert len(calls) == (1 if device == "cuda" else 0)
+
+
+def test_head_agreement_covers_autocast():
+    # the op casts hidden and weight to torch.autocast's dtype, which sets its chunking: ranks
+    # whose autocast differs must not pass the head's agreement (it runs the op unchecked)
+    from fusedloss.megatron import lm_head, state
+    apply_fusedloss_to_megatron(linear_cross_entropy=True)
+    h, w, labels = torch.randn(4, 2, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 4))
+    args = (state.lce_options(), h, w, labels, None)
+    plain = lm_head._fingerprint(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = lm_head._fingerprint(*args)
+    assert plain != cast and "autocast='torch.bfloat16'" in cast.pairs
+    unpatch_megatron()

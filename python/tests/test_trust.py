@@ -473,15 +473,25 @@ def _op_calls(device):
 
 @pytest.mark.parametrize("name", list(_op_calls("cpu")))
 def test_torch_func_grad_is_refused_by_name_and_vmap_of_the_forward_works(device, name):
-    from torch.func import grad, vmap
+    """grad and jvp (a silent zero tangent through the custom op otherwise) are refused by name;
+    vmap of the forward matches the loop, and an outer backward through it the loop's."""
+    from torch.func import grad, jacfwd, jvp, vmap
     f, (x, w) = _op_calls(device)[name]
-    with pytest.raises(RuntimeError, match=r"fusedloss\.\w+: torch.func transforms that differentiate"):
-        grad(f)(x, w)
+    for transform in (lambda: grad(f)(x, w), lambda: jvp(f, (x, w), (torch.ones_like(x), w)),
+                      lambda: jacfwd(f)(x, w), lambda: vmap(grad(f))(x[None], w[None])):
+        with pytest.raises(RuntimeError, match=r"fusedloss\.\w+: torch.func transforms that differentiate"):
+            transform()
     xs, ws = torch.stack([x, -x, 2 * x]), torch.stack([w, w.flip(0), w + 1])
+    xs.requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "no batching rule": the custom op row by row
         batched = vmap(f)(xs, ws)
-    torch.testing.assert_close(batched, torch.stack([f(a, b) for a, b in zip(xs, ws)]))
+    looped = torch.stack([f(a, b) for a, b in zip(xs, ws)])
+    torch.testing.assert_close(batched, looped)
+    scale = torch.tensor([1.0, 2.0, 3.0], device=device)
+    (dx_batched,) = torch.autograd.grad((batched * scale).sum(), xs)
+    (dx_looped,) = torch.autograd.grad((looped * scale).sum(), xs)
+    torch.testing.assert_close(dx_batched, dx_looped)
 
 
 @pytest.mark.parametrize("name", list(_op_calls("cpu")))

@@ -109,9 +109,13 @@ def _fingerprint(options, hidden, weight, labels, loss_mask) -> int:
     V_local: its options and torch's
     TF32 setting, the dtypes and device types, H (with rows and V_local these set the op's
     chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
-    shards in the gather), and whether a loss_mask came (it sets the op's backward mode, and
-    with it the collectives)."""
+    shards in the gather), whether a loss_mask came (it sets the op's backward mode, and
+    with it the collectives), and torch.autocast's state (the op casts hidden and weight to its
+    dtype, which sets the chunking too)."""
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device) and str(torch.get_autocast_dtype(device))
     return fingerprint(**options, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+                       autocast=autocast or None,
                        hidden_dtype=str(hidden.dtype), weight_dtype=str(weight.dtype),
                        hidden_device=hidden.device.type, weight_device=weight.device.type,
                        H=weight.shape[-1], labels_shape=tuple(labels.shape),
