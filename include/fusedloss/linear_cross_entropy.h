@@ -113,10 +113,11 @@ struct LinearCrossEntropyOutputs {
   // gradient grad_loss = c * w for one scalar c (Megatron's loss_func reduces
   // c * sum(loss_mask * loss)): it finds c on the device and scales by it. Another grad_loss
   // has no such c: on CUDA the gradients are NaN and check_device_errors() throws; on the host
-  // the backward throws. The loss itself is not weighted. Recompute (fp16 inputs, or asked
-  // for) does not read it. At TP > 1 the same on every rank: the agreement compares a
-  // checksum of it with the targets' (InForward). With N == 0 a null pointer reads as no row weights: pass
-  // Auto (or Recompute) there.
+  // the backward throws. A non-finite grad_loss (a NaN loss upstream) or weight gives NaN
+  // gradients without an error, as it gives the caller's sum(w * loss). The loss itself is not
+  // weighted. Recompute (fp16 inputs, or asked for) does not read it. At TP > 1 the same on
+  // every rank: the agreement compares a checksum of it with the targets' (InForward). With
+  // N == 0 a null pointer reads as no row weights: pass Auto (or Recompute) there.
   const float* row_weight = nullptr;
   // Optional: the call's scratch (the chunk buffers and the GEMM workspace within
   // workspace_bytes, per-row losses, at TP > 1 the exchange of a chunk), in the inputs' memory
@@ -208,7 +209,8 @@ void linear_cross_entropy_prepare(Device device, Stream stream = nullptr);
 //              elementwise on the device; hidden, weight, lse and valid_count are not read.
 //              With saved.row_weight (None): grad_loss is [N] = c x row_weight, and the
 //              scale is c (see LinearCrossEntropyOutputs::row_weight).
-//              grads may be the saved buffers themselves (scaled in place).
+//              grads may be the saved buffers themselves (scaled in place: they are then
+//              consumed, and a second backward over them would scale them again).
 //   Recompute: grad_loss is [N] for Reduction::None, else [1]; lse and valid_count (Mean) are
 //              the forward's; each chunk's logits are recomputed (no communication).
 // grad_loss lives with the inputs (host or device) and is read there, never copied to the host.

@@ -4,7 +4,9 @@
 
 namespace fusedloss {
 
-enum class Reduction { None, Sum, Mean };  // Mean: over rows whose target != ignore_index
+// Mean: over rows whose target != ignore_index; 0 (and zero gradients) where no row counts,
+// where torch.nn.functional.cross_entropy gives NaN.
+enum class Reduction { None, Sum, Mean };
 enum class SmoothingFormula { PyTorch, Megatron };  // alpha = ls, or ls * K / (K - 1)
 enum class SmoothingScope { Global, Partition };    // K = V_global, or this rank's V_local
 enum class CollectiveForm { AllGather, AllReduce };  // 1 collective, or 2 (max, then sum)

@@ -246,6 +246,8 @@ core::LceStep gradient_step(const IndexView& target, const core::CeParams& p, co
 LinearCeBackward resolve_linear_ce_backward(LinearCeBackward mode, Reduction reduction,
                                             DType dtype, bool row_weighted) {
   check_mode(mode);
+  require(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "dtype: got ",
+          to_string(dtype), ", expected F32, BF16 or F16 (the linear cross-entropy's inputs)");
   // The in-forward gradient is the unit upstream gradient's, stored in the inputs' dtype before
   // the real one (a loss scale, 1/N) reaches it: in fp16 its small entries (p / N at large
   // vocabularies) flush to zero where the recomputed gradient, scaled first, keeps them.
@@ -376,7 +378,10 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     mine.options = vocab_parallel::fingerprint_more(h, more, sizeof(more));
     std::ostringstream more_text;
     more_text << std::setprecision(9) << ", logit_softcap=" << softcap
-              << ", allow_tf32=" << options.allow_tf32 << ", backward_mode=" << mode_name(mode)
+              << ", allow_tf32=" << options.allow_tf32
+              // before the mode it sets under Auto: a rank without row weights is named so
+              << ", row_weight=" << (out.row_weight ? "given" : "null")
+              << ", backward_mode=" << mode_name(mode)
               << ", H=" << hidden.cols;
     mine.options_text = vocab_parallel::describe(ce) + more_text.str();
     if (mode == LinearCeBackward::InForward && p.reduction == Reduction::None)

@@ -184,6 +184,11 @@ void expect_mismatch_errors(Device dev, Communicator& comm) {
                             "and of the row weights')");
     weighted(0.0f);
     weighted(-0.0f);  // one weight: -0 and 0 agree
+    // Rank 1 alone passes no row weights (Auto: Recompute there): named as such, not as the
+    // backward mode it sets
+    if (rank == 1) out.row_weight = nullptr;
+    expect_error_everywhere([&] { weighted(0.0f); },
+                            "options: rank 1's row_weight=null differs from rank 0's row_weight=given");
   }
   // A bad target on rank 0 only (CPU: found before the collective).
   if (dev == Device::CPU) {

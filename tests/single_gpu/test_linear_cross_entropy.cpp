@@ -47,6 +47,8 @@ TEST(LinearCrossEntropyModes, Fp16TakesRecompute) {
             LinearCeBackward::InForward);
   expect_error([] { resolve_linear_ce_backward(LinearCeBackward::InForward, Reduction::Sum, DType::F16); },
                {"options.backward_mode: got InForward with fp16 inputs", "expected Recompute or Auto"});
+  expect_error([] { resolve_linear_ce_backward(LinearCeBackward::Auto, Reduction::Sum, DType::FP8_E4M3); },
+               {"dtype: got fp8_e4m3", "expected F32, BF16 or F16"});
   LceCase c;
   c.dtype = DType::F16;
   c.lo.backward_mode = LinearCeBackward::InForward;
