@@ -69,8 +69,11 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
 
 // A gradient buffer: [rows, cols], fp32 or the inputs' dtype (fp32 inputs: fp32 only), on the
 // inputs' device, not overlapping the inputs.
+// An InForward gradient buffer (`why`: what the mode needs it for, said when it is missing).
 void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_t cols,
-                     const MatrixView& hidden, const MatrixView& weight) {
+                     const MatrixView& hidden, const MatrixView& weight, const char* why) {
+  require(g.data != nullptr || rows == 0, name, ": got none, expected a [", rows, ", ", cols,
+          "] buffer: ", why);
   detail::check_matrix(g, name);
   require(g.rows == rows && g.cols == cols, name, ": got shape [", g.rows, ", ", g.cols,
           "], expected [", rows, ", ", cols, "]");
@@ -332,8 +335,11 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     require(out.lse != nullptr || N == 0, "out.lse: got null, expected a float buffer of ", N,
             " elements");
     if (mode == LinearCeBackward::InForward) {
-      check_grad_view(out.dhidden, "out.dhidden", N, hidden.cols, hidden, weight);
-      check_grad_view(out.dweight, "out.dweight", weight.rows, hidden.cols, hidden, weight);
+      constexpr const char* why =
+          "the InForward backward mode (Auto's for Sum / Mean, and for None with row weights, "
+          "on fp32 or bf16 inputs) computes the gradients in the forward; Recompute needs none";
+      check_grad_view(out.dhidden, "out.dhidden", N, hidden.cols, hidden, weight, why);
+      check_grad_view(out.dweight, "out.dweight", weight.rows, hidden.cols, hidden, weight, why);
     }
     const bool grads = mode == LinearCeBackward::InForward;
     detail::require_outputs_apart(
@@ -489,8 +495,9 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                                            hidden.dtype, saved.row_weight != nullptr);
   const Device dev = hidden.device;
   const int64_t N = hidden.rows;
-  check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight);
-  check_grad_view(grads.dweight, "grads.dweight", weight.rows, hidden.cols, hidden, weight);
+  constexpr const char* written = "the backward writes the gradients there";
+  check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight, written);
+  check_grad_view(grads.dweight, "grads.dweight", weight.rows, hidden.cols, hidden, weight, written);
   detail::require_disjoint({detail::span_of(grads.dhidden, "grads.dhidden"),
                             detail::span_of(grads.dweight, "grads.dweight")});
   require(grad_loss != nullptr || (p.reduction == Reduction::None && N == 0),
@@ -505,8 +512,10 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                          {saved.row_weight, N * 4, "saved.row_weight"}});
 
   if (mode == LinearCeBackward::InForward) {
-    check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight);
-    check_grad_view(saved.dweight, "saved.dweight", weight.rows, hidden.cols, hidden, weight);
+    constexpr const char* why = "the InForward backward scales the gradients its forward "
+                                "wrote: pass that forward's outputs as `saved`";
+    check_grad_view(saved.dhidden, "saved.dhidden", N, hidden.cols, hidden, weight, why);
+    check_grad_view(saved.dweight, "saved.dweight", weight.rows, hidden.cols, hidden, weight, why);
     auto same_or_apart = [](const MatrixView& dst, const MatrixView& src, const char* name) {
       const bool same = dst.data == src.data && dst.row_stride == src.row_stride &&
                         dst.dtype == src.dtype;

@@ -562,6 +562,11 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
   // a vocabulary whose chunk row would overflow: an Error, not a division by zero
   expect_error([&] { linear_cross_entropy_chunk_rows({}, 4, int64_t(1) << 62, DType::F32); },
                {"vocab_local", "2^40"});
+  // InForward (Auto's mode for Mean) without its gradient buffers: named with why
+  LinearCrossEntropyOutputs no_grads = f.out();
+  no_grads.dweight = {};
+  expect_error([&] { linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, no_grads); },
+               {"out.dweight: got none, expected a [10, 8] buffer", "InForward", "Recompute needs none"});
   // Nothing was written by any rejected call.
   f.loss.download();
   EXPECT_TRUE(std::isnan(f.loss.host_as<float>()[0]));
@@ -573,6 +578,10 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
     linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(), nullptr,
                                   f.count.data_as<float>(), {}, {}, f.out(), g);
   }, {"grad_loss", "null"});
+  expect_error([&] {  // InForward: the forward's gradients are what it scales
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, no_grads, g);
+  }, {"saved.dweight: got none", "pass that forward's outputs as `saved`"});
   expect_error([&] {  // what the backward reads must not lie under what it writes
     linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), static_cast<float*>(f.dh.data()) + 2,
                                   f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, f.out(), g);
