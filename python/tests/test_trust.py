@@ -465,8 +465,9 @@ def _op_calls(device):
                               (x, w)),
         "cross_entropy": (lambda x, w: fusedloss.cross_entropy(x * w, t), (x, w)),
         "linear_cross_entropy": (lambda x, w: fusedloss.linear_cross_entropy(x * w, head, t), (x, w)),
-        "linear_cross_entropy_masked": (lambda x, w: fusedloss.linear_cross_entropy(
-            x * w, head, t, reduction="none", loss_mask=t > 2).sum(), (x, w)),
+        # reduced with its mask, as the mask's in-forward backward requires
+        "linear_cross_entropy_masked": (lambda x, w: (fusedloss.linear_cross_entropy(
+            x * w, head, t, reduction="none", loss_mask=t > 2) * (t > 2)).sum(), (x, w)),
         "swiglu": (lambda x, w: fusedloss.swiglu(torch.cat([x, x * w], -1)).sum(), (x, w)),
     }
 
