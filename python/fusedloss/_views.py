@@ -37,6 +37,11 @@ _CPU, _CUDA = _C.Device.CPU, _C.Device.CUDA
 def require_tensor(t, name):
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if type(t) is not Tensor and hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+        # a DTensor's own storage is empty: its data is the local shard
+        raise TypeError(f"{name}: got a {type(t).__name__}, expected a plain torch.Tensor: pass "
+                        f"{name}.to_local(), this rank's shard (a vocabulary split over ranks "
+                        "goes with tp_group=, the ranks' process group)")
     if not (t.is_cpu or t.is_cuda):
         raise ValueError(f"{name}.device: got {t.device}, expected a cpu or cuda tensor")
     if t.layout != torch.strided:

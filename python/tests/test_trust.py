@@ -509,3 +509,28 @@ def test_fake_tensors_take_the_fake_implementations(device, name):
         loss.backward()
         assert loss.shape == real.shape and loss.dtype == real.dtype
         assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def _dtensor_inputs_are_refused_by_name(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.randn(4, 8), mesh, [Replicate()])
+    head = distribute_tensor(torch.randn(6, 8), mesh, [Shard(0)])
+    t = torch.zeros(4, dtype=torch.long)
+    calls = {"x": lambda: fusedloss.rms_norm(x, torch.ones(8)),
+             "weight": lambda: fusedloss.rms_norm(x.to_local(), distribute_tensor(torch.ones(8), mesh, [Replicate()])),
+             "logits": lambda: fusedloss.cross_entropy(x, t),
+             "y": lambda: fusedloss.swiglu(x),
+             "hidden": lambda: fusedloss.linear_cross_entropy(x, head, t)}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"^{name}: got a DTensor, expected a plain torch.Tensor: "
+                                            rf"pass {name}.to_local\(\)"):
+            call()
+
+
+def test_dtensor_inputs_are_refused_by_name():
+    # a DTensor's own storage is empty (its data is the local shard): read as a plain tensor it
+    # was refused as "x.data: got null"
+    from dist_util import run_world
+    run_world(1, _dtensor_inputs_are_refused_by_name)
