@@ -69,7 +69,8 @@ def ctest_lines(path, wheel_result):
         reasons, runs = [], []
         for c in mpi:
             t = text(c)
-            runs.append(c.get("name").rsplit("np", 1)[-1])
+            suite, np = c.get("name").rsplit("_np", 1)  # mpi_<suite>_np<N>
+            runs.append((suite.removeprefix("mpi_"), np))
             passed = re.search(r"\[  PASSED  \] (\d+) test", t)
             skipped = re.search(r"\[  SKIPPED \] (\d+) test", t)
             fails = re.search(r"\[  FAILED  \] (\d+) test", t)
@@ -80,9 +81,13 @@ def ctest_lines(path, wheel_result):
                 reasons += (sorted(set(skip_messages(t))) or ["not run"])[:1] * s
             if c.get("status") != "run":
                 bad = True
-                runs[-1] += " failed"
+                runs[-1] = (runs[-1][0], runs[-1][1] + " failed")
                 FAILED.append(f"C++ mpirun: {c.get('name')}")
-        out.append(line("C++ mpirun", n_ran, n_skip, n_fail, reasons, f" (np {', '.join(runs)})"))
+        by_suite = {}  # "vocab_parallel np 2, 3, 4; linear_cross_entropy np 2, 3"
+        for suite, np in runs:
+            by_suite.setdefault(suite, []).append(np)
+        where = "; ".join(f"{suite} np {', '.join(nps)}" for suite, nps in by_suite.items())
+        out.append(line("C++ mpirun", n_ran, n_skip, n_fail, reasons, f" ({where})"))
         bad |= n_fail > 0
     else:
         out.append("C++ mpirun: not built (no MPI)")
