@@ -156,7 +156,8 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
     return eps
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5, zero_centered_gamma: bool = False,
+def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5,
+             zero_centered_gamma: bool = False,
              residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """RMSNorm of x [..., H] (fp32/fp16/bf16, any strides; [T, H] or Megatron's [s, b, H]) with
     weight [H] (any float dtype): y = x / sqrt(mean(x^2, -1) + eps) * gamma, gamma = weight, or
