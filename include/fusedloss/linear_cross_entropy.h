@@ -87,6 +87,17 @@ inline int64_t linear_cross_entropy_default_vocab_block(int64_t hidden) {
   return block > 64 ? block : 64;
 }
 
+// The vocab_block an adapter passes to a backward of the resolved `mode` writing a dweight of
+// `dweight_dtype`: the default block where a Recompute backward into a 16-bit dweight is to be
+// exact (fp32_accumulation: each block's dweight sums over all tokens in an fp32 buffer), else 0.
+inline int64_t linear_cross_entropy_backward_vocab_block(LinearCeBackward mode,
+                                                         bool fp32_accumulation,
+                                                         DType dweight_dtype, int64_t hidden) {
+  return mode == LinearCeBackward::Recompute && fp32_accumulation && dweight_dtype != DType::F32
+             ? linear_cross_entropy_default_vocab_block(hidden)
+             : 0;
+}
+
 // The mode `Auto` resolves to for `reduction`, the inputs' `dtype` and whether the call has row
 // weights (Recompute for None without row weights and for fp16 inputs, whose unit gradient
 // would flush the entries a loss scale keeps; else InForward), and the check of an explicit

@@ -34,8 +34,15 @@ struct RmsNormOptions {
 // run first. Throws Error.
 void validate_rms_norm_options(const RmsNormOptions& options);
 
+// Whether the kernels read a weight of dtype `weight` with x of dtype `x` as it is: x's own dtype
+// or fp32, and bf16 or fp16 with fp32 x. The adapters hand any other float weight over in fp32.
+inline bool rms_norm_reads_weight_as_is(DType x, DType weight) {
+  return weight == x || weight == DType::F32 ||
+         (x == DType::F32 && (weight == DType::BF16 || weight == DType::F16));
+}
+
 // x             [T, H] fp32, fp16 or bf16, any row stride. T may be 0.
-// weight        [H] contiguous: x's dtype or fp32; bf16 or fp16 with fp32 x.
+// weight        [H] contiguous, a dtype rms_norm_reads_weight_as_is takes with x's.
 // y             [T, H] of x's dtype, any row stride; must not overlap any input or output.
 // rstd          [T] fp32 (device memory on CUDA), receives 1 / sqrt(mean(s^2) + eps).
 // residual      absent (data == nullptr) or [T, H] of x's dtype: s = x + residual is normalised.

@@ -122,11 +122,12 @@ def as_int(value, name):
 
 def validated(validate, *args) -> None:
     """Runs a C++ options validator; its message names the field without the C++ struct's
-    "options." prefix (Python callers know the keyword)."""
+    "options." prefix (Python callers know the keyword), as the C++ nodes' core_call does."""
     try:
         validate(*args)
     except _C.Error as e:
-        raise _C.Error(str(e).replace("options.", "", 1)) from None
+        message = str(e)
+        raise _C.Error(message.removeprefix("options.")) from None
 
 
 _F32_ZERO_BELOW = 2.0 ** -150  # magnitudes up to this round to 0 in float32

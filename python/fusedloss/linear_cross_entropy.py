@@ -256,7 +256,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
     accumulate: dw += the weight's gradient)."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
-     mode, tf32, group, _check, dhidden_reduction, _acc32, _inplace) = opts
+     mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -264,9 +264,8 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     rank, world = rank_and_size(g)
     # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's dweight
     # sums over all tokens in an fp32 buffer), dhidden summed over blocks in fp32.
-    block = 0
-    if mode != _IN_FORWARD and _acc32 and dw.dtype != torch.float32:
-        block = _C.linear_cross_entropy_default_vocab_block(h.size(1))
+    block = _C.linear_cross_entropy_backward_vocab_block(
+        _C.LinearCeBackward(_cpp_mode(mode)), acc32, _DTYPES[dw.dtype], h.size(1))
     o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                      workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
     gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr

@@ -14,9 +14,9 @@ from torch import Tensor
 
 from . import _C, _native
 from ._op import FusedOp, through_custom_ops
-from ._views import (_DTYPES, as_bool, as_dtype, as_float, as_int, matrix, require_float_aux,
-                     require_same_device, require_values, rows_of, stream_of, validated, values_in,
-                     vector)
+from ._views import (_DTYPES, VALUE_DTYPES, as_bool, as_dtype, as_float, as_int, device_of, matrix,
+                     require_float_aux, require_same_device, require_values, rows_of, stream_of,
+                     validated, values_in, vector)
 
 _OP = "fusedloss.rms_norm"
 # eps=None as torch's rms_norm takes it: the epsilon of its math type, fp32 for every input dtype
@@ -24,10 +24,10 @@ _OP = "fusedloss.rms_norm"
 # finfo(bfloat16).eps)
 _TORCH_EPS = torch.finfo(torch.float32).eps
 _ABSENT = _C.MatrixView(0, 0, 1, 1, _C.DType.F32, _C.Device.CPU)
-# weight dtypes the kernels read as they are, per input dtype; any other float weight is read in fp32
-_WEIGHT_AS_IS = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
-                 torch.bfloat16: (torch.bfloat16, torch.float32),
-                 torch.float16: (torch.float16, torch.float32)}
+# weight dtypes the kernels read as they are, per input dtype (the core's rule, asked once); any
+# other float weight is read in fp32
+_WEIGHT_AS_IS = {x: tuple(w for w in VALUE_DTYPES if _C.rms_norm_reads_weight_as_is(_DTYPES[x], _DTYPES[w]))
+                 for x in VALUE_DTYPES}
 
 
 @functools.lru_cache(maxsize=64)
@@ -83,7 +83,7 @@ def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Option
     # in the dtype the weight is read in (its own, or fp32): summed in fp32, rounded once there
     dw = torch.empty(hidden, dtype=weight.dtype, device=x.device)
     # the weight gradient's partials through torch's allocator (CUDA graphs, the caching pool)
-    ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, _C.Device.CUDA if x.is_cuda else _C.Device.CPU)
+    ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, device_of(x))
     ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device) if ws_bytes else None
     _C.rms_norm_backward(matrix(gr), matrix(xr), vector(weight), rstd.data_ptr(),
                          _options(eps, zero_centered_gamma), matrix(rows_of(dx)[0]), dw.data_ptr(),
@@ -136,8 +136,6 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
         raise ValueError(f"x: got shape {tuple(x.shape)}, expected [..., H] with H >= 1 "
                          "([T, H] or [s, b, H])")
     hidden = x.size(-1)
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"weight: got {type(weight).__name__}, expected a torch.Tensor")
     require_float_aux(weight, "weight")
     if weight.shape != (hidden,):
         raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected ({hidden},) = [H], "

@@ -282,6 +282,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("eps", &RmsNormOptions::eps)
       .def_readwrite("zero_centered_gamma", &RmsNormOptions::zero_centered_gamma);
+  m.def("rms_norm_reads_weight_as_is", &rms_norm_reads_weight_as_is, py::arg("x"), py::arg("weight"));
   m.def("validate_rms_norm_options",
         [](const RmsNormOptions& o) { guarded([&] { validate_rms_norm_options(o); }); });
   m.def("rms_norm_forward",
@@ -374,8 +375,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
         py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr, py::arg("scratch") = 0,
         py::arg("scratch_bytes") = 0, py::arg("row_weight") = 0);
-  m.def("linear_cross_entropy_default_vocab_block", &linear_cross_entropy_default_vocab_block,
-        py::arg("hidden"));
+  m.def("linear_cross_entropy_backward_vocab_block", &linear_cross_entropy_backward_vocab_block,
+        py::arg("mode"), py::arg("fp32_accumulation"), py::arg("dweight_dtype"), py::arg("hidden"));
   m.def("linear_cross_entropy_forward_scratch_bytes",
         [](const MatrixView& h, const MatrixView& w, const CrossEntropyOptions& ce,
            const LinearCrossEntropyOptions& o, int comm_size) {

@@ -169,10 +169,10 @@ void guard_second_order(bool create_graph, variable_list& grads, const variable_
 // ---- rms_norm (python/fusedloss/rms_norm.py) ----
 
 // The weight as the kernels read it: its own dtype where they take it with x's, else fp32.
-at::Tensor weight_for(const at::Tensor& weight, at::ScalarType x_dtype) {
+at::Tensor weight_for(const at::Tensor& weight, const at::Tensor& x) {
   const auto w = weight.scalar_type();
-  const bool as_is = w == x_dtype || w == at::kFloat ||
-                     (x_dtype == at::kFloat && (w == at::kBFloat16 || w == at::kHalf));
+  const bool as_is = (w == at::kFloat || w == at::kHalf || w == at::kBFloat16) &&
+                     fusedloss::rms_norm_reads_weight_as_is(dtype_of(x), dtype_of(weight));
   return as_dtype(weight, as_is ? w : at::kFloat).contiguous();
 }
 
@@ -194,7 +194,7 @@ struct RmsNorm : torch::autograd::Function<RmsNorm> {
     // outputs in x's shape, contiguous, returned as they are (not views made here)
     at::Tensor y = at::empty(x.sizes(), x.options());
     at::Tensor rstd = at::empty({xr.size(0)}, x.options().dtype(at::kFloat));
-    at::Tensor s, w = weight_for(weight, x.scalar_type());
+    at::Tensor s, w = weight_for(weight, x);
     fusedloss::MatrixView r_view, s_view;
     at::Tensor rr;
     if (residual) {
@@ -645,9 +645,8 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     const at::Tensor h = rows_of(hidden), w = rows_of(weight), t = index_of(saved[2]);
     // recompute into a 16-bit weight gradient, exactly: vocabulary blocks outside, each summing
     // over all tokens in fp32 (linear_cross_entropy.py: _run_backward)
-    int64_t block = 0;
-    if (mode != kInForward && d["acc32"].toBool() && weight.scalar_type() != at::kFloat)
-      block = fusedloss::linear_cross_entropy_default_vocab_block(h.size(1));
+    const int64_t block = fusedloss::linear_cross_entropy_backward_vocab_block(
+        fusedloss::LinearCeBackward(mode), d["acc32"].toBool(), dtype_of(weight), h.size(1));
     const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
                               d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
                               d["reduction"].toInt());

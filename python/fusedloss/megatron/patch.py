@@ -201,7 +201,7 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       again).
     swiglu: SwiGLUFunction / BiasSwiGLUFunction / WeightedSwiGLUFunction natively (bias,
       per-token weights, clamp, fp8 input store); cpu_offload_input falls back to Megatron's
-      own, logged once. `swiglu_inplace_backward` writes the input gradient into the fc1 output
+      own, with one warning. `swiglu_inplace_backward` writes the input gradient into the fc1 output
       (`swiglu_in_place` is its deprecated spelling).
     rms_norm: the norm Megatron's local spec builds for normalization="RMSNorm" (WrappedTorchNorm:
       the transformer layers' input/pre-MLP norms, q/k norms and the final norm) becomes
@@ -276,8 +276,6 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
         setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
     state.configure(flags, ignore_index, label_smoothing, linear_cross_entropy_backward)
-    state.CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                   linear_cross_entropy_backward=linear_cross_entropy_backward)
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))

@@ -18,6 +18,9 @@ _LCE_KWARGS = {}
 def configure(flags, ignore_index, label_smoothing, lce_backward="recompute"):
     CONFIG.clear()
     CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
+    # the patch's arguments as given, which the context manager restores
+    CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                             linear_cross_entropy_backward=lce_backward)
     common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
                   smoothing_scope="partition", reduction="none",
                   check_shard_agreement=flags["check_shard_agreement"])
