@@ -18,7 +18,7 @@ sum unless dhidden_reduction="all_reduce".
 import contextlib
 import ctypes
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,38 @@ _DHIDDEN = {"partial": 0, "all_reduce": 1}
 _ACCUMULATOR_KINDS = ("none", "a tensor", "a callable")
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
+
+
+class _Options(NamedTuple):
+    """The checked keyword options the op schema carries first, in its order."""
+    ignore_index: int
+    label_smoothing: float
+    formula: int
+    scope: int
+    z_loss: float
+    reduction: int
+    softcap: float
+    workspace_bytes: int
+
+
+class _KernelOptions(NamedTuple):
+    """Every plain argument of the op's kernels after its tensors, in the schema's order (the
+    custom ops take them flat: *options)."""
+    ignore_index: int
+    label_smoothing: float
+    formula: int
+    scope: int
+    z_loss: float
+    reduction: int
+    softcap: float
+    workspace_bytes: int
+    mode: int
+    tf32: bool
+    group: str
+    check: bool
+    dhidden_reduction: int
+    acc32: bool
+    inplace: bool
 
 
 def _cpp_mode(mode: int) -> int:
@@ -256,7 +288,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
     accumulate: dw += the weight's gradient)."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
-     mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts
+     mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts  # a _KernelOptions
     h, _ = rows_of(hidden)
     w, _ = rows_of(weight)
     t, tv = index(target, "target")
@@ -287,8 +319,9 @@ def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor,
               softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
               check_agreement: bool, dhidden_reduction: int, acc32: bool,
               inplace: bool) -> Tuple[Tensor, Tensor]:
-    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
-            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    opts = _KernelOptions(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+                          workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction,
+                          acc32, inplace)
     N, H = target.numel(), hidden.size(-1)
     dh = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     # recompute: dweight sums over all tokens in fp32 per vocabulary block (acc32), or chunk pair
@@ -307,8 +340,9 @@ def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Te
                    check_agreement: bool, dhidden_reduction: int, acc32: bool,
                    inplace: bool) -> None:
     """in_forward with saved gradients in the inputs' dtypes: scaled where they are."""
-    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
-            workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction, acc32, inplace)
+    opts = _KernelOptions(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+                          workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction,
+                          acc32, inplace)
     _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
                   opts, saved_dh, saved_dw)
 
@@ -329,10 +363,10 @@ def _setup(ctx, inputs, output):
     # flat buffer) is written by other parameters' backward before this one's. A callable is
     # asked at the backward (a buffer bound late).
     ctx.accumulator = accumulator
-    ctx.opts = tuple(opts)
+    ctx.opts = opts = _KernelOptions(*opts)
     # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
     # owned here alone); the second backward this rules out raises (the scaffold's guard).
-    ctx.inplace = (opts[-1] and opts[8] == _IN_FORWARD and dh.dtype == hidden.dtype
+    ctx.inplace = (opts.inplace and opts.mode == _IN_FORWARD and dh.dtype == hidden.dtype
                    and dw.dtype == weight.dtype)
     ctx.save_for_backward(hidden, weight, target, lse, count, row_weight, dh, dw)
 
@@ -353,7 +387,7 @@ def _accumulator_at_backward(ctx, weight, hidden):
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, row_weight, dh, dw = ctx.saved_tensors
     nones = (None,) * (len(ctx.opts) + 3)  # target, the row weights, the options, the accumulator
-    group, check = ctx.opts[10], ctx.opts[11]
+    group, check = ctx.opts.group, ctx.opts.check
     g = resolve_group(group) if callable(ctx.accumulator) and check else None
     # A callable's buffer is known only now: at TP > 1 every rank takes part in one agreement,
     # so a bad buffer on one rank raises its error on every rank (not a hang in the all-reduce).
@@ -483,13 +517,13 @@ def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_sco
                  dweight_accumulation, inplace_backward):
     """Keyword options -> (the plain values the op schema carries, the backward mode (auto
     unresolved), dhidden_reduction, fp32 accumulation, inplace_backward)."""
-    opts = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-            as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-            as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-            as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
-            0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
-            0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
-    if opts[-1] < 0 or workspace_bytes is not None and opts[-1] == 0:
+    opts = _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
+                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
+                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
+                    0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
+                    0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
+    if opts.workspace_bytes < 0 or workspace_bytes is not None and opts.workspace_bytes == 0:
         raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
     return (opts, as_choice(backward_mode, "backward_mode", _MODES),
             as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN),
@@ -587,12 +621,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                                            expanded_grads=weight_grad_accumulator is not None)
         _validate(hidden, weight, target)
         if loss_mask is not None:
-            _validate_loss_mask(loss_mask, target, hidden, opts[5] == _NONE, reduction)
+            _validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
         # (under vmap a batched tensor does not say whether the tensor under it requires grad)
         wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                                   torch._C._are_functorch_transforms_active())
-        mode = _resolve_mode(mode, opts[5], wants_grad, hidden.dtype, loss_mask is not None)
-        if mode == _IN_FORWARD and opts[5] == _NONE and target.numel() == 0:
+        mode = _resolve_mode(mode, opts.reduction, wants_grad, hidden.dtype, loss_mask is not None)
+        if mode == _IN_FORWARD and opts.reduction == _NONE and target.numel() == 0:
             mode = _RECOMPUTE  # no rows: nothing to weight (an empty mask has no address)
         # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
         # agreement's reach: an allocation that fails on one rank fails on every rank)
@@ -619,4 +653,4 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     else:
         loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,
                                      check, dh_red, acc32, inplace, weight_grad_accumulator)
-    return loss.view(target.shape) if opts[5] == _NONE else loss
+    return loss.view(target.shape) if opts.reduction == _NONE else loss
