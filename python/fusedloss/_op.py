@@ -45,8 +45,6 @@ def _guard(grad, op, anchors):
     return _NoSecondOrder.apply(grad, op, *anchors)
 
 
-
-
 def _on_the_tensors_device(fn):
     """fn(*args) with the current CUDA device set to that of its first argument (a tensor of the
     op) while it runs, as torch's own ops do: the core launches on the current device, and the

@@ -422,7 +422,7 @@ _linear_cross_entropy = FusedOp(
 _EAGER = _native.ops.linear_cross_entropy_eager.default if _native.ops is not None else None
 
 
-def _validate(hidden, weight, target):
+def validate_inputs(hidden, weight, target):
     require_values(hidden, "hidden")
     require_values(weight, "weight")
     require_tensor(target, "target")
@@ -438,7 +438,7 @@ def _validate(hidden, weight, target):
     require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
 
 
-def _validate_loss_mask(loss_mask, target, hidden, per_token, reduction):
+def validate_loss_mask(loss_mask, target, hidden, per_token, reduction):
     require_tensor(loss_mask, "loss_mask")
     if not per_token:
         raise ValueError(f"loss_mask: got a tensor with reduction={reduction!r}, expected "
@@ -619,9 +619,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         # leaves autograd expanded zeros for the weight, which the cast keeps expanded)
         hidden, weight = autocast_operands(hidden, weight,
                                            expanded_grads=weight_grad_accumulator is not None)
-        _validate(hidden, weight, target)
+        validate_inputs(hidden, weight, target)
         if loss_mask is not None:
-            _validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
+            validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
         # (under vmap a batched tensor does not say whether the tensor under it requires grad)
         wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
                                                   torch._C._are_functorch_transforms_active())

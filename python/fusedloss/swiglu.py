@@ -71,8 +71,6 @@ def _eager_options(clamp_value: Optional[float]) -> Tuple[bool, float, bool, boo
     return o.clamp, o.clamp_value, o.clamp_gate_grad_at_bound, o.clamp_up_grad_at_bound
 
 
-
-
 def _eager(y, bias, weights, clamp_value, inplace):
     """An eager call through the C++ autograd node (no fp8 input store): the same decisions as
     the Python node's setup (an in-place gradient only into memory that is ours, warned

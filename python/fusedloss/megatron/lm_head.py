@@ -14,9 +14,9 @@ import torch
 import fusedloss
 from fusedloss._distributed import fingerprint, rank_checks
 from fusedloss._views import require_tensor
-from fusedloss.linear_cross_entropy import _validate as validate_linear_ce_inputs
-from fusedloss.linear_cross_entropy import _validate_loss_mask as validate_loss_mask
 from fusedloss.cross_entropy import check_targets_on_host
+from fusedloss.linear_cross_entropy import validate_inputs as validate_linear_ce_inputs
+from fusedloss.linear_cross_entropy import validate_loss_mask
 
 from . import state
 

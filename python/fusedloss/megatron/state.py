@@ -4,7 +4,6 @@ and the one-time warnings."""
 import inspect
 import warnings
 
-
 import fusedloss
 from fusedloss._distributed import group_size  # noqa: F401 (the adapters call state.group_size)
 
