@@ -155,12 +155,8 @@ const python::CoreTable& core_table() {
   return table;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "fusedloss C++ core (raw-pointer binding; see fusedloss/ for the torch API)";
-  g_error_type = py::register_local_exception<Error>(m, "Error", PyExc_ValueError).ptr();
-
+// The enums, views and the cross-entropy options every op shares.
+void bind_types(py::module_& m) {
   py::enum_<DType>(m, "DType")
       .value("F32", DType::F32).value("F16", DType::F16).value("BF16", DType::BF16)
       .value("FP8_E4M3", DType::FP8_E4M3);
@@ -199,26 +195,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("vocab_start", &CrossEntropyOptions::vocab_start)
       .def_readwrite("vocab_global", &CrossEntropyOptions::vocab_global)
       .def_readwrite("check_shard_agreement", &CrossEntropyOptions::check_shard_agreement);
-  py::class_<SwigluOptions>(m, "SwigluOptions")
-      .def(py::init<>())
-      .def_readwrite("clamp", &SwigluOptions::clamp)
-      .def_readwrite("clamp_value", &SwigluOptions::clamp_value)
-      .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate)
-      .def_readwrite("clamp_gate_grad_at_bound", &SwigluOptions::clamp_gate_grad_at_bound)
-      .def_readwrite("clamp_up_grad_at_bound", &SwigluOptions::clamp_up_grad_at_bound);
+}
 
+// fusedloss/cross_entropy.h.
+void bind_cross_entropy(py::module_& m) {
   // Shape-only validators: the entry points' own option checks, for fake tensors too.
   m.def("validate_cross_entropy_options",
         [](const CrossEntropyOptions& o, int64_t rows, int64_t vocab_local) {
           guarded([&] { validate_cross_entropy_options(o, rows, vocab_local); });
         },
         py::arg("options"), py::arg("rows"), py::arg("vocab_local"));
-  m.def("validate_swiglu_options",
-        [](const SwigluOptions& o) { guarded([&] { validate_swiglu_options(o); }); },
-        py::arg("options"));
-
-  // The GIL stays held: the calls are short (kernel launches), and errors become Python
-  // exceptions without crossing a GIL-released frame.
   m.def("cross_entropy_forward",
         [](const MatrixView& x, const IndexView& t, const CrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, uintptr_t stream) {
@@ -267,6 +253,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("cross_entropy_scale_grad", [](const MatrixView& grad, uintptr_t grad_loss, uintptr_t stream) {
     guarded([&] { cross_entropy_scale_grad(grad, fptr(grad_loss), ptr(stream)); });
   });
+}
+
+// fusedloss/swiglu.h.
+void bind_swiglu(py::module_& m) {
+  py::class_<SwigluOptions>(m, "SwigluOptions")
+      .def(py::init<>())
+      .def_readwrite("clamp", &SwigluOptions::clamp)
+      .def_readwrite("clamp_value", &SwigluOptions::clamp_value)
+      .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate)
+      .def_readwrite("clamp_gate_grad_at_bound", &SwigluOptions::clamp_gate_grad_at_bound)
+      .def_readwrite("clamp_up_grad_at_bound", &SwigluOptions::clamp_up_grad_at_bound);
+  m.def("validate_swiglu_options",
+        [](const SwigluOptions& o) { guarded([&] { validate_swiglu_options(o); }); },
+        py::arg("options"));
   m.def("swiglu_forward",
         [](const MatrixView& y, const VectorView& bias, const VectorView& w, const SwigluOptions& o,
            const MatrixView& out, const MatrixView& y8, uintptr_t stream) {
@@ -278,6 +278,10 @@ PYBIND11_MODULE(_C, m) {
            uintptr_t stream) {
           guarded([&] { swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream)); });
         });
+}
+
+// fusedloss/rms_norm.h.
+void bind_rms_norm(py::module_& m) {
   py::class_<RmsNormOptions>(m, "RmsNormOptions")
       .def(py::init<>())
       .def_readwrite("eps", &RmsNormOptions::eps)
@@ -307,6 +311,10 @@ PYBIND11_MODULE(_C, m) {
                               ptr(stream));
           });
         });
+}
+
+// fusedloss/linear_cross_entropy.h.
+void bind_linear_cross_entropy(py::module_& m) {
   py::enum_<LinearCeBackward>(m, "LinearCeBackward")
       .value("AUTO", LinearCeBackward::Auto).value("IN_FORWARD", LinearCeBackward::InForward)
       .value("RECOMPUTE", LinearCeBackward::Recompute);
@@ -429,6 +437,21 @@ PYBIND11_MODULE(_C, m) {
         py::arg("grad_loss"), py::arg("count"), py::arg("ce"), py::arg("options"),
         py::arg("saved_dhidden"), py::arg("saved_dweight"), py::arg("dhidden"), py::arg("dweight"),
         py::arg("accumulate_dweight"), py::arg("stream"), py::arg("row_weight") = 0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusedloss C++ core (raw-pointer binding; see fusedloss/ for the torch API)";
+  g_error_type = py::register_local_exception<Error>(m, "Error", PyExc_ValueError).ptr();
+  // The GIL stays held in every call: the calls are short (kernel launches), and errors become
+  // Python exceptions without crossing a GIL-released frame.
+  bind_types(m);
+  bind_cross_entropy(m);
+  bind_swiglu(m);
+  bind_rms_norm(m);
+  bind_linear_cross_entropy(m);
+
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
   // The address and size of the core table, for fusedloss/_native.py to hand to the C++ nodes.
