@@ -36,6 +36,7 @@ def option_names(ignore_index, label_smoothing, formula, scope, z_loss, reductio
                 reduction=choice_name(_REDUCTIONS, reduction))
 _NONE = _REDUCTIONS["none"]
 _OP = "fusedloss.cross_entropy"
+_INPLACE_FLAGS = "inplace_backward or grad_in_forward"  # what the in-place warnings name
 
 
 def make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
@@ -198,7 +199,7 @@ def _setup(ctx, inputs, output):
     ctx.opts = tuple(opts)
     ctx.in_forward = in_forward
     ctx.inplace = in_forward or (
-        inplace and not inplace_refused(ctx, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
+        inplace and not inplace_refused(ctx, logits, _OP, "logits", _INPLACE_FLAGS))
     ctx.save_for_backward(logits, target, lse, count)
 
 
@@ -319,7 +320,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         # made where the Python node's setup makes it: when a node is recorded
         if inplace and not in_forward:
             inplace = (torch.is_grad_enabled() and logits.requires_grad and not inplace_refused(
-                EAGER_CALL, logits, _OP, "logits", "inplace_backward or grad_in_forward"))
+                EAGER_CALL, logits, _OP, "logits", _INPLACE_FLAGS))
         loss = _EAGER(logits, target, *opts, inplace, in_forward)
     else:
         loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
