@@ -62,24 +62,11 @@ class _Options(NamedTuple):
     workspace_bytes: int
 
 
-class _KernelOptions(NamedTuple):
-    """Every plain argument of the op's kernels after its tensors, in the schema's order (the
-    custom ops take them flat: *options)."""
-    ignore_index: int
-    label_smoothing: float
-    formula: int
-    scope: int
-    z_loss: float
-    reduction: int
-    softcap: float
-    workspace_bytes: int
-    mode: int
-    tf32: bool
-    group: str
-    check: bool
-    dhidden_reduction: int
-    acc32: bool
-    inplace: bool
+# Every plain argument of the op's kernels after its tensors, in the schema's order (the custom
+# ops take them flat: *options): the keyword options, then what the call resolved.
+_KernelOptions = NamedTuple("_KernelOptions", [
+    *_Options.__annotations__.items(), ("mode", int), ("tf32", bool), ("group", str),
+    ("check", bool), ("dhidden_reduction", int), ("acc32", bool), ("inplace", bool)])
 
 
 def _cpp_mode(mode: int) -> int:
