@@ -36,7 +36,8 @@ core::RmsNormParams resolve_params(const MatrixView& x, const VectorView& weight
   require(weight.data != nullptr, "weight.data: got null, expected a [", x.cols, "] vector");
   require(weight.size == x.cols, "weight.size: got ", weight.size, ", expected H = ", x.cols,
           " (one weight per column of x)");
-  require(rms_norm_reads_weight_as_is(x.dtype, weight.dtype), "weight.dtype: got ", to_string(weight.dtype), ", expected ",
+  require(rms_norm_reads_weight_as_is(x.dtype, weight.dtype), "weight.dtype: got ",
+          to_string(weight.dtype), ", expected ",
           x.dtype == DType::F32 ? std::string("fp32, bf16 or fp16")
                                 : std::string(to_string(x.dtype)) + " (x's) or fp32");
   require(weight.device == x.device, "weight.device: got ", to_string(weight.device),
