@@ -535,14 +535,19 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 constexpr int64_t kInForward = int64_t(fusedloss::LinearCeBackward::InForward);
 constexpr int64_t kForwardOnly = -2;
 
+// The C++ mode that runs a schema mode (_cpp_mode in linear_cross_entropy.py).
+fusedloss::LinearCeBackward core_mode(int64_t mode) {
+  return mode == kForwardOnly ? fusedloss::LinearCeBackward::Recompute
+                              : fusedloss::LinearCeBackward(mode);
+}
+
 fusedloss::LinearCrossEntropyOptions lce_options(double softcap, int64_t workspace_bytes,
                                                  int64_t mode, bool tf32, int64_t vocab_block) {
   fusedloss::LinearCrossEntropyOptions o;
   o.logit_softcap = float(softcap);
   if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
   o.allow_tf32 = tf32;
-  o.backward_mode = mode == kForwardOnly ? fusedloss::LinearCeBackward::Recompute
-                                         : fusedloss::LinearCeBackward(mode);
+  o.backward_mode = core_mode(mode);
   o.vocab_block = vocab_block;
   return o;
 }
@@ -646,7 +651,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     // recompute into a 16-bit weight gradient, exactly: vocabulary blocks outside, each summing
     // over all tokens in fp32 (linear_cross_entropy.py: _run_backward)
     const int64_t block = fusedloss::linear_cross_entropy_backward_vocab_block(
-        fusedloss::LinearCeBackward(mode), d["acc32"].toBool(), dtype_of(weight), h.size(1));
+        core_mode(mode), d["acc32"].toBool(), dtype_of(weight), h.size(1));
     const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
                               d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
                               d["reduction"].toInt());

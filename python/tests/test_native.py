@@ -437,6 +437,21 @@ def test_linear_cross_entropy_node_checks_what_a_direct_call_passes(device):
 
 
 
+def test_linear_cross_entropy_node_forward_only_mode_backward_is_recompute(device):
+    """A direct call with the schema's forward-only mode (-2) that a backward follows runs as
+    Recompute throughout: the same bits as mode 2, the exact vocabulary blocks of a 16-bit
+    weight gradient included."""
+    op = torch.ops.fusedloss.linear_cross_entropy_eager.default
+    h0 = torch.randn(64, 32, device=device).bfloat16()
+    w0, t = (torch.randn(512, 32, device=device) * 0.1).bfloat16(), torch.randint(0, 512, (64,), device=device)
+    grads = []
+    for mode in (2, -2):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        op(h, w, t, None, -100, 0.0, 0, 0, 0.0, 1, 0.0, 1 << 16, mode, False, True, False).backward()
+        grads.append((h.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="allocations are counted on a CUDA device")
 def test_linear_cross_entropy_node_runs_the_forward_alone_when_no_gradient_follows():
     """No node, no gradient buffers: under no_grad, or with no input requiring grad, the C++
