@@ -8,7 +8,7 @@ backward one pass that reads the logits and writes the gradient, optionally into
          logits in the forward (2 passes in all) and the backward only scales it
 """
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -234,21 +234,31 @@ def _validate(logits, target):
     require_targets(target, logits, "the logits", "the logits' shape without the vocab dim")
 
 
+class _Options(NamedTuple):
+    """The checked keyword options the op schema carries first, in its order."""
+    ignore_index: int
+    label_smoothing: float
+    formula: int
+    scope: int
+    z_loss: float
+    reduction: int
+
+
 @parsed_once
 def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
                  z_loss, inplace_backward, grad_in_forward):
     """Keyword options -> (the plain values the op schema carries, inplace_backward,
     grad_in_forward). The ranges are checked by the C++ validator; grad_in_forward against the
     reduction."""
-    args = (as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-            as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-            as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-            as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
+    args = _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
+                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
+                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*args, 0, 1, 2)  # raises on a bad range or enum
     inplace = as_bool(inplace_backward, "inplace_backward")
     in_forward = as_bool(grad_in_forward, "grad_in_forward")
-    if in_forward and args[-1] == _NONE:
+    if in_forward and args.reduction == _NONE:
         raise ValueError("grad_in_forward: got True with reduction='none', expected reduction "
                          "'sum' or 'mean' (per-row losses have per-row upstream gradients)")
     return args, inplace, in_forward
@@ -324,7 +334,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         loss = _EAGER(logits, target, *opts, inplace, in_forward)
     else:
         loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
-    return loss.view(target.shape) if opts[-1] == _NONE else loss
+    return loss.view(target.shape) if opts.reduction == _NONE else loss
 
 
 class CrossEntropyLoss(torch.nn.Module):
