@@ -244,16 +244,24 @@ class _Options(NamedTuple):
     reduction: int
 
 
+def parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
+                  z_loss) -> _Options:
+    """The cross-entropy's keyword options as the op schemas carry them (types and choices
+    checked here, ranges by the C++ validators); the linear CE's begin with them."""
+    return _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
+                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
+                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
+
+
 @parsed_once
 def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
                  z_loss, inplace_backward, grad_in_forward):
     """Keyword options -> (the plain values the op schema carries, inplace_backward,
     grad_in_forward). The ranges are checked by the C++ validator; grad_in_forward against the
     reduction."""
-    args = _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
+    args = parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                         reduction, z_loss)
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*args, 0, 1, 2)  # raises on a bad range or enum
     inplace = as_bool(inplace_backward, "inplace_backward")

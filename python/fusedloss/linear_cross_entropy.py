@@ -32,8 +32,9 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in)
-from .cross_entropy import (_FORMULAS, _REDUCTIONS, _SCOPES, check_targets_on_host, loss_outputs,
-                            make_options, option_names)
+from .cross_entropy import (_REDUCTIONS, check_targets_on_host, loss_outputs,
+                            make_options, option_names, parse_options)
+from .cross_entropy import _Options as CeOptions
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -50,16 +51,10 @@ _ACCUMULATION = {"fp32": True, "weight_dtype": False}
 _OP = "fusedloss.linear_cross_entropy"
 
 
-class _Options(NamedTuple):
-    """The checked keyword options the op schema carries first, in its order."""
-    ignore_index: int
-    label_smoothing: float
-    formula: int
-    scope: int
-    z_loss: float
-    reduction: int
-    softcap: float
-    workspace_bytes: int
+# The checked keyword options the op schema carries first, in its order: the cross-entropy's,
+# then the linear CE's own.
+_Options = NamedTuple("_Options", [*CeOptions.__annotations__.items(), ("softcap", float),
+                                   ("workspace_bytes", int)])
 
 
 # Every plain argument of the op's kernels after its tensors, in the schema's order (the custom
@@ -504,10 +499,8 @@ def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_sco
                  dweight_accumulation, inplace_backward):
     """Keyword options -> (the plain values the op schema carries, the backward mode (auto
     unresolved), dhidden_reduction, fp32 accumulation, inplace_backward)."""
-    opts = _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS),
+    opts = _Options(*parse_options(ignore_index, label_smoothing, smoothing_formula,
+                                   smoothing_scope, reduction, z_loss),
                     0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
                     0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
     if opts.workspace_bytes < 0 or workspace_bytes is not None and opts.workspace_bytes == 0:
