@@ -446,6 +446,44 @@ def test_autocast_runs_the_gemms_in_its_dtype(device, autocast_dtype, hidden_dty
     assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
 
 
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "offset", "expanded", "overlapping"])
+@pytest.mark.parametrize("leaf_itself", [False, True])
+def test_autocast_reads_every_layout(device, layout, leaf_itself):
+    """Under autocast, hidden and weight in every layout (views of fp32 leaves, or the leaves
+    themselves where the layout allows) give what the explicitly cast views give, and the
+    gradients reach the fp32 leaves."""
+    from layouts import leaf
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randint(0, 40, (12,), device=device)
+    hb, hv = leaf(layout, (12, 16), torch.float32, device, gen)
+    wb, wv = leaf("contiguous" if leaf_itself else layout, (40, 16), torch.float32, device, gen, 0.3)
+
+    def run(autocast):
+        h, w = hb.detach().clone().requires_grad_(), wb.detach().clone().requires_grad_()
+        with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=autocast):
+            hh, ww = hv(h), (w if leaf_itself else wv(w))
+            loss = fusedloss.linear_cross_entropy(hh, ww, t) if autocast else \
+                fusedloss.linear_cross_entropy(hh.bfloat16(), ww.bfloat16(), t)
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+
+
+def test_autocast_on_one_rank_only_raises_on_every_rank():
+    run_world(2, _autocast_on_rank_0)
+
+
+def _autocast_on_rank_0(rank, world):
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    t = torch.randint(0, 10, (6,))
+    with pytest.raises(ValueError, match=r"rank 1's dtype='torch.float32' differs from rank 0's "
+                                         r"dtype='torch.bfloat16'"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0):
+            fusedloss.linear_cross_entropy(h, w, t, tp_group=dist.group.WORLD)
+
+
 def test_autocast_with_a_weight_grad_accumulator(device):
     """The accumulator gets the fp32 gradient of the autocast GEMMs; autograd's zeros for the
     weight reach its fp32 leaf expanded from one element (not an fp32 [V, H] of zeros)."""
