@@ -3,6 +3,7 @@ CPU: where a recorded step's memory peak is (allocator trace replay), the larges
 answer, every configuration against native (loss curves, speed, memory, targets), and the files:
 summary and loss-curve CSVs, a text summary and a plot."""
 import os
+import re
 import statistics
 import subprocess
 
@@ -109,6 +110,40 @@ def format_peak(config, s):
     return "\n".join(lines)
 
 
+# Kernel classes of one training step, by kernel name, first match wins. fusedloss's kernels
+# live in its namespace; cuBLAS(Lt)'s are named gemm / xmma / nvjet / cutlass; the local spec's
+# unfused attention runs torch's softmax (a log-softmax belongs to a loss: "other"); AdamW's
+# foreach path runs multi_tensor_apply.
+OTHER_KERNELS = "other"  # elementwise, reductions, norms, RoPE, losses: what a patch may replace
+KERNEL_CLASSES = (("fusedloss", r"fusedloss"), ("GEMM", r"gemm|xmma|nvjet|cutlass|cublas"),
+                  (OTHER_KERNELS, r"log_?softmax"), ("softmax", r"softmax"),
+                  ("optimizer", r"multi_tensor_apply|adam"), ("memcpy/memset", r"^(Memcpy|Memset)"))
+
+
+def kernel_class(name):
+    for cls, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return cls
+    return OTHER_KERNELS
+
+
+def kernel_classes(kernels, steps):
+    """{(kernel name): device microseconds over `steps` steps} -> {class: ms per step}, every
+    class present (0.0 where none ran), with 'total'."""
+    out = {cls: 0.0 for cls, _ in KERNEL_CLASSES}
+    for name, us in kernels.items():
+        out[kernel_class(name)] += us / 1e3 / steps
+    out["total"] = sum(out.values())
+    return out
+
+
+def kernel_bound(native_kernels, native_ms):
+    """The most any patch of the norms, activations and loss can speed native up: its step
+    time with every kernel outside GEMMs, softmax and the optimizer taking no time at all."""
+    removable = native_kernels["fusedloss"] + native_kernels[OTHER_KERNELS]
+    return native_ms / max(native_ms - removable, 1e-9), removable
+
+
 def max_rel_diff(a, b):
     n = min(len(a), len(b))
     return max((abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n])), default=float("nan"))
@@ -166,6 +201,12 @@ def compare(results, plan, budget_cuts_fail=True):
         if config == "native":
             continue
         if speed and config == full:
+            kn = native.get("kernels", {}).get("by_class")
+            if kn and native.get("train", {}).get("median_ms"):
+                bound, removable = kernel_bound(kn, native["train"]["median_ms"])
+                notes.append(f"native spends {removable:.1f} ms/step in kernels outside GEMMs, softmax "
+                             f"and the optimizer (every norm, activation and loss kernel among them): "
+                             f"removing them all would make it {bound:.3f}x faster")
             targets.append(f"{config}: {speed:.3f}x native tokens/s (target >= 1.15x): "
                            f"{'met' if speed >= 1.15 else 'MISSED'}")
         if saved is not None:
@@ -240,6 +281,13 @@ def summary_text(rows, failures, targets, notes, results, plan, meta):
     lines += ["", "Where the peak is (one step after warm-up, torch.cuda.memory._snapshot):"]
     lines += [format_peak(c, r["tasks"]["snapshot"]) for c, r in results.items()
               if "peak_mib" in r.get("tasks", {}).get("snapshot", {})]
+    kernels = {c: r["tasks"]["kernels"] for c, r in results.items() if "by_class" in r.get("tasks", {}).get("kernels", {})}
+    if kernels:
+        classes = list(next(iter(kernels.values()))["by_class"])
+        lines += ["", "Device time per step by kernel class (ms; torch.profiler, after warm-up):",
+                  "".join(_cell(h, w, s) for h, w, s in [("config", 22, "")] + [(c, 14, "s") for c in classes])]
+        lines += ["".join([_cell(c, 22, "")] + [_cell(k["by_class"][cls], 14, ".2f") for cls in classes])
+                  for c, k in kernels.items()]
     lines += ["", "Largest micro-batch that fits (one training step each):"]
     for c, r in results.items():
         mb = r.get("tasks", {}).get("max-batch", {})

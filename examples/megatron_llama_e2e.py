@@ -9,6 +9,8 @@ Per configuration (local spec, single GPU, megatron parallel_state at TP=1):
   train       2 layers, hidden 4096, FFN 14336, 32 heads (8 KV groups), V 128256, seq 4096,
               micro-batch 2, RMSNorm, SwiGLU, RoPE, bf16: ms/step and tokens/s (median after
               warm-up, device-synchronised), peak memory, the loss curve (same seed, same data)
+  kernels     two steps under torch.profiler: device time per step by kernel class (GEMMs,
+              softmax, optimizer, fusedloss, the rest), which bounds what any patch can gain
   snapshot    one step under torch.cuda.memory._record_memory_history: where the peak is
               (phase, what is alive, the allocation that reached it)
   loss-bound  the Llama shape at V 256000, where the loss sets the peak: peak memory
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "bench")]  # the report; bench/peers.py
-from megatron_e2e_report import max_batch_summary, report, summarise_trace  # noqa: E402
+from megatron_e2e_report import kernel_classes, max_batch_summary, report, summarise_trace  # noqa: E402
 from peers import StreamOrderedPool  # noqa: E402
 
 # name -> apply_fusedloss_to_megatron(...) options, each adding one patch (None: Megatron as is)
@@ -55,7 +57,7 @@ CONFIGS = {
     "+linear-ce-recompute": dict(cross_entropy=True, swiglu=True, rms_norm=True,
                                  linear_cross_entropy=True, linear_cross_entropy_backward="recompute"),
 }
-TASKS = ("train", "snapshot", "loss-bound", "max-batch", "fp32", "tiny")  # most wanted first
+TASKS = ("train", "kernels", "snapshot", "loss-bound", "max-batch", "fp32", "tiny")  # most wanted first
 MAX_BATCH_S = 60  # the micro-batch search's own bound (it also stops at the configuration's deadline)
 
 
@@ -78,12 +80,14 @@ class Shape:
 # task -> (shape, steps, warm-up steps left out of the timing)
 PLANS = {
     "full": {"train": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 24, 3),
+             "kernels": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 2, 2),  # 2 profiled
              "snapshot": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 1, 1),  # 1 recorded
              "fp32": (Shape(2, 1024, 3584, 8, 2, 128256, 1024, 2), 20, 3),
              "loss-bound": (Shape(2, 4096, 14336, 32, 8, 256000, 4096, 2), 3, 1),
              "tiny": (Shape(4, 512, 2048, 8, 8, 32768, 1024, 4), 50, 5),
              "max-batch": (Shape(2, 4096, 14336, 32, 8, 128256, 4096, 2), 64, 0)},  # steps: cap
     "smoke": {"train": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
+              "kernels": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 1, 1),
               "snapshot": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 1, 1),
               "fp32": (Shape(1, 256, 512, 4, 2, 4096, 256, 2), 3, 1),
               "loss-bound": (Shape(1, 256, 512, 4, 2, 16384, 256, 2), 3, 1),
@@ -227,6 +231,28 @@ def task_snapshot(shape, _recorded, warmup):
     return summary
 
 
+def task_kernels(shape, steps, warmup):
+    """`warmup` steps, then `steps` under torch.profiler: device time per kernel class and
+    step, and the ten longest kernels (what a reader checks the classes against)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t = Trainer(shape, "bf16")
+    for i in range(warmup):
+        t.step(t.corpus[i])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            t.step(t.corpus[warmup + i])
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
+    longest = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return dict(by_class=kernel_classes(kernels, steps),
+                longest=[(name[:160], us / 1e3 / steps) for name, us in longest])
+
+
 def task_max_batch(shape, cap, _warmup, deadline):
     t = Trainer(shape, "bf16")
     _try_step(t, 1)  # the optimizer state exists before anything is measured
@@ -345,6 +371,8 @@ def child(args):
         try:
             if task == "snapshot":
                 res = task_snapshot(shape, steps, warmup)
+            elif task == "kernels":
+                res = task_kernels(shape, steps, warmup)
             elif task == "max-batch":
                 res = task_max_batch(shape, steps, warmup, min(args.deadline, time.time() + MAX_BATCH_S))
             else:

@@ -196,6 +196,50 @@ def test_report_writes_the_summary_the_curves_and_the_text(tmp_path):
     assert len({len(line) for line in table}) == 1  # columns line up
 
 
+@pytest.mark.parametrize("name,cls", [
+    ("void fusedloss::cuda::(anonymous namespace)::stats_kernel<(fusedloss::core::Kind)1>(...)", "fusedloss"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NNT", "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>", "GEMM"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, "
+     "c10::BFloat16, at::native::(anonymous namespace)::SoftMaxForwardEpilogue>(...)", "softmax"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, float, float, float, "
+     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(...)", "other"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy/memset"), ("Memset (Device)", "memcpy/memset"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>", "other"),
+    ("triton_per_fused__to_copy_mul_rsqrt_0", "other"),
+])
+def test_kernel_classes_by_name(name, cls):
+    assert rep.kernel_class(name) == cls
+
+
+def test_kernel_time_per_step_by_class_and_the_bound_it_sets():
+    by = rep.kernel_classes({"nvjet_a": 100e3, "nvjet_b": 20e3, "cunn_SoftMaxForward<SoftMaxForwardEpilogue>": 30e3,
+                             "elementwise": 16e3, "fusedloss::x": 4e3}, steps=2)
+    assert by == {"fusedloss": 2.0, "GEMM": 60.0, "other": 8.0, "softmax": 15.0, "optimizer": 0.0,
+                  "memcpy/memset": 0.0, "total": 85.0}
+    bound, removable = rep.kernel_bound(by, native_ms=100.0)
+    assert removable == 10.0 and bound == pytest.approx(100 / 90)
+
+
+def test_the_kernel_table_and_the_bound_note_come_with_kernel_measurements(tmp_path):
+    plan, _, results = _results()
+    for config, other in (("native", 12.5), ("ce+swiglu", 6.0)):
+        results[config]["tasks"]["kernels"] = dict(
+            by_class=dict(fusedloss=0.0 if config == "native" else 1.0, GEMM=60.0, other=other, softmax=15.0,
+                          optimizer=2.0, **{"memcpy/memset": 0.5}, total=90.0), longest=[])
+    _, _, _, notes = rep.compare(results, plan)
+    assert ("native spends 12.5 ms/step in kernels outside GEMMs, softmax and the optimizer (every norm, "
+            "activation and loss kernel among them): removing them all would make it 1.143x faster") in notes
+    rep.report(results, str(tmp_path), False, plan)
+    (text,) = glob.glob(str(tmp_path / "*-megatron-llama.txt"))
+    body = open(text).read().split("Device time per step by kernel class")[1].splitlines()
+    assert body[1].split() == ["config", "fusedloss", "GEMM", "other", "softmax", "optimizer", "memcpy/memset", "total"]
+    assert body[2].split() == ["native", "0.00", "60.00", "12.50", "15.00", "2.00", "0.50", "90.00"]
+    assert body[3].split()[:4] == ["ce+swiglu", "1.00", "60.00", "6.00"]
+
+
 def test_plot_draws_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")
     plan, _, results = _results()
