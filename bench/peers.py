@@ -196,15 +196,31 @@ def time_step(prepare, forward, backward, iters, warmup):
     return med(fwd), med(bwd), med(both), peak / 2**20, med(host), last
 
 
+class _GradientEndsHere(torch.autograd.Function):
+    """x = _GradientEndsHere.apply(leaf): a copy of the leaf, an autograd intermediate whose
+    gradient goes no further. Timing through a plain clone would add the leaf's AccumulateGrad
+    to the backward: free for a provider whose gradient is a fresh tensor (stolen), a full
+    [rows, V] copy for one that writes it into x's storage (x is still referenced). In training
+    the gradient flows into the producer's backward (the LM head's GEMM) either way."""
+
+    @staticmethod
+    def forward(ctx, leaf):
+        return leaf.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
 def time_autograd(forward, pristine, iters, warmup):
-    """time_step of forward(x) and its backward, x a fresh autograd intermediate (a clone of a
-    leaf), as logits and fc1 outputs are in training, so in-place providers may write into it;
-    the upstream gradient is random, drawn once. Returns time_step's numbers without the last
-    run."""
+    """time_step of forward(x) and its backward, x a fresh autograd intermediate (a copy of a
+    leaf, made outside the timed region), as logits and fc1 outputs are in training, so
+    in-place providers may write into it; the upstream gradient is random, drawn once. Returns
+    time_step's numbers without the last run."""
     with torch.no_grad():
         grad = torch.rand_like(forward(pristine.detach().clone())) + 0.5
-    *numbers, _ = time_step(lambda: (pristine.detach().requires_grad_(True).clone(),), forward,
-                            lambda out, x: out.backward(grad), iters, warmup)
+    *numbers, _ = time_step(lambda: (_GradientEndsHere.apply(pristine.detach().requires_grad_(True)),),
+                            forward, lambda out, x: out.backward(grad), iters, warmup)
     return tuple(numbers)
 
 # ---- SwiGLU over the fused gate-up buffer y [T, 2n] ----

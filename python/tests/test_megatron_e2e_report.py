@@ -216,11 +216,11 @@ def test_kernel_classes_by_name(name, cls):
 
 def test_kernel_time_per_step_by_class_and_the_bound_it_sets():
     by = rep.kernel_classes({"nvjet_a": 100e3, "nvjet_b": 20e3, "cunn_SoftMaxForward<SoftMaxForwardEpilogue>": 30e3,
-                             "elementwise": 16e3, "fusedloss::x": 4e3}, steps=2)
-    assert by == {"fusedloss": 2.0, "GEMM": 60.0, "other": 8.0, "softmax": 15.0, "optimizer": 0.0,
-                  "memcpy/memset": 0.0, "total": 85.0}
+                             "elementwise": 16e3, "fusedloss::x": 4e3}, steps=2, attention_us=6e3)
+    assert by == {"fusedloss": 2.0, "GEMM": 60.0, "other": 5.0, "softmax": 15.0, "optimizer": 0.0,
+                  "memcpy/memset": 0.0, "attention elementwise": 3.0, "total": 85.0}
     bound, removable = rep.kernel_bound(by, native_ms=100.0)
-    assert removable == 10.0 and bound == pytest.approx(100 / 90)
+    assert removable == 7.0 and bound == pytest.approx(100 / 93)
 
 
 def test_the_kernel_table_and_the_bound_note_come_with_kernel_measurements(tmp_path):
@@ -228,15 +228,18 @@ def test_the_kernel_table_and_the_bound_note_come_with_kernel_measurements(tmp_p
     for config, other in (("native", 12.5), ("ce+swiglu", 6.0)):
         results[config]["tasks"]["kernels"] = dict(
             by_class=dict(fusedloss=0.0 if config == "native" else 1.0, GEMM=60.0, other=other, softmax=15.0,
-                          optimizer=2.0, **{"memcpy/memset": 0.5}, total=90.0), longest=[])
+                          optimizer=2.0, **{"memcpy/memset": 0.5, "attention elementwise": 4.0}, total=94.0),
+            longest=[])
     _, _, _, notes = rep.compare(results, plan)
-    assert ("native spends 12.5 ms/step in kernels outside GEMMs, softmax and the optimizer (every norm, "
-            "activation and loss kernel among them): removing them all would make it 1.143x faster") in notes
+    assert ("native spends 12.5 ms/step in kernels outside GEMMs, the attention scores' softmax and "
+            "elementwise work, and the optimizer (every norm, activation and loss kernel among them): "
+            "removing them all would make it 1.143x faster") in notes
     rep.report(results, str(tmp_path), False, plan)
     (text,) = glob.glob(str(tmp_path / "*-megatron-llama.txt"))
     body = open(text).read().split("Device time per step by kernel class")[1].splitlines()
-    assert body[1].split() == ["config", "fusedloss", "GEMM", "other", "softmax", "optimizer", "memcpy/memset", "total"]
-    assert body[2].split() == ["native", "0.00", "60.00", "12.50", "15.00", "2.00", "0.50", "90.00"]
+    assert body[1].split() == ["config", "fusedloss", "GEMM", "other", "softmax", "optimizer", "memcpy/memset",
+                               "attention", "elementwise", "total"]
+    assert body[2].split() == ["native", "0.00", "60.00", "12.50", "15.00", "2.00", "0.50", "4.00", "94.00"]
     assert body[3].split()[:4] == ["ce+swiglu", "1.00", "60.00", "6.00"]
 
 
