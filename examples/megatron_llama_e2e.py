@@ -54,6 +54,9 @@ CONFIGS = {
     "+rmsnorm": dict(cross_entropy=True, swiglu=True, rms_norm=True),
     "+linear-ce": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True,
                        linear_cross_entropy_backward="auto"),  # 3 GEMMs with the loss_mask
+    # the same with chunks of 4096 tokens at V 128256 (fewer passes over the fp32 dweight)
+    "+linear-ce-1gib": dict(cross_entropy=True, swiglu=True, rms_norm=True, linear_cross_entropy=True,
+                            linear_cross_entropy_backward="auto", linear_cross_entropy_workspace_bytes=1 << 30),
     # the head's default: 4 GEMMs, 4 B/token kept (in_forward keeps dweight [V, H] in fp32)
     "+linear-ce-recompute": dict(cross_entropy=True, swiglu=True, rms_norm=True,
                                  linear_cross_entropy=True, linear_cross_entropy_backward="recompute"),

@@ -270,10 +270,11 @@ def test_the_micro_batch_search_runs_for_native_and_the_most_patched_offered(mon
     configs, tasks = list(e2e.CONFIGS), ["train", "max-batch"]
     assert configs[-1] == "+linear-ce-recompute"  # the head's leanest form: the largest batch
     # configurations whose options the patch does not take are not the most patched one
-    for name in ("+linear-ce", "+linear-ce-recompute"):
+    for name in ("+linear-ce", "+linear-ce-1gib", "+linear-ce-recompute"):
         monkeypatch.setitem(e2e.CONFIGS, name, dict(cross_entropy=True, no_such_option=True))
     assert e2e.plan_tasks(configs, tasks) == {"native": tasks, "ce+swiglu": ["train"], "+rmsnorm": tasks,
-                                              "+linear-ce": ["train"], "+linear-ce-recompute": ["train"]}
+                                              "+linear-ce": ["train"], "+linear-ce-1gib": ["train"],
+                                              "+linear-ce-recompute": ["train"]}
     monkeypatch.setitem(e2e.CONFIGS, "+linear-ce-recompute", dict(cross_entropy=True, rms_norm=True))
     assert e2e.plan_tasks(configs, tasks)["+rmsnorm"] == ["train"]
     assert e2e.plan_tasks(configs, tasks)["+linear-ce-recompute"] == tasks

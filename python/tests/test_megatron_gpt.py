@@ -115,8 +115,10 @@ def _check_masked_parity(model, batch):
     mask = batch[3].bool()
     for reduce_with_mask in (True, False):
         ref_loss, ref_grads = _masked_step(model, batch, reduce_with_mask)
-        for backward in ("auto", "recompute"):
-            options = dict(linear_cross_entropy=True, linear_cross_entropy_backward=backward)
+        for backward, workspace in (("auto", None), ("recompute", None), ("auto", 2 * 3 * V * 4)):
+            # the last: chunks of a few tokens (not a divisor of S * B) through the patch
+            options = dict(linear_cross_entropy=True, linear_cross_entropy_backward=backward,
+                           linear_cross_entropy_workspace_bytes=workspace)
             if backward == "auto" and not reduce_with_mask:
                 with pytest.raises(ValueError, match=r"grad_loss\[\d+\].*loss_mask.*recompute"):
                     _masked_step(model, batch, reduce_with_mask, **options)
@@ -125,7 +127,8 @@ def _check_masked_parity(model, batch):
             torch.testing.assert_close(loss[mask], ref_loss[mask], rtol=1e-5, atol=1e-5)
             for name in ref_grads:
                 torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5,
-                                           msg=f"{name} ({backward}, reduce_with_mask={reduce_with_mask})")
+                                           msg=f"{name} ({backward}, workspace {workspace}, "
+                                               f"reduce_with_mask={reduce_with_mask})")
 
 
 def _check_main_grad(model, batch, ref_grads, tied, dtype=torch.float32):
@@ -320,6 +323,32 @@ def test_head_patch_is_all_or_nothing_and_unpatch_restores(monkeypatch):
     assert GPTModel.__dict__["_postprocess"] is before[0]
     unpatch_megatron()
     assert (GPTModel.__dict__["_postprocess"], LanguageModule.__dict__["compute_language_model_loss"]) == before
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("linear_cross_entropy_backward", "in_forward", r"linear_cross_entropy_backward: got 'in_forward', "
+                                                     r"expected 'auto' or 'recompute'"),
+    ("linear_cross_entropy_workspace_bytes", 0, r"linear_cross_entropy_workspace_bytes: got 0, expected None "
+                                                r"or a positive number of bytes"),
+    ("linear_cross_entropy_workspace_bytes", -4096, r"linear_cross_entropy_workspace_bytes: got -4096"),
+    ("linear_cross_entropy_workspace_bytes", 1.5, r"linear_cross_entropy_workspace_bytes"),
+    ("linear_cross_entropy_workspace_bytes", True, r"linear_cross_entropy_workspace_bytes"),
+])
+def test_head_options_are_checked_when_patching(option, value, message):
+    unpatch_megatron()
+    with pytest.raises((ValueError, TypeError), match=message):
+        apply_fusedloss_to_megatron(linear_cross_entropy=True, **{option: value})
+    assert not fusedloss.megatron.is_patched()
+
+
+def test_the_head_gets_the_workspace_and_the_context_manager_restores_it(monkeypatch):
+    from fusedloss.megatron import fusedloss_megatron, state
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=1 << 30)
+    assert state.lce_options()["workspace_bytes"] == 1 << 30
+    with fusedloss_megatron(linear_cross_entropy=True):
+        assert state.lce_options()["workspace_bytes"] is None  # the op's default
+    assert state.lce_options()["workspace_bytes"] == 1 << 30
+    unpatch_megatron()
 
 
 def test_auto_reads_the_device_check_once(monkeypatch, device):

@@ -5,9 +5,10 @@ import importlib.util
 import inspect
 import logging
 import warnings
+from typing import Optional
 
 import fusedloss
-from fusedloss._views import as_bool
+from fusedloss._views import as_bool, as_int
 
 from . import lm_head, state
 
@@ -184,7 +185,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                                 label_smoothing: float = 0.0, allow_vocab_parallel: bool = False,
                                 inplace_backward: bool = True, swiglu_inplace_backward: bool = False,
                                 check_shard_agreement: bool = True, swiglu_in_place=None,
-                                linear_cross_entropy_backward: str = "recompute") -> None:
+                                linear_cross_entropy_backward: str = "recompute",
+                                linear_cross_entropy_workspace_bytes: Optional[int] = None) -> None:
     """Swap Megatron-core's cross-entropy, SwiGLU, RMSNorm and (asked for) the GPT head for
     fusedloss's. Idempotent; a later call sets the patch to exactly what it asks for
     (cross_entropy=False after a full patch restores Megatron's cross-entropy).
@@ -228,6 +230,10 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
       added to) NaN, raised by fusedloss.check_device_errors() on CUDA (on the CPU the
       backward raises); the head reads that error once itself, at the first backward after the
       patch (one host sync), so a loss function that does not fit raises at its first step.
+    linear_cross_entropy_workspace_bytes: the fused head's bound on its logits chunk and GEMM
+      workspace together (None: the op's default, 256 MiB). Larger chunks mean fewer passes
+      over the weight gradient [V/tp, H] (one read-modify-write per chunk group), at that many
+      bytes of memory.
     allow_vocab_parallel: without it, tensor_model_parallel_size > 1 raises RuntimeError here
       (when parallel_state is initialised) and at the first call (from the tp_group).
     check_shard_agreement: at TP > 1, every call checks that the ranks agree (one tiny
@@ -246,6 +252,10 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     if linear_cross_entropy_backward not in ("auto", "recompute"):
         raise ValueError(f"linear_cross_entropy_backward: got {linear_cross_entropy_backward!r}, "
                          "expected 'auto' or 'recompute'")
+    if linear_cross_entropy_workspace_bytes is not None and as_int(
+            linear_cross_entropy_workspace_bytes, "linear_cross_entropy_workspace_bytes") <= 0:
+        raise ValueError(f"linear_cross_entropy_workspace_bytes: got {linear_cross_entropy_workspace_bytes}, "
+                         "expected None or a positive number of bytes")
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
@@ -275,7 +285,8 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     wanted = {(m, a) for _, m, a, _ in resolved}
     for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
         setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
-    state.configure(flags, ignore_index, label_smoothing, linear_cross_entropy_backward)
+    state.configure(flags, ignore_index, label_smoothing, linear_cross_entropy_backward,
+                    linear_cross_entropy_workspace_bytes)
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))

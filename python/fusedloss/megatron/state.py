@@ -14,12 +14,13 @@ _CE_KWARGS = {}
 _LCE_KWARGS = {}
 
 
-def configure(flags, ignore_index, label_smoothing, lce_backward="recompute"):
+def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lce_workspace_bytes=None):
     CONFIG.clear()
     CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
     # the patch's arguments as given, which the context manager restores
     CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                             linear_cross_entropy_backward=lce_backward)
+                             linear_cross_entropy_backward=lce_backward,
+                             linear_cross_entropy_workspace_bytes=lce_workspace_bytes)
     common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
                   smoothing_scope="partition", reduction="none",
                   check_shard_agreement=flags["check_shard_agreement"])
@@ -29,7 +30,7 @@ def configure(flags, ignore_index, label_smoothing, lce_backward="recompute"):
     # "recompute": any upstream gradient; "auto": in_forward with the loss_mask Megatron's
     # forward received (its loss_func reduces c * sum(loss_mask * loss)), recompute without one
     _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode=lce_backward,
-                       dhidden_reduction="partial")
+                       dhidden_reduction="partial", workspace_bytes=lce_workspace_bytes)
 
 
 def warn_once(key, message, category=UserWarning):
