@@ -2,7 +2,7 @@
 switched on in turn, each configuration in its own process so memory numbers do not leak.
 
     python3 examples/megatron_llama_e2e.py --smoke --out gpu-out/smoke   # tiny shapes, 3 steps
-    python3 examples/megatron_llama_e2e.py --out gpu-out                 # within --budget-s 250
+    python3 examples/megatron_llama_e2e.py --out gpu-out                 # within --budget-s 480
     python3 examples/megatron_llama_e2e.py --dry-run                     # the plan, no GPU needed
 
 Per configuration (local spec, single GPU, megatron parallel_state at TP=1):
@@ -489,7 +489,8 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from " + ", ".join(CONFIGS))
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated, from " + ", ".join(TASKS))
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock budget for all configurations (default 100 smoke, 250 full); "
+                    help="wall-clock budget for all configurations (default 100 smoke, 480 full: six "
+                         "configurations, two of them searching their largest micro-batch); "
                          "a task not started by its configuration's share is reported as a failure")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -501,7 +502,7 @@ def parse_args(argv=None):
         if bad:
             ap.error(f"--{name}: {', '.join(bad)} not one of {', '.join(allowed)}")
     if args.budget_s is None:
-        args.budget_s = 100.0 if args.smoke else 250.0
+        args.budget_s = 100.0 if args.smoke else 480.0
     return args
 
 
