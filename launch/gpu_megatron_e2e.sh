@@ -2,7 +2,8 @@
 # On a GPU machine with megatron-core: the Llama-shaped end-to-end run
 # (examples/megatron_llama_e2e.py: native, then each fusedloss patch in turn), first with tiny
 # shapes and 3 steps (--smoke, into $OUT/smoke) to catch errors cheaply, then in full (about
-# 10 minutes on an H200 altogether; the full run within BUDGET_S, default 480 s: a 300 s budget cut native's micro-batch search short on 2026-12-05). CSVs, a PNG and a text summary go to ${OUT:-gpu-out}.
+# 10 minutes on an H200 altogether: the full run takes BUDGET_S, default 480 s; 300 s cut
+# native's micro-batch search short). CSVs, a PNG and a text summary go to ${OUT:-gpu-out}.
 # Exits non-zero when the smoke run or anything in the full run failed (a configuration, a task,
 # a loss curve out of tolerance; in the full run also a task its time budget cut); the full run
 # is not started after a failed smoke run. SMOKE_BUDGET_S / BUDGET_S bound the two runs (seconds); CONFIGS / TASKS
