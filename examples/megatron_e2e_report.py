@@ -130,6 +130,31 @@ def kernel_class(name):
 ATTENTION_KERNELS = "attention elementwise"  # "other" kernels of ops on [..., seq, seq] scores
 
 
+def _is_scores(shape, seq):
+    """[b * heads, s, s] or [b, heads | 1, s, s]: the attention scores or their mask (a
+    [seq, seq] weight is not one, which matters when the hidden size equals seq)."""
+    return isinstance(shape, (list, tuple)) and len(shape) >= 3 and shape[-1] == shape[-2] == seq
+
+
+def fold_profile(events, seq):
+    """torch.profiler events -> ({kernel name: device us}, us of "other" kernels launched by ops
+    on the attention scores). GPU-side record_function ranges (an optimizer's step, compiled
+    graphs) span kernels counted already and are left out. torch attaches each kernel to the
+    one CPU event whose id is its launch's correlation id (the innermost op active then), so a
+    kernel counts once."""
+    kernels, attention_us = {}, 0.0
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if not getattr(e, "is_user_annotation", False):
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
+    for e in events:
+        if (e.device_type != torch.autograd.DeviceType.CUDA and e.kernels
+                and any(_is_scores(s, seq) for s in e.input_shapes or ())):
+            attention_us += sum(k.duration for k in e.kernels
+                                if k.name in kernels and kernel_class(k.name) == OTHER_KERNELS)
+    return kernels, attention_us
+
+
 def kernel_classes(kernels, steps, attention_us=0.0):
     """{kernel name: device microseconds over `steps` steps} -> {class: ms per step}, every
     class present (0.0 where none ran), with 'total'. attention_us: the device time of the
@@ -138,6 +163,9 @@ def kernel_classes(kernels, steps, attention_us=0.0):
     for name, us in kernels.items():
         out[kernel_class(name)] += us / 1e3 / steps
     out[ATTENTION_KERNELS] = attention_us / 1e3 / steps
+    if out[ATTENTION_KERNELS] > out[OTHER_KERNELS] * (1 + 1e-9):
+        raise ValueError(f"attention kernels {out[ATTENTION_KERNELS]:.3f} ms/step exceed the other "
+                         f"class's {out[OTHER_KERNELS]:.3f}: the attribution counted a kernel twice")
     out[OTHER_KERNELS] -= out[ATTENTION_KERNELS]
     out["total"] = sum(out.values())
     return out

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(_HERE, "..", "bench")]  # the report; bench/peers.py
-from megatron_e2e_report import (OTHER_KERNELS, kernel_class, kernel_classes, max_batch_summary,  # noqa: E402
-                                  report, summarise_trace)
+from megatron_e2e_report import (fold_profile, kernel_classes, max_batch_summary, report,  # noqa: E402
+                                  summarise_trace)
 from peers import StreamOrderedPool  # noqa: E402
 
 # name -> apply_fusedloss_to_megatron(...) options, each adding one patch (None: Megatron as is)
@@ -238,8 +238,8 @@ def task_snapshot(shape, _recorded, warmup):
 def task_kernels(shape, steps, warmup):
     """`warmup` steps, then `steps` under torch.profiler: device time per kernel class and
     step, and the ten longest kernels (what a reader checks the classes against). The kernels
-    of ops that take the attention scores [..., seq, seq] (scale, mask, casts around the local
-    spec's unfused softmax) are told apart by the launching op's input shapes."""
+    of ops that take the attention scores (scale, mask, casts around the local spec's unfused
+    softmax) are told apart by the launching op's input shapes (fold_profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     t = Trainer(shape, "bf16")
@@ -250,16 +250,7 @@ def task_kernels(shape, steps, warmup):
         for i in range(steps):
             t.step(t.corpus[warmup + i])
         torch.cuda.synchronize()
-    kernels, attention_us = {}, 0.0
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            # record_function ranges (the optimizer's step, compiled graphs) appear on the GPU's
-            # timeline too, spanning kernels counted already
-            if not getattr(e, "is_user_annotation", False):
-                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total
-        elif e.kernels and any(isinstance(s, (list, tuple)) and len(s) >= 2 and s[-1] == s[-2] == shape.seq
-                               for s in e.input_shapes or ()):
-            attention_us += sum(k.duration for k in e.kernels if kernel_class(k.name) == OTHER_KERNELS)
+    kernels, attention_us = fold_profile(prof.events(), shape.seq)
     longest = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     return dict(by_class=kernel_classes(kernels, steps, attention_us),
                 longest=[(name[:160], us / 1e3 / steps) for name, us in longest])

@@ -62,3 +62,32 @@ def test_a_failed_query_falls_back_to_torch_alone(capsys):
     assert pool.extra(base) == 0 and not pool.usable
     assert "torch's allocator alone" in capsys.readouterr().out
     assert pool.reset() == 0 and pool.extra(0) == 0
+
+
+def test_the_timed_input_ends_the_gradient_so_no_leaf_copy_is_timed():
+    # an in-place provider's gradient is x's own storage: through a plain clone of a leaf the
+    # timed backward would copy it into leaf.grad; here nothing reaches the leaf
+    import torch
+    leaf = torch.randn(4, 6, requires_grad=True)
+    x = peers._GradientEndsHere.apply(leaf)
+    assert x.grad_fn is not None and x.data_ptr() != leaf.data_ptr()
+    torch.testing.assert_close(x, leaf.detach())
+    (x * 3).sum().backward()
+    assert leaf.grad is None
+
+
+def test_run_bench_keeps_the_cpp_providers_apart(monkeypatch, capsys):
+    import run_bench
+    csv_text = ("provider,op,V,rows,ms,floor_ms,copy_gbs,peak_extra_mib,gpu\n"
+                "fusedloss-cpp,fwd+bwd,32768,8192,0.40,0.38,4250.0,0.03,H200\n"
+                "fusedloss-cpp-in-forward,backward,32768,8192,0.005,0.0,4250.0,0.03,H200\n"
+                "fusedloss-cpp-in-forward,fwd+bwd,32768,8192,0.335,0.253,4250.0,0.03,H200\n")
+    monkeypatch.setattr(run_bench.subprocess, "check_output", lambda *a, **kw: csv_text)
+    recs, gpu, bw = run_bench.run_ours("build/bench/ce_bench", "V")
+    assert [r["provider"] for r in recs] == ["fusedloss", "fusedloss-cpp-in-forward", "fusedloss-cpp-in-forward"]
+    assert (gpu, bw) == ("H200", 4250.0)
+    run_bench.report_cpp_modes(recs, "V")
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[2].split()[-1] == "-" and out[3].split()[-1] == "1.32x"
+    monkeypatch.setattr(run_bench, "git_commit", lambda: "abc")
+    assert run_bench._timing(recs[1], bw, gpu)[:3] == ["0.0050", "0.0000", ""]  # a skipped backward: no ratio

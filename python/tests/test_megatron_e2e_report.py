@@ -223,6 +223,45 @@ def test_kernel_time_per_step_by_class_and_the_bound_it_sets():
     assert removable == 7.0 and bound == pytest.approx(100 / 93)
 
 
+def _event(name, device="cuda", us=0.0, kernels=(), shapes=(), annotation=False):
+    from types import SimpleNamespace
+    import torch
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, device_time_total=us, is_user_annotation=annotation,
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+                           input_shapes=list(shapes))
+
+
+def test_the_profile_fold_counts_kernels_once_and_attention_by_the_scores_shape():
+    seq = 8
+    events = [
+        _event("masked_fill_kernel", us=30.0), _event("direct_copy_kernel", us=50.0),
+        _event("nvjet_gemm", us=100.0), _event("cunn_SoftMaxForward<SoftMaxForwardEpilogue>", us=20.0),
+        _event("Optimizer.step#AdamW.step", us=500.0, annotation=True),  # spans the kernels
+        _event("## Call CompiledFxGraph ##", us=40.0, annotation=True),
+        # the ops that launched them: masked_fill on [b, heads, s, s] scores, a cast of the
+        # [b*heads, s, s] scores, a GEMM on them (not "other"), a copy of a [seq, seq] weight
+        _event("aten::masked_fill_", "cpu", kernels=[("masked_fill_kernel", 30.0)],
+               shapes=[[2, 4, seq, seq], [1, 1, seq, seq], []]),
+        _event("aten::copy_", "cpu", kernels=[("direct_copy_kernel", 20.0)], shapes=[[8, seq, seq], [8, seq, seq]]),
+        _event("aten::baddbmm", "cpu", kernels=[("nvjet_gemm", 60.0)], shapes=[[8, seq, seq]]),
+        _event("aten::copy_", "cpu", kernels=[("direct_copy_kernel", 30.0)], shapes=[[seq, seq], [seq, seq]]),
+        # a record_function with shapes whose GPU range is an annotation, not a kernel
+        _event("CompiledFxGraph", "cpu", kernels=[("## Call CompiledFxGraph ##", 40.0)], shapes=[[2, 4, seq, seq]]),
+    ]
+    kernels, attention_us = rep.fold_profile(events, seq)
+    assert kernels == {"masked_fill_kernel": 30.0, "direct_copy_kernel": 50.0, "nvjet_gemm": 100.0,
+                       "cunn_SoftMaxForward<SoftMaxForwardEpilogue>": 20.0}
+    assert attention_us == 50.0  # the masked_fill and the scores' cast; not the GEMM, the weight, the range
+    by = rep.kernel_classes(kernels, steps=1, attention_us=attention_us)
+    assert by["attention elementwise"] == pytest.approx(0.05) and by["other"] == pytest.approx(0.03)
+
+
+def test_attention_kernels_beyond_the_other_class_are_refused():
+    with pytest.raises(ValueError, match="attention kernels 0.010 ms/step exceed the other class's 0.005"):
+        rep.kernel_classes({"elementwise": 5.0}, steps=1, attention_us=10.0)
+
+
 def test_the_kernel_table_and_the_bound_note_come_with_kernel_measurements(tmp_path):
     plan, _, results = _results()
     for config, other in (("native", 12.5), ("ce+swiglu", 6.0)):

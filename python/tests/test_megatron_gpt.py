@@ -4,6 +4,7 @@ with sequence parallelism on and off, tied and untied embeddings; gradient-accum
 the refusals; and the cross-entropy routes of compute_language_model_loss ('te', 'liger')."""
 import contextlib
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -331,8 +332,9 @@ def test_head_patch_is_all_or_nothing_and_unpatch_restores(monkeypatch):
     ("linear_cross_entropy_workspace_bytes", 0, r"linear_cross_entropy_workspace_bytes: got 0, expected None "
                                                 r"or a positive number of bytes"),
     ("linear_cross_entropy_workspace_bytes", -4096, r"linear_cross_entropy_workspace_bytes: got -4096"),
-    ("linear_cross_entropy_workspace_bytes", 1.5, r"linear_cross_entropy_workspace_bytes"),
-    ("linear_cross_entropy_workspace_bytes", True, r"linear_cross_entropy_workspace_bytes"),
+    ("linear_cross_entropy_workspace_bytes", 1.5, r"linear_cross_entropy_workspace_bytes: got 1.5 \(float\), "
+                                                  r"expected an int"),
+    ("linear_cross_entropy_workspace_bytes", True, r"linear_cross_entropy_workspace_bytes: got True, expected an int"),
 ])
 def test_head_options_are_checked_when_patching(option, value, message):
     unpatch_megatron()
@@ -342,9 +344,22 @@ def test_head_options_are_checked_when_patching(option, value, message):
 
 
 def test_the_head_gets_the_workspace_and_the_context_manager_restores_it(monkeypatch):
-    from fusedloss.megatron import fusedloss_megatron, state
-    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=1 << 30)
-    assert state.lce_options()["workspace_bytes"] == 1 << 30
+    from fusedloss.megatron import fusedloss_megatron, lm_head, state
+    # an integer-like value is stored as the int, so ranks passing 2**30 as a tensor and as an
+    # int agree
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=torch.tensor(1 << 30))
+    assert type(state.lce_options()["workspace_bytes"]) is int and state.lce_options()["workspace_bytes"] == 1 << 30
+    # the op receives it, and the head's TP agreement covers it
+    seen = {}
+    monkeypatch.setattr(fusedloss, "linear_cross_entropy", lambda *a, **kw: seen.update(kw) or torch.zeros(4, 2))
+    model = SimpleNamespace(output_layer=SimpleNamespace(weight=torch.randn(16, 8), tp_group=None, sequence_parallel=False,
+                                                         _forward_pre_hooks={}),
+                            share_embeddings_and_output_weights=False, mtp_process=False)
+    monkeypatch.setattr(lm_head, "_refuse_unsupported", lambda model: None)
+    lm_head.fused_head_loss(model, torch.randn(4, 2, 8), torch.randint(0, 16, (2, 4)))
+    assert seen["workspace_bytes"] == 1 << 30
+    h, w, labels = torch.randn(4, 2, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 4))
+    assert "workspace_bytes=1073741824" in lm_head._fingerprint(state.lce_options(), h, w, labels, None).pairs
     with fusedloss_megatron(linear_cross_entropy=True):
         assert state.lce_options()["workspace_bytes"] is None  # the op's default
     assert state.lce_options()["workspace_bytes"] == 1 << 30

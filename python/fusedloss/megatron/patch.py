@@ -252,10 +252,13 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     if linear_cross_entropy_backward not in ("auto", "recompute"):
         raise ValueError(f"linear_cross_entropy_backward: got {linear_cross_entropy_backward!r}, "
                          "expected 'auto' or 'recompute'")
-    if linear_cross_entropy_workspace_bytes is not None and as_int(
-            linear_cross_entropy_workspace_bytes, "linear_cross_entropy_workspace_bytes") <= 0:
-        raise ValueError(f"linear_cross_entropy_workspace_bytes: got {linear_cross_entropy_workspace_bytes}, "
-                         "expected None or a positive number of bytes")
+    if linear_cross_entropy_workspace_bytes is not None:
+        # the int, not what was passed: the head's TP agreement compares the options' repr
+        linear_cross_entropy_workspace_bytes = as_int(linear_cross_entropy_workspace_bytes,
+                                                      "linear_cross_entropy_workspace_bytes")
+        if linear_cross_entropy_workspace_bytes <= 0:
+            raise ValueError(f"linear_cross_entropy_workspace_bytes: got {linear_cross_entropy_workspace_bytes}, "
+                             "expected None or a positive number of bytes")
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
