@@ -88,6 +88,18 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     return o, lo
 
 
+def in_forward_chunk_rows(dtype: torch.dtype, rows: int, v_local: int,
+                          workspace_bytes: Optional[int] = None) -> int:
+    """The token chunk of the in-forward mode for these sizes, as workspace_bytes and the
+    FUSEDLOSS_LCE_* knobs set it. Its collectives are one per chunk, so ranks must agree on it:
+    a caller that runs the agreement for the op (the Megatron head) compares it too."""
+    lo = _C.LinearCrossEntropyOptions()
+    if workspace_bytes:
+        lo.workspace_bytes = workspace_bytes
+    lo.backward_mode = _C.LinearCeBackward.IN_FORWARD
+    return _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[dtype])
+
+
 class _DeviceBytes:
     """Raw device memory as a uint8 tensor (torch.as_tensor reads __cuda_array_interface__)."""
 

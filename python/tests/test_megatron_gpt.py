@@ -4,6 +4,7 @@ with sequence parallelism on and off, tied and untied embeddings; gradient-accum
 the refusals; and the cross-entropy routes of compute_language_model_loss ('te', 'liger')."""
 import contextlib
 import importlib
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +266,22 @@ def _tp2_one_rank_wrong(rank, world):
             fusedloss._distributed.agree = agree
         assert len(calls) == 1 and hidden.grad is not None
         hidden.grad = None
+    # the gradients in the forward take one collective per token chunk: one rank chunking
+    # otherwise (its own FUSEDLOSS_LCE_BUFFERS; the workspace itself is an agreed option) is
+    # refused on every rank, not left to pair mismatched collectives
+    apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True, linear_cross_entropy_backward="auto",
+                                linear_cross_entropy_workspace_bytes=2 * 4 * (V // world) * 4)
+    model = _model(2, False, tied=False)
+    hidden = torch.randn(S, B, H, requires_grad=True)
+    mask = torch.ones(B, S)
+    os.environ["FUSEDLOSS_LCE_BUFFERS"] = "1" if rank == 1 else "2"
+    try:
+        with pytest.raises(ValueError, match="chunking"):
+            lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)), mask)
+    finally:
+        del os.environ["FUSEDLOSS_LCE_BUFFERS"]
+    lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)), mask).sum().backward()
+    assert hidden.grad is not None
 
 
 def test_gpt_tp2_one_rank_with_wrong_labels_raises_on_every_rank():
