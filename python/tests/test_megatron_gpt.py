@@ -377,8 +377,15 @@ def test_the_head_gets_the_workspace_and_the_context_manager_restores_it(monkeyp
     assert seen["workspace_bytes"] == 1 << 30
     h, w, labels = torch.randn(4, 2, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 4))
     assert "workspace_bytes=1073741824" in lm_head._fingerprint(state.lce_options(), h, w, labels, None).pairs
+    # ranks that leave it to the default and ranks that pass the default agree
+    prints = []
+    for workspace in (None, 256 << 20):
+        apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=workspace)
+        prints.append(lm_head._fingerprint(state.lce_options(), h, w, labels, None))
+    assert prints[0] == prints[1]
+    apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=1 << 30)
     with fusedloss_megatron(linear_cross_entropy=True):
-        assert state.lce_options()["workspace_bytes"] is None  # the op's default
+        assert state.lce_options()["workspace_bytes"] == 256 << 20  # the op's default, resolved
     assert state.lce_options()["workspace_bytes"] == 1 << 30
     unpatch_megatron()
 

@@ -5,6 +5,7 @@ import inspect
 import warnings
 
 import fusedloss
+from fusedloss import _C
 from fusedloss._distributed import group_size  # noqa: F401 (the adapters call state.group_size)
 
 CONFIG = {}
@@ -29,8 +30,11 @@ def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lc
     _LCE_KWARGS.clear()
     # "recompute": any upstream gradient; "auto": in_forward with the loss_mask Megatron's
     # forward received (its loss_func reduces c * sum(loss_mask * loss)), recompute without one
+    # None resolved to the op's default, so that ranks passing None and the default agree
+    workspace = (_C.LinearCrossEntropyOptions().workspace_bytes
+                 if lce_workspace_bytes is None else lce_workspace_bytes)
     _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode=lce_backward,
-                       dhidden_reduction="partial", workspace_bytes=lce_workspace_bytes)
+                       dhidden_reduction="partial", workspace_bytes=workspace)
 
 
 def warn_once(key, message, category=UserWarning):
