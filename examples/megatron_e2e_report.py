@@ -284,6 +284,10 @@ def report(results, out_dir, smoke, plan):
               enumerate(zip(r.get("tasks", {}).get(task, {}).get("losses", []),
                             r.get("tasks", {}).get(task, {}).get("step_ms", [])))]
     peers.write_csv(out_dir, gpu, kind + "-loss", ["config", "task", "step", "loss", "step_ms"], curves)
+    classes = [[c, cls, f"{ms:.4f}"] for c, r in results.items()
+               for cls, ms in r.get("tasks", {}).get("kernels", {}).get("by_class", {}).items()]
+    if classes:
+        peers.write_csv(out_dir, gpu, kind + "-kernels", ["config", "class", "ms_per_step"], classes)
     text = summary_text(rows, failures, targets, notes, results, plan, meta)
     path = os.path.join(out_dir, f"{peers.today()}-{gpu.replace(' ', '-')}-{kind}.txt")
     with open(path, "w") as fh:

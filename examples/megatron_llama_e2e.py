@@ -19,7 +19,7 @@ Per configuration (local spec, single GPU, megatron parallel_state at TP=1):
   fp32        the loss curve in fp32 at a smaller shape (hidden 1024), held to 1e-3 of native
   tiny        the 4-layer hidden-512 model, 50 steps, median of 3 runs (host overhead), every
               configuration in one process with the runs interleaved (the host's speed drifts)
-Writes <date>-<gpu>-megatron-llama{,-loss}.csv, .png and .txt into --out (megatron_e2e_report.py,
+Writes <date>-<gpu>-megatron-llama{,-loss,-kernels}.csv, .png and .txt into --out (megatron_e2e_report.py,
 tested on CPU); exits non-zero when a configuration or task failed, a loss curve left tolerance,
 or (not in --smoke) a task was not started within --budget-s.
 """

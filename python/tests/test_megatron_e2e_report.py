@@ -280,6 +280,10 @@ def test_the_kernel_table_and_the_bound_note_come_with_kernel_measurements(tmp_p
                                "attention", "elementwise", "total"]
     assert body[2].split() == ["native", "0.00", "60.00", "12.50", "15.00", "2.00", "0.50", "4.00", "94.00"]
     assert body[3].split()[:4] == ["ce+swiglu", "1.00", "60.00", "6.00"]
+    (kernels,) = glob.glob(str(tmp_path / "*-megatron-llama-kernels.csv"))
+    with open(kernels) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 * 8 and rows[2] == {"config": "native", "class": "other", "ms_per_step": "12.5000"}
 
 
 def test_plot_draws_when_matplotlib_is_installed(tmp_path):
