@@ -88,15 +88,24 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     return o, lo
 
 
-def in_forward_chunk_rows(dtype: torch.dtype, rows: int, v_local: int,
-                          workspace_bytes: Optional[int] = None) -> int:
-    """The token chunk of the in-forward mode for these sizes, as workspace_bytes and the
-    FUSEDLOSS_LCE_* knobs set it. Its collectives are one per chunk, so ranks must agree on it:
-    a caller that runs the agreement for the op (the Megatron head) compares it too."""
+def as_workspace_bytes(value, name: str = "workspace_bytes") -> int:
+    """workspace_bytes as the op takes it: None (0: the core's default) or a positive int."""
+    if value is None:
+        return 0
+    v = as_int(value, name)
+    if v <= 0:
+        raise ValueError(f"{name}: got {v}, expected None or a positive number of bytes")
+    return v
+
+
+def chunk_rows(dtype: torch.dtype, rows: int, v_local: int, workspace_bytes: int = 0) -> int:
+    """The token chunk for these sizes, as workspace_bytes (0: the default) and the
+    FUSEDLOSS_LCE_* knobs set it. The in-forward mode runs one collective per chunk, so ranks
+    must agree on it: the op's agreement compares it, and so does a caller that runs the
+    agreement for the op (the Megatron head)."""
     lo = _C.LinearCrossEntropyOptions()
     if workspace_bytes:
         lo.workspace_bytes = workspace_bytes
-    lo.backward_mode = _C.LinearCeBackward.IN_FORWARD
     return _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[dtype])
 
 
@@ -241,7 +250,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
         loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
         stream = stream_of(h)
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
-            checks.chunk_rows = _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[h.dtype])
+            checks.chunk_rows = chunk_rows(h.dtype, rows, v_local, workspace_bytes)
             scratch = torch.empty(_C.linear_cross_entropy_forward_scratch_bytes(
                 matrix(h), matrix(w), o, lo, world), dtype=torch.uint8, device=dev)
             comm = _callback_communicator(g, dev, checks.chunk_rows)
@@ -514,9 +523,7 @@ def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_sco
     opts = _Options(*parse_options(ignore_index, label_smoothing, smoothing_formula,
                                    smoothing_scope, reduction, z_loss),
                     0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
-                    0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes"))
-    if opts.workspace_bytes < 0 or workspace_bytes is not None and opts.workspace_bytes == 0:
-        raise ValueError(f"workspace_bytes: got {workspace_bytes}, expected None or > 0")
+                    as_workspace_bytes(workspace_bytes))
     return (opts, as_choice(backward_mode, "backward_mode", _MODES),
             as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN),
             as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION),

@@ -68,8 +68,8 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
 }
 
 // A gradient buffer: [rows, cols], fp32 or the inputs' dtype (fp32 inputs: fp32 only), on the
-// inputs' device, not overlapping the inputs.
-// An InForward gradient buffer (`why`: what the mode needs it for, said when it is missing).
+// inputs' device, not overlapping the inputs; `why` says what the call needs it for when it is
+// missing.
 void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_t cols,
                      const MatrixView& hidden, const MatrixView& weight, const char* why) {
   require(g.data != nullptr || rows == 0, name, ": got none, expected a [", rows, ", ", cols,

@@ -16,7 +16,7 @@ from fusedloss._distributed import fingerprint, rank_checks
 from fusedloss._views import require_tensor
 from fusedloss.cross_entropy import check_targets_on_host
 from fusedloss.linear_cross_entropy import validate_inputs as validate_linear_ce_inputs
-from fusedloss.linear_cross_entropy import in_forward_chunk_rows, validate_loss_mask
+from fusedloss.linear_cross_entropy import chunk_rows, validate_loss_mask
 
 from . import state
 
@@ -184,8 +184,8 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
             checks.rows, checks.v_local = labels.numel(), weight.shape[0]
             checks.options = _fingerprint(options, hidden, weight, labels, loss_mask)
             if loss_mask is not None:  # the in-forward mode: one collective per token chunk
-                checks.chunk_rows = in_forward_chunk_rows(hidden.dtype, labels.numel(), weight.shape[0],
-                                                          options["workspace_bytes"])
+                checks.chunk_rows = chunk_rows(hidden.dtype, labels.numel(), weight.shape[0],
+                                               options["workspace_bytes"])
         options = dict(options, check_shard_agreement=False)  # agreed above
         if layer.sequence_parallel:
             hidden = mappings.gather_from_sequence_parallel_region(

@@ -8,7 +8,8 @@ import warnings
 from typing import Optional
 
 import fusedloss
-from fusedloss._views import as_bool, as_int
+from fusedloss._views import as_bool
+from fusedloss.linear_cross_entropy import as_workspace_bytes
 
 from . import lm_head, state
 
@@ -252,13 +253,10 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     if linear_cross_entropy_backward not in ("auto", "recompute"):
         raise ValueError(f"linear_cross_entropy_backward: got {linear_cross_entropy_backward!r}, "
                          "expected 'auto' or 'recompute'")
-    if linear_cross_entropy_workspace_bytes is not None:
-        # the int, not what was passed: the head's TP agreement compares the options' repr
-        linear_cross_entropy_workspace_bytes = as_int(linear_cross_entropy_workspace_bytes,
-                                                      "linear_cross_entropy_workspace_bytes")
-        if linear_cross_entropy_workspace_bytes <= 0:
-            raise ValueError(f"linear_cross_entropy_workspace_bytes: got {linear_cross_entropy_workspace_bytes}, "
-                             "expected None or a positive number of bytes")
+    # the op's own check; the int (0: the op's default), not what was passed: the head's TP
+    # agreement compares the options' repr
+    workspace_bytes = as_workspace_bytes(linear_cross_entropy_workspace_bytes,
+                                         "linear_cross_entropy_workspace_bytes")
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                smoothing_formula="megatron", smoothing_scope="partition")
@@ -289,7 +287,7 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
     for module_name, attr in [key for key in _ORIGINALS if key not in wanted]:  # no longer asked for
         setattr(*_owner(importlib.import_module(module_name), attr), _ORIGINALS.pop((module_name, attr)))
     state.configure(flags, ignore_index, label_smoothing, linear_cross_entropy_backward,
-                    linear_cross_entropy_workspace_bytes)
+                    workspace_bytes)
     for (owner, original), module_name, attr, make in resolved:
         _ORIGINALS.setdefault((module_name, attr), original)
         setattr(owner, attr.split(".")[-1], make(original))

@@ -15,13 +15,14 @@ _CE_KWARGS = {}
 _LCE_KWARGS = {}
 
 
-def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lce_workspace_bytes=None):
+def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lce_workspace_bytes=0):
+    """lce_workspace_bytes: checked (as_workspace_bytes), 0 for the op's default."""
     CONFIG.clear()
     CONFIG.update(flags, ignore_index=int(ignore_index), label_smoothing=float(label_smoothing))
-    # the patch's arguments as given, which the context manager restores
+    # the patch's arguments (the workspace as checked), which the context manager restores
     CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
                              linear_cross_entropy_backward=lce_backward,
-                             linear_cross_entropy_workspace_bytes=lce_workspace_bytes)
+                             linear_cross_entropy_workspace_bytes=lce_workspace_bytes or None)
     common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
                   smoothing_scope="partition", reduction="none",
                   check_shard_agreement=flags["check_shard_agreement"])
@@ -30,9 +31,8 @@ def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lc
     _LCE_KWARGS.clear()
     # "recompute": any upstream gradient; "auto": in_forward with the loss_mask Megatron's
     # forward received (its loss_func reduces c * sum(loss_mask * loss)), recompute without one
-    # None resolved to the op's default, so that ranks passing None and the default agree
-    workspace = (_C.LinearCrossEntropyOptions().workspace_bytes
-                 if lce_workspace_bytes is None else lce_workspace_bytes)
+    # 0 resolved to the op's default, so that ranks passing None and the default agree
+    workspace = lce_workspace_bytes or _C.LinearCrossEntropyOptions().workspace_bytes
     _LCE_KWARGS.update(common, label_smoothing=float(label_smoothing), backward_mode=lce_backward,
                        dhidden_reduction="partial", workspace_bytes=workspace)
 
