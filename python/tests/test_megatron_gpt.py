@@ -282,6 +282,12 @@ def _tp2_one_rank_wrong(rank, world):
         del os.environ["FUSEDLOSS_LCE_BUFFERS"]
     lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)), mask).sum().backward()
     assert hidden.grad is not None
+    # one rank patched with another workspace: named on every rank, before any collective
+    apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True,
+                                linear_cross_entropy_workspace_bytes=(1 << 20) * (2 if rank else 1))
+    with pytest.raises(ValueError, match=r"rank 1's workspace_bytes=2097152 differs from rank 0's "
+                                         r"workspace_bytes=1048576"):
+        lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)))
 
 
 def test_gpt_tp2_one_rank_with_wrong_labels_raises_on_every_rank():
