@@ -4,7 +4,10 @@
 // x, write y), backward 3 (read x and dy, write dx): 4 and 10 B/element in bf16 for forward and
 // forward+backward. copy_ms: device-to-device copies moving the same bytes, timed the same way
 // (forward: one copy of x's size; backward: one of 1.5 times it; forward+backward: both): what
-// the copy engine reaches at this size, launch and tail included. Output: CSV on stdout.
+// the copy engine reaches at this size, launch and tail included. stream_ms: a plain SM kernel
+// moving the same traffic (forward: y = x; backward: dx = x + dy; forward+backward: both), 16-byte
+// vectors, 4 in flight a thread, as many blocks as fill the SMs: what a kernel with no row
+// reduction reaches here, its launch, ramp and tail included. Output: CSV on stdout.
 //
 // Kernel variants, in one run: each argument is a launch shape of the CUDA kernels,
 // "field=value,..." over the shipped defaults (src/cuda/rms_norm_cuda.h, RmsNormTuning;
@@ -21,6 +24,32 @@
 #include "fusedloss/fusedloss.h"
 
 namespace fl = fusedloss;
+
+// out = a (+ b): the streaming floor of the row kernels, no reduction, no row dependence.
+constexpr int kStreamUnroll = 4;
+__global__ void __launch_bounds__(256) stream_kernel(const uint4* a, const uint4* b, uint4* out,
+                                                     size_t nvec) {
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t i0 = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i0 < nvec; i0 += stride * kStreamUnroll) {
+    uint4 v[kStreamUnroll], w[kStreamUnroll];
+#pragma unroll
+    for (int u = 0; u < kStreamUnroll; ++u) {
+      const size_t i = i0 + u * stride;
+      if (i < nvec) {
+        v[u] = a[i];
+        if (b) w[u] = b[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kStreamUnroll; ++u) {
+      const size_t i = i0 + u * stride;
+      if (i < nvec) {
+        if (b) v[u] = {v[u].x ^ w[u].x, v[u].y ^ w[u].y, v[u].z ^ w[u].z, v[u].w ^ w[u].w};
+        out[i] = v[u];
+      }
+    }
+  }
+}
 
 int main(int argc, char** argv) {
   const int iters = 30;
@@ -39,8 +68,11 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   const double bw = copy_bandwidth_gbs();
-  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_ms,ratio_copy,copy_gbs,gpu\n"
-                       : "provider,op,T,H,dtype,ms,floor_ms,copy_ms,copy_gbs,gpu\n");
+  int stream_blocks = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&stream_blocks, stream_kernel, 256, 0));
+  stream_blocks *= prop.multiProcessorCount;
+  std::printf(labelled ? "variant,provider,op,T,H,dtype,ms,floor_ms,ratio,copy_ms,ratio_copy,stream_ms,ratio_stream,copy_gbs,gpu\n"
+                       : "provider,op,T,H,dtype,ms,floor_ms,copy_ms,stream_ms,copy_gbs,gpu\n");
   struct Shape { int64_t T, H; };
   const Shape shapes[] = {{16384, 2048}, {16384, 4096}, {16384, 5120}, {16384, 6144},
                           {16384, 8192}, {8192, 16384}};
@@ -90,6 +122,16 @@ int main(int argc, char** argv) {
             median_ms(iters, [] {}, [&] { copy(fwd_bytes); }),
             median_ms(iters, [] {}, [&] { copy(bwd_bytes); }),
             median_ms(iters, [] {}, [&] { copy(fwd_bytes); copy(bwd_bytes); })};
+        // The same traffic through stream_kernel: x -> y; x, dy -> dx (x's size each).
+        auto stream = [&](const void* a, const void* b, void* out) {
+          stream_kernel<<<stream_blocks, 256>>>(static_cast<const uint4*>(a), static_cast<const uint4*>(b),
+                                                static_cast<uint4*>(out), size_t(n * es) / 16);
+          CHECK(cudaGetLastError());
+        };
+        const double stream_ms[3] = {
+            median_ms(iters, [] {}, [&] { stream(x, nullptr, y); }),
+            median_ms(iters, [] {}, [&] { stream(x, dy, dx); }),
+            median_ms(iters, [] {}, [&] { stream(x, nullptr, y); stream(x, dy, dx); })};
         CHECK(cudaFree(from));
         CHECK(cudaFree(to));
         const char* ops[3] = {"forward", "backward", "fwd+bwd"};
@@ -100,6 +142,8 @@ int main(int argc, char** argv) {
           if (labelled) std::printf("%.3f,", ms[i] / floor_ms[i]);
           std::printf("%.4f,", copy_ms[i]);
           if (labelled) std::printf("%.3f,", ms[i] / copy_ms[i]);
+          std::printf("%.4f,", stream_ms[i]);
+          if (labelled) std::printf("%.3f,", ms[i] / stream_ms[i]);
           std::printf("%.1f,%s\n", bw, prop.name);
         }
         std::fflush(stdout);

@@ -3,7 +3,9 @@
   cross-entropy: bench/ce_bench (the C++ API) vs torch F.cross_entropy, Liger-Kernel, Megatron-core
   swiglu:        bench/swiglu_bench vs torch silu(a)*b, Liger's fused gate-up, Megatron bias_swiglu_impl
   rms-norm:      bench/rms_norm_bench vs torch F.rms_norm (eager and torch.compile), Liger's
-                 RMSNorm; [T, H] from 16384 x 2048 to 8192 x 16384, H = 5120 / 6144, bf16 and fp32
+                 RMSNorm, and a plain streaming kernel of the same traffic ("stream-kernel": what an
+                 SM kernel without a row reduction reaches at that size); [T, H] from 16384 x 2048
+                 to 8192 x 16384, H = 5120 / 6144, bf16 and fp32
   linear-cross-entropy: fusedloss.linear_cross_entropy (both modes) vs the GEMMs alone, torch,
                  linear + fusedloss CE, Liger, cut-cross-entropy (bench/lce_bench.py)
 
@@ -182,8 +184,12 @@ def rms_norm_main(build, out_dir):
     recs = [dict(provider="fusedloss", op=r["op"], T=int(r["T"]), H=int(r["H"]), dtype=r["dtype"],
                  ms=float(r["ms"]), floor_ms=float(r["floor_ms"]), peak_mib=0.0, host_ms=None)
             for r in rows]
+    # the same traffic through a plain streaming kernel (no row reduction): what an SM kernel
+    # reaches at this size, beside the floor of the large copy
+    recs += [dict(r, provider="stream-kernel", ms=float(row["stream_ms"]))
+             for r, row in zip(list(recs), rows) if row.get("stream_ms")]
     floors = {(r["op"], r["T"], r["H"], r["dtype"]): r["floor_ms"] for r in recs}
-    names = ["fusedloss"]
+    names = ["fusedloss"] + (["stream-kernel"] if any(r["provider"] == "stream-kernel" for r in recs) else [])
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for (T, H, dt) in sorted({(r["T"], r["H"], r["dtype"]) for r in recs}):
         g = torch.Generator(device="cuda").manual_seed(H)
