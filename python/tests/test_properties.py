@@ -136,9 +136,28 @@ def test_cross_entropy_any_layout(run):
         assert torch.equal(base.detach(), before), "the caller's tensor was written"
         assert torch.equal(t, t_before), "the targets were written"
         gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
-        _close(base.grad, base64.grad, TOL[dtype], gmax * _multiplicity(layout, shape) + 1e-6)
+        # A row's gradient is g_r (p (1 + 2 z lse) - smoothed one-hot): terms of size g_r that
+        # may cancel (one column: p = 1), so its error scales with g_r, not with the result.
+        terms = _ce_row_upstream(up64, t, opts) * (2.0 + 2.0 * opts["z_loss"] * _max_abs_lse(x64))
+        _close(base.grad, base64.grad, TOL[dtype], max(gmax, terms) * _multiplicity(layout, shape) + 1e-6)
 
     check()
+
+
+def _ce_row_upstream(up64, t, opts):
+    """max |d loss / d per-row loss|: the upstream gradient each row's terms are scaled by."""
+    rows = torch.ones(t.numel(), dtype=torch.float64, requires_grad=True)
+    valid = (t.reshape(-1).cpu().long() != opts["ignore_index"]).double()
+    per_row = rows * valid
+    red = opts["reduction"]
+    out = per_row.view(t.shape) if red == "none" else per_row.sum() / (valid.sum().clamp(min=1) if red == "mean" else 1)
+    (g,) = torch.autograd.grad(up64(out), rows, allow_unused=True)
+    return g.abs().max().item() if g is not None and g.numel() else 0.0
+
+
+def _max_abs_lse(x64):
+    x2 = x64.detach().reshape(-1, x64.size(-1))
+    return torch.logsumexp(x2, -1).abs().max().item() if x2.numel() else 0.0
 
 
 def _swiglu_reference(y, bias, w, clamp):
@@ -149,6 +168,29 @@ def _swiglu_reference(y, bias, w, clamp):
         u = u.clamp(-clamp, clamp)
     out = F.silu(a) * u
     return out * w.reshape(*out.shape[:-1], 1) if w is not None else out
+
+
+def _swiglu_aux_terms(y, b_ref, w_ref, clamp, up64, factor):
+    """The magnitudes of the terms the bias's gradient (per column: |dL/dv| summed over rows)
+    and the scale's (per row: |dL/dout * out / scale| summed over columns) add up."""
+    v = (y + b_ref if b_ref is not None else y).detach().requires_grad_(True)
+    unscaled = _swiglu_reference(v, None, None, clamp)
+    scale = w_ref.detach().reshape(*unscaled.shape[:-1], 1) if w_ref is not None else 1.0
+    out = unscaled * scale * factor
+    (gv,) = torch.autograd.grad(up64(out), v)
+    o = out.detach().requires_grad_(True)
+    (go,) = torch.autograd.grad(up64(o), o)
+    return {"bias": gv.abs().reshape(-1, v.size(-1)).sum(0),
+            "scale": (go * unscaled.detach() * factor).abs().sum(-1, keepdim=True)}
+
+
+def _through_view(view, base64, terms):
+    """Largest sum of `terms` over the view positions that share one element of the base."""
+    if base64.numel() == 0 or terms.numel() == 0:
+        return 0.0
+    ones = torch.ones_like(base64, requires_grad=True)
+    (g,) = torch.autograd.grad((view(ones) * terms.reshape(view(ones).shape)).sum(), ones)
+    return g.abs().max().item()
 
 
 @st.composite
@@ -238,7 +280,8 @@ def test_swiglu_any_layout(run):
         assert out.dtype == dtype and out.shape == ref.shape
         tol = TOL[dtype]
         _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
-        if draw(st.booleans()):  # as with torch's ops, a result may be modified in place
+        scaled = draw(st.booleans())
+        if scaled:  # as with torch's ops, a result may be modified in place
             out.mul_(2.0)
             ref = ref * 2.0
         up, up64 = _upstream(draw, out, gen)
@@ -254,11 +297,16 @@ def test_swiglu_any_layout(run):
         if y64_grad is not None:
             gmax = y64_grad.abs().max().item() if y64_grad.numel() else 1.0
             _close(base.grad, y64_grad, tol, gmax * mult + 1e-6)
-        for t, t64 in ((b, b64), (w, w64)):
+        terms = _swiglu_aux_terms(y_bwd, b_ref, w_ref, clamp, up64, 2.0 if scaled else 1.0)
+        for t, t64, view, kind in ((b, b64, b_view, "bias"), (w, w64, w_view, "scale")):
             if t is not None:
                 assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
                 gmax = t64.grad.abs().max().item() if t64.grad.numel() else 1.0
-                _close(t.grad, t64.grad, max(tol, TOL.get(t.dtype, 2e-5)), gmax * max(shape) + 1e-6)
+                # a sum over rows (and over the positions a view repeats it at), rounded per
+                # column or row in t's dtype: its error scales with its terms, not with the sum
+                base_terms = _through_view(view, t64, terms[kind])
+                _close(t.grad, t64.grad, max(tol, TOL.get(t.dtype, 2e-5)),
+                       max(gmax * max(shape), base_terms) + 1e-6)
 
     check()
 
@@ -475,6 +523,14 @@ def test_rms_norm_any_layout(run):
             gamma = w64 + 1.0 if opts["zero_centered_gamma"] else w64
             rstd = (s_in.detach() ** 2 + opts["eps"]).rsqrt()
             terms = (y64.grad.abs() * gamma.detach().abs() * rstd).max().item()
+        # the weight's gradient sums dy * xhat over rows, which may cancel (H = 1: xhat = +-1):
+        # measured against the sum of its terms' sizes (over the positions a view repeats it at)
+        wterms = 0.0
+        if y64.grad is not None and y64.numel():
+            s_in = (x64 if r64 is None else x64 + r64).detach()
+            xhat = s_in * (s_in.pow(2).mean(-1, keepdim=True) + opts["eps"]).rsqrt()
+            col = (y64.grad * (2.0 if modify_output else 1.0) * xhat).abs().reshape(-1, shape[-1]).sum(0)
+            wterms = torch.autograd.grad((w64 * col).sum(), wbase64)[0].abs().max().item()
         for t, t0 in zip((base, wbase, rbase), before):
             assert torch.equal(t.detach(), t0), "the caller's tensor was written"
         rows = max(1, x.numel() // max(shape[-1], 1))
@@ -483,8 +539,7 @@ def test_rms_norm_any_layout(run):
             if got is None:
                 continue
             gmax = want.grad.abs().max().item() if want.grad.numel() else 1.0
-            if got is not wbase:
-                gmax = max(gmax, terms)
+            gmax = max(gmax, wterms if got is wbase else terms)
             spread = mult * (shape[-1] if lay == "expanded" and got is wbase else 1)
             _close(got.grad, want.grad, tol, gmax * spread * _multiplicity(lay, shape) + 1e-6)
 
