@@ -308,11 +308,32 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
         sdh = sdw = _absent(device_of(h))
-    _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
-                                     count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
-                                     accumulate, stream_of(h), _address(row_weight))
-    if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
+    all_reduce = g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]
+    try:
+        _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
+                                         count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
+                                         accumulate, stream_of(h), _address(row_weight))
+    except Exception as error:
+        if all_reduce:
+            _join_all_reduce_failed(dh, g, error)
+        raise
+    if all_reduce:
         dist.all_reduce(dh, group=g)
+
+
+def _join_all_reduce_failed(dh, group, error):
+    """A rank whose backward raised (an upstream gradient that is not c * loss_mask on this rank
+    alone, a FUSEDLOSS_LCE_* knob changed since the forward) still takes part in the dhidden
+    all-reduce the other ranks wait in, with NaN: their dhidden comes back NaN instead of a hang,
+    and this rank raises. (No agreement here: it would synchronise every backward with the host.)"""
+    try:
+        nan = torch.full_like(dh, float("nan"))
+    except Exception:  # noqa: BLE001 (out of memory: this failed backward's own buffer)
+        nan = dh.fill_(float("nan"))
+    dist.all_reduce(nan, group=group)
+    if hasattr(error, "add_note"):  # Python 3.11
+        error.add_note(f"{_OP}: this rank joined the dhidden all-reduce with NaN, so the other "
+                       "ranks' dhidden is NaN (they did not fail and raise nothing)")
 
 
 def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
@@ -569,7 +590,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     sum(loss_mask * loss), and the backward finds c on the device from the upstream gradient,
     which must be c * loss_mask. The returned loss is not masked. An upstream gradient of
     another form has no such c: on CUDA the gradients are NaN and fusedloss.check_device_errors()
-    raises (no host sync); on the CPU the backward raises. Use backward_mode="recompute" for
+    raises (no host sync); on the CPU the backward raises (at TP > 1 with dhidden_reduction=
+    "all_reduce", after joining the all-reduce with NaN). Use backward_mode="recompute" for
     any other reduction of the per-token loss. At tp_group size > 1 it must be equal on every
     rank: the agreement compares a checksum of it with the targets' when the in-forward
     backward uses it (recompute, fp16 and no_grad calls do not read it).
