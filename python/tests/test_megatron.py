@@ -231,6 +231,26 @@ def _guard_call_time(rank, world):
     unpatch_megatron()
 
 
+def _guard_on_one_rank(rank, world):
+    # rank 1 allows vocab-parallel, rank 0 does not (patched before the parallel state, so the
+    # patch could not refuse): rank 0's refusal reaches rank 1, which waits in the op's
+    # agreement, and both raise it, rather than one raising while the other waits
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    apply_fusedloss_to_megatron(allow_vocab_parallel=rank == 1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    with pytest.raises((RuntimeError, ValueError), match=r"vocab-parallel rank 0: fused vocab_parallel_"
+                       r"cross_entropy was called with a tensor-parallel group of size 2\. .*"
+                       r"allow_vocab_parallel=True"):
+        fused_vocab_parallel_cross_entropy(torch.randn(4, 1, 32), torch.randint(0, 64, (4, 1)), tp)
+    unpatch_megatron()
+
+
+def test_tp2_guard_on_one_rank_raises_on_both():
+    run_world(2, _guard_on_one_rank, timeout_s=30)
+
+
 def _vocab_parallel_matches_megatron(rank, world):
     from megatron.core import parallel_state, tensor_parallel
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)

@@ -282,6 +282,15 @@ def _tp2_one_rank_wrong(rank, world):
         del os.environ["FUSEDLOSS_LCE_BUFFERS"]
     lm_head.fused_head_loss(model, hidden, torch.randint(0, V, (B, S)), mask).sum().backward()
     assert hidden.grad is not None
+    # one rank without a gradient (no_grad: the forward alone, every row's statistics in one
+    # gather) beside one computing it in the forward (a gather per chunk): refused on both
+    labels = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(3))
+    with torch.set_grad_enabled(rank == 1):
+        with pytest.raises(ValueError, match=r"rank 1's gradient=True differs from rank 0's gradient=False"):
+            lm_head.fused_head_loss(model, hidden, labels, mask)
+    with torch.no_grad():  # no_grad on every rank agrees, and matches the gradient's loss
+        forward_only = lm_head.fused_head_loss(model, hidden, labels, mask)
+    torch.testing.assert_close(forward_only, lm_head.fused_head_loss(model, hidden, labels, mask).detach())
     # one rank patched with another workspace: named on every rank, before any collective
     apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True,
                                 linear_cross_entropy_workspace_bytes=(1 << 20) * (2 if rank else 1))
@@ -382,12 +391,12 @@ def test_the_head_gets_the_workspace_and_the_context_manager_restores_it(monkeyp
     lm_head.fused_head_loss(model, torch.randn(4, 2, 8), torch.randint(0, 16, (2, 4)))
     assert seen["workspace_bytes"] == 1 << 30
     h, w, labels = torch.randn(4, 2, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 4))
-    assert "workspace_bytes=1073741824" in lm_head._fingerprint(state.lce_options(), h, w, labels, None).pairs
+    assert "workspace_bytes=1073741824" in lm_head._fingerprint(state.lce_options(), h, w, labels, None, True).pairs
     # ranks that leave it to the default and ranks that pass the default agree
     prints = []
     for workspace in (None, 256 << 20):
         apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=workspace)
-        prints.append(lm_head._fingerprint(state.lce_options(), h, w, labels, None))
+        prints.append(lm_head._fingerprint(state.lce_options(), h, w, labels, None, True))
     assert prints[0] == prints[1]
     apply_fusedloss_to_megatron(linear_cross_entropy=True, linear_cross_entropy_workspace_bytes=1 << 30)
     with fusedloss_megatron(linear_cross_entropy=True):
@@ -433,7 +442,7 @@ def test_head_agreement_covers_autocast():
     from fusedloss.megatron import lm_head, state
     apply_fusedloss_to_megatron(linear_cross_entropy=True)
     h, w, labels = torch.randn(4, 2, 8), torch.randn(16, 8), torch.randint(0, 16, (2, 4))
-    args = (state.lce_options(), h, w, labels, None)
+    args = (state.lce_options(), h, w, labels, None, True)
     plain = lm_head._fingerprint(*args)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cast = lm_head._fingerprint(*args)

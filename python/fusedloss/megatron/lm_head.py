@@ -104,14 +104,15 @@ def _run_forward_pre_hooks(module, args):
             hook(module, args)
 
 
-def _fingerprint(options, hidden, weight, labels, loss_mask) -> int:
+def _fingerprint(options, hidden, weight, labels, loss_mask, gradient) -> int:
     """The same int on every rank for what the op's own agreement compared besides rows and
     V_local: its options and torch's
     TF32 setting, the dtypes and device types, H (with rows and V_local these set the op's
     chunking), and the batch and sequence sizes apart (equal products of unequal ones would mix
-    shards in the gather), whether a loss_mask came (it sets the op's backward mode, and
-    with it the collectives), and torch.autocast's state (the op casts hidden and weight to its
-    dtype, which sets the chunking too)."""
+    shards in the gather), whether a loss_mask came and whether a gradient follows (they set
+    the op's mode, and with it the collectives: the forward alone gathers every row's
+    statistics at once, the in-forward mode a chunk at a time), and torch.autocast's state (the
+    op casts hidden and weight to its dtype, which sets the chunking too)."""
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device) and str(torch.get_autocast_dtype(device))
     return fingerprint(**options, allow_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
@@ -119,7 +120,7 @@ def _fingerprint(options, hidden, weight, labels, loss_mask) -> int:
                        hidden_dtype=str(hidden.dtype), weight_dtype=str(weight.dtype),
                        hidden_device=hidden.device.type, weight_device=weight.device.type,
                        H=weight.shape[-1], labels_shape=tuple(labels.shape),
-                       loss_mask=loss_mask is not None)
+                       loss_mask=loss_mask is not None, gradient=gradient)
 
 
 def _check_inputs(hidden, weight, labels, loss_mask, sequence_parallel, tp_size):
@@ -182,8 +183,10 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
             # last: a rank that failed above sends no shapes (rows = -1), so its own error is
             # the one every rank raises
             checks.rows, checks.v_local = labels.numel(), weight.shape[0]
-            checks.options = _fingerprint(options, hidden, weight, labels, loss_mask)
-            if loss_mask is not None:  # the in-forward mode: one collective per token chunk
+            # the op's rule (linear_cross_entropy: wants_grad); the gather keeps requires_grad
+            gradient = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+            checks.options = _fingerprint(options, hidden, weight, labels, loss_mask, gradient)
+            if loss_mask is not None and gradient:  # in-forward: one collective per token chunk
                 checks.chunk_rows = chunk_rows(hidden.dtype, labels.numel(), weight.shape[0],
                                                options["workspace_bytes"])
         options = dict(options, check_shard_agreement=False)  # agreed above

@@ -6,7 +6,7 @@ import warnings
 
 import fusedloss
 from fusedloss import _C
-from fusedloss._distributed import group_size  # noqa: F401 (the adapters call state.group_size)
+from fusedloss._distributed import agree, group_size  # (the adapters call state.group_size)
 
 CONFIG = {}
 _WARNED = set()
@@ -65,11 +65,20 @@ def guard(tp_group, where):
         return None
     size = group_size(tp_group)
     if size > 1 and not CONFIG["allow_vocab_parallel"]:
-        raise RuntimeError(
-            f"fusedloss.megatron: {where} was called with a tensor-parallel group of size {size}. "
+        refusal = (
+            f"{where} was called with a tensor-parallel group of size {size}. "
             "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
             "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
             "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
+        if CONFIG["check_shard_agreement"]:
+            # Every rank raises it: a rank patched with allow_vocab_parallel=True is about to
+            # wait in the op's (or the head's) agreement, its first collective, which this rank
+            # joins with the refusal; ranks that refuse all agree on it.
+            try:
+                agree(tp_group, -1, -1, 0, refusal, "fusedloss.megatron")
+            except _C.Error as refused:  # "fusedloss.megatron: vocab-parallel rank r: ..."
+                raise RuntimeError(str(refused)) from None
+        raise RuntimeError(f"fusedloss.megatron: {refusal}")
     if size > 1:
         warn_once("vocab_parallel", "fusedloss.megatron: experimental vocab-parallel cross-entropy "
                   f"(TP={size}, one all-gather per forward)")
