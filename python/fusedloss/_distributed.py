@@ -171,10 +171,20 @@ def fingerprint(*values, **named) -> int:
 
 
 def _differing_option(mine, first, r):
-    """"rank r's NAME=A differs from rank 0's NAME=B" for the first pair that differs."""
+    """"rank r's NAME=A differs from rank 0's NAME=B" for the first pair that differs; where the
+    first difference is in the names, the ranks compared different options (another op, or
+    another route of a patched model, on each), and are named as such rather than pairing
+    unrelated options."""
     for a, b in zip(mine, first):
-        if a != b:
-            return f"rank {r}'s {a} differs from rank 0's {b}"
+        if a == b:
+            continue
+        if a.split("=", 1)[0] != b.split("=", 1)[0]:
+            def names(pairs):
+                return ", ".join(p.split("=", 1)[0] for p in pairs)
+            return (f"rank {r} compared the options ({names(mine)}) where rank 0 compared "
+                    f"({names(first)}): another call on each rank (another op, or another route "
+                    "of a patched model)")
+        return f"rank {r}'s {a} differs from rank 0's {b}"
     return f"rank {r}'s differ from rank 0's, though both read ({', '.join(mine)})"
 
 

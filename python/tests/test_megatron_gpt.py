@@ -291,6 +291,17 @@ def _tp2_one_rank_wrong(rank, world):
     with torch.no_grad():  # no_grad on every rank agrees, and matches the gradient's loss
         forward_only = lm_head.fused_head_loss(model, hidden, labels, mask)
     torch.testing.assert_close(forward_only, lm_head.fused_head_loss(model, hidden, labels, mask).detach())
+    # other labels, or another mask, on one rank: each rank would compute another token's
+    # loss (the op's own agreement compares a checksum of both; the head's stands for it)
+    other = labels.clone()
+    other[0, 0] = (other[0, 0] + rank) % V
+    with pytest.raises(ValueError, match=r"vocab-parallel targets: rank 1's differ from rank 0's"):
+        lm_head.fused_head_loss(model, hidden, other)
+    other_mask = mask.clone()
+    other_mask[0, 1] = 1.0 - rank
+    with pytest.raises(ValueError, match=r"rank 1's differ from rank 0's \(a checksum of their "
+                                         r"values, and of the loss_mask\)"):
+        lm_head.fused_head_loss(model, hidden, labels, other_mask)
     # one rank patched with another workspace: named on every rank, before any collective
     apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True,
                                 linear_cross_entropy_workspace_bytes=(1 << 20) * (2 if rank else 1))

@@ -344,3 +344,15 @@ def _check_one_ranks_layouts(rank, world, op):
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 def test_one_ranks_layouts_give_its_contiguous_bits(op):
     run_world(2, _check_one_ranks_layouts, op, timeout_s=60)
+
+
+def test_a_differing_option_is_named_and_so_is_a_different_call():
+    from fusedloss._distributed import _differing_option
+    assert (_differing_option(["a=1", "b=2"], ["a=1", "b=3"], 1)
+            == "rank 1's b=2 differs from rank 0's b=3")
+    # another op on each rank (the cross-entropy's options beside the fused head's): not
+    # "rank 1's smoothing_formula='megatron' differs from rank 0's label_smoothing=0.0"
+    msg = _differing_option(["ignore_index=-100", "smoothing_formula='megatron'"],
+                            ["ignore_index=-100", "label_smoothing=0.0", "H=8"], 1)
+    assert msg.startswith("rank 1 compared the options (ignore_index, smoothing_formula) where "
+                          "rank 0 compared (ignore_index, label_smoothing, H): another call")

@@ -186,7 +186,11 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
             # the op's rule (linear_cross_entropy: wants_grad); the gather keeps requires_grad
             gradient = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
             checks.options = _fingerprint(options, hidden, weight, labels, loss_mask, gradient)
-            if loss_mask is not None and gradient:  # in-forward: one collective per token chunk
+            # the labels, and the mask the in-forward gradients are weighted by, as the op's own
+            # agreement compares them (a checksum): every rank computes the loss of the same tokens
+            in_forward = loss_mask is not None and gradient
+            checks.target = (labels, loss_mask.to(torch.float32)) if in_forward else labels
+            if in_forward:  # one collective per token chunk
                 checks.chunk_rows = chunk_rows(hidden.dtype, labels.numel(), weight.shape[0],
                                                options["workspace_bytes"])
         options = dict(options, check_shard_agreement=False)  # agreed above
