@@ -228,6 +228,10 @@ def _guard_call_time(rank, world):
     tp = parallel_state.get_tensor_model_parallel_group()
     with pytest.raises(RuntimeError, match="allow_vocab_parallel=True"):
         fused_vocab_parallel_cross_entropy(torch.randn(4, 1, 32), torch.randint(0, 64, (4, 1)), tp)
+    # the same under torch.compile (the refusal's agreement is never traced)
+    compiled = torch.compile(lambda logits, t: fused_vocab_parallel_cross_entropy(logits, t, tp))
+    with pytest.raises(RuntimeError, match="vocab-parallel rank 0: .*allow_vocab_parallel=True"):
+        compiled(torch.randn(4, 1, 32), torch.randint(0, 64, (4, 1)))
     unpatch_megatron()
 
 

@@ -4,6 +4,8 @@ and the one-time warnings."""
 import inspect
 import warnings
 
+import torch
+
 import fusedloss
 from fusedloss import _C
 from fusedloss._distributed import agree, group_size  # (the adapters call state.group_size)
@@ -70,20 +72,26 @@ def guard(tp_group, where):
             "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
             "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
             "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
-        if CONFIG["check_shard_agreement"]:
+        if CONFIG["check_shard_agreement"] and not torch.compiler.is_compiling():
             # Every rank raises it: a rank patched with allow_vocab_parallel=True is about to
             # wait in the op's (or the head's) agreement, its first collective, which this rank
-            # joins with the refusal; ranks that refuse all agree on it.
-            try:
-                agree(tp_group, -1, -1, 0, refusal, "fusedloss.megatron")
-            except _C.Error as refused:  # "fusedloss.megatron: vocab-parallel rank r: ..."
-                raise RuntimeError(str(refused)) from None
+            # joins with the refusal; ranks that refuse all agree on it. (check_shard_agreement
+            # must be the same on every rank; while torch.compile traces, no collective runs.)
+            _refuse_on_every_rank(tp_group, refusal)
         raise RuntimeError(f"fusedloss.megatron: {refusal}")
     if size > 1:
         warn_once("vocab_parallel", "fusedloss.megatron: experimental vocab-parallel cross-entropy "
                   f"(TP={size}, one all-gather per forward)")
         return tp_group
     return None
+
+
+@torch.compiler.disable  # host-side collectives: never traced (a frame torch.compile left to
+def _refuse_on_every_rank(tp_group, refusal):  # eager would still have agree()'s compiled)
+    try:
+        agree(tp_group, -1, -1, 0, refusal, "fusedloss.megatron")
+    except _C.Error as refused:  # "fusedloss.megatron: vocab-parallel rank r: ..."
+        raise RuntimeError(str(refused)) from None
 
 
 def cross_entropy(logits, target, tp_group, label_smoothing):
