@@ -335,9 +335,19 @@ def autocast_operands(*tensors, expanded_grads=False):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     cast = (lambda t: _Cast.apply(t, dtype)) if expanded_grads else (lambda t: t.to(dtype))
-    return tuple(cast(t) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype
-                 and t.dtype != torch.float64 and t.device.type == first.device.type else t
+    return tuple(cast(t) if isinstance(t, Tensor) and autocast_dtype(t, first) != t.dtype else t
                  for t in tensors)
+
+
+def autocast_dtype(t, first=None):
+    """The dtype autocast_operands gives t, an operand beside `first` (t itself by default),
+    without casting it."""
+    first = t if first is None else first
+    if not torch.is_autocast_enabled(first.device.type):
+        return t.dtype
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return (dtype if t.is_floating_point() and t.dtype != torch.float64
+            and t.device.type == first.device.type else t.dtype)
 
 
 def values_in(t, dtype):

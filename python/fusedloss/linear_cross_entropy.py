@@ -28,7 +28,8 @@ from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp, through_custom_ops
-from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands,
+from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
+                     autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in)
@@ -525,6 +526,31 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtyp
     return mode if needs_grad else _FORWARD_ONLY
 
 
+def wants_grad(hidden, weight) -> bool:
+    """Whether a gradient follows the call (else it runs the forward alone). Under vmap a
+    batched tensor does not say whether the tensor under it requires grad."""
+    return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                        torch._C._are_functorch_transforms_active())
+
+
+def resolved_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtype, rows: int,
+                  masked: bool) -> int:
+    """The mode a call runs (_resolve_mode), and recompute where no rows leave anything to
+    weight (an empty mask has no address)."""
+    mode = _resolve_mode(mode, reduction, needs_grad, dtype, masked)
+    return _RECOMPUTE if mode == _IN_FORWARD and reduction == _NONE and rows == 0 else mode
+
+
+def runs_in_forward(backward_mode: str, hidden, weight, rows: int, masked: bool) -> bool:
+    """For a caller that runs the op's TP agreement in its place (the Megatron head), before the
+    call: whether linear_cross_entropy(hidden, weight, ..., reduction="none",
+    backward_mode=backward_mode) runs the in-forward mode, which takes one collective per token
+    chunk and reads the mask (torch.autocast's dtype applied as the op applies it)."""
+    mode = resolved_mode(as_choice(backward_mode, "backward_mode", _MODES), _NONE,
+                         wants_grad(hidden, weight), autocast_dtype(hidden), rows, masked)
+    return mode == _IN_FORWARD
+
+
 # What "auto" resolves to, asked of the core (fusedloss::resolve_linear_ce_backward) once per
 # reduction, dtype and row weights (none with a loss_mask): a plain lookup, which torch.compile
 # traces
@@ -643,12 +669,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         validate_inputs(hidden, weight, target)
         if loss_mask is not None:
             validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
-        # (under vmap a batched tensor does not say whether the tensor under it requires grad)
-        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
-                                                  torch._C._are_functorch_transforms_active())
-        mode = _resolve_mode(mode, opts.reduction, wants_grad, hidden.dtype, loss_mask is not None)
-        if mode == _IN_FORWARD and opts.reduction == _NONE and target.numel() == 0:
-            mode = _RECOMPUTE  # no rows: nothing to weight (an empty mask has no address)
+        mode = resolved_mode(mode, opts.reduction, wants_grad(hidden, weight), hidden.dtype,
+                             target.numel(), loss_mask is not None)
         # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
         # agreement's reach: an allocation that fails on one rank fails on every rank)
         row_weight = (loss_mask.detach().reshape(-1).to(torch.float32).contiguous()

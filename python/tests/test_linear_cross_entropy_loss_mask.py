@@ -280,3 +280,23 @@ def test_weight_grad_accumulator(device, dtype):
     assert _rel((main_grad - before).cpu(), w64.grad) <= tol
     assert _rel(hh.grad.cpu(), h64.grad) <= tol
     assert not ww.grad.any()
+
+
+def test_runs_in_forward_is_the_ops_rule():
+    # what a caller running the op's agreement in its place (the Megatron head) must predict:
+    # the in-forward mode (a collective per token chunk, the mask read) or not
+    from fusedloss.linear_cross_entropy import runs_in_forward
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    assert runs_in_forward("auto", h, w, 4, True)
+    assert runs_in_forward("auto", h.bfloat16(), w.bfloat16(), 4, True)
+    assert not runs_in_forward("auto", h, w, 4, False)  # per-row losses: recompute
+    assert not runs_in_forward("recompute", h, w, 4, True)
+    assert not runs_in_forward("auto", h.half(), w.half(), 4, True)  # fp16: recompute
+    with torch.autocast("cpu", dtype=torch.float16):  # the op computes in autocast's dtype
+        assert not runs_in_forward("auto", h, w, 4, True)
+    assert not runs_in_forward("auto", h, w, 0, True)  # no rows to weight
+    assert runs_in_forward("auto", h.detach(), w, 4, True)  # the weight alone wants a gradient
+    assert not runs_in_forward("auto", h.detach(), w.detach(), 4, True)
+    with torch.no_grad():
+        assert not runs_in_forward("auto", h, w, 4, True)

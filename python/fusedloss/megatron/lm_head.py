@@ -16,7 +16,8 @@ from fusedloss._distributed import fingerprint, rank_checks
 from fusedloss._views import require_tensor
 from fusedloss.cross_entropy import check_targets_on_host
 from fusedloss.linear_cross_entropy import validate_inputs as validate_linear_ce_inputs
-from fusedloss.linear_cross_entropy import chunk_rows, validate_loss_mask
+from fusedloss.linear_cross_entropy import (chunk_rows, runs_in_forward, validate_loss_mask,
+                                            wants_grad)
 
 from . import state
 
@@ -183,12 +184,13 @@ def fused_head_loss(model, hidden, labels, loss_mask=None):
             # last: a rank that failed above sends no shapes (rows = -1), so its own error is
             # the one every rank raises
             checks.rows, checks.v_local = labels.numel(), weight.shape[0]
-            # the op's rule (linear_cross_entropy: wants_grad); the gather keeps requires_grad
-            gradient = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-            checks.options = _fingerprint(options, hidden, weight, labels, loss_mask, gradient)
+            # the op's rules, on the tensors it will get (the gather keeps requires_grad)
+            checks.options = _fingerprint(options, hidden, weight, labels, loss_mask,
+                                          wants_grad(hidden, weight))
             # the labels, and the mask the in-forward gradients are weighted by, as the op's own
             # agreement compares them (a checksum): every rank computes the loss of the same tokens
-            in_forward = loss_mask is not None and gradient
+            in_forward = runs_in_forward(options["backward_mode"], hidden, weight, labels.numel(),
+                                         loss_mask is not None)
             checks.target = (labels, loss_mask.to(torch.float32)) if in_forward else labels
             if in_forward:  # one collective per token chunk
                 checks.chunk_rows = chunk_rows(hidden.dtype, labels.numel(), weight.shape[0],
