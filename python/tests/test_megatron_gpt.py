@@ -302,6 +302,19 @@ def _tp2_one_rank_wrong(rank, world):
     with pytest.raises(ValueError, match=r"rank 1's differ from rank 0's \(a checksum of their "
                                          r"values, and of the loss_mask\)"):
         lm_head.fused_head_loss(model, hidden, labels, other_mask)
+    # the same values on rank 1 in another dtype or layout (transposed views, a slice, a mask
+    # expanded from one element): agreed, and the same loss
+    want = lm_head.fused_head_loss(model, hidden, labels, mask).detach()
+    wide = torch.zeros(B, 2 * S, dtype=torch.int32)
+    wide[:, ::2] = labels
+    for same_labels, same_mask in ((labels.to(torch.int32), mask.bool()),
+                                   (labels.t().contiguous().t(), mask.t().contiguous().t()),
+                                   (wide[:, ::2], mask.to(torch.bfloat16)),
+                                   (labels, torch.ones(1, 1).expand(B, S))):
+        assert mask.eq(1).all()  # (the expanded one stands for it)
+        got = lm_head.fused_head_loss(model, hidden, same_labels if rank == 1 else labels,
+                                      same_mask if rank == 1 else mask)
+        torch.testing.assert_close(got.detach(), want)
     # one rank patched with another workspace: named on every rank, before any collective
     apply_fusedloss_to_megatron(**BASE, linear_cross_entropy=True,
                                 linear_cross_entropy_workspace_bytes=(1 << 20) * (2 if rank else 1))
