@@ -96,11 +96,13 @@ def require_same_device(t, name, ref, ref_name):
         raise ValueError(f"{name}.device: got {t.device}, expected {ref.device} ({ref_name}'s device)")
 
 
-def require_targets(target, ref, ref_name, shape_note):
+def require_targets(target, ref, ref_name, shape_note, shape=None):
     """Class-index targets beside `ref` (logits or hidden states): one per row, in ref's shape
-    without its last dim, an index dtype, ref's device. shape_note says what that shape is."""
-    if target.shape != ref.shape[:-1]:
-        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {tuple(ref.shape[:-1])} "
+    without its last dim (or `shape`), an index dtype, ref's device. shape_note says what that
+    shape is."""
+    expected = tuple(ref.shape[:-1]) if shape is None else tuple(shape)
+    if tuple(target.shape) != expected:
+        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {expected} "
                          f"({shape_note})")
     require_index_dtype(target, "target")
     require_same_device(target, "target", ref, ref_name)

@@ -13,7 +13,8 @@ backward modes (chosen here, both exact):
 tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
 stats, an all-gather of 16 B/row through the group, merge); recompute takes this rank's stats
 of every row and merges them after one all-gather. The hidden gradient is this rank's partial
-sum unless dhidden_reduction="all_reduce".
+sum, unless dhidden_reduction is "all_reduce" (summed here) or "reduce_scatter" (hidden is this
+rank's slice of the tokens, gathered before the op; the gradient is summed back to the slices).
 """
 import contextlib
 import ctypes
@@ -25,9 +26,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
-                           resolve_group)
+from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, merge_buffers,
+                           merge_over_group, rank_and_size, rank_checks, resolve_group)
 from ._op import FusedOp, through_custom_ops
+from ._sequence_parallel import gather_token_slices, gathered_shape
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
                      autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
@@ -45,7 +47,7 @@ _MODES = {"auto": -1, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
 _FORWARD_ONLY = -2
 
 
-_DHIDDEN = {"partial": 0, "all_reduce": 1}
+_DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
 # what the TP agreement's mismatch error calls the accumulator (fingerprint's named options)
 _ACCUMULATOR_KINDS = ("none", "a tensor", "a callable")
 _ACCUMULATION = {"fp32": True, "weight_dtype": False}
@@ -309,31 +311,41 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
         sdh = sdw = _absent(device_of(h))
-    all_reduce = g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]
+    # the collective over dh that follows on every rank: this backward's all-reduce, or the
+    # reduce-scatter of the gathered token slices' backward
+    reduced = (None if g is None else
+               "all-reduce" if dhidden_reduction == _DHIDDEN["all_reduce"] else
+               "reduce-scatter" if dhidden_reduction == _DHIDDEN["reduce_scatter"] else None)
     try:
         _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                          count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
                                          accumulate, stream_of(h), _address(row_weight))
     except Exception as error:
-        if all_reduce:
-            _join_all_reduce_failed(dh, g, error)
+        if reduced is not None:
+            _join_failed(dh, g, reduced, error)
         raise
-    if all_reduce:
+    if reduced == "all-reduce":
         dist.all_reduce(dh, group=g)
 
 
-def _join_all_reduce_failed(dh, group, error):
+def _join_failed(dh, group, reduced, error):
     """A rank whose backward raised (an upstream gradient that is not c * loss_mask on this rank
     alone, a FUSEDLOSS_LCE_* knob changed since the forward) still takes part in the dhidden
-    all-reduce the other ranks wait in, with NaN: their dhidden comes back NaN instead of a hang,
-    and this rank raises. (No agreement here: it would synchronise every backward with the host.)"""
+    collective the other ranks wait in (`reduced`: "all-reduce" or "reduce-scatter"), with NaN:
+    their dhidden comes back NaN instead of a hang, and this rank raises. (No agreement here: it
+    would synchronise every backward with the host.)"""
     try:
         nan = torch.full_like(dh, float("nan"))
     except Exception:  # noqa: BLE001 (out of memory: this failed backward's own buffer)
         nan = dh.fill_(float("nan"))
-    dist.all_reduce(nan, group=group)
+    if reduced == "all-reduce":
+        dist.all_reduce(nan, group=group)
+    else:  # into the rows of this rank's slice, which hold NaN already
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = nan.size(0) // world
+        dist.reduce_scatter_tensor(nan[rank * n:(rank + 1) * n].clone(), nan, group=group)
     if hasattr(error, "add_note"):  # Python 3.11
-        error.add_note(f"{_OP}: this rank joined the dhidden all-reduce with NaN, so the other "
+        error.add_note(f"{_OP}: this rank joined the dhidden {reduced} with NaN, so the other "
                        "ranks' dhidden is NaN (they did not fail and raise nothing)")
 
 
@@ -447,7 +459,9 @@ _linear_cross_entropy = FusedOp(
 _EAGER = _native.ops.linear_cross_entropy_eager.default if _native.ops is not None else None
 
 
-def validate_inputs(hidden, weight, target):
+def validate_inputs(hidden, weight, target, token_slices: int = 1):
+    """token_slices > 1: hidden is one of that many ranks' slices of the tokens (dim 0), and
+    target covers them all."""
     require_values(hidden, "hidden")
     require_values(weight, "weight")
     require_tensor(target, "target")
@@ -460,7 +474,12 @@ def validate_inputs(hidden, weight, target):
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
     require_same_device(weight, "weight", hidden, "hidden")
-    require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
+    if token_slices == 1:
+        require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
+    else:
+        require_targets(target, hidden, "hidden", f"the tokens of {token_slices} ranks' slices "
+                        "of hidden along dim 0, without the hidden dim: dhidden_reduction="
+                        "'reduce_scatter'", shape=gathered_shape(hidden.shape[:-1], token_slices))
 
 
 def validate_loss_mask(loss_mask, target, hidden, per_token, reduction):
@@ -616,8 +635,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     sum(loss_mask * loss), and the backward finds c on the device from the upstream gradient,
     which must be c * loss_mask. The returned loss is not masked. An upstream gradient of
     another form has no such c: on CUDA the gradients are NaN and fusedloss.check_device_errors()
-    raises (no host sync); on the CPU the backward raises (at TP > 1 with dhidden_reduction=
-    "all_reduce", after joining the all-reduce with NaN). Use backward_mode="recompute" for
+    raises (no host sync); on the CPU the backward raises (at TP > 1 with dhidden_reduction
+    "all_reduce" or "reduce_scatter", after joining that collective with NaN). Use backward_mode="recompute" for
     any other reduction of the per-token loss. At tp_group size > 1 it must be equal on every
     rank: the agreement compares a checksum of it with the targets' when the in-forward
     backward uses it (recompute, fp16 and no_grad calls do not read it).
@@ -625,10 +644,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     tp_group of size > 1: weight is this rank's vocab shard (rank r holds rows
     [r V_local, (r+1) V_local)), targets are global ids; the per-row stats are merged with an
     all-gather of 16 B/row (per token chunk in_forward, once in recompute) after the shard
-    agreement (see fusedloss.cross_entropy). The hidden
-    gradient is this rank's partial sum (dhidden_reduction="partial": Megatron's
-    copy_to_tensor_model_parallel_region all-reduces it, its sequence-parallel gather
-    reduce-scatters it) or summed here ("all_reduce").
+    agreement (see fusedloss.cross_entropy). dhidden_reduction: the hidden gradient is this
+    rank's partial sum ("partial": Megatron's copy_to_tensor_model_parallel_region all-reduces
+    it, its sequence-parallel gather reduce-scatters it), or summed here ("all_reduce"), or
+    "reduce_scatter" (sequence parallel): hidden is this rank's slice of the tokens along dim 0
+    ([N / tp, H] or [s / tp, b, H], equal on every rank), target (and loss_mask, and the loss of
+    reduction "none") cover the tokens of every rank's slice in rank order ([N] or [s, b]); the
+    op all-gathers the slices (after an agreement on their shapes) and its backward
+    reduce-scatters the hidden gradient back to them. At tp_group size 1 it is "partial".
 
     dweight_accumulation: how the weight gradient sums over tokens. "fp32" (default): as exact as
     one GEMM over all tokens; in_forward keeps an fp32 [V, H] between forward and backward,
@@ -666,7 +689,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         # leaves autograd expanded zeros for the weight, which the cast keeps expanded)
         hidden, weight = autocast_operands(hidden, weight,
                                            expanded_grads=weight_grad_accumulator is not None)
-        validate_inputs(hidden, weight, target)
+        # reduce_scatter at TP > 1: hidden is this rank's slice of the tokens
+        token_slices = (group_size(tp_group) if name and dh_red == _DHIDDEN["reduce_scatter"]
+                        else 1)
+        validate_inputs(hidden, weight, target, token_slices)
         if loss_mask is not None:
             validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
         mode = resolved_mode(mode, opts.reduction, wants_grad(hidden, weight), hidden.dtype,
@@ -690,6 +716,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
                                   checks.deferred)
+    if token_slices > 1:  # (agreed on first: every rank's slice has the same shape)
+        if not (torch.is_grad_enabled() and hidden.requires_grad):
+            dh_red = _DHIDDEN["partial"]  # no hidden gradient, no reduce-scatter to join
+        hidden = gather_token_slices(hidden, name, check, target.numel(), weight.size(0), _OP)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)

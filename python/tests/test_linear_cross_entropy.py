@@ -539,10 +539,13 @@ def test_bad_inputs(device):
 # ---- vocab-parallel over gloo ----
 
 def _check_tp(rank, world, reduction, options, dh_reduction, device="cpu"):
-    h, w, t = _problem(device, torch.float32, shape=(13,), V=192)
+    # reduce_scatter: hidden [s, b, H] sliced along s (sequence parallel), 3 tokens of s a rank
+    slices = dh_reduction == "reduce_scatter"
+    h, w, t = _problem(device, torch.float32, shape=(3 * world, 2) if slices else (13,), V=192)
     V_local = w.size(0) // world
     shard = w[rank * V_local:(rank + 1) * V_local].clone().requires_grad_(True)
-    hh = h.clone().requires_grad_(True)
+    mine = slice(rank * 3, (rank + 1) * 3) if slices else slice(None)  # this rank's hidden rows
+    hh = h[mine].clone().requires_grad_(True)
     loss = fusedloss.linear_cross_entropy(hh, shard, t, tp_group=dist.group.WORLD, reduction=reduction,
                                           dhidden_reduction=dh_reduction, **options)
     h64, w64 = h.double().cpu().requires_grad_(True), w.double().cpu().requires_grad_(True)
@@ -560,18 +563,20 @@ def _check_tp(rank, world, reduction, options, dh_reduction, device="cpu"):
     # magnitudes, not to the result: bound it by |dlogits| @ |weight| and |dlogits|^T @ |hidden|.
     # Seen on the CPU: up to 7 units of it (fp32 lse and exp feed every term); the GPU's
     # 2-instruction exponential adds a few of its own.
-    x64 = F.linear(h64.detach(), w64.detach()).requires_grad_(True)
+    rows64 = h64.detach().reshape(-1, h.size(-1))
+    x64 = F.linear(rows64, w64.detach()).requires_grad_(True)
     ref_opts = {k: v for k, v in options.items() if k not in ("workspace_bytes", "backward_mode")}
     reference_from_logits(x64, t.cpu().reshape(-1), h.shape[:-1], reduction=reduction,
                           **ref_opts).backward(g.double().cpu())
     units = (64 if device == "cpu" else 128) * 2.0 ** -24
     dlogits = x64.grad.abs()
     _assert_within_rounding(shard.grad, w64.grad[rank * V_local:(rank + 1) * V_local],
-                            (dlogits.t() @ h64.detach().abs())[rank * V_local:(rank + 1) * V_local], units)
+                            (dlogits.t() @ rows64.abs())[rank * V_local:(rank + 1) * V_local], units)
     dh = hh.grad.clone()
     if dh_reduction == "partial":
         dist.all_reduce(dh)
-    _assert_within_rounding(dh, h64.grad, dlogits @ w64.detach().abs(), units)
+    _assert_within_rounding(dh, h64.grad[mine],
+                            (dlogits @ w64.detach().abs()).view(h.shape)[mine], units)
 
 
 def _assert_within_rounding(actual, expected, magnitude, units):
@@ -588,7 +593,10 @@ def _assert_within_rounding(actual, expected, magnitude, units):
 @pytest.mark.parametrize("reduction, options, dh_reduction", [
     ("mean", {}, "partial"), ("none", dict(label_smoothing=0.1, z_loss=1e-3), "all_reduce"),
     ("sum", dict(logit_softcap=3.0, workspace_bytes=1), "partial"),
-    ("mean", dict(backward_mode="recompute", label_smoothing=0.1), "all_reduce")])
+    ("mean", dict(backward_mode="recompute", label_smoothing=0.1), "all_reduce"),
+    ("mean", dict(label_smoothing=0.1), "reduce_scatter"),
+    ("none", dict(z_loss=1e-3, workspace_bytes=1), "reduce_scatter"),
+    ("sum", dict(backward_mode="recompute", logit_softcap=3.0), "reduce_scatter")])
 def test_gloo_tp(world, reduction, options, dh_reduction):
     run_world(world, _check_tp, reduction, options, dh_reduction)
 
@@ -725,6 +733,24 @@ def _check_tp_disagreement(rank, world, what):
                                               weight_grad_accumulator=lambda: acc)
         _same_error_everywhere(loss.backward, "vocab-parallel rank 1: weight_grad_accumulator: got "
                                "torch.float32 (65, 24)")
+    elif what == "token_slice_target":  # rank 1's slice has 5 rows, so its target (8) covers
+        hh = torch.cat([h[:4], h[:1]]) if rank == 1 else h[:4]  # 10 tokens: refused there, and
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(  # raised in the gather's
+            hh, shard, t, tp_group=G, dhidden_reduction="reduce_scatter"),  # agreement
+            "vocab-parallel rank 1: target: got shape (8,), expected (10,) (the tokens of 2 ranks' "
+            "slices of hidden along dim 0")
+    elif what == "token_slice_grad":  # only ranks with a hidden gradient would reduce-scatter it
+        hh = h[rank * 4:(rank + 1) * 4].clone().requires_grad_(rank == 0)
+        ww = shard.clone().requires_grad_()
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            hh, ww, t, tp_group=G, dhidden_reduction="reduce_scatter"),
+            "rank 1's hidden_requires_grad=False differs from rank 0's hidden_requires_grad=True")
+    elif what == "token_slices_on_one_rank":  # the gather's agreement against the op's
+        hh, red = (h[:4], "reduce_scatter") if rank == 0 else (h, "partial")
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            hh, shard, t, tp_group=G, dhidden_reduction=red),
+            "vocab-parallel options: rank 1 compared the options (ignore_index",
+            "where rank 0 compared (dhidden_reduction, hidden_slice_shape")
     # the group is still usable: a good call agrees again
     assert torch.isfinite(fusedloss.linear_cross_entropy(h, shard, t, tp_group=G))
 
@@ -733,7 +759,8 @@ def _check_tp_disagreement(rank, world, what):
                                   "target_values_recompute", "group_error_type", "check_flag",
                                   "uint64_target", "bits8_target", "accumulator_at_backward",
                                   "fp16_in_forward", "softcap_float32", "hidden_width",
-                                  "accumulator_kind", "softcap_hash_alike"])
+                                  "accumulator_kind", "softcap_hash_alike", "token_slice_target",
+                                  "token_slice_grad", "token_slices_on_one_rank"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 
@@ -763,3 +790,31 @@ def _check_tp_mismatch(rank, world):
 
 def test_gloo_tp_mismatch():
     run_world(2, _check_tp_mismatch)
+
+
+def _check_tp_token_slices_compiled(rank, world):
+    # sequence parallel under torch.compile fullgraph: the gather and the reduce-scatter are
+    # custom ops too; the compiled loss and gradients are the eager ones
+    h, w, t = _problem("cpu", torch.float32, shape=(2 * world, 3), V=32 * world)
+    shard = w[rank * 32:(rank + 1) * 32]
+
+    def step(hh, ww):
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
+                                              dhidden_reduction="reduce_scatter", reduction="none")
+        return (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        hh = h[rank * 2:(rank + 1) * 2].clone().requires_grad_()
+        ww = shard.clone().requires_grad_()
+        loss = fn(hh, ww)
+        loss.backward()
+        results.append((loss.detach(), hh.grad, ww.grad))
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+
+
+def test_gloo_tp_token_slices_compiled():
+    run_world(2, _check_tp_token_slices_compiled)

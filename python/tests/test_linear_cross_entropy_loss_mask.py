@@ -225,32 +225,35 @@ def test_gloo_tp_mask_on_one_rank_raises_everywhere():
     run_world(2, _check_tp_mask_on_one_rank)
 
 
-def _check_tp_bad_upstream_on_one_rank(rank, world):
+def _check_tp_bad_upstream_on_one_rank(rank, world, dh_reduction):
     # Rank 1 backwards loss.mean(), an upstream gradient that is not c * loss_mask: only its
     # backward can tell (the forward agreed). It raises; rank 0, already in the dhidden
-    # all-reduce, gets NaN from it instead of waiting there (run_world's timeout would fail it).
+    # all-reduce (or the token slices' reduce-scatter), gets NaN from it instead of waiting there
+    # (run_world's timeout would fail it).
     h, w, t = _problem("cpu", torch.float32, shape=(8,), V=64 * world)
     shard = w[rank * 64:(rank + 1) * 64].clone().requires_grad_()
-    hh = h.clone().requires_grad_()
+    hh = (h[rank * 4:(rank + 1) * 4] if dh_reduction == "reduce_scatter" else h).clone().requires_grad_()
     mask = torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 1])
     loss = fusedloss.linear_cross_entropy(hh, shard, t, tp_group=dist.group.WORLD, reduction="none",
-                                          loss_mask=mask, dhidden_reduction="all_reduce")
+                                          loss_mask=mask, dhidden_reduction=dh_reduction)
     if rank == 1:
         with pytest.raises(ValueError, match=r"grad_loss\[1\]: got .* where row_weight\[1\]") as e:
             loss.mean().backward()
         if hasattr(e.value, "__notes__"):
-            assert "joined the dhidden all-reduce with NaN" in e.value.__notes__[0]
+            collective = dh_reduction.replace("_", "-")
+            assert f"joined the dhidden {collective} with NaN" in e.value.__notes__[0]
     else:
         _megatron_reduction(loss, mask).backward()
         assert torch.isnan(hh.grad).all()
     # the group still pairs its collectives: the next call agrees and runs on both ranks
-    loss = fusedloss.linear_cross_entropy(hh.detach(), shard.detach(), t, tp_group=dist.group.WORLD,
+    loss = fusedloss.linear_cross_entropy(h, shard.detach(), t, tp_group=dist.group.WORLD,
                                           reduction="sum")
     assert torch.isfinite(loss)
 
 
-def test_gloo_tp_bad_upstream_on_one_rank_does_not_hang():
-    run_world(2, _check_tp_bad_upstream_on_one_rank, timeout_s=30)
+@pytest.mark.parametrize("dh_reduction", ["all_reduce", "reduce_scatter"])
+def test_gloo_tp_bad_upstream_on_one_rank_does_not_hang(dh_reduction):
+    run_world(2, _check_tp_bad_upstream_on_one_rank, dh_reduction, timeout_s=30)
 
 
 def test_empty_batch(device):
