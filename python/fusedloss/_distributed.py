@@ -13,6 +13,8 @@ C++ API's header exchange.
 
 The vocab-parallel hook itself (merge_over_group): every rank's stats of every row, gathered once.
 """
+import contextlib
+import ctypes
 import hashlib
 from typing import List, Optional
 
@@ -22,8 +24,8 @@ import torch.distributed as dist
 from . import _C
 
 _GROUPS = {}  # name -> group, for torch builds without c10d's name resolver
-_HEADER = 6   # int64: rows, V_local, options fingerprint, rejected (0/1), tokens per chunk
-              # (0: unchunked), the targets' checksum
+_HEADER = 6   # int64: rows, V_local, options fingerprint, rejected (0: no, 1: its arguments,
+              # 2: out of memory), tokens per chunk (0: unchunked), the targets' checksum
 _MESSAGE_BYTES = 512
 
 try:  # c10d's own name -> group map (what functional collectives use)
@@ -33,7 +35,7 @@ except ImportError:
 
 
 def check_group(group, name="tp_group"):
-    """None or a process group; its size (1 when None or not initialised)."""
+    """None or a process group of an initialised torch.distributed; its size (1 for None)."""
     if group is None:
         return 1
     if not isinstance(group, dist.ProcessGroup):
@@ -69,6 +71,9 @@ def resolve_group(name: str):
             return _resolve_process_group(name)
         except (LookupError, ValueError, RuntimeError):
             pass
+    if name not in _GROUPS:
+        raise ValueError(f"tp_group: no process group named {name!r} in this process (a graph "
+                         "traced with a group that this process has not created)")
     return _GROUPS[name]
 
 
@@ -96,6 +101,76 @@ def merge_over_group(group, stats, buffers, target_view, options, v_local, loss,
     _C.cross_entropy_merge(gathered.data_ptr(), world, stats.data_ptr(), target_view, options, v_local,
                            loss.data_ptr(), lse.data_ptr(), count.data_ptr(), stream,
                            row_losses.data_ptr())
+
+
+class _DeviceBytes:
+    """Raw device memory as a uint8 tensor (torch.as_tensor reads __cuda_array_interface__)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 2}
+
+
+def _torch_stream(handle: int, device) -> "torch.cuda.Stream":
+    """torch's stream for a raw cudaStream_t handle from the C++ side. Handle 0 (the legacy
+    default stream, what stream_of() passes for torch's default stream) must not go through
+    torch.cuda.ExternalStream: a stream_ptr of 0 reads as "none there" and torch hands out a
+    fresh pool stream, with no ordering against the kernels the handle's stream runs."""
+    current = torch.cuda.current_stream(device)
+    if current.cuda_stream == handle:
+        return current
+    if handle == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(handle, device=device)
+
+
+def callback_communicator(group, device, chunk_rows):
+    """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
+    torch.distributed call on the stream the C++ side names. Device memory is staged through
+    tensors of torch's allocator (16 B/row of a chunk, allocated here: before the agreement),
+    so the process group only sees its own tensors."""
+    rank, world = rank_and_size(group)
+    stage_bytes = 16 * chunk_rows  # a chunk's RowStats, the most one collective moves per rank
+    if device.type == "cuda":
+        send_stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device)
+        recv_stage = torch.empty(world * stage_bytes, dtype=torch.uint8, device=device)
+
+    def view(ptr, nbytes):
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        if device.type == "cpu":
+            return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+
+    def on(stream):
+        return contextlib.nullcontext() if device.type == "cpu" else torch.cuda.stream(
+            _torch_stream(stream, device))
+
+    def gather(send, recv, nbytes, stream):
+        with on(stream):
+            mine, every = view(send, nbytes), view(recv, nbytes * world)
+            if device.type == "cpu":
+                dist.all_gather_into_tensor(every, mine, group=group)
+            else:
+                send, recv = send_stage[:nbytes], recv_stage[:world * nbytes]
+                send.copy_(mine)
+                dist.all_gather_into_tensor(recv, send, group=group)
+                every.copy_(recv)
+
+    def reduce(data, count, op, stream):
+        with on(stream):
+            values = view(data, count * 4).view(torch.float32)
+            red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+            if device.type == "cpu":
+                dist.all_reduce(values, op=red, group=group)
+                return
+            staged = send_stage[:count * 4].view(torch.float32)
+            staged.copy_(values)
+            dist.all_reduce(staged, op=red, group=group)
+            values.copy_(staged)
+
+    dev = _C.Device.CUDA if device.type == "cuda" else _C.Device.CPU
+    return _C.CallbackCommunicator(rank, world, dev, gather, reduce)
 
 
 def _header_device(group):
@@ -301,10 +376,10 @@ class rank_checks:
     the same error); other blocks let the exception propagate while tracing."""
 
     def __init__(self, group, check, op, rows=-1, v_local=-1, options=0, only_on_error=False,
-                 target=None, defer_when_compiling=False):
+                 defer_when_compiling=False):
         self.group, self.check, self.op = group, check, op
         self.rows, self.v_local, self.options = rows, v_local, options
-        self.only_on_error, self.chunk_rows, self.target = only_on_error, 0, target
+        self.only_on_error, self.chunk_rows, self.target = only_on_error, 0, None
         self.defer_when_compiling, self.deferred = defer_when_compiling, None
 
     def __enter__(self):

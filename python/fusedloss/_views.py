@@ -228,12 +228,9 @@ def _rows_view(t):
 
 
 def rows_of(t):
-    """t as [rows, cols] rows the kernels can read: a view when possible, else a copy.
-    Returns (rows, is_view)."""
+    """t as [rows, cols] rows the kernels can read: a view when possible, else a copy."""
     r = _rows_view(t)
-    if r is not None:
-        return r, True
-    return t.contiguous().view(-1, t.size(-1)), False
+    return r if r is not None else t.contiguous().view(-1, t.size(-1))
 
 
 def storage_is_ours(t: Tensor) -> bool:

@@ -96,7 +96,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     g = resolve_group(group)
     dev = logits.device
     if g is None:
-        x, _ = rows_of(logits)
+        x = rows_of(logits)
         t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
         rows, v_local = x.shape
         loss, lse, count = loss_outputs(rows, reduction, dev)
@@ -116,7 +116,7 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
                                          reduction), target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
-        x, _ = rows_of(logits)
+        x = rows_of(logits)
         t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
         checks.rows, checks.v_local = rows, v_local = x.shape
         checks.target = t
@@ -169,7 +169,7 @@ def _backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, co
               reduction: int, group: str) -> Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
-    _backward_into(grad_loss, rows_of(logits)[0], target, lse, count, opts, rows_of(grad)[0])
+    _backward_into(grad_loss, rows_of(logits), target, lse, count, opts, rows_of(grad))
     return grad
 
 
@@ -180,7 +180,7 @@ def _backward_fake(grad_loss, logits, *rest):
 def _backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
                       ignore_index: int, label_smoothing: float, formula: int, scope: int,
                       z_loss: float, reduction: int, group: str) -> None:
-    x, _ = rows_of(logits)  # a view: setup() checked storage_is_ours
+    x = rows_of(logits)  # a view: setup() checked storage_is_ours
     opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
     _backward_into(apart_from(grad_loss, logits), x, apart_from(target, logits), lse, count, opts, x)
 
@@ -188,7 +188,7 @@ def _backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Te
 def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
     """The backward of a gradient written in the forward: logits (holding it) *= grad_loss,
     skipped on the device when grad_loss is exactly 1."""
-    x, _ = rows_of(logits)
+    x = rows_of(logits)
     gl = values_in(apart_from(grad_loss, logits), torch.float32)  # the kernel reads its data_ptr
     _C.cross_entropy_scale_grad(matrix(x), gl.data_ptr(), stream_of(x))
 

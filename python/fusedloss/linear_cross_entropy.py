@@ -16,8 +16,6 @@ of every row and merges them after one all-gather. The hidden gradient is this r
 sum, unless dhidden_reduction is "all_reduce" (summed here) or "reduce_scatter" (hidden is this
 rank's slice of the tokens, gathered before the op; the gradient is summed back to the slices).
 """
-import contextlib
-import ctypes
 import functools
 from typing import NamedTuple, Optional, Tuple
 
@@ -26,8 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, merge_buffers,
-                           merge_over_group, rank_and_size, rank_checks, resolve_group)
+from ._distributed import (callback_communicator, deferred_rejection, fingerprint, group_name,
+                           group_size, merge_buffers, merge_over_group, rank_and_size, rank_checks,
+                           resolve_group)
 from ._op import FusedOp, through_custom_ops
 from ._sequence_parallel import gather_token_slices, gathered_shape
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
@@ -112,76 +111,6 @@ def chunk_rows(dtype: torch.dtype, rows: int, v_local: int, workspace_bytes: int
     return _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[dtype])
 
 
-class _DeviceBytes:
-    """Raw device memory as a uint8 tensor (torch.as_tensor reads __cuda_array_interface__)."""
-
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 2}
-
-
-def _torch_stream(handle: int, device) -> "torch.cuda.Stream":
-    """torch's stream for a raw cudaStream_t handle from the C++ side. Handle 0 (the legacy
-    default stream, what stream_of() passes for torch's default stream) must not go through
-    torch.cuda.ExternalStream: a stream_ptr of 0 reads as "none there" and torch hands out a
-    fresh pool stream, with no ordering against the kernels the handle's stream runs."""
-    current = torch.cuda.current_stream(device)
-    if current.cuda_stream == handle:
-        return current
-    if handle == 0:
-        return torch.cuda.default_stream(device)
-    return torch.cuda.ExternalStream(handle, device=device)
-
-
-def _callback_communicator(group, device, chunk_rows):
-    """The C++ Communicator of the per-chunk hook, over `group`: each collective runs as a
-    torch.distributed call on the stream the C++ side names. Device memory is staged through
-    tensors of torch's allocator (16 B/row of a chunk, allocated here: before the agreement),
-    so the process group only sees its own tensors."""
-    rank, world = rank_and_size(group)
-    stage_bytes = 16 * chunk_rows  # a chunk's RowStats, the most one collective moves per rank
-    if device.type == "cuda":
-        send_stage = torch.empty(stage_bytes, dtype=torch.uint8, device=device)
-        recv_stage = torch.empty(world * stage_bytes, dtype=torch.uint8, device=device)
-
-    def view(ptr, nbytes):
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8, device=device)
-        if device.type == "cpu":
-            return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
-        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
-
-    def on(stream):
-        return contextlib.nullcontext() if device.type == "cpu" else torch.cuda.stream(
-            _torch_stream(stream, device))
-
-    def gather(send, recv, nbytes, stream):
-        with on(stream):
-            mine, every = view(send, nbytes), view(recv, nbytes * world)
-            if device.type == "cpu":
-                dist.all_gather_into_tensor(every, mine, group=group)
-            else:
-                send, recv = send_stage[:nbytes], recv_stage[:world * nbytes]
-                send.copy_(mine)
-                dist.all_gather_into_tensor(recv, send, group=group)
-                every.copy_(recv)
-
-    def reduce(data, count, op, stream):
-        with on(stream):
-            values = view(data, count * 4).view(torch.float32)
-            red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-            if device.type == "cpu":
-                dist.all_reduce(values, op=red, group=group)
-                return
-            staged = send_stage[:count * 4].view(torch.float32)
-            staged.copy_(values)
-            dist.all_reduce(staged, op=red, group=group)
-            values.copy_(staged)
-
-    dev = _C.Device.CUDA if device.type == "cuda" else _C.Device.CPU
-    return _C.CallbackCommunicator(rank, world, dev, gather, reduce)
-
-
 def _absent(device):
     return _C.MatrixView(0, 0, 1, 1, _C.DType.F32, device)
 
@@ -206,7 +135,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     args = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
             workspace_bytes, mode, tf32)
 
-    def outputs(h, w, rows, v_local):
+    def outputs(h, rows, v_local):
         loss, lse, count = loss_outputs(rows, reduction, dev)
         if mode != _IN_FORWARD:  # distinct: outputs never alias
             return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
@@ -214,12 +143,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
                 torch.empty(v_local, h.size(1), **unit_dw))
 
     if g is None:
-        h, _ = rows_of(hidden)
-        w, _ = rows_of(weight)
+        h = rows_of(hidden)
+        w = rows_of(weight)
         t, tv = index(target, "target")
         rows, v_local = h.size(0), w.size(0)
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
-        loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
+        loss, lse, count, dh, dw = outputs(h, rows, v_local)
         grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(device_of(h)),) * 2
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), *grads, stream_of(h),
@@ -242,21 +171,21 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
     # scratch, the staging) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
-        h, _ = rows_of(hidden)
-        w, _ = rows_of(weight)
+        h = rows_of(hidden)
+        w = rows_of(weight)
         t, tv = index(target, "target")
         checks.rows, checks.v_local = rows, v_local = h.size(0), w.size(0)
         checks.target = t if row_weight is None else (t, row_weight)  # both compared
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if check_agreement:
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
-        loss, lse, count, dh, dw = outputs(h, w, rows, v_local)
+        loss, lse, count, dh, dw = outputs(h, rows, v_local)
         stream = stream_of(h)
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
             checks.chunk_rows = chunk_rows(h.dtype, rows, v_local, workspace_bytes)
             scratch = torch.empty(_C.linear_cross_entropy_forward_scratch_bytes(
                 matrix(h), matrix(w), o, lo, world), dtype=torch.uint8, device=dev)
-            comm = _callback_communicator(g, dev, checks.chunk_rows)
+            comm = callback_communicator(g, dev, checks.chunk_rows)
         else:
             stats = torch.empty(rows, _C.ROW_STATS_FLOATS, **f32)
             buffers = merge_buffers(g, stats)
@@ -295,8 +224,8 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     accumulate: dw += the weight's gradient)."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
      mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts  # a _KernelOptions
-    h, _ = rows_of(hidden)
-    w, _ = rows_of(weight)
+    h = rows_of(hidden)
+    w = rows_of(weight)
     t, tv = index(target, "target")
     g = resolve_group(group)
     rank, world = rank_and_size(g)

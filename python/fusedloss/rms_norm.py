@@ -47,21 +47,21 @@ def _weight_for(weight: Tensor, x_dtype: torch.dtype) -> Tensor:
 def _forward(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float,
              zero_centered_gamma: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(y, s, rstd): s = x + residual (empty without a residual), rstd [T] fp32 for the backward."""
-    xr, _ = rows_of(x)
+    xr = rows_of(x)
     # outputs allocated in x's shape and returned as they are: an output that is a view made
     # here could not be modified in place by the caller (autograd refuses it for custom Functions)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(xr.size(0), dtype=torch.float32, device=x.device)
     if residual is not None:
-        rr = rows_of(residual)[0]
+        rr = rows_of(residual)
         s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        r_view, s_view = matrix(rr), matrix(rows_of(s)[0])
+        r_view, s_view = matrix(rr), matrix(rows_of(s))
     else:
         s = x.new_empty(0)
         r_view = s_view = _ABSENT
     w = _weight_for(weight, x.dtype)
     _C.rms_norm_forward(matrix(xr), vector(w), _options(eps, zero_centered_gamma),
-                        matrix(rows_of(y)[0]), rstd.data_ptr(), r_view, s_view, stream_of(x))
+                        matrix(rows_of(y)), rstd.data_ptr(), r_view, s_view, stream_of(x))
     return y, s, rstd
 
 
@@ -73,11 +73,11 @@ def _forward_fake(x, weight, residual, eps, zero_centered_gamma):
 
 def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Optional[Tensor],
               eps: float, zero_centered_gamma: bool) -> List[Tensor]:
-    xr, _ = rows_of(x)
+    xr = rows_of(x)
     rows, hidden = xr.shape
-    gr = rows_of(as_dtype(g, x.dtype))[0]  # may arrive expanded (the gradient of a sum) or strided
+    gr = rows_of(as_dtype(g, x.dtype))  # may arrive expanded (the gradient of a sum) or strided
     # kept alive until the kernel has run: a view holds only the pointer
-    gsr = rows_of(as_dtype(grad_s, x.dtype))[0] if grad_s is not None else None
+    gsr = rows_of(as_dtype(grad_s, x.dtype)) if grad_s is not None else None
     gs = matrix(gsr) if gsr is not None else _ABSENT
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # in the dtype the weight is read in (its own, or fp32): summed in fp32, rounded once there
@@ -86,7 +86,7 @@ def _backward(g: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, grad_s: Option
     ws_bytes = _C.rms_norm_backward_workspace_bytes(rows, hidden, device_of(x))
     ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.float32, device=x.device) if ws_bytes else None
     _C.rms_norm_backward(matrix(gr), matrix(xr), vector(weight), rstd.data_ptr(),
-                         _options(eps, zero_centered_gamma), matrix(rows_of(dx)[0]), dw.data_ptr(),
+                         _options(eps, zero_centered_gamma), matrix(rows_of(dx)), dw.data_ptr(),
                          _DTYPES[dw.dtype], ws.data_ptr() if ws_bytes else 0, gs, stream_of(x))
     return [dx, dw]
 
@@ -100,7 +100,6 @@ def _setup(ctx, inputs, output):
     _, s, rstd = output
     ctx.eps, ctx.zc, ctx.residual = eps, zc, residual is not None
     ctx.w_dtype = weight.dtype
-    ctx.x_dtypes = (x.dtype, None if residual is None else residual.dtype)
     # the backward reads what was normalised: x, or s = x + residual
     ctx.save_for_backward(s if residual is not None else x, _weight_for(weight, x.dtype), rstd)
 

@@ -96,7 +96,7 @@ def _scale_for(weights: Optional[Tensor]) -> Optional[Tensor]:
 
 def _forward(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp_value: Optional[float],
              fp8_input_store: bool, inplace_backward: bool) -> Tuple[Tensor, Tensor]:
-    x, _ = rows_of(y)
+    x = rows_of(y)
     # allocated in the caller's shape and returned as is: an output that is a view made here
     # could not be modified in place by the caller (autograd refuses it for custom Functions)
     out = torch.empty(*y.shape[:-1], y.size(-1) // 2, dtype=x.dtype, device=x.device)
@@ -104,7 +104,7 @@ def _forward(y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor], clamp
     y8 = matrix(saved) if fp8_input_store else _NO_E4M3
     b, w = _bias_for(bias, x), _scale_for(weights)
     _C.swiglu_forward(matrix(x), vector(b), vector(w), _options(clamp_value),
-                      matrix(rows_of(out)[0]), y8, stream_of(x))
+                      matrix(rows_of(out)), y8, stream_of(x))
     return out, saved
 
 
@@ -118,7 +118,7 @@ def _forward_fake(y, bias, weights, clamp_value, fp8_input_store, inplace_backwa
 def _backward_into(grad_out, x, bias, weights, clamp_value, grad_y):
     """Kernel backward from rows x (y's rows, or its e4m3 copy) into rows grad_y; returns the
     fp32 per-row scale gradient and bias gradient (empty when absent)."""
-    g = rows_of(values_in(grad_out, grad_y.dtype))[0]  # may arrive expanded
+    g = rows_of(values_in(grad_out, grad_y.dtype))  # may arrive expanded
     b, w = _bias_for(bias, grad_y), _scale_for(weights)
     gw = torch.empty(g.size(0) if w is not None else 0, dtype=torch.float32, device=g.device)
     gb = torch.empty(grad_y.size(1) if b is not None else 0, dtype=torch.float32, device=g.device)
@@ -131,8 +131,8 @@ def _backward_into(grad_out, x, bias, weights, clamp_value, grad_y):
 def _backward(g: Tensor, y: Tensor, saved: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
               clamp_value: Optional[float], fp8_input_store: bool) -> List[Tensor]:
     grad = torch.empty(y.shape, dtype=g.dtype, device=g.device)
-    src = saved if fp8_input_store else rows_of(y)[0]
-    return [grad, *_backward_into(g, src, bias, weights, clamp_value, rows_of(grad)[0])]
+    src = saved if fp8_input_store else rows_of(y)
+    return [grad, *_backward_into(g, src, bias, weights, clamp_value, rows_of(grad))]
 
 
 def _backward_fake(g, y, saved, bias, weights, clamp_value, fp8_input_store):
@@ -144,7 +144,7 @@ def _backward_fake(g, y, saved, bias, weights, clamp_value, fp8_input_store):
 
 def _backward_inplace(g: Tensor, y: Tensor, bias: Optional[Tensor], weights: Optional[Tensor],
                       clamp_value: Optional[float]) -> List[Tensor]:
-    x, _ = rows_of(y)  # a view: setup() checked storage_is_ours
+    x = rows_of(y)  # a view: setup() checked storage_is_ours
     # the kernel overwrites y while it reads these: none may be a view of y's memory
     return _backward_into(apart_from(g, y), x, apart_from(bias, y), apart_from(weights, y),
                           clamp_value, x)

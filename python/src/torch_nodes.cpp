@@ -93,8 +93,9 @@ at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
-// One core call through the table's `entry`; a core Error becomes the ValueError the Python
-// bindings raise, with the core's message, anything else a RuntimeError.
+// One core call through the table's `entry`; a core Error becomes a ValueError with the core's
+// message (the Python bindings raise fusedloss._C.Error, a ValueError subclass: catch
+// ValueError to handle both), anything else a RuntimeError.
 template <class Entry, class... Args>
 void core_call(Entry CoreTable::*entry, Args&&... args) {
   const CoreTable* core = g_core.load(std::memory_order_acquire);

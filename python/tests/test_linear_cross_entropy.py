@@ -616,7 +616,7 @@ def test_callback_stream_is_the_callers():
     """The callback communicator runs its copies on the stream the C++ side names: handle 0 is
     the default stream itself (torch.cuda.ExternalStream(0) would be a fresh pool stream, with
     no ordering against the kernels that produced the data), a side stream is that stream."""
-    from fusedloss.linear_cross_entropy import _torch_stream
+    from fusedloss._distributed import _torch_stream
     dev = torch.device("cuda", torch.cuda.current_device())
     default = torch.cuda.default_stream(dev)
     assert _torch_stream(0, dev) == default and _torch_stream(0, dev).cuda_stream == 0

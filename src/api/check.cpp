@@ -44,13 +44,14 @@ void check_matrix(const MatrixView& m, const char* name, bool allow_fp8) {
           ", expected an extent that fits in 2^63 bytes");
 }
 
-void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device) {
+void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device,
+                 const char* rows_of) {
   require(t.type == IndexType::I32 || t.type == IndexType::I64, name, ".type: got ",
           int(t.type), ", expected int32 or int64");
   require(t.size == expected_size, name, ".size: got ", t.size, ", expected ", expected_size,
-          " (one target per logits row)");
+          " (one target per row of ", rows_of, ")");
   require(t.device == device, name, ".device: got ", to_string(t.device), ", expected ",
-          to_string(device), " (the logits' device)");
+          to_string(device), " (", rows_of, "'s device)");
   require(t.data != nullptr || t.size == 0, name, ".data: got null, expected a pointer");
   const bool i32 = t.type == IndexType::I32;
   require_element_aligned(t.data, i32 ? 4 : 8, i32 ? "int32" : "int64", name);

@@ -19,7 +19,9 @@ void require_element_aligned(const VectorView& v, const char* name);
 // A matrix view that is well formed: sizes, stride, pointer (element-aligned), known dtype and
 // device.
 void check_matrix(const MatrixView& m, const char* name, bool allow_fp8 = false);
-void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device);
+// rows_of: the argument whose rows the targets belong to (named in the messages)
+void check_index(const IndexView& t, const char* name, int64_t expected_size, Device device,
+                 const char* rows_of = "logits");
 // true when the two views cover overlapping memory
 bool overlaps(const MatrixView& a, const MatrixView& b);
 // A buffer's address range for the overlap checks: `bytes` bytes at p (null or 0: absent).

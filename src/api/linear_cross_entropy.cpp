@@ -101,7 +101,7 @@ core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
           ", expected ", to_string(hidden.dtype), " (hidden's dtype)");
   require(weight.device == hidden.device, "weight.device: got ", to_string(weight.device),
           ", expected ", to_string(hidden.device), " (hidden's device)");
-  detail::check_index(target, "target", hidden.rows, hidden.device);
+  detail::check_index(target, "target", hidden.rows, hidden.device, "hidden");
   return resolve(ce, o, hidden.rows, weight.rows, hidden.cols);
 }
 

@@ -127,8 +127,8 @@ def _fingerprint(options, hidden, weight, labels, loss_mask, gradient) -> int:
 def _check_inputs(hidden, weight, labels, loss_mask, sequence_parallel, tp_size):
     """What the gather or copy before the op needs equal on every rank (a rank whose hidden
     states do not fit would hang or mix shards in Megatron's collective), and the op's own
-    per-tensor checks, which it skips under the head's agreement: a rank that fails any of them
-    fails inside the agreement, never alone."""
+    per-tensor checks, which the op, called with check_shard_agreement=False, would otherwise
+    raise on this rank alone: a rank that fails any of them fails inside the head's agreement."""
     require_tensor(hidden, "hidden_states")
     require_tensor(weight, "weight")
     require_tensor(labels, "labels")

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 import fusedloss
-from fusedloss._distributed import check_group
+from fusedloss.megatron.state import MEGATRON_SMOOTHING
 
 
 def fused_language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_group=None, *,
@@ -20,12 +20,10 @@ def fused_language_model_loss(labels: torch.Tensor, logits: torch.Tensor, tp_gro
                               inplace_backward: bool = True) -> torch.Tensor:
     """labels [b, s], logits [s, b, V/tp] -> per-token loss [b, s] (fp32), Megatron's layout.
     A tp_group of size > 1 runs the vocab-parallel path (experimental)."""
-    if check_group(tp_group) == 1:  # None, or a group of one rank; anything else is checked
-        tp_group = None
     loss = fusedloss.cross_entropy(logits, labels.transpose(0, 1).contiguous(), reduction="none",
                                    ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                   smoothing_formula="megatron", smoothing_scope="partition",
-                                   inplace_backward=inplace_backward, tp_group=tp_group)
+                                   **MEGATRON_SMOOTHING, inplace_backward=inplace_backward,
+                                   tp_group=tp_group)
     return loss.transpose(0, 1).contiguous()
 
 

@@ -259,14 +259,12 @@ def apply_fusedloss_to_megatron(cross_entropy: bool = True, swiglu: bool = True,
                                          "linear_cross_entropy_workspace_bytes")
     # the options are checked here, once, by the op that will use them
     fusedloss.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                               smoothing_formula="megatron", smoothing_scope="partition")
+                               **state.MEGATRON_SMOOTHING)
     if (flags["cross_entropy"] or flags["linear_cross_entropy"]) and not flags["allow_vocab_parallel"]:
         size = state.group_size(state.tp_group_from_parallel_state())
         if size > 1:
-            raise RuntimeError(
-                f"fusedloss.megatron: tensor_model_parallel_size is {size}; the patch is scoped to "
-                "TP=1 by default. Pass allow_vocab_parallel=True to run fusedloss's experimental "
-                "vocab-parallel cross-entropy.")
+            raise RuntimeError("fusedloss.megatron: " + state.tp_refusal(
+                f"tensor_model_parallel_size is {size}"))
     targets = []  # (module, attr, stand-in factory)
     if flags["cross_entropy"]:
         routes = _replaced_routes()

@@ -15,6 +15,8 @@ _WARNED = set()
 # keyword arguments of fusedloss.cross_entropy / linear_cross_entropy, set by configure()
 _CE_KWARGS = {}
 _LCE_KWARGS = {}
+# Megatron's label smoothing: the smoothing mass spread over V - 1 classes, over each rank's shard
+MEGATRON_SMOOTHING = dict(smoothing_formula="megatron", smoothing_scope="partition")
 
 
 def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lce_workspace_bytes=0):
@@ -25,8 +27,7 @@ def configure(flags, ignore_index, label_smoothing, lce_backward="recompute", lc
     CONFIG["options"] = dict(flags, ignore_index=ignore_index, label_smoothing=label_smoothing,
                              linear_cross_entropy_backward=lce_backward,
                              linear_cross_entropy_workspace_bytes=lce_workspace_bytes or None)
-    common = dict(ignore_index=int(ignore_index), smoothing_formula="megatron",
-                  smoothing_scope="partition", reduction="none",
+    common = dict(MEGATRON_SMOOTHING, ignore_index=int(ignore_index), reduction="none",
                   check_shard_agreement=flags["check_shard_agreement"])
     _CE_KWARGS.clear()
     _CE_KWARGS.update(common, inplace_backward=flags["inplace_backward"])
@@ -67,11 +68,7 @@ def guard(tp_group, where):
         return None
     size = group_size(tp_group)
     if size > 1 and not CONFIG["allow_vocab_parallel"]:
-        refusal = (
-            f"{where} was called with a tensor-parallel group of size {size}. "
-            "The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
-            "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
-            "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
+        refusal = tp_refusal(f"{where} was called with a tensor-parallel group of size {size}")
         if CONFIG["check_shard_agreement"] and not torch.compiler.is_compiling():
             # Every rank raises it: a rank patched with allow_vocab_parallel=True is about to
             # wait in the op's (or the head's) agreement, its first collective, which this rank
@@ -84,6 +81,13 @@ def guard(tp_group, where):
                   f"(TP={size}, one all-gather per forward)")
         return tp_group
     return None
+
+
+def tp_refusal(what: str) -> str:
+    """The TP > 1 refusal without allow_vocab_parallel (at patch time and at call time)."""
+    return (f"{what}. The patch is scoped to tensor_model_parallel_size == 1 by default; pass "
+            "allow_vocab_parallel=True to apply_fusedloss_to_megatron(...) to run fusedloss's "
+            "experimental vocab-parallel cross-entropy, or unpatch_megatron().")
 
 
 @torch.compiler.disable  # host-side collectives: never traced (a frame torch.compile left to
