@@ -612,6 +612,14 @@ def test_gloo_tp_cuda(reduction, options):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
+@pytest.mark.parametrize("reduction, options", [("mean", {}), ("none", dict(workspace_bytes=1))])
+def test_gloo_tp_cuda_token_slices(reduction, options):
+    # sequence parallel on CUDA tensors: the slices' all-gather and the gradient's
+    # reduce-scatter through the group
+    run_world(2, _check_tp, reduction, options, "reduce_scatter", "cuda", backend="gloo-cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device")
 def test_callback_stream_is_the_callers():
     """The callback communicator runs its copies on the stream the C++ side names: handle 0 is
     the default stream itself (torch.cuda.ExternalStream(0) would be a fresh pool stream, with
