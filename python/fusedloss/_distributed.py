@@ -256,9 +256,14 @@ def _differing_option(mine, first, r):
         if a.split("=", 1)[0] != b.split("=", 1)[0]:
             def names(pairs):
                 return ", ".join(p.split("=", 1)[0] for p in pairs)
+            # an option both calls name, with another value on each: likely why they differ
+            theirs = dict(p.split("=", 1) for p in first if "=" in p)
+            shared = next((f"; rank {r}'s {p} where rank 0's is {theirs[p.split('=', 1)[0]]}"
+                           for p in mine if "=" in p and p.split("=", 1)[0] in theirs
+                           and p.split("=", 1)[1] != theirs[p.split("=", 1)[0]]), "")
             return (f"rank {r} compared the options ({names(mine)}) where rank 0 compared "
                     f"({names(first)}): another call on each rank (another op, or another route "
-                    "of a patched model)")
+                    f"of a patched model){shared}")
         return f"rank {r}'s {a} differs from rank 0's {b}"
     return f"rank {r}'s differ from rank 0's, though both read ({', '.join(mine)})"
 
@@ -314,8 +319,9 @@ def agree(group, rows: int, v_local: int, options: int, error: Optional[str], op
         first = rejected[0]
         raw = bytes(msgs.view(world, _MESSAGE_BYTES)[first].cpu().tolist())
         others = f" (ranks {rejected} rejected their arguments)" if len(rejected) > 1 else ""
-        reason = (f"{op}: vocab-parallel rank {first}: "
-                  f"{raw.rstrip(bytes(1)).decode(errors='replace')}{others}")
+        text = raw.rstrip(bytes(1)).decode(errors="replace")
+        text = text[len(op) + 2:] if text.startswith(f"{op}: ") else text  # (named once)
+        reason = f"{op}: vocab-parallel rank {first}: {text}{others}"
         error_type = torch.OutOfMemoryError if headers[first][3] == 2 else _C.Error
         if any(headers[r][0] < 0 for r in rejected):  # before its shapes: nothing else to compare
             raise error_type(reason)

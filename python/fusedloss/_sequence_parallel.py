@@ -1,12 +1,18 @@
 """Sequence parallelism for an op over hidden states: each rank of the TP group holds a slice of
 the tokens along dim 0 (Megatron's sequence-parallel layout, [s/tp, b, H]), and the op works on
-all of them. The slices are all-gathered in the forward; the hidden gradient, a partial sum on
-each rank, is reduce-scattered back to the slices in the backward (summed over the ranks, each
-keeping its own).
+all of them. The slices are all-gathered in the forward; in the backward the op sums its hidden
+gradient (a partial sum on each rank) over the group into each rank's own rows (a
+reduce-scatter), and the gather's backward takes those rows.
 
-Both collectives are custom ops (the group travels as its name), so torch.compile traces them as
-it traces the op itself, and the gather runs the shard agreement on the slices' shapes first: a
-rank with another slice would otherwise pair an all-gather of another size with the others'."""
+The reduce-scatter runs inside the op's backward, not the gather's: every rank that runs the op's
+backward takes part in it, whichever gradients autograd was asked for (the gather's node is
+skipped when only the weight's is), and a rank whose backward fails joins it there (with NaN)
+instead of leaving the others waiting. So the gather's backward is not an adjoint for any other
+consumer of the gathered tensor: only the op may consume it.
+
+The gather is a custom op (the group travels as its name), so torch.compile traces it as it
+traces the op, and it runs the shard agreement on the slices' shapes first: a rank with another
+slice would otherwise pair an all-gather of another size with the others'."""
 from typing import Tuple
 
 import torch
@@ -43,27 +49,16 @@ def _gather_fake(hidden, group, check, grad, rows, v_local, op):
     return hidden.new_empty(gathered_shape(hidden.shape, dist.get_world_size(resolve_group(group))))
 
 
-@torch.library.custom_op("fusedloss::reduce_scatter_token_slices", mutates_args=())
-def reduce_scatter(grad: Tensor, group: str) -> Tensor:
-    """grad [world * n, ...] summed over the group's ranks; this rank's slice [n, ...] of it."""
-    g = resolve_group(group)
-    out = grad.new_empty((grad.size(0) // dist.get_world_size(g), *grad.shape[1:]))
-    dist.reduce_scatter_tensor(out, grad.contiguous(), group=g)
-    return out
-
-
-@reduce_scatter.register_fake
-def _reduce_scatter_fake(grad, group):
-    world = dist.get_world_size(resolve_group(group))
-    return grad.new_empty((grad.size(0) // world, *grad.shape[1:]))
-
-
 def _setup(ctx, inputs, output):
-    ctx.group = inputs[1]
+    g = resolve_group(inputs[1])
+    ctx.rank, ctx.world = dist.get_rank(g), dist.get_world_size(g)
 
 
 def _gather_backward(ctx, grad):
-    return (reduce_scatter(grad, ctx.group),) + (None,) * 6
+    # this rank's rows, which the op's backward summed over the group (sum_into_own_rows); a
+    # copy, so that the slice's gradient does not hold the whole [world * n, ...] buffer
+    n = grad.size(0) // ctx.world
+    return (grad.narrow(0, ctx.rank * n, n).clone(),) + (None,) * 6
 
 
 _gather.register_autograd(_gather_backward, setup_context=_setup)
@@ -72,8 +67,20 @@ _gather.register_autograd(_gather_backward, setup_context=_setup)
 def gather_token_slices(hidden: Tensor, group: str, check: bool, rows: int, v_local: int,
                         op: str) -> Tensor:
     """Every rank's slice of the tokens, in rank order along dim 0 (group: a name from
-    group_name(), of size > 1). check: the shard agreement on the slices first, with the op's
-    rows (every slice's tokens) and V_local, which also reports a rank whose own arguments the
-    op refused; without it the caller guarantees equal slices on every rank."""
+    group_name(), of size > 1), for an op whose backward calls sum_into_own_rows on its hidden
+    gradient. check: the shard agreement on the slices first, with the op's rows (every
+    slice's tokens) and V_local, which also reports a rank whose own arguments the op refused;
+    without it the caller guarantees equal slices on every rank."""
     grad = torch.is_grad_enabled() and hidden.requires_grad
     return _gather(hidden, group, check, grad, rows, v_local, op)
+
+
+def sum_into_own_rows(grad: Tensor, group) -> None:
+    """grad [world * n, ...] (contiguous), this rank's partial sums: its own rows [rank n,
+    (rank + 1) n) become their sums over the group (a reduce-scatter); the other rows are left
+    as they are (the gather's backward reads only these)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = grad.size(0) // world
+    mine = grad.new_empty((n, *grad.shape[1:]))
+    dist.reduce_scatter_tensor(mine, grad, group=group)
+    grad.narrow(0, rank * n, n).copy_(mine)

@@ -330,7 +330,7 @@ def autocast_operands(*tensors, expanded_grads=False):
     a gradient expanded from one element so), else as they are. Anything not a tensor is
     returned as it is, for the argument checks to name."""
     first = tensors[0]
-    if not isinstance(first, Tensor) or not torch.is_autocast_enabled(first.device.type):
+    if not isinstance(first, Tensor) or not _autocast_on(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     cast = (lambda t: _Cast.apply(t, dtype)) if expanded_grads else (lambda t: t.to(dtype))
@@ -338,11 +338,20 @@ def autocast_operands(*tensors, expanded_grads=False):
                  for t in tensors)
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether torch.autocast is on for the device type; False for a type autocast does not
+    know (meta), which the argument checks then name."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
 def autocast_dtype(t, first=None):
     """The dtype autocast_operands gives t, an operand beside `first` (t itself by default),
     without casting it."""
     first = t if first is None else first
-    if not torch.is_autocast_enabled(first.device.type):
+    if not _autocast_on(first.device.type):
         return t.dtype
     dtype = torch.get_autocast_dtype(first.device.type)
     return (dtype if t.is_floating_point() and t.dtype != torch.float64

@@ -28,7 +28,7 @@ from ._distributed import (callback_communicator, deferred_rejection, fingerprin
                            group_size, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp, through_custom_ops
-from ._sequence_parallel import gather_token_slices, gathered_shape
+from ._sequence_parallel import gather_token_slices, gathered_shape, sum_into_own_rows
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
                      autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
@@ -162,12 +162,17 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
                    2 if callable(weight_grad_accumulator) else 1)
     mode_name = ("none (no gradient follows: the forward alone)" if lce_mode == _FORWARD_ONLY
                  else choice_name(_MODES, lce_mode))
+    # whether the backward scales the saved gradients in place (_setup's rule): where one rank
+    # does, a second backward (retain_graph) raises there before the dhidden collective the
+    # others would wait in
+    scaled_in_place = (inplace and lce_mode == _IN_FORWARD
+                       and (not acc32 or weight.dtype == torch.float32))
     options = fingerprint(**option_names(*args[:6]), logit_softcap=softcap,
                           loss_mask=row_weight is not None, backward_mode=mode_name,
                           allow_tf32=tf32, dhidden_reduction=choice_name(_DHIDDEN, dhidden_reduction),
                           dtype=str(hidden.dtype), H=hidden.size(-1),
                           weight_grad_accumulator=_ACCUMULATOR_KINDS[accumulator],
-                          target_shape=tuple(target.shape))
+                          inplace_backward=scaled_in_place, target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
     # scratch, the staging) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
@@ -240,8 +245,8 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
         sdh, sdw = matrix(saved_dh), matrix(saved_dw)
     else:
         sdh = sdw = _absent(device_of(h))
-    # the collective over dh that follows on every rank: this backward's all-reduce, or the
-    # reduce-scatter of the gathered token slices' backward
+    # the collective over dh on every rank: the all-reduce, or the reduce-scatter of the
+    # gathered token slices (each rank's own rows summed)
     reduced = (None if g is None else
                "all-reduce" if dhidden_reduction == _DHIDDEN["all_reduce"] else
                "reduce-scatter" if dhidden_reduction == _DHIDDEN["reduce_scatter"] else None)
@@ -255,6 +260,8 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
         raise
     if reduced == "all-reduce":
         dist.all_reduce(dh, group=g)
+    elif reduced == "reduce-scatter":
+        sum_into_own_rows(dh, g)
 
 
 def _join_failed(dh, group, reduced, error):
@@ -269,10 +276,9 @@ def _join_failed(dh, group, reduced, error):
         nan = dh.fill_(float("nan"))
     if reduced == "all-reduce":
         dist.all_reduce(nan, group=group)
-    else:  # into the rows of this rank's slice, which hold NaN already
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        n = nan.size(0) // world
-        dist.reduce_scatter_tensor(nan[rank * n:(rank + 1) * n].clone(), nan, group=group)
+    else:
+        n = nan.size(0) // dist.get_world_size(group)
+        dist.reduce_scatter_tensor(nan.new_empty((n, *nan.shape[1:])), nan, group=group)
     if hasattr(error, "add_note"):  # Python 3.11
         error.add_note(f"{_OP}: this rank joined the dhidden {reduced} with NaN, so the other "
                        "ranks' dhidden is NaN (they did not fail and raise nothing)")
@@ -647,7 +653,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                                   checks.deferred)
     if token_slices > 1:  # (agreed on first: every rank's slice has the same shape)
         if not (torch.is_grad_enabled() and hidden.requires_grad):
-            dh_red = _DHIDDEN["partial"]  # no hidden gradient, no reduce-scatter to join
+            dh_red = _DHIDDEN["partial"]  # no hidden gradient: nothing to reduce-scatter
         hidden = gather_token_slices(hidden, name, check, target.numel(), weight.size(0), _OP)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not through_custom_ops()):

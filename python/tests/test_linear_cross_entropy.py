@@ -523,6 +523,11 @@ def test_bad_inputs(device):
         fusedloss.linear_cross_entropy(h, w, t, backward_mode="sometimes")
     with pytest.raises(ValueError, match="dweight_accumulation"):
         fusedloss.linear_cross_entropy(h, w, t, dweight_accumulation="bf16")
+    with pytest.raises(ValueError, match="dhidden_reduction: got 'scatter'"):
+        fusedloss.linear_cross_entropy(h, w, t, dhidden_reduction="scatter")
+    # a device torch.autocast does not know: named by the argument checks, not autocast's lookup
+    with pytest.raises(ValueError, match="hidden.device: got meta, expected a cpu or cuda tensor"):
+        fusedloss.linear_cross_entropy(h.to("meta"), w.to("meta"), t.to("meta"))
     if device == "cpu":
         bad = t.clone()
         bad[2] = 203
@@ -758,7 +763,14 @@ def _check_tp_disagreement(rank, world, what):
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
             hh, shard, t, tp_group=G, dhidden_reduction=red),
             "vocab-parallel options: rank 1 compared the options (ignore_index",
-            "where rank 0 compared (dhidden_reduction, hidden_slice_shape")
+            "where rank 0 compared (dhidden_reduction, hidden_slice_shape",
+            "rank 1's dhidden_reduction='partial' where rank 0's is 'reduce_scatter'")
+    elif what == "inplace_backward":  # a second backward would raise on rank 0 alone, before
+        hh, ww = h.clone().requires_grad_(), shard.clone().requires_grad_()  # the all-reduce
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            hh, ww, t, tp_group=G, dhidden_reduction="all_reduce", inplace_backward=rank == 0,
+            dweight_accumulation="weight_dtype"),
+            "rank 1's inplace_backward=False differs from rank 0's inplace_backward=True")
     # the group is still usable: a good call agrees again
     assert torch.isfinite(fusedloss.linear_cross_entropy(h, shard, t, tp_group=G))
 
@@ -768,7 +780,8 @@ def _check_tp_disagreement(rank, world, what):
                                   "uint64_target", "bits8_target", "accumulator_at_backward",
                                   "fp16_in_forward", "softcap_float32", "hidden_width",
                                   "accumulator_kind", "softcap_hash_alike", "token_slice_target",
-                                  "token_slice_grad", "token_slices_on_one_rank"])
+                                  "token_slice_grad", "token_slices_on_one_rank",
+                                  "inplace_backward"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 
