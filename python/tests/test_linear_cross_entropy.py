@@ -839,3 +839,38 @@ def _check_tp_token_slices_compiled(rank, world):
 
 def test_gloo_tp_token_slices_compiled():
     run_world(2, _check_tp_token_slices_compiled)
+
+
+def _check_tp_token_slice_layouts(rank, world):
+    # the slice as a transposed view, a view expanded along b (stride 0) and a slice of a wider
+    # tensor: the loss and both gradients are those of the same values passed contiguous, and
+    # the caller's tensor is not written
+    h, w, t = _problem("cpu", torch.float32, shape=(2 * world, 3), V=32 * world)
+    shard = w[rank * 32:(rank + 1) * 32]
+    mine = h[rank * 2:(rank + 1) * 2]
+
+    def run(hh):
+        hh = hh.detach().requires_grad_()
+        ww = shard.clone().requires_grad_()
+        before = hh.detach().clone()
+        loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
+                                              dhidden_reduction="reduce_scatter", reduction="none")
+        (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+        assert torch.equal(hh.detach(), before)
+        return loss.detach(), hh.grad, ww.grad
+
+    expected = run(mine.contiguous())
+    views = {"transposed": mine.transpose(0, 1).contiguous().transpose(0, 1),
+             "sliced": torch.cat([mine, mine], -1)[..., :mine.size(-1)]}
+    for name, view in views.items():
+        assert not view.is_contiguous(), name
+        for got, want in zip(run(view), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    # the same row repeated along b: a stride-0 view, and the values it repeats
+    expanded = mine[:, :1].expand(mine.shape)
+    for got, want in zip(run(expanded), run(expanded.contiguous())):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gloo_tp_token_slice_layouts():
+    run_world(2, _check_tp_token_slice_layouts)
