@@ -213,7 +213,7 @@ void agree(Communicator& comm, const ShardClaim& mine, Stream stream) {
       header.targets += core::row_weight_checksum_term(mine.row_weight[r], r, rows);
   } else if (sum_targets) {
     on_device = [&](char* staged) {
-      auto* field = reinterpret_cast<uint64_t*>(staged + offsetof(Header, targets));
+      [[maybe_unused]] auto* field = reinterpret_cast<uint64_t*>(staged + offsetof(Header, targets));
       FL_CUDA_BRANCH(mine.fn, cuda::ce_target_checksum(mine.target, field, stream));
       if (sum_weights)
         FL_CUDA_BRANCH(mine.fn, cuda::ce_row_weight_checksum(mine.row_weight, rows, field, stream));
