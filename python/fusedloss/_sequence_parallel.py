@@ -75,12 +75,18 @@ def gather_token_slices(hidden: Tensor, group: str, check: bool, rows: int, v_lo
     return _gather(hidden, group, check, grad, rows, v_local, op)
 
 
-def sum_into_own_rows(grad: Tensor, group) -> None:
+def own_rows_buffer(grad: Tensor, group) -> Tensor:
+    """What sum_into_own_rows receives into: [n, ...] beside grad [world * n, ...]. Allocated
+    before the backward's kernels, where a failure still joins the collective."""
+    return grad.new_empty((grad.size(0) // dist.get_world_size(group), *grad.shape[1:]))
+
+
+def sum_into_own_rows(grad: Tensor, group, own_rows: Tensor) -> None:
     """grad [world * n, ...] (contiguous), this rank's partial sums: its own rows [rank n,
-    (rank + 1) n) become their sums over the group (a reduce-scatter); the other rows are left
-    as they are (the gather's backward reads only these)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = grad.size(0) // world
-    mine = grad.new_empty((n, *grad.shape[1:]))
-    dist.reduce_scatter_tensor(mine, grad, group=group)
-    grad.narrow(0, rank * n, n).copy_(mine)
+    (rank + 1) n) become their sums over the group (a reduce-scatter into own_rows, from
+    own_rows_buffer, then copied there); the other rows are left as they are (the gather's
+    backward reads only these)."""
+    rank = dist.get_rank(group)
+    n = own_rows.size(0)
+    dist.reduce_scatter_tensor(own_rows, grad, group=group)
+    grad.narrow(0, rank * n, n).copy_(own_rows)

@@ -28,7 +28,7 @@ from ._distributed import (callback_communicator, deferred_rejection, fingerprin
                            group_size, merge_buffers, merge_over_group, rank_and_size, rank_checks,
                            resolve_group)
 from ._op import FusedOp, through_custom_ops
-from ._sequence_parallel import gather_token_slices, gathered_shape, sum_into_own_rows
+from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
                      autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
@@ -226,31 +226,35 @@ def _forward_fake(hidden, weight, target, row_weight, ignore_index, label_smooth
 def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
                   opts, dh, dw, accumulate=False):
     """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
-    accumulate: dw += the weight's gradient)."""
+    accumulate: dw += the weight's gradient), then dh's collective over the group, if any."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
      mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts  # a _KernelOptions
-    h = rows_of(hidden)
-    w = rows_of(weight)
-    t, tv = index(target, "target")
     g = resolve_group(group)
     rank, world = rank_and_size(g)
-    # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's dweight
-    # sums over all tokens in an fp32 buffer), dhidden summed over blocks in fp32.
-    block = _C.linear_cross_entropy_backward_vocab_block(
-        _C.LinearCeBackward(_cpp_mode(mode)), acc32, _DTYPES[dw.dtype], h.size(1))
-    o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
-                     workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
-    gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr
-    if mode == _IN_FORWARD:
-        sdh, sdw = matrix(saved_dh), matrix(saved_dw)
-    else:
-        sdh = sdw = _absent(device_of(h))
     # the collective over dh on every rank: the all-reduce, or the reduce-scatter of the
     # gathered token slices (each rank's own rows summed)
     reduced = (None if g is None else
                "all-reduce" if dhidden_reduction == _DHIDDEN["all_reduce"] else
                "reduce-scatter" if dhidden_reduction == _DHIDDEN["reduce_scatter"] else None)
+    # Whatever may fail on this rank alone (a copy, an allocation, the C++ call) comes before
+    # the collective, inside the try: a rank that raised outside it would leave the others
+    # waiting there.
     try:
+        h = rows_of(hidden)
+        w = rows_of(weight)
+        t, tv = index(target, "target")
+        # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's
+        # dweight sums over all tokens in an fp32 buffer), dhidden summed over blocks in fp32.
+        block = _C.linear_cross_entropy_backward_vocab_block(
+            _C.LinearCeBackward(_cpp_mode(mode)), acc32, _DTYPES[dw.dtype], h.size(1))
+        o, lo = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
+                         workspace_bytes, mode, tf32, rank, world, w.size(0), h.size(1), block)
+        gl = values_in(grad_loss, torch.float32)  # may arrive expanded; the kernel reads its data_ptr
+        if mode == _IN_FORWARD:
+            sdh, sdw = matrix(saved_dh), matrix(saved_dw)
+        else:
+            sdh = sdw = _absent(device_of(h))
+        own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
         _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                          count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
                                          accumulate, stream_of(h), _address(row_weight))
@@ -261,24 +265,26 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     if reduced == "all-reduce":
         dist.all_reduce(dh, group=g)
     elif reduced == "reduce-scatter":
-        sum_into_own_rows(dh, g)
+        sum_into_own_rows(dh, g, own_rows)
 
 
 def _join_failed(dh, group, reduced, error):
     """A rank whose backward raised (an upstream gradient that is not c * loss_mask on this rank
-    alone, a FUSEDLOSS_LCE_* knob changed since the forward) still takes part in the dhidden
-    collective the other ranks wait in (`reduced`: "all-reduce" or "reduce-scatter"), with NaN:
-    their dhidden comes back NaN instead of a hang, and this rank raises. (No agreement here: it
-    would synchronise every backward with the host.)"""
+    alone, a FUSEDLOSS_LCE_* knob changed since the forward, out of memory) still takes part in
+    the dhidden collective the other ranks wait in (`reduced`: "all-reduce" or
+    "reduce-scatter"), with NaN: their dhidden comes back NaN instead of a hang, and this rank
+    raises. (No agreement here: it would synchronise every backward with the host.) Nothing is
+    allocated that could fail again: dh itself holds the NaN where a copy does not fit."""
     try:
         nan = torch.full_like(dh, float("nan"))
     except Exception:  # noqa: BLE001 (out of memory: this failed backward's own buffer)
         nan = dh.fill_(float("nan"))
     if reduced == "all-reduce":
         dist.all_reduce(nan, group=group)
-    else:
-        n = nan.size(0) // dist.get_world_size(group)
-        dist.reduce_scatter_tensor(nan.new_empty((n, *nan.shape[1:])), nan, group=group)
+    else:  # received into this rank's own rows of its NaN: NaN either way, nothing allocated
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        n = nan.size(0) // world
+        dist.reduce_scatter_tensor(nan.narrow(0, rank * n, n), nan, group=group)
     if hasattr(error, "add_note"):  # Python 3.11
         error.add_note(f"{_OP}: this rank joined the dhidden {reduced} with NaN, so the other "
                        "ranks' dhidden is NaN (they did not fail and raise nothing)")

@@ -765,6 +765,16 @@ def _check_tp_disagreement(rank, world, what):
             "vocab-parallel options: rank 1 compared the options (ignore_index",
             "where rank 0 compared (dhidden_reduction, hidden_slice_shape",
             "rank 1's dhidden_reduction='partial' where rank 0's is 'reduce_scatter'")
+    elif what in ("token_slice_dtype", "token_slice_width"):  # the gather's own agreement
+        hh, ww = h[rank * 4:(rank + 1) * 4], shard
+        if rank == 1:
+            hh, ww = ((hh.bfloat16(), ww.bfloat16()) if what == "token_slice_dtype" else
+                      (torch.cat([hh, hh], -1), torch.cat([ww, ww], -1)))
+        _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+            hh, ww, t, tp_group=G, dhidden_reduction="reduce_scatter"),
+            "rank 1's dtype='torch.bfloat16' differs from rank 0's dtype='torch.float32'"
+            if what == "token_slice_dtype" else
+            "rank 1's hidden_slice_shape=(4, 48) differs from rank 0's hidden_slice_shape=(4, 24)")
     elif what == "inplace_backward":  # a second backward would raise on rank 0 alone, before
         hh, ww = h.clone().requires_grad_(), shard.clone().requires_grad_()  # the all-reduce
         _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
@@ -781,7 +791,7 @@ def _check_tp_disagreement(rank, world, what):
                                   "fp16_in_forward", "softcap_float32", "hidden_width",
                                   "accumulator_kind", "softcap_hash_alike", "token_slice_target",
                                   "token_slice_grad", "token_slices_on_one_rank",
-                                  "inplace_backward"])
+                                  "inplace_backward", "token_slice_dtype", "token_slice_width"])
 def test_gloo_tp_disagreement_raises_everywhere(what):
     run_world(2, _check_tp_disagreement, what, timeout_s=30)
 
@@ -814,27 +824,28 @@ def test_gloo_tp_mismatch():
 
 
 def _check_tp_token_slices_compiled(rank, world):
-    # sequence parallel under torch.compile fullgraph: the gather and the reduce-scatter are
-    # custom ops too; the compiled loss and gradients are the eager ones
+    # sequence parallel under torch.compile fullgraph: the gather is a custom op too; the
+    # compiled loss and gradients are the eager ones (recompute, and in_forward's in-place scale)
     h, w, t = _problem("cpu", torch.float32, shape=(2 * world, 3), V=32 * world)
     shard = w[rank * 32:(rank + 1) * 32]
+    for reduction in ("none", "mean"):
+        def step(hh, ww):
+            loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
+                                                  dhidden_reduction="reduce_scatter",
+                                                  reduction=reduction)
+            return (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum()
 
-    def step(hh, ww):
-        loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
-                                              dhidden_reduction="reduce_scatter", reduction="none")
-        return (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    results = []
-    for fn in (step, compiled):
-        hh = h[rank * 2:(rank + 1) * 2].clone().requires_grad_()
-        ww = shard.clone().requires_grad_()
-        loss = fn(hh, ww)
-        loss.backward()
-        results.append((loss.detach(), hh.grad, ww.grad))
-    for eager, traced in zip(*results):
-        torch.testing.assert_close(traced, eager, rtol=0, atol=0)
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        results = []
+        for fn in (step, compiled):
+            hh = h[rank * 2:(rank + 1) * 2].clone().requires_grad_()
+            ww = shard.clone().requires_grad_()
+            loss = fn(hh, ww)
+            loss.backward()
+            results.append((loss.detach(), hh.grad, ww.grad))
+        for eager, traced in zip(*results):
+            torch.testing.assert_close(traced, eager, rtol=0, atol=0)
 
 
 def test_gloo_tp_token_slices_compiled():
@@ -857,6 +868,8 @@ def _check_tp_token_slice_layouts(rank, world):
                                               dhidden_reduction="reduce_scatter", reduction="none")
         (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
         assert torch.equal(hh.detach(), before)
+        # the slice's gradient is its own memory, not a view of every rank's [world * n, H]
+        assert hh.grad.untyped_storage().nbytes() == hh.grad.numel() * hh.grad.element_size()
         return loss.detach(), hh.grad, ww.grad
 
     expected = run(mine.contiguous())
@@ -874,3 +887,80 @@ def _check_tp_token_slice_layouts(rank, world):
 
 def test_gloo_tp_token_slice_layouts():
     run_world(2, _check_tp_token_slice_layouts)
+
+
+def _check_tp_token_slices_match_partial(rank, world):
+    # reduce_scatter against "partial" on the gathered hidden, its dhidden summed here and this
+    # rank's rows taken: the paths that write dhidden apart (an accumulator, a tensor or a
+    # callable, with and without a loss_mask; the in-place scale in bf16; recompute)
+    g = torch.Generator().manual_seed(1)
+    H, V, n = 16, 32 * world, 3
+    h = torch.randn(n * world, 2, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.3
+    t = torch.randint(0, V, (n * world, 2), generator=g)
+    mask = (torch.rand(t.shape, generator=g) > 0.3).float()
+    cases = [dict(acc="tensor"), dict(acc="callable", mask=True), dict(dtype=torch.bfloat16),
+             dict(reduction="none", backward_mode="recompute"), dict(mask=True)]
+    for case in cases:
+        case = dict(case)
+        acc, masked = case.pop("acc", None), case.pop("mask", False)
+        dtype = case.pop("dtype", torch.float32)
+        got = []
+        for red in ("reduce_scatter", "partial"):
+            hh = (h[rank * n:(rank + 1) * n] if red == "reduce_scatter" else h).to(dtype)
+            hh = hh.clone().requires_grad_()
+            ww = w[rank * 32:(rank + 1) * 32].to(dtype).clone().requires_grad_()
+            buf = torch.zeros(ww.shape)
+            kw = dict(case)
+            if acc is not None:
+                kw["weight_grad_accumulator"] = buf if acc == "tensor" else (lambda b=buf: b)
+            if masked:
+                kw.update(loss_mask=mask, reduction="none")
+            loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
+                                                  dhidden_reduction=red, **kw)
+            scale = mask if masked else torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)
+            (loss * scale).sum().backward()
+            dh = hh.grad.float()
+            if red == "partial":
+                dist.all_reduce(dh)
+                dh = dh[rank * n:(rank + 1) * n]
+            got.append((loss.detach(), dh, buf if acc is not None else ww.grad.float()))
+        for a, b in zip(*got):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 if dtype == torch.float32 else 1e-2,
+                                       msg=lambda m: f"{case} acc={acc} mask={masked}: {m}")
+
+
+def test_gloo_tp_token_slices_match_partial():
+    run_world(2, _check_tp_token_slices_match_partial)
+
+
+def _check_tp_token_slices_out_of_memory_in_backward(rank, world):
+    # rank 1 runs out of memory for the reduce-scatter's own rows, after its output buffers:
+    # it joins the reduce-scatter with NaN and raises; rank 0 gets NaN instead of waiting
+    lce = sys.modules["fusedloss.linear_cross_entropy"]  # (the package's name is the function)
+    h, w, t = _problem("cpu", torch.float32, shape=(2 * world,), V=32 * world)
+    hh = h[rank * 2:(rank + 1) * 2].clone().requires_grad_()
+    ww = w[rank * 32:(rank + 1) * 32].clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, tp_group=dist.group.WORLD,
+                                          dhidden_reduction="reduce_scatter")
+    real = lce.own_rows_buffer
+    if rank == 1:
+        def failing(*args):
+            raise torch.OutOfMemoryError("simulated: no memory for the own rows")
+        lce.own_rows_buffer = failing
+    try:
+        if rank == 1:
+            with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+                loss.backward()
+        else:
+            loss.backward()
+            assert torch.isnan(hh.grad).all()
+    finally:
+        lce.own_rows_buffer = real
+    assert torch.isfinite(fusedloss.linear_cross_entropy(  # the group still pairs its calls
+        h[rank * 2:(rank + 1) * 2], w[rank * 32:(rank + 1) * 32], t, tp_group=dist.group.WORLD,
+        dhidden_reduction="reduce_scatter"))
+
+
+def test_gloo_tp_token_slices_out_of_memory_in_backward():
+    run_world(2, _check_tp_token_slices_out_of_memory_in_backward, timeout_s=30)
