@@ -1,4 +1,4 @@
-"""The eager ops' autograd nodes in C++ (python/src/torch_nodes.cpp, libfusedloss_torch.so).
+"""The eager ops' autograd nodes in C++ (python/src/torch_nodes/, libfusedloss_torch.so).
 
 An eager call through a Python autograd node pays for the node in the interpreter on top of
 the autograd engine's own round trip; the C++ nodes run the same views, kernels and guards

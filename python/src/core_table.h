@@ -1,4 +1,4 @@
-// The core entry points that the C++ autograd nodes (torch_nodes.cpp) call, exported by
+// The core entry points that the C++ autograd nodes (torch_nodes/) call, exported by
 // fusedloss._C as a table of plain function pointers.
 //
 // Why a table: the nodes' library is built against torch and its C++ runtime, _C is not (it
