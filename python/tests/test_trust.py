@@ -297,18 +297,25 @@ def test_compiled_swiglu_inplace_on_an_intermediate(device):
     torch.testing.assert_close(y.grad, ref.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("op", ["cross_entropy", "swiglu", "rms_norm"])
+@pytest.mark.parametrize("op", ["cross_entropy", "swiglu", "rms_norm", "linear_cross_entropy",
+                                "linear_cross_entropy_recompute"])
 def test_second_order_through_another_path_raises_instead_of_dropping(device, op):
     """d/dh of (g(h)^2 + h^2) where g is the fused gradient: the fused part must raise, never be
-    silently treated as zero (the guard node was detached from h)."""
+    silently treated as zero (the guard node was detached from h). The linear CE: in_forward
+    (its backward reads neither input) and recompute."""
     h = torch.randn(4, 6, device=device, requires_grad=True)
     t = torch.randint(0, 6, (4,), device=device)
     w = torch.randn(6, device=device)
+    wl = torch.randn(6, 6, device=device)
     out = {"cross_entropy": lambda: fusedloss.cross_entropy(h * 2, t),
            "swiglu": lambda: fusedloss.swiglu(h * 2).sum(),
-           "rms_norm": lambda: fusedloss.rms_norm(h * 2, w).pow(2).sum()}[op]()
+           "rms_norm": lambda: fusedloss.rms_norm(h * 2, w).pow(2).sum(),
+           "linear_cross_entropy": lambda: fusedloss.linear_cross_entropy(h * 2, wl, t),
+           "linear_cross_entropy_recompute": lambda: fusedloss.linear_cross_entropy(
+               h * 2, wl, t, reduction="none").sum()}[op]()
     g, = torch.autograd.grad(out, h, create_graph=True)
-    with pytest.raises(RuntimeError, match=f"fusedloss.{op}: differentiating its gradient"):
+    name = op.replace("_recompute", "")
+    with pytest.raises(RuntimeError, match=f"fusedloss.{name}: differentiating its gradient"):
         torch.autograd.grad((g ** 2).sum() + (h ** 2).sum(), h)
 
 
