@@ -257,10 +257,11 @@ def _differing_option(mine, first, r):
             def names(pairs):
                 return ", ".join(p.split("=", 1)[0] for p in pairs)
             # an option both calls name, with another value on each: likely why they differ
-            theirs = dict(p.split("=", 1) for p in first if "=" in p)
-            shared = next((f"; rank {r}'s {p} where rank 0's is {theirs[p.split('=', 1)[0]]}"
-                           for p in mine if "=" in p and p.split("=", 1)[0] in theirs
-                           and p.split("=", 1)[1] != theirs[p.split("=", 1)[0]]), "")
+            def named(pairs):
+                return dict(p.split("=", 1) for p in pairs if "=" in p)
+            ours, theirs = named(mine), named(first)
+            shared = next((f"; rank {r}'s {k}={v} where rank 0's is {theirs[k]}"
+                           for k, v in ours.items() if k in theirs and v != theirs[k]), "")
             return (f"rank {r} compared the options ({names(mine)}) where rank 0 compared "
                     f"({names(first)}): another call on each rank (another op, or another route "
                     f"of a patched model){shared}")

@@ -28,13 +28,17 @@ def gathered_shape(shape, world: int) -> Tuple[int, ...]:
 
 
 @torch.library.custom_op("fusedloss::gather_token_slices", mutates_args=())
-def _gather(hidden: Tensor, group: str, check: bool, grad: bool, rows: int, v_local: int,
-            op: str) -> Tensor:
+def gather_token_slices(hidden: Tensor, group: str, check: bool, grad: bool, rows: int,
+                        v_local: int, op: str) -> Tensor:
+    """Every rank's slice of the tokens, in rank order along dim 0 (group: a name from
+    group_name(), of size > 1), for an op whose backward calls sum_into_own_rows on its hidden
+    gradient. check: the shard agreement on the slices first, with the op's rows (every
+    slice's tokens) and V_local, which also reports a rank whose own arguments the op refused;
+    without it the caller guarantees equal slices on every rank. grad: whether a gradient for
+    hidden follows (compared too: only those ranks take part in the op's reduce-scatter)."""
     g = resolve_group(group)
     world = dist.get_world_size(g)
-    # the op's rows and V_local, as its own agreement would compare them first; grad (whether
-    # the slice requires one) too: only ranks with a hidden gradient take part in the backward's
-    # reduce-scatter
+    # the op's rows and V_local, as its own agreement would compare them first
     options = fingerprint(dhidden_reduction="reduce_scatter", hidden_slice_shape=tuple(hidden.shape),
                           dtype=str(hidden.dtype), hidden_requires_grad=grad)
     with rank_checks(g, check, op, rows=rows, v_local=v_local, options=options):
@@ -44,7 +48,7 @@ def _gather(hidden: Tensor, group: str, check: bool, grad: bool, rows: int, v_lo
     return out
 
 
-@_gather.register_fake
+@gather_token_slices.register_fake
 def _gather_fake(hidden, group, check, grad, rows, v_local, op):
     return hidden.new_empty(gathered_shape(hidden.shape, dist.get_world_size(resolve_group(group))))
 
@@ -61,18 +65,7 @@ def _gather_backward(ctx, grad):
     return (grad.narrow(0, ctx.rank * n, n).clone(),) + (None,) * 6
 
 
-_gather.register_autograd(_gather_backward, setup_context=_setup)
-
-
-def gather_token_slices(hidden: Tensor, group: str, check: bool, rows: int, v_local: int,
-                        op: str) -> Tensor:
-    """Every rank's slice of the tokens, in rank order along dim 0 (group: a name from
-    group_name(), of size > 1), for an op whose backward calls sum_into_own_rows on its hidden
-    gradient. check: the shard agreement on the slices first, with the op's rows (every
-    slice's tokens) and V_local, which also reports a rank whose own arguments the op refused;
-    without it the caller guarantees equal slices on every rank."""
-    grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _gather(hidden, group, check, grad, rows, v_local, op)
+gather_token_slices.register_autograd(_gather_backward, setup_context=_setup)
 
 
 def own_rows_buffer(grad: Tensor, group) -> Tensor:

@@ -162,11 +162,9 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
                    2 if callable(weight_grad_accumulator) else 1)
     mode_name = ("none (no gradient follows: the forward alone)" if lce_mode == _FORWARD_ONLY
                  else choice_name(_MODES, lce_mode))
-    # whether the backward scales the saved gradients in place (_setup's rule): where one rank
-    # does, a second backward (retain_graph) raises there before the dhidden collective the
-    # others would wait in
-    scaled_in_place = (inplace and lce_mode == _IN_FORWARD
-                       and (not acc32 or weight.dtype == torch.float32))
+    # where one rank scales the saved gradients in place, a second backward (retain_graph)
+    # raises there before the dhidden collective the others would wait in
+    scaled_in_place = _scales_in_place(inplace, lce_mode, acc32, weight.dtype)
     options = fingerprint(**option_names(*args[:6]), logit_softcap=softcap,
                           loss_mask=row_weight is not None, backward_mode=mode_name,
                           allow_tf32=tf32, dhidden_reduction=choice_name(_DHIDDEN, dhidden_reduction),
@@ -344,9 +342,14 @@ def _setup(ctx, inputs, output):
     ctx.opts = opts = _KernelOptions(*opts)
     # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
     # owned here alone); the second backward this rules out raises (the scaffold's guard).
-    ctx.inplace = (opts.inplace and opts.mode == _IN_FORWARD and dh.dtype == hidden.dtype
-                   and dw.dtype == weight.dtype)
+    ctx.inplace = _scales_in_place(opts.inplace, opts.mode, opts.acc32, weight.dtype)
     ctx.save_for_backward(hidden, weight, target, lse, count, row_weight, dh, dw)
+
+
+def _scales_in_place(inplace: bool, mode: int, acc32: bool, weight_dtype: torch.dtype) -> bool:
+    """Whether the backward scales the saved gradients where they are: in_forward with them in
+    the inputs' dtypes (dhidden always is; dweight unless kept in fp32 for a 16-bit weight)."""
+    return inplace and mode == _IN_FORWARD and (not acc32 or weight_dtype == torch.float32)
 
 
 def _accumulator_at_backward(ctx, weight, hidden):
@@ -658,9 +661,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         return deferred_rejection((hidden, weight, target), reduction, target, name, _OP,
                                   checks.deferred)
     if token_slices > 1:  # (agreed on first: every rank's slice has the same shape)
-        if not (torch.is_grad_enabled() and hidden.requires_grad):
+        hidden_grad = torch.is_grad_enabled() and hidden.requires_grad
+        if not hidden_grad:
             dh_red = _DHIDDEN["partial"]  # no hidden gradient: nothing to reduce-scatter
-        hidden = gather_token_slices(hidden, name, check, target.numel(), weight.size(0), _OP)
+        hidden = gather_token_slices(hidden, name, check, hidden_grad, target.numel(),
+                                     weight.size(0), _OP)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
             and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)

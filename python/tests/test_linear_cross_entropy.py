@@ -893,12 +893,9 @@ def _check_tp_token_slices_match_partial(rank, world):
     # reduce_scatter against "partial" on the gathered hidden, its dhidden summed here and this
     # rank's rows taken: the paths that write dhidden apart (an accumulator, a tensor or a
     # callable, with and without a loss_mask; the in-place scale in bf16; recompute)
-    g = torch.Generator().manual_seed(1)
-    H, V, n = 16, 32 * world, 3
-    h = torch.randn(n * world, 2, H, generator=g)
-    w = torch.randn(V, H, generator=g) * 0.3
-    t = torch.randint(0, V, (n * world, 2), generator=g)
-    mask = (torch.rand(t.shape, generator=g) > 0.3).float()
+    n = 3
+    h, w, t = _problem("cpu", torch.float32, shape=(n * world, 2), H=16, V=32 * world)
+    mask = (torch.rand(t.shape, generator=torch.Generator().manual_seed(1)) > 0.3).float()
     cases = [dict(acc="tensor"), dict(acc="callable", mask=True), dict(dtype=torch.bfloat16),
              dict(reduction="none", backward_mode="recompute"), dict(mask=True)]
     for case in cases:
