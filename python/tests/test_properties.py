@@ -544,3 +544,127 @@ def test_rms_norm_any_layout(run):
             _close(got.grad, want.grad, tol, max(gmax, terms) * _multiplicity(lay, shape) + 1e-6)
 
     check()
+
+
+def _token_slices_case(rank, world, run, seed):
+    """The sequence-parallel linear CE (dhidden_reduction="reduce_scatter") at TP = world: each
+    rank's hidden slice and weight shard in a layout drawn for that rank (a leaf itself or a view
+    of one), every dtype, the options and a loss_mask; sometimes one rank alone wrong (its slice
+    one row longer, or another dtype), which every rank must raise the same error for. Every
+    rank draws the same examples (derandomized, or one seed for all): the collectives pair."""
+    import torch.distributed as dist
+    from hypothesis import Phase, seed as hypothesis_seed
+    from test_linear_cross_entropy import reference
+
+    def per_rank(make):  # every rank builds every rank's tensors: the float64 reference needs them
+        return [make(r) for r in range(world)]
+
+    # no shrinking: a failing example raises on every rank (below), then stops
+    run_settings = settings(RUNS[run], phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+    @run_settings
+    @hypothesis_seed(seed)
+    @given(st.data())
+    def check(data):
+        # a failure on one rank raises on every rank: none is left waiting in a collective
+        try:
+            example(data.draw)
+            failure = None
+        except Exception as error:  # noqa: BLE001 (whatever fails, every rank must learn it)
+            failure = f"rank {rank}: {type(error).__name__}: {error}"
+        every = [None] * world
+        dist.all_gather_object(every, failure)
+        if any(every):
+            raise AssertionError("\n".join(m for m in every if m))
+
+    def example(draw):
+        dtype = draw(st.sampled_from(DTYPES))
+        n, H, V_local = draw(st.integers(0, 4)), draw(st.integers(1, 24)), draw(st.integers(1, 40))
+        batch = draw(st.sampled_from([None, 1, 3]))  # [n, H] or Megatron's [s/tp, b, H]
+        slice_shape = (n, H) if batch is None else (n, batch, H)
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        V = V_local * world
+        reduction = draw(st.sampled_from(["none", "sum", "mean"]))
+        opts = dict(reduction=reduction, label_smoothing=draw(st.sampled_from([0.0, 0.1])),
+                    z_loss=draw(st.sampled_from([0.0, 1e-3])),
+                    backward_mode="recompute" if dtype == torch.float16 else
+                    draw(st.sampled_from(["auto", "recompute"])),
+                    inplace_backward=draw(st.booleans()),
+                    workspace_bytes=draw(st.sampled_from([None, 1])))
+        h_layouts = per_rank(lambda r: _layout(draw, slice_shape))
+        w_layouts = per_rank(lambda r: _layout(draw, (V_local, H)))
+        steps = per_rank(lambda r: draw(st.integers(1, 8)))
+        through = per_rank(lambda r: draw(st.booleans()))  # else a view of the leaf itself
+        wrong = draw(st.sampled_from([None] * 6 + ["slice_rows", "dtype"]))
+        h_leaves = per_rank(lambda r: leaf(h_layouts[r], slice_shape, dtype, DEVICE, gen, 1.0, steps[r]))
+        w_leaves = per_rank(lambda r: leaf(w_layouts[r], (V_local, H), dtype, DEVICE, gen,
+                                           2.0 / H ** 0.5, steps[r]))
+        t = torch.randint(0, V, (n * world,) + (() if batch is None else (batch,)), generator=gen)
+        t[torch.rand(t.shape, generator=gen) < 0.2] = -100
+        t = t.to(DEVICE)
+        # per-token losses reduced with a mask (Megatron's loss_func), the upstream gradient
+        # c * mask: the in-forward backward (auto) weighted by it
+        mask_base, mask = (_mask_input(draw, tuple(t.shape), gen)
+                           if reduction == "none" and draw(st.booleans()) else (None, None))
+        (base_h, view_h), (base_w, view_w) = h_leaves[rank], w_leaves[rank]
+        h = view_h(base_h * 1 if through[rank] else base_h)
+        w = view_w(base_w * 1 if through[rank] else base_w)
+        if wrong == "slice_rows" and rank == 1:  # this rank alone: its target then covers
+            h = torch.cat([h, h.new_zeros((1, *h.shape[1:]))])  # other tokens than its slices
+        elif wrong == "dtype" and rank == 1:  # hidden and weight: the slices' dtype differs
+            other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+            h, w = h.to(other), w.to(other)
+        owned = [(x, x.detach().clone()) for x in (base_h, base_w, t, mask_base) if x is not None]
+        failure = None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loss = fusedloss.linear_cross_entropy(h, w, t, tp_group=dist.group.WORLD,
+                                                      dhidden_reduction="reduce_scatter",
+                                                      loss_mask=mask, **opts)
+        except ValueError as error:
+            failure = str(error)
+        every = [None] * world
+        dist.all_gather_object(every, failure)
+        if wrong is not None:  # one clear error, the same on every rank, nothing written
+            assert failure is not None and all(m == failure for m in every), every
+            assert "vocab-parallel" in failure and ("target: got shape" in failure or "dtype=" in failure), failure
+            for x, before in owned:
+                assert torch.equal(x.detach(), before)
+            return
+        assert all(m is None for m in every), every
+        # float64 reference over every rank's slice and shard (the views of float64 bases)
+        h64s = per_rank(lambda r: h_leaves[r][0].detach().double().cpu().requires_grad_(True))
+        w64s = per_rank(lambda r: w_leaves[r][0].detach().double().cpu().requires_grad_(True))
+        h64 = torch.cat([h_leaves[r][1](h64s[r]) for r in range(world)])
+        w64 = torch.cat([w_leaves[r][1](w64s[r]) for r in range(world)])
+        ref = reference(h64, w64, t.cpu(), **{k: v for k, v in opts.items()
+                                                if k in ("reduction", "label_smoothing", "z_loss")})
+        tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        up, up64 = _upstream(draw, loss, gen)
+        if mask is not None:
+            c = draw(st.sampled_from([1.0, 0.37, -2.5]))
+            up = lambda o: (o * mask.to(o.dtype)).sum() * c  # noqa: E731
+            up64 = lambda o: (o * mask.cpu().double()).sum() * c  # noqa: E731
+        up(loss).backward()
+        up64(ref).backward()
+        for x, before in owned:
+            assert torch.equal(x.detach(), before), "the caller's tensor was written"
+        for base, base64, layout, shp, other in (
+                (base_h, h64s[rank], h_layouts[rank], slice_shape, w64),
+                (base_w, w64s[rank], w_layouts[rank], (V_local, H), h64)):
+            assert base.grad.dtype == dtype and base.grad.shape == base.shape
+            scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
+                        other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
+            _close(base.grad, base64.grad, tol, scale * _multiplicity(layout, shp) * max(shp))
+
+    check()
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_linear_cross_entropy_token_slices_any_layout(run):
+    from dist_util import run_world
+    seed = 0 if run == "fixed" else int.from_bytes(os.urandom(4), "little")
+    run_world(2, _token_slices_case, run, seed,
+              backend="gloo-cuda" if DEVICE == "cuda" else "gloo", timeout_s=60)
