@@ -338,6 +338,18 @@ def _lce_case(draw):
     return draw, shape, V, dtype, gen, opts
 
 
+# the linear CE's tolerance by the GEMMs' dtype (its logits are rounded to it)
+LCE_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _lce_upstream(draw, loss, gen, mask):
+    """_upstream, or with a loss_mask the form Megatron's loss_func gives: c * sum(mask * loss)."""
+    if mask is None:
+        return _upstream(draw, loss, gen)
+    c = draw(st.sampled_from([1.0, 0.37, -2.5]))
+    return (lambda o: (o * mask.to(o.dtype)).sum() * c), (lambda o: (o * mask.cpu().double()).sum() * c)
+
+
 def _mask_input(draw, shape, gen):
     """(leaf, loss_mask): a 0/1 mask of target's shape in a drawn real dtype and layout, the
     leaf itself or a view of it (2-D: every layout of layouts.build; 1-D: a row of one, or a
@@ -420,7 +432,7 @@ def test_linear_cross_entropy_any_layout(run):
                                                   loss_mask=mask, **opts)
         ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
-        tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[
+        tol = LCE_TOL[
             torch.bfloat16 if autocast else dtype]
         _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
         if no_grad:  # nothing to differentiate, nothing written
@@ -428,11 +440,7 @@ def test_linear_cross_entropy_any_layout(run):
             for x, before in owned + ([(acc_base, acc_before)] if acc is not None else []):
                 assert torch.equal(x.detach(), before), "a tensor was written without a backward"
             return
-        up, up64 = _upstream(draw, loss, gen)
-        if mask is not None:
-            c = draw(st.sampled_from([1.0, 0.37, -2.5]))
-            up = lambda o: (o * mask.to(o.dtype)).sum() * c  # noqa: E731
-            up64 = lambda o: (o * mask.cpu().double()).sum() * c  # noqa: E731
+        up, up64 = _lce_upstream(draw, loss, gen, mask)
         up(loss).backward()
         w64.retain_grad()  # the gradient of the op's weight argument, the view, for the buffer
         up64(ref).backward()
@@ -640,13 +648,9 @@ def _token_slices_case(rank, world, run, seed):
         w64 = torch.cat([w_leaves[r][1](w64s[r]) for r in range(world)])
         ref = reference(h64, w64, t.cpu(), **{k: v for k, v in opts.items()
                                                 if k in ("reduction", "label_smoothing", "z_loss")})
-        tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        tol = LCE_TOL[dtype]
         _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
-        up, up64 = _upstream(draw, loss, gen)
-        if mask is not None:
-            c = draw(st.sampled_from([1.0, 0.37, -2.5]))
-            up = lambda o: (o * mask.to(o.dtype)).sum() * c  # noqa: E731
-            up64 = lambda o: (o * mask.cpu().double()).sum() * c  # noqa: E731
+        up, up64 = _lce_upstream(draw, loss, gen, mask)
         up(loss).backward()
         up64(ref).backward()
         for x, before in owned:
