@@ -101,7 +101,6 @@ void mark_consumed(AutogradContext* ctx, const at::Tensor& input) {
   input.unsafeGetTensorImpl()->bump_version();  // it holds its gradient: later readers trip
 }
 
-
 // Whether the byte ranges of a's and b's elements meet (_views.shares_memory).
 bool shares_memory(const at::Tensor& a, const at::Tensor& b) {
   if (!a.numel() || !b.numel() || a.device() != b.device()) return false;
@@ -123,7 +122,6 @@ at::Tensor apart_from(const at::Tensor& t, const at::Tensor& written) {
 }
 
 at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
-
 
 // ---- class indices and the cross-entropy's options ----
 
