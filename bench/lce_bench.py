@@ -5,15 +5,15 @@ linear-cross-entropy).
 Providers (fn(hidden, weight, target) -> mean loss; hidden and weight are fresh leaves):
   3-gemm / 4-gemm      cuBLAS alone through torch matmuls: logits, dhidden, dweight (+ the
                        recompute's second logits GEMM); no loss: the floor for each mode
-  torch                F.linear + F.cross_entropy
-  linear+fusedloss-ce  F.linear + fusedloss.cross_entropy(inplace_backward=True)
-  liger                Liger-Kernel's fused linear cross-entropy (if importable)
-  cce                  Apple's cut-cross-entropy, its default (gradient filtering) (if importable)
-  fusedloss-in_forward / fusedloss-recompute   fusedloss.linear_cross_entropy in both modes, the
-                       weight gradient accumulated over token chunks in fp32 (exact; in_forward
-                       keeps an fp32 [V, H] until the backward)
-  fusedloss-*-wdt      the same, accumulated in the weight's dtype (bf16: the gradients' memory
-                       alone, one rounding per pair of chunks)
+  torch                F.linear + F.cross_entropy (unfused, bf16: the accuracy yardstick)
+  liger                Liger-Kernel's LigerFusedLinearCrossEntropyLoss() (if importable)
+  cce                  Apple's cut_cross_entropy.linear_cross_entropy, its default (if importable)
+  quack                QuACK's chunked_linear_cross_entropy, its default (the SM90 scaled-exp
+                       pipeline where eligible) (if importable)
+  fusedloss            fusedloss.linear_cross_entropy(h, w, t): the call with no options
+  fusedloss-fp32       dweight_accumulation="fp32": exact fp32 accumulation (an fp32 [V, H] kept
+                       until the backward)
+  fusedloss-recompute  backward_mode="recompute" (4 GEMMs), the default accumulation
 
 Device time: CUDA events behind a GPU-side wait (peers.py), median of the runs. Peak extra:
 torch's allocator high-water mark above the inputs, including the gradients dhidden [N, H] and
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 import peers
 
-SHAPES = [(4096, 4096, 128256), (8192, 4096, 128256), (16384, 4096, 151936)]
+SHAPES = [(4096, 4096, 128256), (8192, 4096, 128256), (16384, 4096, 151936),
+          (32768, 4096, 128256), (8192, 8192, 256000)]
 DTYPE = torch.bfloat16
 
 # name -> (FUSEDLOSS_LCE_* settings, workspace_bytes or None); "default" is what ships.
@@ -112,37 +113,41 @@ def cce():
     return lambda h, w, t: linear_cross_entropy(h, w, t)
 
 
+def quack():
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    return lambda h, w, t: chunked_linear_cross_entropy(h, w, t)
+
+
 class FusedlossLce:
-    """fusedloss.linear_cross_entropy in one mode and pipeline variant; the variant's knobs are
-    set on every call (the backward follows in the same step, under the same knobs)."""
-    def __init__(self, mode, accumulation, variant, timing=False):
+    """fusedloss.linear_cross_entropy with the keyword options `kwargs` (none: the default call)
+    in one pipeline variant; the variant's knobs are set on every call (the backward follows in
+    the same step, under the same knobs)."""
+    def __init__(self, kwargs, variant, timing=False):
         import fusedloss
         self.op = fusedloss.linear_cross_entropy
-        self.mode, self.accumulation, self.variant = mode, accumulation, variant
-        env, self.workspace = VARIANTS[variant]
+        self.kwargs, self.variant = kwargs, variant
+        env, workspace = VARIANTS[variant]
+        self.call_kwargs = dict(kwargs) if workspace is None else dict(kwargs, workspace_bytes=workspace)
         self.env = dict(env, FUSEDLOSS_LCE_TIMING="1") if timing else env
 
     def __call__(self, h, w, t):
         set_knobs(self.env)
-        kw = {} if self.workspace is None else {"workspace_bytes": self.workspace}
-        return self.op(h, w, t, backward_mode=self.mode, dweight_accumulation=self.accumulation, **kw)
+        return self.op(h, w, t, **self.call_kwargs)
 
 
-MODES = {"fusedloss-in_forward": ("in_forward", "fp32"),
-         "fusedloss-recompute": ("recompute", "fp32"),
-         "fusedloss-in_forward-wdt": ("in_forward", "weight_dtype"),
-         "fusedloss-recompute-wdt": ("recompute", "weight_dtype")}
+MODES = {"fusedloss": {},
+         "fusedloss-fp32": {"dweight_accumulation": "fp32"},
+         "fusedloss-recompute": {"backward_mode": "recompute"}}
 
 
 def providers(variants=("default",)):
-    found = {"3-gemm": gemms(3), "4-gemm": gemms(4), "torch": torch_lce,
-             "linear+fusedloss-ce": linear_fusedloss_ce}
+    found = {"3-gemm": gemms(3), "4-gemm": gemms(4), "torch": torch_lce}
     ours = {}
     for v in variants:
-        for name, (mode, acc) in MODES.items():
+        for name, kwargs in MODES.items():
             ours[name if v == "default" else f"{name}[{v}]"] = (
-                lambda mode=mode, acc=acc, v=v: FusedlossLce(mode, acc, v))
-    return peers.collect(found, {"liger": liger, "cce": cce, **ours})
+                lambda kwargs=kwargs, v=v: FusedlossLce(kwargs, v))
+    return peers.collect(found, {"liger": liger, "cce": cce, "quack": quack, **ours})
 
 
 def phase_times(fn, h0, w0, t):
@@ -151,7 +156,7 @@ def phase_times(fn, h0, w0, t):
     if not isinstance(fn, FusedlossLce):
         return None
     import fusedloss._C as C
-    timed = FusedlossLce(fn.mode, fn.accumulation, fn.variant, timing=True)
+    timed = FusedlossLce(fn.kwargs, fn.variant, timing=True)
     h, w = h0.detach().requires_grad_(), w0.detach().requires_grad_()
     torch.cuda.synchronize()
     C.linear_cross_entropy_phase_times(True)
@@ -268,6 +273,34 @@ def report_phases(phases, records, gpu=None, commit=None, out_dir=None):
                          [gpu, commit, peers.today()] for p in phases])
 
 
+def gradient_mib(N, H, V):
+    """The bf16 gradients dhidden [N, H] and dweight [V, H] every provider returns (MiB)."""
+    return 2 * (N + V) * H / 2**20
+
+
+def report_targets(by, shapes):
+    """The default call (3 GEMMs) and the recompute mode (4 GEMMs) against the targets: time
+    over its mode's GEMM floor <= 1.05, peak extra memory <= the gradients + 320 MiB, dhidden
+    and dweight errors against float64 <= 1.25x those of torch's unfused bf16 path."""
+    print("\ntargets: time x its GEMM floor <= 1.05; peak - gradients <= 320 MiB; "
+          "error / torch's <= 1.25 (dhidden, dweight)")
+    for N, H, V in shapes:
+        torch_r = by.get(("torch", N, V))
+        for name, floor_name in (("fusedloss", "3-gemm"), ("fusedloss-recompute", "4-gemm")):
+            r, floor = by.get((name, N, V)), by.get((floor_name, N, V))
+            if r is None or floor is None:
+                continue
+            x = r["both"] / floor["both"]
+            over = r["peak"] - gradient_mib(N, H, V)
+            eh = r["err_h"] / torch_r["err_h"] if torch_r else float("nan")
+            ew = r["err_w"] / torch_r["err_w"] if torch_r else float("nan")
+            verdict = ["time" if x > 1.05 else "", "memory" if over > 320 else "",
+                       "error" if max(eh, ew) > 1.25 else ""]
+            missed = ",".join(v for v in verdict if v) or "met"
+            print(f"{f'{N}, {H}, {V}':>20} {name:>22} x{floor_name} {x:6.3f}  peak-grads "
+                  f"{over:7.1f} MiB  err/torch dh {eh:5.2f} dw {ew:5.2f}  -> {missed}")
+
+
 def report(records, names, gpu, commit, out_dir):
     by = {(r["provider"], r["N"], r["V"]): r for r in records}
     shapes = sorted({(r["N"], r["H"], r["V"]) for r in records})
@@ -285,6 +318,8 @@ def report(records, names, gpu, commit, out_dir):
             print(f"{f'{N}, {H}, {V}':>20} {n:>40} {r['fwd']:8.2f} {r['bwd']:8.2f} {r['both']:8.2f} "
                   f"{x3:8.3f} {x4:8.3f} {r['peak'] / 1024:9.2f} {r['err_h']:9.2e} {r['err_w']:9.2e} "
                   f"{r['host']:8.2f}")
+    report_targets(by, shapes)
+
     def row(r):
         g3, g4 = by.get(("3-gemm", r["N"], r["V"])), by.get(("4-gemm", r["N"], r["V"]))
         return [r["provider"], r["N"], r["H"], r["V"], "bf16", f"{r['fwd']:.4f}", f"{r['bwd']:.4f}",

@@ -6,8 +6,9 @@ backward modes (chosen here, both exact):
   in_forward  reduction sum/mean: the forward also computes the gradients of the loss for an
               upstream gradient of 1 (3 GEMMs in all); the backward scales them by the upstream
               scalar on the device. Saved: dhidden [N, H] (hidden's dtype) and dweight [V, H]
-              (fp32). reduction none with a loss_mask m: the gradients of sum(m * loss), for
-              an upstream gradient c * m (found on the device).
+              (the weight's dtype, or fp32: dweight_accumulation). reduction none with a
+              loss_mask m: the gradients of sum(m * loss), for an upstream gradient c * m
+              (found on the device).
   recompute   reduction none without a loss_mask (or asked for): the forward keeps lse
               (4 B/row); the backward recomputes each chunk's logits (4 GEMMs in all).
 tp_group of size > 1, after the shard agreement: in_forward runs the C++ hook per chunk (local
@@ -49,7 +50,8 @@ _FORWARD_ONLY = -2
 _DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
 # what the TP agreement's mismatch error calls the accumulator (fingerprint's named options)
 _ACCUMULATOR_KINDS = ("none", "a tensor", "a callable")
-_ACCUMULATION = {"fp32": True, "weight_dtype": False}
+# dweight_accumulation: "auto" (-1) resolves per call (_fp32_accumulation)
+_ACCUMULATION = {"auto": -1, "weight_dtype": 0, "fp32": 1}
 _OP = "fusedloss.linear_cross_entropy"
 
 
@@ -111,6 +113,14 @@ def chunk_rows(dtype: torch.dtype, rows: int, v_local: int, workspace_bytes: int
     return _C.linear_cross_entropy_chunk_rows(lo, rows, v_local, _DTYPES[dtype])
 
 
+def gemm_operand(weight: Tensor, hidden: Tensor) -> Tensor:
+    """weight's rows in hidden's dtype, as the GEMMs read them: an fp32 weight under
+    torch.autocast stays fp32 outside the op (its gradient leaves in fp32, unrounded) and is
+    cast here, for this call only (a recompute backward casts again instead of keeping it)."""
+    w = rows_of(weight)
+    return w if w.dtype == hidden.dtype else w.to(hidden.dtype)
+
+
 def _absent(device):
     return _C.MatrixView(0, 0, 1, 1, _C.DType.F32, device)
 
@@ -144,7 +154,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
 
     if g is None:
         h = rows_of(hidden)
-        w = rows_of(weight)
+        w = gemm_operand(weight, hidden)
         t, tv = index(target, "target")
         rows, v_local = h.size(0), w.size(0)
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
@@ -175,7 +185,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     # scratch, the staging) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
         h = rows_of(hidden)
-        w = rows_of(weight)
+        w = gemm_operand(weight, hidden)
         t, tv = index(target, "target")
         checks.rows, checks.v_local = rows, v_local = h.size(0), w.size(0)
         checks.target = t if row_weight is None else (t, row_weight)  # both compared
@@ -239,7 +249,7 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
     # waiting there.
     try:
         h = rows_of(hidden)
-        w = rows_of(weight)
+        w = gemm_operand(weight, hidden)
         t, tv = index(target, "target")
         # recompute into a 16-bit dweight, exactly: vocabulary blocks outside (each block's
         # dweight sums over all tokens in an fp32 buffer), dhidden summed over blocks in fp32.
@@ -403,9 +413,18 @@ _linear_cross_entropy = FusedOp(
 _EAGER = _native.ops.linear_cross_entropy_eager.default if _native.ops is not None else None
 
 
-def validate_inputs(hidden, weight, target, token_slices: int = 1):
+def _casts_weight_inside(hidden, weight) -> bool:
+    """Whether torch.autocast would cast an fp32 weight to a 16-bit dtype for this call: the op
+    then takes it uncast (gemm_operand) and its gradient stays fp32."""
+    return (isinstance(hidden, Tensor) and isinstance(weight, Tensor)
+            and weight.dtype == torch.float32
+            and autocast_dtype(weight, hidden) in (torch.bfloat16, torch.float16))
+
+
+def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_ok=False):
     """token_slices > 1: hidden is one of that many ranks' slices of the tokens (dim 0), and
-    target covers them all."""
+    target covers them all. fp32_weight_ok: an fp32 weight beside a 16-bit hidden (torch.autocast's
+    operands, cast inside the op)."""
     require_values(hidden, "hidden")
     require_values(weight, "weight")
     require_tensor(target, "target")
@@ -415,7 +434,7 @@ def validate_inputs(hidden, weight, target, token_slices: int = 1):
     if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
         raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
                          f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
-    if weight.dtype != hidden.dtype:
+    if weight.dtype != hidden.dtype and not (fp32_weight_ok and weight.dtype == torch.float32):
         raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
     require_same_device(weight, "weight", hidden, "hidden")
     if token_slices == 1:
@@ -540,6 +559,17 @@ def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_sco
             as_bool(inplace_backward, "inplace_backward"))
 
 
+def _fp32_accumulation(accumulation: int, weight, accumulator) -> bool:
+    """Whether the weight gradient sums over token chunks in fp32. "auto": where it lands in
+    fp32 anyway (an fp32 weight, under torch.autocast too, whose gradient autograd hands back in
+    fp32; a weight_grad_accumulator), else in the weight's dtype: no fp32 [V, H] copy of a 16-bit
+    weight's gradient, which measured 2.6x the memory of the weight-dtype sum and 1.2x its time
+    for a smaller gain in accuracy than the final rounding to bf16 costs (bench/NOTES.md)."""
+    if accumulation != _ACCUMULATION["auto"]:
+        return bool(accumulation)
+    return accumulator is not None or getattr(weight, "dtype", None) == torch.float32
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0,
                          smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
@@ -550,7 +580,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          workspace_bytes: Optional[int] = None,
                          backward_mode: str = "auto",
                          dhidden_reduction: str = "partial",
-                         dweight_accumulation: str = "fp32",
+                         dweight_accumulation: str = "auto",
                          inplace_backward: bool = True,
                          weight_grad_accumulator: Optional[Tensor] = None,
                          loss_mask: Optional[Tensor] = None) -> Tensor:
@@ -560,10 +590,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     target: integer class ids of hidden's shape without H. The options are those of
     fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
     (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
-    accumulates over token chunks in fp32. fp32 inputs follow
-    torch.backends.cuda.matmul.allow_tf32. Under torch.autocast, hidden and weight are cast to
-    its dtype as F.linear's operands are (an fp32 weight with a bf16 hidden, too); the loss stays
-    fp32. workspace_bytes bounds the logits chunk buffer and the
+    accumulates over token chunks as dweight_accumulation says. fp32 inputs follow
+    torch.backends.cuda.matmul.allow_tf32. Under torch.autocast, the GEMMs run in its dtype as
+    F.linear's would (a 16-bit hidden and an fp32 weight, too: the weight is cast inside the op,
+    and its gradient comes back in fp32); the loss stays fp32. workspace_bytes bounds the logits chunk buffer and the
     GEMM workspace together (default 256 MiB, of which cuBLASLt takes an eighth, at most 4 MiB).
 
     backward_mode "auto": "in_forward" for sum/mean (the forward computes the gradients, the
@@ -597,12 +627,15 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     op all-gathers the slices (after an agreement on their shapes) and its backward
     reduce-scatters the hidden gradient back to them. At tp_group size 1 it is "partial".
 
-    dweight_accumulation: how the weight gradient sums over tokens. "fp32" (default): as exact as
-    one GEMM over all tokens; in_forward keeps an fp32 [V, H] between forward and backward,
-    recompute loops over vocabulary blocks outside the token chunks (fp32 scratch: [N, H] plus a
-    128 MiB block). "weight_dtype": chunk pair by chunk pair in the weight's dtype, no fp32 copy,
-    so the peak is the gradients plus the workspace; a 16-bit weight's gradient then carries one
-    rounding per pair of chunks. inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
+    dweight_accumulation: how the weight gradient sums over token chunks. "auto" (default): in
+    fp32 where the gradient lands in fp32 anyway (an fp32 weight, also under torch.autocast,
+    where the op casts it for its GEMMs itself and hands its gradient back in fp32; a
+    weight_grad_accumulator), else in the weight's dtype. "weight_dtype": chunk pair by chunk
+    pair in the weight's dtype, no fp32 copy of a 16-bit weight's gradient, so the peak is the
+    gradients plus the workspace; the gradient carries one rounding per pair of chunks.
+    "fp32": as exact as one GEMM over all tokens, for a 16-bit weight too: in_forward keeps an
+    fp32 [V, H] between forward and backward, recompute loops over vocabulary blocks outside
+    the token chunks (fp32 scratch: [N, H] plus a 128 MiB block). inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
     backward scales the saved gradients where they are and returns them; a second backward
     through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
 
@@ -625,18 +658,25 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                      defer_when_compiling=True) as checks:
         if bad_flag is not None:
             raise bad_flag
-        opts, mode, dh_red, acc32, inplace = _option_args(
+        opts, mode, dh_red, accumulation, inplace = _option_args(
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
             logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
             inplace_backward)
+        acc32 = _fp32_accumulation(accumulation, weight, weight_grad_accumulator)
         # under torch.autocast the GEMMs run in its dtype, as F.linear's would (an accumulator
         # leaves autograd expanded zeros for the weight, which the cast keeps expanded)
-        hidden, weight = autocast_operands(hidden, weight,
-                                           expanded_grads=weight_grad_accumulator is not None)
+        # An fp32 weight is kept: the op casts it for the GEMMs and returns its gradient in fp32,
+        # summed there without a rounding to the autocast dtype (autograd's cast would round it).
+        cast_inside = _casts_weight_inside(hidden, weight)
+        if cast_inside:
+            (hidden,) = autocast_operands(hidden)
+        else:
+            hidden, weight = autocast_operands(hidden, weight,
+                                               expanded_grads=weight_grad_accumulator is not None)
         # reduce_scatter at TP > 1: hidden is this rank's slice of the tokens
         token_slices = (group_size(tp_group) if name and dh_red == _DHIDDEN["reduce_scatter"]
                         else 1)
-        validate_inputs(hidden, weight, target, token_slices)
+        validate_inputs(hidden, weight, target, token_slices, fp32_weight_ok=cast_inside)
         if loss_mask is not None:
             validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
         mode = resolved_mode(mode, opts.reduction, wants_grad(hidden, weight), hidden.dtype,
@@ -667,7 +707,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         hidden = gather_token_slices(hidden, name, check, hidden_grad, target.numel(),
                                      weight.size(0), _OP)
     if (_EAGER is not None and not name and weight_grad_accumulator is None
-            and not through_custom_ops()):
+            and not cast_inside and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)
     else:
         loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,

@@ -196,6 +196,42 @@ def test_dweight_accumulation_and_inplace(device, mode, dtype):
     _check(device, dtype, backward_mode=mode, inplace_backward=False)
 
 
+@pytest.mark.parametrize("mode", ["auto", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_default_accumulation_follows_the_weight_gradient_dtype(device, mode, dtype):
+    """dweight_accumulation="auto" (the default) sums a 16-bit weight's gradient in its own
+    dtype (the bits of "weight_dtype"; no fp32 [V, H]) and an fp32 weight's in fp32."""
+    h, w, t = _problem(device, dtype, shape=(40,), V=203, seed=int(torch.randint(1 << 30, ())))
+    upstream = torch.rand((), device=device) + 0.5
+
+    def grads(**options):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        fusedloss.linear_cross_entropy(hh, ww, t, backward_mode=mode, workspace_bytes=2 * 8 * 208 * 4,
+                                       **options).backward(upstream)
+        return hh.grad, ww.grad
+
+    same = grads(dweight_accumulation="weight_dtype" if dtype != torch.float32 else "fp32")
+    for got, want in zip(grads(), same):
+        assert torch.equal(got, want)
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    reference(h64, w64, t.cpu()).backward(upstream.double().cpu())
+    assert _rel(same[1].cpu(), w64.grad) <= _TOL[dtype]
+
+
+def test_default_in_forward_keeps_no_fp32_weight_gradient(device):
+    """The default bf16 call saves its unit weight gradient in bf16 (scaled in place by the
+    backward, no fp32 [V, H] copy); dweight_accumulation="fp32" keeps an fp32 one."""
+    h, w, t = _problem(device, torch.bfloat16)
+    for options, dtype in (({}, torch.bfloat16), ({"dweight_accumulation": "fp32"}, torch.float32)):
+        saved = []
+        ww = w.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            loss = fusedloss.linear_cross_entropy(h.clone().requires_grad_(), ww, t, **options)
+        big = [x for x in saved if x.shape == w.shape and x.data_ptr() != ww.data_ptr()]
+        assert [x.dtype for x in big] == [dtype], options
+        loss.backward()
+
+
 @pytest.mark.parametrize("mode, reduction", [("in_forward", "mean"), ("recompute", "mean"),
                                              ("recompute", "none")])
 @pytest.mark.parametrize("accumulation", ["fp32", "weight_dtype"])
@@ -422,25 +458,35 @@ def test_tf32_follows_torch(device):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_autocast_runs_the_gemms_in_its_dtype(device, autocast_dtype, hidden_dtype, compiled):
     """Under torch.autocast the op is F.linear + F.cross_entropy there: fp32 operands (and the
-    autocast model's bf16 hidden with its fp32 head weight) are cast to the autocast dtype, the
-    loss is fp32, and each gradient comes back in its input's dtype through the cast."""
+    autocast model's bf16 hidden with its fp32 head weight) run the GEMMs in the autocast dtype,
+    the loss is fp32, hidden's gradient comes back in its dtype through the cast, and the fp32
+    weight's gradient is summed in fp32 and never rounded to the autocast dtype."""
     h, w, t = _problem(device, torch.float32)
     hidden_dtype = autocast_dtype if hidden_dtype == "autocast" else hidden_dtype
     op = torch.compile(fusedloss.linear_cross_entropy, fullgraph=True) if compiled else \
         fusedloss.linear_cross_entropy
 
-    def run(hidden, weight, autocast):
+    def run(hidden, weight, autocast, **options):
         hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with torch.autocast(h.device.type, dtype=autocast_dtype, enabled=autocast):
-            loss = op(hidden, weight, t)
+            loss = op(hidden, weight, t, **options)
         loss.backward()
         return loss, hidden.grad, weight.grad
 
     loss, dh, dw = run(h.to(hidden_dtype), w, True)
     assert loss.dtype == torch.float32 and dh.dtype == hidden_dtype and dw.dtype == torch.float32
-    cast = run(h.to(autocast_dtype), w.to(autocast_dtype), False)
-    for got, want in zip((loss, dh, dw), cast):
-        assert torch.equal(got, want.to(got.dtype))
+    cast_loss, cast_dh, cast_dw = run(h.to(autocast_dtype), w.to(autocast_dtype), False,
+                                      dweight_accumulation="fp32")
+    assert torch.equal(loss, cast_loss) and torch.equal(dh, cast_dh.to(dh.dtype))
+    # the fp32 sum itself: not representable in the autocast dtype, and closer to float64 than
+    # its rounding (the cast call's gradient, where both sum alike: bf16 runs in_forward)
+    assert not torch.equal(dw.to(autocast_dtype).float(), dw)
+    h64 = h.to(autocast_dtype).double().cpu().requires_grad_()
+    w64 = w.to(autocast_dtype).double().cpu().requires_grad_()
+    reference(h64, w64, t.cpu()).backward()
+    assert _rel(dw.cpu(), w64.grad) < _rel(cast_dw.cpu(), w64.grad)
+    if autocast_dtype == torch.bfloat16:
+        assert torch.equal(dw.to(autocast_dtype), cast_dw)
     with torch.autocast(h.device.type, dtype=autocast_dtype):  # the unfused ops agree
         ref = F.cross_entropy(F.linear(h.to(hidden_dtype), w), t)
     assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
@@ -460,15 +506,22 @@ def test_autocast_reads_every_layout(device, layout, leaf_itself):
 
     def run(autocast):
         h, w = hb.detach().clone().requires_grad_(), wb.detach().clone().requires_grad_()
+        seen = []  # the gradient the op hands to the weight view, before the view's backward
         with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=autocast):
             hh, ww = hv(h), (w if leaf_itself else wv(w))
+            ww.register_hook(seen.append)
             loss = fusedloss.linear_cross_entropy(hh, ww, t) if autocast else \
-                fusedloss.linear_cross_entropy(hh.bfloat16(), ww.bfloat16(), t)
+                fusedloss.linear_cross_entropy(hh.bfloat16(), ww.bfloat16(), t,
+                                               dweight_accumulation="fp32")
         loss.backward()
-        return loss, h.grad, w.grad
+        return loss, h.grad, seen[0], w.grad
 
-    for got, want in zip(run(True), run(False)):
-        assert torch.equal(got, want)
+    (loss, dh, dw, leaf_dw), (cast_loss, cast_dh, cast_dw, _) = run(True), run(False)
+    assert torch.equal(loss, cast_loss) and torch.equal(dh, cast_dh)
+    # the fp32 weight's gradient leaves the op as the fp32 sum, which the cast call rounds to
+    # bf16 before its view's backward; the view's backward then takes it to the leaf
+    assert dw.dtype == leaf_dw.dtype == torch.float32 and torch.equal(dw.bfloat16(), cast_dw.bfloat16())
+    assert leaf_dw.shape == wb.shape
 
 
 def test_autocast_on_one_rank_only_raises_on_every_rank():

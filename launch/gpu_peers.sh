@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Source on a GPU machine without network: installs the peers' wheels carried in .whl/ (and a
+# wheel too large for one transfer as parts `NAME.whl.part.*`, in .whl/ or .whl2/, which may
+# arrive in separate calls: parts are kept in /tmp/peer-wheels until all are there) into
+# /tmp/site, and puts it and the CUTLASS DSL's `cutlass` package (which its wheel puts on
+# sys.path through a .pth file, not read from a --target folder) on PYTHONPATH.
+# The wheels are fetched on a machine with PyPI (bench/NOTES.md, "Peers").
+mkdir -p /tmp/peer-wheels /tmp/site
+for dir in .whl .whl2; do
+  [ -d "$dir" ] && cp -n "$dir"/* /tmp/peer-wheels/ 2>/dev/null
+done
+for first in /tmp/peer-wheels/*.whl.part.aa; do
+  [ -e "$first" ] || continue
+  whole=${first%.part.aa}
+  parts=("$whole".part.*)
+  # the last part is the one shorter than the first (split -b): complete when one is
+  last=${parts[-1]}
+  if [ "$(stat -c %s "$last")" -lt "$(stat -c %s "$first")" ]; then
+    cat "${parts[@]}" > "$whole" && rm -f "${parts[@]}"
+  fi
+done
+wheels=(/tmp/peer-wheels/*.whl)
+if [ -e "${wheels[0]}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "${wheels[@]}" 2>&1 | grep -v "already exists" | head -5
+fi
+export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+echo "peers installed: $(ls /tmp/site | grep -ciE 'dist-info$') wheels in /tmp/site"
