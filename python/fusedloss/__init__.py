@@ -6,15 +6,11 @@
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
 """
+import sys as _sys
+import types as _types
 from os import path as _path
 
-import torch
-
 from . import _C
-from .cross_entropy import CrossEntropyLoss, cross_entropy
-from .linear_cross_entropy import linear_cross_entropy
-from .rms_norm import RMSNorm, rms_norm
-from .swiglu import SwiGLU, swiglu
 
 __version__ = _C.__version__
 # The C++ SDK shipped inside this package (include/, lib/libfusedloss.a, lib/cmake/fusedloss):
@@ -39,36 +35,10 @@ def set_scratch_allocator(source: str) -> None:
     torch.OutOfMemoryError, as torch's own allocation would (within its memory fraction). torch keeps a freed block
     for the stream it was allocated on: each stream that runs the linear cross-entropy keeps its
     chunk buffer (workspace_bytes) cached until torch.cuda.empty_cache(). For the whole process;
-    FUSEDLOSS_SCRATCH=torch|cuda sets it at import. "torch" needs the C++ nodes
+    FUSEDLOSS_SCRATCH=torch|cuda sets it when the ops first load. "torch" needs the C++ nodes
     (fusedloss._native.status; FUSEDLOSS_NATIVE_NODES=0 leaves the scratch in cudaMallocAsync)."""
     from . import _native
     _native.set_scratch(source)
-
-
-def _scratch_from_environment():
-    """FUSEDLOSS_SCRATCH, else "torch" where the C++ nodes load. A name set_scratch_allocator
-    does not know fails the import; FUSEDLOSS_SCRATCH=torch where the C++ nodes cannot load
-    warns and keeps cudaMallocAsync (the ops still work)."""
-    import os
-    import warnings
-    from . import _native
-    source = os.environ.get("FUSEDLOSS_SCRATCH")
-    if not source:
-        if _native.ops is not None:
-            try:
-                set_scratch_allocator("torch")
-            except RuntimeError as error:  # the ops work on, their scratch from cudaMallocAsync
-                warnings.warn(f"fusedloss: {error}; the scratch comes from cudaMallocAsync")
-        return
-    try:
-        set_scratch_allocator(source)
-    except ValueError as error:
-        raise ValueError(f"FUSEDLOSS_SCRATCH: {error}") from None
-    except RuntimeError as error:
-        warnings.warn(f"FUSEDLOSS_SCRATCH={source}: {error}; the scratch comes from cudaMallocAsync")
-
-
-_scratch_from_environment()
 
 
 def check_device_errors(device=None):
@@ -76,5 +46,48 @@ def check_device_errors(device=None):
     kernels met since the last call (CUDA defers these reports to avoid host syncs): an
     out-of-range target, or an upstream gradient that is not c * loss_mask for a
     linear_cross_entropy whose forward computed the masked gradients."""
+    import torch
     if torch.cuda.is_available():
         _C.check_device_errors(torch.cuda.current_stream(device).cuda_stream)
+
+
+# The PyTorch ops load with torch on the first use of one of the package's names (PEP 562), so
+# that `import fusedloss` and fusedloss.jax do not import torch. The op modules load the C++
+# nodes and set the scratch allocator (_native.py) on their import, whichever route imports them.
+_TORCH_API = {"cross_entropy": ("CrossEntropyLoss", "cross_entropy"),
+              "linear_cross_entropy": ("linear_cross_entropy",),
+              "rms_norm": ("RMSNorm", "rms_norm"),
+              "swiglu": ("SwiGLU", "swiglu")}
+_NOT_TORCH = frozenset(("jax",))  # subpackages that must not pull torch in when asked for
+
+
+def _load_torch_api():
+    import importlib
+    for module, names in _TORCH_API.items():
+        loaded = importlib.import_module(f".{module}", __name__)
+        for name in names:
+            globals()[name] = getattr(loaded, name)
+
+
+def __getattr__(name):
+    if name.startswith("__") or name in _NOT_TORCH:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _load_torch_api()
+    try:
+        return globals()[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+class _Package(_types.ModuleType):
+    """The import system binds a submodule to its package's attribute: the op modules share
+    their names with their ops, and the ops keep those names (fusedloss.cross_entropy is the
+    function whichever module was imported first)."""
+
+    def __setattr__(self, name, value):
+        if name in _TORCH_API and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

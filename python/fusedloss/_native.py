@@ -72,3 +72,27 @@ ops, status = _load()
 if ops is None and os.path.exists(_LIBRARY) and not status.startswith("off"):
     # built, yet unusable here: the same results through the Python nodes, more host time a call
     warnings.warn(f"fusedloss: the C++ autograd nodes are {status}; using the Python nodes")
+
+
+def _scratch_from_environment():
+    """FUSEDLOSS_SCRATCH, else "torch" where the C++ nodes load, when the op modules first import
+    this module (on the first use of an op: `import fusedloss` alone imports no torch). A name
+    set_scratch_allocator does not know fails that import; FUSEDLOSS_SCRATCH=torch where the C++
+    nodes cannot load warns and keeps cudaMallocAsync (the ops still work)."""
+    source = os.environ.get("FUSEDLOSS_SCRATCH")
+    if not source:
+        if ops is not None:
+            try:
+                set_scratch("torch")
+            except RuntimeError as error:  # the ops work on, their scratch from cudaMallocAsync
+                warnings.warn(f"fusedloss: {error}; the scratch comes from cudaMallocAsync")
+        return
+    try:
+        set_scratch(source)
+    except ValueError as error:
+        raise ValueError(f"FUSEDLOSS_SCRATCH: {error}") from None
+    except RuntimeError as error:
+        warnings.warn(f"FUSEDLOSS_SCRATCH={source}: {error}; the scratch comes from cudaMallocAsync")
+
+
+_scratch_from_environment()

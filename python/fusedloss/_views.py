@@ -8,9 +8,7 @@ copied here first; auxiliary tensors (bias, scales, grad_output, targets) are sm
 made contiguous in the dtype the kernel computes with.
 """
 import functools
-import math
 import numbers
-import operator
 import os
 import sys
 import types
@@ -20,6 +18,8 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._args import as_bool, as_choice, as_int, choice_name
+from ._args import fits_float32 as _fits_float32
 
 _DTYPES = {
     torch.float32: _C.DType.F32,
@@ -108,20 +108,6 @@ def require_targets(target, ref, ref_name, shape_note, shape=None):
     require_same_device(target, "target", ref, ref_name)
 
 
-def as_int(value, name):
-    """An integer argument that fits int64: ints and integer-like objects (numpy, 0-d int
-    tensors), never a float or bool truncated silently."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: got {value!r}, expected an int")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected an int") from None
-    if not -2**63 <= v < 2**63:
-        raise ValueError(f"{name}: got {v}, expected an int64 value")
-    return v
-
-
 def validated(validate, *args) -> None:
     """Runs a C++ options validator; its message names the field without the C++ struct's
     "options." prefix (Python callers know the keyword), as the C++ nodes' core_call does."""
@@ -130,23 +116,6 @@ def validated(validate, *args) -> None:
     except _C.Error as e:
         message = str(e)
         raise _C.Error(message.removeprefix("options.")) from None
-
-
-_F32_ZERO_BELOW = 2.0 ** -150  # magnitudes up to this round to 0 in float32
-_F32_INF_FROM = 2.0 ** 128 * (1 - 2.0 ** -25)  # finite magnitudes from this round to inf
-
-
-def _fits_float32(value: float, name: str) -> float:
-    """The options reach the kernels as float32: a value that would become 0 or inf there (a
-    softcap of 1e-300 would silently switch it off) is refused with the value as passed."""
-    magnitude = abs(value)
-    if 0 < magnitude <= _F32_ZERO_BELOW:
-        raise ValueError(f"{name}: got {value!r}, which is 0 in float32 (the kernels' precision), "
-                         "expected 0 or a magnitude of at least 1.4e-45")
-    if _F32_INF_FROM <= magnitude < math.inf:
-        raise ValueError(f"{name}: got {value!r}, which is inf in float32 (the kernels' precision), "
-                         "expected a magnitude of at most 3.4e38")
-    return value
 
 
 def as_float(value, name):
@@ -167,24 +136,6 @@ def as_float(value, name):
     except OverflowError:
         raise ValueError(f"{name}: got an integer too large for a float ({str(value)[:20]}...), "
                          "expected a real number") from None
-
-
-def as_bool(value, name):
-    """A flag: True or False (numpy's bool too), never a string or a number taken for one."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
-        return bool(value)
-    raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected True or False")
-
-
-def as_choice(value, name, allowed):
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name}: got {value!r}, expected one of {sorted(allowed)}")
-    return allowed[value]
-
-
-def choice_name(allowed, value):
-    """as_choice's inverse: the name of `value` in `allowed` (the value itself if none)."""
-    return next((k for k, v in allowed.items() if v == value), value)
 
 
 _PLAIN = frozenset((int, float, str, bool, type(None)))

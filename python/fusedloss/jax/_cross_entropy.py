@@ -1,0 +1,120 @@
+"""fusedloss.jax.cross_entropy: the core's cross-entropy as a jax.custom_vjp over XLA FFI calls.
+
+forward  one pass over the logits (online softmax) -> per-row loss and lse (4 B/row kept);
+         vocab-parallel (axis_name): this device's shard's stats, an all_gather of 16 B/row over
+         the mesh axis, the merge
+backward one pass that reads the logits and writes the gradient, into the logits' buffer where
+         XLA lets it (an input-output alias: XLA copies the logits first if anything else still
+         reads them)
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import _ffi
+from ._args import (NONE, CeOptions, loss_results, index, parse_ce_options, require_targets,
+                    require_values)
+from ._vocab_parallel import axis_place, local_targets, merge, replicated_cotangent, shard_options
+
+_F32 = jnp.float32
+
+
+def _backward(o: CeOptions, x, t, lse, count, g, vocab_global=-1):
+    (dx,) = _ffi.call("ce_backward", [(x.shape, x.dtype)], x, t, lse, g.astype(_F32), count,
+                      aliases={0: 0}, **o.attributes(vocab_global))
+    return dx
+
+
+# ---- one device holds the whole vocabulary ----
+
+def _forward(o: CeOptions, x, t):
+    return _ffi.call("ce_forward", loss_results(x.shape[0], o.reduction), x, t, **o.attributes())
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cross_entropy(o, x, t):
+    return _forward(o, x, t)[0]
+
+
+def _cross_entropy_fwd(o, x, t):
+    loss, lse, count = _forward(o, x, t)
+    return loss, (x, t, lse, count)
+
+
+def _cross_entropy_bwd(o, saved, g):
+    x, t, lse, count = saved
+    return _backward(o, x, t, lse, count, g), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+# ---- vocab-parallel: x is this device's shard of the vocabulary along axis_name ----
+
+def _sharded_forward(o: CeOptions, axis_name, x, t):
+    rank, parts = axis_place(axis_name)
+    rows, vocab_local = x.shape
+    vocab_global = parts * vocab_local
+    tl, ol = local_targets(t, o, rank, vocab_local, vocab_global)
+    (stats,) = _ffi.call("ce_local_stats", [((rows, 4), _F32)], x, tl,
+                         **ol.attributes(vocab_global))
+    loss, lse, count = merge(stats, t, o, axis_name, vocab_local, vocab_global, rows)
+    return loss, (x, tl, lse, count)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_cross_entropy(o, axis_name, x, t):
+    return _sharded_forward(o, axis_name, x, t)[0]
+
+
+def _sharded_cross_entropy_bwd(o, axis_name, saved, g):
+    x, tl, lse, count = saved
+    g = replicated_cotangent(g, x, axis_name)
+    vocab_global = jax.lax.axis_size(axis_name) * x.shape[1]
+    # each shard's gradient is its own: nothing is communicated in the backward
+    return _backward(shard_options(o, vocab_global), x, tl, lse, count, g, vocab_global), None
+
+
+_sharded_cross_entropy.defvjp(_sharded_forward, _sharded_cross_entropy_bwd)
+
+
+def _validate(logits, target):
+    require_values(logits, "logits")
+    if logits.ndim not in (2, 3) or logits.shape[-1] == 0:
+        raise ValueError(f"logits: got shape {tuple(logits.shape)}, expected a 2-D [N, V] or 3-D "
+                         "[s, b, V] tensor with V >= 1")
+    require_targets(target, logits, "the logits' shape without the vocab dim")
+
+
+def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
+                  reduction: str = "mean", z_loss: float = 0.0, axis_name=None):
+    """Cross-entropy of logits [N, V] or [s, b, V] (float32/float16/bfloat16) against integer
+    targets of the logits' shape without V, as fusedloss.cross_entropy computes it (the same C++
+    core): no [N, V] softmax, the loss in float32 for every input dtype, and a 'mean' over no
+    counted row is 0 with zero gradients (where a plain log-softmax gives NaN). `z_loss` adds
+    z * lse^2 per row; `smoothing_formula='megatron'` and `smoothing_scope='partition'` are
+    Megatron's label smoothing. A differentiable function of the logits: jax.jit, jax.grad,
+    jax.vmap (each batch element is its own problem: a 'mean' per element).
+
+    axis_name (inside jax.shard_map): the logits are this device's contiguous shard of the
+    vocabulary along that mesh axis (device r of P holds [r V_local, (r+1) V_local)); targets are
+    global ids, the same on every device. The per-row statistics are merged with one
+    jax.lax.all_gather of 16 B/row, and every device gets the same loss (a per-device loss with
+    smoothing_scope='partition'); the gradient of each shard stays on its device.
+
+    A target outside [0, V) that is not ignore_index is an error of the call (on the CPU; on
+    CUDA its row's loss is NaN and fusedloss.jax.check_device_errors() raises).
+    """
+    o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                         reduction, z_loss)
+    _validate(logits, target)
+    x = logits.reshape(-1, logits.shape[-1])
+    _ffi.validate_cross_entropy(o, x.shape[0], x.shape[1])
+    t = index(target)
+    if axis_name is None:
+        loss = _cross_entropy(o, x, t)
+    else:
+        loss = _sharded_cross_entropy(o, axis_name, x, t)
+    return loss.reshape(target.shape) if o.reduction == NONE else loss

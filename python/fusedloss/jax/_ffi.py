@@ -1,0 +1,162 @@
+"""libfusedloss_jax (python/src/jax/ffi_handlers.cpp): the XLA FFI handlers of fusedloss.jax,
+loaded with ctypes and registered with jax.ffi for XLA's host platform and, in a build with CUDA,
+for CUDA; and the core's option checks and rules, asked at trace time.
+
+    call(op, results, *args, **attrs)   one handler call (jax.ffi.ffi_call), under jit, vmap and
+                                        shard_map alike
+"""
+import ctypes
+import inspect
+import os
+
+import jax
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
+_OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
+        "lce_local_stats", "lce_backward", "rms_norm_forward", "rms_norm_backward",
+        "swiglu_forward", "swiglu_backward")
+
+
+def _load():
+    if not os.path.exists(_LIBRARY):
+        raise ImportError(
+            f"fusedloss.jax: {_LIBRARY} is missing: the package was built without jax. Build it "
+            "where jax is installed (pip install --no-build-isolation . with jax in the "
+            "environment, or -C cmake.define.FUSEDLOSS_JAX_INCLUDE_DIR=<jax.ffi.include_dir()>)")
+    lib = ctypes.CDLL(_LIBRARY)
+    platforms = {"cpu": "cpu"}
+    if lib.fusedloss_jax_has_cuda():
+        platforms["CUDA"] = "cuda"
+    for op in _OPS:
+        for platform, suffix in platforms.items():
+            handler = getattr(lib, f"fusedloss_{op}_{suffix}")
+            jax.ffi.register_ffi_target(f"fusedloss_{op}", jax.ffi.pycapsule(handler),
+                                        platform=platform)
+    return lib, tuple(platforms)
+
+
+_lib, PLATFORMS = _load()
+
+
+# ---- handler calls ----
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes x varies over inside jax.shard_map (empty outside it, or without check_vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # newer JAX: the manual axis type
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def varying(x, axes):
+    """x marked as varying over `axes` too (its gradient is then summed over them: pcast's
+    transpose is a psum), as shard_map's type system needs where a value meets a shard's."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+
+def call(op: str, results, *args, aliases=None, **attrs):
+    """fusedloss_<op>(*args) -> results (shape, dtype) pairs, each without batch dims. Attributes
+    are typed here as the handlers read them (ints: int64, floats: float32, flags: bool).
+
+    Under jax.vmap the handler gets the batch dims in front of every buffer (expand_dims, see
+    ffi_handlers.cpp). Under jax.shard_map with check_vma, XLA's custom call has no rule for the
+    mesh axes its results vary over: they vary over every axis an argument varies over, and the
+    arguments are all cast to that first (ffi_call requires them equal)."""
+    axes = frozenset().union(*(varying_axes(a) for a in args))
+    args = [varying(a, axes) for a in args]
+    avals = [_result(shape, dtype, args[0]) for shape, dtype in results]
+    typed = {k: _attribute(v) for k, v in attrs.items()}
+    if aliases and any(type(a).__name__ == "BatchTracer" for a in args):
+        # vmap batches the result but maybe not the aliased argument (a size-1 dim in front):
+        # their shapes would differ, so the result gets a buffer of its own
+        aliases = None
+    return jax.ffi.ffi_call(f"fusedloss_{op}", avals, vmap_method="expand_dims",
+                            input_output_aliases=aliases)(*args, **typed)
+
+
+_RESULT_FIELDS = inspect.signature(jax.ShapeDtypeStruct).parameters
+
+
+def _result(shape, dtype, like):
+    """A result's shape and dtype, varying over the mesh axes `like` varies over (the field's name
+    depends on the JAX release: manual_axis_type, or vma before it)."""
+    aval = jax.typeof(like)
+    for field in ("manual_axis_type", "vma"):
+        axes = getattr(aval, field, None)
+        if field in _RESULT_FIELDS and axes:  # (replicated over the mesh's other axes)
+            sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding, **{field: axes})
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _attribute(value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return np.int64(value)
+    if isinstance(value, float):
+        return np.float32(value)
+    raise AssertionError(f"fusedloss.jax internal: attribute {value!r}")
+
+
+# ---- the core's checks and rules, at trace time ----
+
+_MESSAGE = 2048
+
+
+def _checked(fn, *args) -> None:
+    """Runs a core validator; its message names the field without the C++ struct's "options."
+    prefix (callers know the keyword), as the PyTorch ops' messages do."""
+    message = ctypes.create_string_buffer(_MESSAGE)
+    if fn(*args, message, ctypes.c_size_t(_MESSAGE)):
+        raise ValueError(message.value.decode().removeprefix("options."))
+
+
+_i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+def validate_cross_entropy(o, rows: int, vocab_local: int) -> None:
+    """o: a CeOptions (_args.py)."""
+    _checked(_lib.fusedloss_jax_validate_cross_entropy, _i64(o.ignore_index),
+             _f32(o.label_smoothing), _i32(o.formula), _i32(o.scope), _f32(o.z_loss),
+             _i32(o.reduction), _i64(rows), _i64(vocab_local))
+
+
+def validate_linear_cross_entropy(o, softcap: float, workspace_bytes: int, mode: int, rows: int,
+                                  vocab_local: int, hidden: int) -> None:
+    _checked(_lib.fusedloss_jax_validate_linear_cross_entropy, _i64(o.ignore_index),
+             _f32(o.label_smoothing), _i32(o.formula), _i32(o.scope), _f32(o.z_loss),
+             _i32(o.reduction), _f32(softcap), _i64(workspace_bytes), _i32(mode), _i64(rows),
+             _i64(vocab_local), _i64(hidden))
+
+
+def resolve_linear_ce_backward(mode: int, reduction: int, dtype: int) -> int:
+    """The core's rule for backward_mode "auto" (and its check of an explicit one)."""
+    resolved = _i32(0)
+    _checked(_lib.fusedloss_jax_resolve_linear_ce_backward, _i32(mode), _i32(reduction),
+             _i32(dtype), ctypes.byref(resolved))
+    return resolved.value
+
+
+def validate_rms_norm(eps: float, zero_centered_gamma: bool) -> None:
+    _checked(_lib.fusedloss_jax_validate_rms_norm, _f32(eps), _i32(int(zero_centered_gamma)))
+
+
+def rms_norm_reads_weight_as_is(x: int, weight: int) -> bool:
+    return bool(_lib.fusedloss_jax_rms_norm_reads_weight_as_is(_i32(x), _i32(weight)))
+
+
+def validate_swiglu_clamp(clamp_value: float) -> None:
+    _checked(_lib.fusedloss_jax_validate_swiglu, _f32(clamp_value))
+
+
+def check_device_errors() -> None:
+    """See fusedloss.jax.check_device_errors."""
+    if "CUDA" in PLATFORMS:
+        _checked(_lib.fusedloss_jax_check_device_errors, ctypes.c_void_p(None))

@@ -1,0 +1,229 @@
+"""fusedloss.jax.linear_cross_entropy: the LM head's projection and the cross-entropy in one
+jax.custom_vjp over XLA FFI calls, without a [tokens, V] logits buffer (the core computes the
+logits one token chunk at a time in a bounded workspace: include/fusedloss/linear_cross_entropy.h).
+
+backward modes (both exact), as the PyTorch op's:
+  in_forward  reduction sum/mean (not fp16): the forward also computes the gradients for an
+              upstream gradient of 1 (3 GEMMs in all); the backward scales them. Kept between
+              them: dhidden [N, H] and dweight [V, H], in the inputs' dtype.
+  recompute   reduction none, fp16, or asked for: the forward keeps lse (4 B/row); the backward
+              recomputes each chunk's logits (4 GEMMs in all).
+A call that is not differentiated runs the forward alone (1 GEMM).
+
+Vocab-parallel (axis_name, inside jax.shard_map): the weight is this device's shard of the
+vocabulary; this shard's per-row stats (one GEMM per chunk), an all_gather of 16 B/row, the
+merge; the recompute backward gives this shard's dweight and its partial dhidden, which JAX sums
+over the axis (hidden enters the op as varying over the axis: the transpose of that cast is a
+psum), or reduce-scatters with sequence_parallel (the op all-gathers the token slices: the
+transpose of that all_gather is a psum_scatter).
+"""
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from ._args import (DTYPES, NONE, CeOptions, as_bool, as_choice, as_int, as_float, index,
+                    loss_results, parse_ce_options, require_array, require_targets,
+                    require_values)
+from ._vocab_parallel import axis_place, local_targets, merge, replicated_cotangent, shard_options
+
+_F32 = jnp.float32
+# fusedloss::LinearCeBackward
+_AUTO, _IN_FORWARD, _RECOMPUTE = 0, 1, 2
+_MODES = {"auto": _AUTO, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
+
+
+class LceOptions(NamedTuple):
+    ce: CeOptions
+    softcap: float
+    workspace_bytes: int  # 0: the core's default
+    tf32: bool
+    mode: int  # what a differentiated call runs: _IN_FORWARD or _RECOMPUTE
+
+    def attributes(self, mode: int, vocab_global: int = -1) -> dict:
+        return dict(self.ce.attributes(vocab_global), logit_softcap=self.softcap,
+                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32, backward_mode=mode)
+
+
+def _grads_like(h, w):
+    return [(h.shape, h.dtype), (w.shape, w.dtype)]
+
+
+def _scaled(unit_grad, g):
+    """A gradient kept for an upstream gradient of 1, for the upstream gradient g (a scalar)."""
+    return (unit_grad.astype(_F32) * g.astype(_F32)).astype(unit_grad.dtype)
+
+
+def _recompute_backward(o: LceOptions, h, w, t, lse, count, g, vocab_global=-1):
+    return _ffi.call("lce_backward", _grads_like(h, w), h, w, t, lse, g.astype(_F32), count,
+                     **o.attributes(_RECOMPUTE, vocab_global))
+
+
+# ---- one device holds the whole vocabulary ----
+
+def _forward(o: LceOptions, h, w, t, mode: int):
+    kept = _grads_like(h, w) if mode == _IN_FORWARD else [((0,), _F32), ((0,), _F32)]
+    return _ffi.call("lce_forward", loss_results(h.shape[0], o.ce.reduction) + kept, h, w, t,
+                     **o.attributes(mode))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linear_cross_entropy(o, h, w, t):
+    return _forward(o, h, w, t, _RECOMPUTE)[0]  # not differentiated: the forward alone
+
+
+def _linear_cross_entropy_fwd(o, h, w, t):
+    loss, lse, count, dh, dw = _forward(o, h, w, t, o.mode)
+    return loss, ((dh, dw) if o.mode == _IN_FORWARD else (h, w, t, lse, count))
+
+
+def _linear_cross_entropy_bwd(o, saved, g):
+    if o.mode == _IN_FORWARD:
+        dh, dw = saved
+        return _scaled(dh, g), _scaled(dw, g), None
+    h, w, t, lse, count = saved
+    return (*_recompute_backward(o, h, w, t, lse, count, g), None)
+
+
+_linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
+
+
+# ---- vocab-parallel: w is this device's shard of the vocabulary along axis_name ----
+
+def _sharded_forward(o: LceOptions, axis_name, h, w, t):
+    rank, parts = axis_place(axis_name)
+    rows, vocab_local = h.shape[0], w.shape[0]
+    vocab_global = parts * vocab_local
+    tl, shard = local_targets(t, o.ce, rank, vocab_local, vocab_global)
+    (stats,) = _ffi.call("lce_local_stats", [((rows, 4), _F32)], h, w, tl,
+                         **o._replace(ce=shard).attributes(_RECOMPUTE, vocab_global))
+    loss, lse, count = merge(stats, t, o.ce, axis_name, vocab_local, vocab_global, rows)
+    return loss, (h, w, tl, lse, count)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_linear_cross_entropy(o, axis_name, h, w, t):
+    return _sharded_forward(o, axis_name, h, w, t)[0]
+
+
+def _sharded_linear_cross_entropy_bwd(o, axis_name, saved, g):
+    h, w, tl, lse, count = saved
+    g = replicated_cotangent(g, w, axis_name)
+    vocab_global = jax.lax.axis_size(axis_name) * w.shape[0]
+    shard = o._replace(ce=shard_options(o.ce, vocab_global))
+    # dhidden: this shard's partial sum, summed over the axis by JAX (see the module's note)
+    return (*_recompute_backward(shard, h, w, tl, lse, count, g, vocab_global), None)
+
+
+_sharded_linear_cross_entropy.defvjp(_sharded_forward, _sharded_linear_cross_entropy_bwd)
+
+
+# ---- the op ----
+
+def _validate(hidden, weight, target, token_slices: int):
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    require_array(target, "target")
+    if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
+                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
+    if token_slices == 1:
+        require_targets(target, hidden, "hidden's shape without the hidden dim")
+    else:
+        shape = (hidden.shape[0] * token_slices, *hidden.shape[1:-1])
+        require_targets(target, hidden, f"the tokens of {token_slices} devices' slices of hidden "
+                        "along dim 0, without the hidden dim: sequence_parallel=True", shape=shape)
+
+
+def _mode(mode: int, reduction: int, dtype) -> int:
+    """backward_mode "auto": in_forward for sum/mean, recompute for none and for fp16 inputs (the
+    core's rule); an explicit in_forward where auto would not take it is refused."""
+    auto = _ffi.resolve_linear_ce_backward(_AUTO, reduction, DTYPES[np.dtype(dtype)])
+    if mode == _IN_FORWARD and auto != _IN_FORWARD:
+        raise ValueError(
+            "backward_mode: got 'in_forward' with reduction='none', expected 'recompute' or "
+            "'auto' (per-row losses have per-row upstream gradients, known only in the backward)"
+            if reduction == NONE else
+            f"backward_mode: got 'in_forward' with {np.dtype(dtype).name} inputs, expected "
+            "'recompute' or 'auto' (the in-forward gradient is stored in fp16 before the upstream "
+            "gradient scales it, so the entries a loss scale would keep flush to zero)")
+    return auto if mode == _AUTO else mode
+
+
+def _allows_tf32() -> bool:
+    """fp32 GEMMs on TF32 tensor cores where JAX's own matmuls may use them (its default
+    precision), not under jax.default_matmul_precision('highest' / 'float32')."""
+    precision = jax.config.jax_default_matmul_precision
+    return str(precision).lower() not in ("highest", "float32", "precision.highest")
+
+
+def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, smoothing_formula: str = "pytorch",
+                         smoothing_scope: str = "global", reduction: str = "mean",
+                         z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
+                         backward_mode: str = "auto", axis_name=None,
+                         sequence_parallel: bool = False):
+    """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
+    fusedloss.linear_cross_entropy computes it (the same C++ core).
+
+    hidden [N, H] or [s, b, H] and weight [V_local, H] (float32/float16/bfloat16, one dtype);
+    target: integer class ids of hidden's shape without H. The options are those of
+    fusedloss.jax.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
+    (Gemma-2). workspace_bytes bounds the logits chunk buffer and the GEMM workspace together
+    (default 256 MiB). float32 inputs may use TF32 GEMMs on GPUs unless
+    jax.default_matmul_precision is 'highest' / 'float32'. backward_mode: 'auto' (in_forward for
+    sum/mean, recompute for none and float16), 'in_forward' or 'recompute' (see the module).
+
+    axis_name (inside jax.shard_map): weight is this device's contiguous shard of the
+    vocabulary along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local));
+    targets are global ids. The backward is recompute there. hidden holds every token, the same
+    on every device; or with sequence_parallel=True, this device's slice of the tokens along
+    dim 0 (target, and the loss of reduction 'none', cover every device's slice in axis order):
+    the op all-gathers the slices, and their gradient comes back reduce-scattered.
+    """
+    ce = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                          reduction, z_loss)
+    softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
+    workspace = 0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes")
+    if workspace_bytes is not None and workspace <= 0:
+        raise ValueError(f"workspace_bytes: got {workspace}, expected None or a positive number "
+                         "of bytes")
+    mode = as_choice(backward_mode, "backward_mode", _MODES)
+    sequence_parallel = as_bool(sequence_parallel, "sequence_parallel")
+    if sequence_parallel and axis_name is None:
+        raise ValueError("sequence_parallel: got True without axis_name, expected the mesh axis "
+                         "the token slices and the vocabulary are split over")
+    slices = jax.lax.axis_size(axis_name) if sequence_parallel else 1
+    _validate(hidden, weight, target, slices)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:  # its transpose reduce-scatters the slices' gradient
+        h = jax.lax.all_gather(h, axis_name, tiled=True)
+    if axis_name is not None:
+        mode = _RECOMPUTE if mode == _AUTO else mode
+        if mode == _IN_FORWARD:
+            raise ValueError("backward_mode: got 'in_forward' with axis_name, expected 'recompute' "
+                             "or 'auto' (the in-forward gradients need the merged statistics of "
+                             "every chunk inside the GEMM loop, where XLA runs no collective)")
+    mode = _mode(mode, ce.reduction, hidden.dtype)
+    _ffi.validate_linear_cross_entropy(ce, softcap, workspace, mode, h.shape[0], weight.shape[0],
+                                       h.shape[1])
+    o = LceOptions(ce, softcap, workspace, _allows_tf32(), mode)
+    t = index(target)
+    if axis_name is None:
+        loss = _linear_cross_entropy(o, h, weight, t)
+    else:
+        if axis_name in _ffi.varying_axes(weight):  # (check_vma: shard_map's types)
+            # varying over the axis like the weight shard: the transpose of that cast sums the
+            # partial dhidden of every shard (nothing to do for gathered slices, which vary)
+            h = _ffi.varying(h, (axis_name,))
+        loss = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
+    return loss.reshape(target.shape) if ce.reduction == NONE else loss

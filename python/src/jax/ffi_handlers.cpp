@@ -1,0 +1,676 @@
+// libfusedloss_jax: fusedloss's ops as XLA FFI handlers for fusedloss.jax (python/fusedloss/jax),
+// over the public C++ API alone.
+//
+// Every handler has one binding: its buffers in order (RemainingArgs / RemainingRets) and its
+// options as named attributes, so a handler reads like the core call it makes. Each exists twice:
+// fusedloss_<op>_cpu (XLA's host platform: CPU views) and, in a build with CUDA,
+// fusedloss_<op>_cuda (CUDA views on the stream XLA hands the call; the core's scratch comes from
+// XLA's allocator for the call, see XlaScratch). fusedloss/jax/_ffi.py registers them.
+//
+// jax.vmap: the Python side calls with vmap_method="expand_dims", so every buffer arrives with the
+// batch dims in front, of size 1 where that argument is not batched. Rows are independent: a
+// handler whose results are all per row runs one core call over every batch item's rows when
+// the row arguments are all batched and the shared ones (a weight, a bias) are not; otherwise it
+// runs one core call per batch item (a reduction, a weight gradient per item).
+//
+// Errors: a fusedloss::Error is INVALID_ARGUMENT with the core's message (the Python side checks
+// shapes, dtypes and options at trace time with the same messages, so what reaches here is a
+// target value), an OutOfMemory is RESOURCE_EXHAUSTED.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fusedloss/config.h"
+#include "fusedloss/fusedloss.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace fl = fusedloss;
+
+namespace {
+
+using Args = ffi::RemainingArgs;
+using Rets = ffi::RemainingRets;
+using Attrs = ffi::Dictionary;
+
+// Where a handler's work runs: XLA's host platform (no stream), or CUDA on XLA's stream.
+struct Place {
+  fl::Device device;
+  fl::Stream stream;
+};
+
+// ---- scratch from XLA's allocator (CUDA) ----
+// The core takes the scratch of a CUDA call (the linear cross-entropy's chunk buffer, per-row and
+// per-block partial sums) from an installed fusedloss::ScratchAllocator. This library's copy of
+// the core has one that hands out the FFI ScratchAllocator of the handler running on this thread:
+// XLA's own device allocator, counted in its memory statistics, freed when the handler returns
+// (after the work it queued on XLA's stream, which is where the memory's next user runs).
+thread_local ffi::ScratchAllocator* t_xla_scratch = nullptr;
+
+void* xla_allocate(size_t bytes, fl::Stream, void*) {
+  if (t_xla_scratch == nullptr) return nullptr;
+  try {
+    std::optional<void*> block = t_xla_scratch->Allocate(bytes, 256);
+    return block ? *block : nullptr;
+  } catch (...) {
+    return nullptr;
+  }
+}
+void xla_release(void*, fl::Stream, void*) {}  // XLA frees it when the handler returns
+bool xla_serves(fl::Stream, void*) { return t_xla_scratch != nullptr; }
+
+// Binds the handler's XLA allocator to this thread for the call.
+class XlaScratch {
+ public:
+  explicit XlaScratch(ffi::ScratchAllocator* allocator) {
+    static std::once_flag installed;
+    std::call_once(installed, [] {
+      fl::ScratchAllocator a;
+      a.allocate = [](size_t bytes, fl::Stream s, void* c) { return xla_allocate(bytes, s, c); };
+      a.release = [](void* p, fl::Stream s, void* c) { xla_release(p, s, c); };
+      a.serves = [](fl::Stream s, void* c) { return xla_serves(s, c); };
+      fl::set_scratch_allocator(&a);
+    });
+    t_xla_scratch = allocator;
+  }
+  ~XlaScratch() { t_xla_scratch = nullptr; }
+  XlaScratch(const XlaScratch&) = delete;
+  XlaScratch& operator=(const XlaScratch&) = delete;
+};
+
+// ---- errors ----
+
+[[noreturn]] void internal(const std::string& what) {
+  throw std::logic_error("fusedloss.jax internal: " + what);
+}
+
+template <class Body>
+ffi::Error guarded(Body&& body) noexcept {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const fl::OutOfMemory& e) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, e.what());
+  } catch (const fl::Error& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  } catch (...) {
+    return ffi::Error::Internal("fusedloss.jax internal: an unknown exception");
+  }
+}
+
+// ---- buffers ----
+
+ffi::AnyBuffer arg(const Args& args, size_t i) {
+  auto b = args.get<ffi::AnyBuffer>(i);
+  if (!b.has_value()) internal("argument " + std::to_string(i) + ": " + b.error().message());
+  return *b;
+}
+
+ffi::AnyBuffer ret(const Rets& rets, size_t i) {
+  auto b = rets.get<ffi::AnyBuffer>(i);
+  if (!b.has_value()) internal("result " + std::to_string(i) + ": " + b.error().message());
+  return **b;
+}
+
+template <class T>
+T attr(const Attrs& attrs, const char* name) {
+  auto v = attrs.get<T>(name);
+  if (!v.has_value()) internal(std::string("attribute ") + name + ": " + v.error().message());
+  return *v;
+}
+
+fl::DType value_dtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return fl::DType::F32;
+    case ffi::DataType::F16: return fl::DType::F16;
+    case ffi::DataType::BF16: return fl::DType::BF16;
+    default: internal("a value buffer of XLA type " + std::to_string(int(t)));
+  }
+}
+
+int64_t dim(const ffi::AnyBuffer& b, int from_end) {
+  auto dims = b.dimensions();
+  if (int64_t(dims.size()) < from_end) internal("a buffer of rank " + std::to_string(dims.size()));
+  return dims[dims.size() - from_end];
+}
+
+// The batch items of a call under jax.vmap (see the top of the file).
+class Batch {
+ public:
+  // `result`: a result with `core` trailing dims; results carry the whole batch shape.
+  Batch(const ffi::AnyBuffer& result, int core) {
+    auto dims = result.dimensions();
+    if (int64_t(dims.size()) < core) internal("a result of rank " + std::to_string(dims.size()));
+    shape_.assign(dims.begin(), dims.end() - core);
+    for (int64_t d : shape_) size_ *= d;
+  }
+  int64_t size() const { return size_; }
+
+  // Element offset of item i in `b` (`core` trailing dims), broadcast along its size-1 dims.
+  int64_t offset(const ffi::AnyBuffer& b, int core, int64_t i) const {
+    auto dims = b.dimensions();
+    const size_t lead = dims.size() - core;
+    if (int64_t(dims.size()) < core || lead != shape_.size()) internal("batch dims of a buffer");
+    int64_t inner = 1;
+    for (size_t d = lead; d < dims.size(); ++d) inner *= dims[d];
+    int64_t off = 0, stride = inner;
+    for (size_t d = lead; d-- > 0;) {
+      const int64_t idx = i % shape_[d];
+      i /= shape_[d];
+      if (dims[d] != 1 && dims[d] != shape_[d]) internal("batch dims of a buffer");
+      if (dims[d] != 1) off += idx * stride;
+      stride *= dims[d];
+    }
+    return off;
+  }
+  // Whether `b` carries every batch dim (it is batched), or none (size 1 each: shared).
+  bool batched(const ffi::AnyBuffer& b, int core) const { return batch_of(b, core) == size_; }
+  bool shared(const ffi::AnyBuffer& b, int core) const { return batch_of(b, core) == 1; }
+
+ private:
+  int64_t batch_of(const ffi::AnyBuffer& b, int core) const {
+    auto dims = b.dimensions();
+    int64_t n = 1;
+    for (size_t d = 0; d + core < dims.size(); ++d) n *= dims[d];
+    return n;
+  }
+  std::vector<int64_t> shape_;
+  int64_t size_ = 1;
+};
+
+void* at(const ffi::AnyBuffer& b, int64_t elements) {
+  return static_cast<char*>(b.untyped_data()) + elements * int64_t(ffi::ByteWidth(b.element_type()));
+}
+float* f32_at(const ffi::AnyBuffer& b, int64_t elements) {
+  if (b.element_type() != ffi::DataType::F32) internal("an fp32 buffer of another type");
+  return static_cast<float*>(at(b, elements));
+}
+
+fl::MatrixView matrix(const ffi::AnyBuffer& b, int64_t offset, int64_t rows, int64_t cols,
+                      const Place& place) {
+  return fl::MatrixView{at(b, offset), rows, cols, cols, value_dtype(b.element_type()),
+                        place.device};
+}
+
+fl::VectorView vector(const ffi::AnyBuffer& b, int64_t offset, int64_t size, const Place& place) {
+  return fl::VectorView{at(b, offset), size, value_dtype(b.element_type()), place.device};
+}
+
+fl::IndexView index(const ffi::AnyBuffer& b, int64_t offset, int64_t size, const Place& place) {
+  fl::IndexType t;
+  switch (b.element_type()) {
+    case ffi::DataType::S32: t = fl::IndexType::I32; break;
+    case ffi::DataType::S64: t = fl::IndexType::I64; break;
+    default: internal("targets of XLA type " + std::to_string(int(b.element_type())));
+  }
+  return fl::IndexView{at(b, offset), size, t, place.device};
+}
+
+fl::RowStats* stats_at(const ffi::AnyBuffer& b, int64_t offset) {
+  return reinterpret_cast<fl::RowStats*>(f32_at(b, offset));
+}
+
+// ---- options (the attribute names are fusedloss/jax/_ffi.py's) ----
+
+fl::CrossEntropyOptions ce_options(const Attrs& a) {
+  fl::CrossEntropyOptions o;
+  o.ignore_index = attr<int64_t>(a, "ignore_index");
+  o.label_smoothing = attr<float>(a, "label_smoothing");
+  o.smoothing_formula = fl::SmoothingFormula(attr<int64_t>(a, "smoothing_formula"));
+  o.smoothing_scope = fl::SmoothingScope(attr<int64_t>(a, "smoothing_scope"));
+  o.z_loss = attr<float>(a, "z_loss");
+  o.reduction = fl::Reduction(attr<int64_t>(a, "reduction"));
+  // Vocab-parallel (vocab_global > 0): the Python side hands this shard's targets renumbered so
+  // that its columns start at 0 (fusedloss/jax/_vocab_parallel.py): the shard's place is a
+  // traced value there, and attributes are static.
+  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
+  if (vocab_global > 0) o.vocab_global = vocab_global;
+  // Shapes are static per trace: every device of a mesh axis runs the same program, so the run-
+  // time agreement of the other adapters has nothing to find.
+  o.check_shard_agreement = false;
+  return o;
+}
+
+fl::LinearCrossEntropyOptions lce_options(const Attrs& a) {
+  fl::LinearCrossEntropyOptions o;
+  o.logit_softcap = attr<float>(a, "logit_softcap");
+  const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
+  if (workspace > 0) o.workspace_bytes = size_t(workspace);
+  o.allow_tf32 = attr<bool>(a, "allow_tf32");
+  o.backward_mode = fl::LinearCeBackward(attr<int64_t>(a, "backward_mode"));
+  return o;
+}
+
+fl::RmsNormOptions rms_options(const Attrs& a) {
+  fl::RmsNormOptions o;
+  o.eps = attr<float>(a, "eps");
+  o.zero_centered_gamma = attr<bool>(a, "zero_centered_gamma");
+  return o;
+}
+
+fl::SwigluOptions swiglu_options(const Attrs& a) {
+  fl::SwigluOptions o;
+  const float clamp_value = attr<float>(a, "clamp_value");
+  o.clamp = clamp_value > 0.0f;
+  o.clamp_value = clamp_value;
+  return o;
+}
+
+fl::CrossEntropyOutputs ce_outputs(const Rets& r, int64_t i, int64_t rows, bool none) {
+  const ffi::AnyBuffer loss = ret(r, 0), lse = ret(r, 1), count = ret(r, 2);
+  return {f32_at(loss, none ? i * rows : i), f32_at(lse, i * rows), f32_at(count, i)};
+}
+
+// ---- cross-entropy ----
+
+// logits [.., N, V], target [.., N] -> loss [.., N] or [..], lse [.., N], count [..]
+void ce_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions o = ce_options(attrs);
+  const ffi::AnyBuffer x = arg(args, 0), t = arg(args, 1);
+  const Batch b(ret(rets, 1), 1);
+  const int64_t rows = dim(x, 2), cols = dim(x, 1);
+  const bool none = o.reduction == fl::Reduction::None;
+  if (none && b.batched(x, 2) && b.batched(t, 1)) {  // one call over every item's rows
+    fl::cross_entropy_forward(matrix(x, 0, b.size() * rows, cols, p),
+                              index(t, 0, b.size() * rows, p), o,
+                              ce_outputs(rets, 0, rows, true), nullptr, p.stream);
+    return;
+  }
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::cross_entropy_forward(matrix(x, b.offset(x, 2, i), rows, cols, p),
+                              index(t, b.offset(t, 1, i), rows, p), o,
+                              ce_outputs(rets, i, rows, none), nullptr, p.stream);
+}
+
+// logits [.., N, V], target [.., N], lse [.., N], grad_loss [.., N] or [..], count [..]
+// -> grad_logits [.., N, V] (may alias the logits: the core writes in place then)
+void ce_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions o = ce_options(attrs);
+  const ffi::AnyBuffer x = arg(args, 0), t = arg(args, 1), lse = arg(args, 2),
+                       g = arg(args, 3), count = arg(args, 4), dx = ret(rets, 0);
+  const Batch b(dx, 2);
+  const int64_t rows = dim(x, 2), cols = dim(x, 1);
+  const int g_core = o.reduction == fl::Reduction::None ? 1 : 0;
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::cross_entropy_backward(matrix(x, b.offset(x, 2, i), rows, cols, p),
+                               index(t, b.offset(t, 1, i), rows, p),
+                               f32_at(lse, b.offset(lse, 1, i)), f32_at(g, b.offset(g, g_core, i)),
+                               f32_at(count, b.offset(count, 0, i)), o,
+                               matrix(dx, b.offset(dx, 2, i), rows, cols, p), p.stream);
+}
+
+// Vocab-parallel pass 1: logits [.., N, V_local], target [.., N] (renumbered) -> stats [.., N, 4]
+void ce_local_stats(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions o = ce_options(attrs);
+  const ffi::AnyBuffer x = arg(args, 0), t = arg(args, 1), s = ret(rets, 0);
+  const Batch b(s, 2);
+  const int64_t rows = dim(x, 2), cols = dim(x, 1);
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::cross_entropy_local_stats(matrix(x, b.offset(x, 2, i), rows, cols, p),
+                                  index(t, b.offset(t, 1, i), rows, p), o,
+                                  stats_at(s, b.offset(s, 2, i)), p.stream);
+}
+
+// Vocab-parallel pass 2: combined [.., parts, N, 4] (all_gather'd), local [.., N, 4], target
+// [.., N] (global ids) -> loss, lse, count as ce_forward's. Attribute vocab_local.
+void ce_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions o = ce_options(attrs);
+  const int64_t vocab_local = attr<int64_t>(attrs, "vocab_local");
+  const ffi::AnyBuffer all = arg(args, 0), local = arg(args, 1), t = arg(args, 2);
+  const Batch b(ret(rets, 1), 1);
+  const int64_t rows = dim(t, 1);
+  const int parts = int(dim(all, 3));
+  const bool none = o.reduction == fl::Reduction::None;
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::cross_entropy_merge(stats_at(all, b.offset(all, 3, i)), parts,
+                            stats_at(local, b.offset(local, 2, i)),
+                            index(t, b.offset(t, 1, i), rows, p), o, vocab_local,
+                            ce_outputs(rets, i, rows, none), p.stream);
+}
+
+// ---- linear cross-entropy ----
+
+// hidden [.., N, H], weight [.., V, H], target [.., N] -> loss, lse, count (as ce_forward's),
+// dhidden [.., N, H] and dweight [.., V, H] (in_forward: the gradients for a unit upstream
+// gradient; recompute: [.., 0] placeholders)
+void lce_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions ce = ce_options(attrs);
+  const fl::LinearCrossEntropyOptions o = lce_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2);
+  const ffi::AnyBuffer dh = ret(rets, 3), dw = ret(rets, 4);
+  const Batch b(ret(rets, 1), 1);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  const bool none = ce.reduction == fl::Reduction::None;
+  const bool in_forward = o.backward_mode == fl::LinearCeBackward::InForward;
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearCrossEntropyOutputs out;
+    const fl::CrossEntropyOutputs loss = ce_outputs(rets, i, rows, none);
+    out.loss = loss.loss;
+    out.lse = loss.lse;
+    out.valid_count = loss.valid_count;
+    if (in_forward) {
+      out.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
+      out.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+    }
+    fl::linear_cross_entropy_forward(matrix(h, b.offset(h, 2, i), rows, hidden, p),
+                                     matrix(w, b.offset(w, 2, i), vocab, hidden, p),
+                                     index(t, b.offset(t, 1, i), rows, p), ce, o, out, nullptr,
+                                     p.stream);
+  }
+}
+
+// Vocab-parallel pass 1: hidden [.., N, H], weight [.., V_local, H], target [.., N] (renumbered)
+// -> stats [.., N, 4]
+void lce_local_stats(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions ce = ce_options(attrs);
+  const fl::LinearCrossEntropyOptions o = lce_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2), s = ret(rets, 0);
+  const Batch b(s, 2);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  if (b.batched(h, 2) && b.batched(t, 1) && b.shared(w, 2)) {  // one call over every item's rows
+    fl::linear_cross_entropy_local_stats(matrix(h, 0, b.size() * rows, hidden, p),
+                                         matrix(w, 0, vocab, hidden, p),
+                                         index(t, 0, b.size() * rows, p), ce, o, stats_at(s, 0),
+                                         p.stream);
+    return;
+  }
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::linear_cross_entropy_local_stats(matrix(h, b.offset(h, 2, i), rows, hidden, p),
+                                         matrix(w, b.offset(w, 2, i), vocab, hidden, p),
+                                         index(t, b.offset(t, 1, i), rows, p), ce, o,
+                                         stats_at(s, b.offset(s, 2, i)), p.stream);
+}
+
+// The recompute backward: hidden, weight, target (renumbered at TP > 1), lse [.., N], grad_loss
+// [.., N] or [..], count [..] -> dhidden [.., N, H] (at TP > 1 this shard's partial sum),
+// dweight [.., V, H]
+void lce_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions ce = ce_options(attrs);
+  const fl::LinearCrossEntropyOptions o = lce_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2), lse = arg(args, 3),
+                       g = arg(args, 4), count = arg(args, 5);
+  const ffi::AnyBuffer dh = ret(rets, 0), dw = ret(rets, 1);
+  const Batch b(dh, 2);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  const int g_core = ce.reduction == fl::Reduction::None ? 1 : 0;
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearCrossEntropyGrads grads;
+    grads.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
+    grads.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+    fl::linear_cross_entropy_backward(
+        matrix(h, b.offset(h, 2, i), rows, hidden, p),
+        matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
+        f32_at(lse, b.offset(lse, 1, i)), f32_at(g, b.offset(g, g_core, i)),
+        f32_at(count, b.offset(count, 0, i)), ce, o, {}, grads, p.stream);
+  }
+}
+
+// ---- RMSNorm ----
+
+// x [.., T, H], weight [.., H] (, residual [.., T, H]) -> y [.., T, H], rstd [.., T]
+// (, s = x + residual [.., T, H])
+void rms_norm_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::RmsNormOptions o = rms_options(attrs);
+  const bool fused = args.size() == 3;
+  const ffi::AnyBuffer x = arg(args, 0), w = arg(args, 1), y = ret(rets, 0), rstd = ret(rets, 1);
+  const Batch b(rstd, 1);
+  int64_t rows = dim(x, 2), items = b.size();
+  const int64_t hidden = dim(x, 1);
+  const bool merged = b.batched(x, 2) && b.shared(w, 1) && (!fused || b.batched(arg(args, 2), 2));
+  if (merged) rows *= items, items = 1;  // one call over every item's rows
+  for (int64_t i = 0; i < items; ++i) {
+    fl::MatrixView residual, s;
+    if (fused) {
+      const ffi::AnyBuffer r = arg(args, 2), sum = ret(rets, 2);
+      residual = matrix(r, merged ? 0 : b.offset(r, 2, i), rows, hidden, p);
+      s = matrix(sum, i * rows * hidden, rows, hidden, p);
+    }
+    fl::rms_norm_forward(matrix(x, merged ? 0 : b.offset(x, 2, i), rows, hidden, p),
+                         vector(w, merged ? 0 : b.offset(w, 1, i), hidden, p), o,
+                         matrix(y, i * rows * hidden, rows, hidden, p), f32_at(rstd, i * rows),
+                         residual, s, p.stream);
+  }
+}
+
+// grad_y [.., T, H], x_or_s [.., T, H], weight [.., H], rstd [.., T] (, grad_s [.., T, H])
+// -> grad_x [.., T, H], grad_weight [.., H] (in the weight's dtype)
+void rms_norm_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::RmsNormOptions o = rms_options(attrs);
+  const bool fused = args.size() == 5;
+  const ffi::AnyBuffer g = arg(args, 0), x = arg(args, 1), w = arg(args, 2), rstd = arg(args, 3);
+  const ffi::AnyBuffer dx = ret(rets, 0), dw = ret(rets, 1);
+  const Batch b(dx, 2);
+  const int64_t rows = dim(x, 2), hidden = dim(x, 1);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::MatrixView grad_s;
+    if (fused) {
+      const ffi::AnyBuffer gs = arg(args, 4);
+      grad_s = matrix(gs, b.offset(gs, 2, i), rows, hidden, p);
+    }
+    fl::rms_norm_backward(matrix(g, b.offset(g, 2, i), rows, hidden, p),
+                          matrix(x, b.offset(x, 2, i), rows, hidden, p),
+                          vector(w, b.offset(w, 1, i), hidden, p),
+                          f32_at(rstd, b.offset(rstd, 1, i)), o,
+                          matrix(dx, b.offset(dx, 2, i), rows, hidden, p),
+                          at(dw, b.offset(dw, 1, i)), value_dtype(dw.element_type()), nullptr,
+                          grad_s, p.stream);
+  }
+}
+
+// ---- SwiGLU ----
+
+// The optional arguments of a SwiGLU call, after its leading ones: bias [.., 2n] and per-token
+// scale [.., T] (attributes has_bias / has_scale).
+struct SwigluExtras {
+  std::optional<ffi::AnyBuffer> bias, scale;
+};
+SwigluExtras swiglu_extras(const Args& args, size_t first, const Attrs& attrs) {
+  SwigluExtras e;
+  size_t next = first;
+  if (attr<bool>(attrs, "has_bias")) e.bias = arg(args, next++);
+  if (attr<bool>(attrs, "has_scale")) e.scale = arg(args, next++);
+  return e;
+}
+
+// y [.., T, 2n] (, bias, scale) -> out [.., T, n]
+void swiglu_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::SwigluOptions o = swiglu_options(attrs);
+  const ffi::AnyBuffer y = arg(args, 0), out = ret(rets, 0);
+  const SwigluExtras e = swiglu_extras(args, 1, attrs);
+  const Batch b(out, 2);
+  int64_t rows = dim(y, 2), items = b.size();
+  const int64_t cols = dim(y, 1);
+  const bool merged = b.batched(y, 2) && (!e.bias || b.shared(*e.bias, 1)) &&
+                      (!e.scale || b.batched(*e.scale, 1));
+  if (merged) rows *= items, items = 1;  // one call over every item's rows
+  for (int64_t i = 0; i < items; ++i) {
+    fl::VectorView bias, scale;
+    if (e.bias) bias = vector(*e.bias, merged ? 0 : b.offset(*e.bias, 1, i), cols, p);
+    if (e.scale) scale = vector(*e.scale, merged ? 0 : b.offset(*e.scale, 1, i), rows, p);
+    fl::swiglu_forward(matrix(y, merged ? 0 : b.offset(y, 2, i), rows, cols, p), bias, scale, o,
+                       matrix(out, i * rows * cols / 2, rows, cols / 2, p), {}, p.stream);
+  }
+}
+
+// grad_out [.., T, n], y [.., T, 2n] (, bias, scale) -> grad_y [.., T, 2n] (, grad_scale [.., T]
+// fp32 with a scale) (, grad_bias [.., 2n] fp32 with a bias)
+void swiglu_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::SwigluOptions o = swiglu_options(attrs);
+  const ffi::AnyBuffer g = arg(args, 0), y = arg(args, 1), dy = ret(rets, 0);
+  const SwigluExtras e = swiglu_extras(args, 2, attrs);
+  std::optional<ffi::AnyBuffer> dscale, dbias;
+  size_t next = 1;
+  if (e.scale) dscale = ret(rets, next++);
+  if (e.bias) dbias = ret(rets, next++);
+  const Batch b(dy, 2);
+  const int64_t rows = dim(y, 2), cols = dim(y, 1);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::VectorView bias, scale;
+    if (e.bias) bias = vector(*e.bias, b.offset(*e.bias, 1, i), cols, p);
+    if (e.scale) scale = vector(*e.scale, b.offset(*e.scale, 1, i), rows, p);
+    fl::swiglu_backward(matrix(g, b.offset(g, 2, i), rows, cols / 2, p),
+                        matrix(y, b.offset(y, 2, i), rows, cols, p), bias, scale, o,
+                        matrix(dy, b.offset(dy, 2, i), rows, cols, p),
+                        dscale ? f32_at(*dscale, i * rows) : nullptr,
+                        dbias ? f32_at(*dbias, i * cols) : nullptr, p.stream);
+  }
+}
+
+// ---- the handlers: one binding, two platforms ----
+
+using Op = void (*)(const Place&, const Args&, const Rets&, const Attrs&);
+
+template <Op op>
+ffi::Error on_cpu(Args args, Rets rets, Attrs attrs) {
+  return guarded([&] { op(Place{fl::Device::CPU, nullptr}, args, rets, attrs); });
+}
+
+#if FUSEDLOSS_HAS_CUDA
+template <Op op>
+ffi::Error on_cuda(void* stream, ffi::ScratchAllocator scratch, Args args, Rets rets,
+                   Attrs attrs) {
+  return guarded([&] {
+    XlaScratch bound(&scratch);
+    op(Place{fl::Device::CUDA, stream}, args, rets, attrs);
+  });
+}
+#define FL_CUDA_HANDLER(name, op)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedloss_##name##_cuda, on_cuda<op>,                          \
+                                ffi::Ffi::Bind()                                               \
+                                    .Ctx<ffi::PlatformStream<void*>>()                         \
+                                    .Ctx<ffi::ScratchAllocator>()                              \
+                                    .RemainingArgs()                                           \
+                                    .RemainingRets()                                           \
+                                    .Attrs());
+#else
+#define FL_CUDA_HANDLER(name, op)
+#endif
+
+#define FL_HANDLER(name, op)                                                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(fusedloss_##name##_cpu, on_cpu<op>,                            \
+                                ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attrs());     \
+  FL_CUDA_HANDLER(name, op)
+
+}  // namespace
+
+FL_HANDLER(ce_forward, ce_forward)
+FL_HANDLER(ce_backward, ce_backward)
+FL_HANDLER(ce_local_stats, ce_local_stats)
+FL_HANDLER(ce_merge, ce_merge)
+FL_HANDLER(lce_forward, lce_forward)
+FL_HANDLER(lce_local_stats, lce_local_stats)
+FL_HANDLER(lce_backward, lce_backward)
+FL_HANDLER(rms_norm_forward, rms_norm_forward)
+FL_HANDLER(rms_norm_backward, rms_norm_backward)
+FL_HANDLER(swiglu_forward, swiglu_forward)
+FL_HANDLER(swiglu_backward, swiglu_backward)
+
+// ---- trace-time checks for fusedloss/jax (ctypes): the core's validators and rules ----
+// Each returns 0, or 1 with the core's message in `message` (NUL-terminated, cut to `capacity`).
+
+namespace {
+template <class Body>
+int checked(char* message, size_t capacity, Body&& body) noexcept {
+  try {
+    body();
+    return 0;
+  } catch (const std::exception& e) {
+    if (capacity) {
+      std::strncpy(message, e.what(), capacity - 1);
+      message[capacity - 1] = '\0';
+    }
+    return 1;
+  }
+}
+
+fl::CrossEntropyOptions plain_ce(int64_t ignore_index, float label_smoothing, int32_t formula,
+                                 int32_t scope, float z_loss, int32_t reduction) {
+  fl::CrossEntropyOptions o;
+  o.ignore_index = ignore_index;
+  o.label_smoothing = label_smoothing;
+  o.smoothing_formula = fl::SmoothingFormula(formula);
+  o.smoothing_scope = fl::SmoothingScope(scope);
+  o.z_loss = z_loss;
+  o.reduction = fl::Reduction(reduction);
+  return o;
+}
+}  // namespace
+
+extern "C" {
+
+int fusedloss_jax_has_cuda() { return FUSEDLOSS_HAS_CUDA ? 1 : 0; }
+
+int fusedloss_jax_validate_cross_entropy(int64_t ignore_index, float label_smoothing,
+                                         int32_t formula, int32_t scope, float z_loss,
+                                         int32_t reduction, int64_t rows, int64_t vocab_local,
+                                         char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::validate_cross_entropy_options(
+        plain_ce(ignore_index, label_smoothing, formula, scope, z_loss, reduction), rows,
+        vocab_local);
+  });
+}
+
+int fusedloss_jax_validate_linear_cross_entropy(int64_t ignore_index, float label_smoothing,
+                                                int32_t formula, int32_t scope, float z_loss,
+                                                int32_t reduction, float logit_softcap,
+                                                int64_t workspace_bytes, int32_t backward_mode,
+                                                int64_t rows, int64_t vocab_local, int64_t hidden,
+                                                char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::LinearCrossEntropyOptions o;
+    o.logit_softcap = logit_softcap;
+    if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
+    o.backward_mode = fl::LinearCeBackward(backward_mode);
+    fl::validate_linear_cross_entropy_options(
+        plain_ce(ignore_index, label_smoothing, formula, scope, z_loss, reduction), o, rows,
+        vocab_local, hidden);
+  });
+}
+
+// The backward mode `mode` (Auto, InForward, Recompute) resolves to for these inputs.
+int fusedloss_jax_resolve_linear_ce_backward(int32_t mode, int32_t reduction, int32_t dtype,
+                                             int32_t* resolved, char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    *resolved = int32_t(fl::resolve_linear_ce_backward(fl::LinearCeBackward(mode),
+                                                       fl::Reduction(reduction), fl::DType(dtype)));
+  });
+}
+
+int fusedloss_jax_validate_rms_norm(float eps, int32_t zero_centered_gamma, char* message,
+                                    size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::RmsNormOptions o;
+    o.eps = eps;
+    o.zero_centered_gamma = zero_centered_gamma != 0;
+    fl::validate_rms_norm_options(o);
+  });
+}
+
+// Whether the RMSNorm kernels read a weight of dtype `weight` beside x of dtype `x` as it is.
+int fusedloss_jax_rms_norm_reads_weight_as_is(int32_t x, int32_t weight) {
+  return fl::rms_norm_reads_weight_as_is(fl::DType(x), fl::DType(weight)) ? 1 : 0;
+}
+
+int fusedloss_jax_validate_swiglu(float clamp_value, char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::SwigluOptions o;
+    o.clamp = true;
+    o.clamp_value = clamp_value;
+    fl::validate_swiglu_options(o);
+  });
+}
+
+// Synchronises `stream` (null: the legacy default stream) and reports the first bad target the
+// CUDA kernels of this library flagged since the last call (fusedloss::check_device_errors).
+int fusedloss_jax_check_device_errors(void* stream, char* message, size_t capacity) {
+  return checked(message, capacity, [&] { fl::check_device_errors(stream); });
+}
+
+}  // extern "C"
