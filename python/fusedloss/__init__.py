@@ -2,6 +2,7 @@
 
     fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
     fusedloss.linear_cross_entropy(hidden, weight, target, ...)   LM head + loss, no [N, V] logits
+    fusedloss.linear_log_probs(hidden, weight, tokens, ...)   RL head: log-probs, entropy, arg-max
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
@@ -17,6 +18,7 @@ __version__ = _C.__version__
 # cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
 cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
+           "linear_log_probs", "LogProbs",
            "check_device_errors", "set_scratch_allocator"]
 
 
@@ -56,6 +58,7 @@ def check_device_errors(device=None):
 # nodes and set the scratch allocator (_native.py) on their import, whichever route imports them.
 _TORCH_API = {"cross_entropy": ("CrossEntropyLoss", "cross_entropy"),
               "linear_cross_entropy": ("linear_cross_entropy",),
+              "linear_log_probs": ("LogProbs", "linear_log_probs"),
               "rms_norm": ("RMSNorm", "rms_norm"),
               "swiglu": ("SwiGLU", "swiglu")}
 _NOT_TORCH = frozenset(("jax",))  # subpackages that must not pull torch in when asked for

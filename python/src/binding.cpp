@@ -439,6 +439,74 @@ void bind_linear_cross_entropy(py::module_& m) {
         py::arg("accumulate_dweight"), py::arg("stream"), py::arg("row_weight") = 0);
 }
 
+// The log-prob head (fusedloss/linear_log_probs.h): pointers as integers, as above.
+void bind_linear_log_probs(py::module_& m) {
+  py::class_<LinearLogProbsOptions>(m, "LinearLogProbsOptions")
+      .def(py::init<>())
+      .def_readwrite("temperature", &LinearLogProbsOptions::temperature)
+      .def_readwrite("ignore_index", &LinearLogProbsOptions::ignore_index)
+      .def_readwrite("vocab_start", &LinearLogProbsOptions::vocab_start)
+      .def_readwrite("vocab_global", &LinearLogProbsOptions::vocab_global)
+      .def_readwrite("workspace_bytes", &LinearLogProbsOptions::workspace_bytes)
+      .def_readwrite("chunk_rows", &LinearLogProbsOptions::chunk_rows)
+      .def_readwrite("allow_tf32", &LinearLogProbsOptions::allow_tf32);
+  m.attr("LOG_PROB_STATS_BYTES") = int(sizeof(LogProbStats));
+  m.def("validate_linear_log_probs_options",
+        [](const LinearLogProbsOptions& o, int64_t rows, int64_t vocab_local, int64_t hidden) {
+          guarded([&] { validate_linear_log_probs_options(o, rows, vocab_local, hidden); });
+        },
+        py::arg("options"), py::arg("rows"), py::arg("vocab_local"), py::arg("hidden"));
+  m.def("linear_log_probs_local_stats_scratch_bytes",
+        [](const MatrixView& h, const MatrixView& w, const LinearLogProbsOptions& o) {
+          size_t bytes = 0;
+          guarded([&] { bytes = linear_log_probs_local_stats_scratch_bytes(h, w, o); });
+          return bytes;
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("options"));
+  m.def("linear_log_probs_local_stats",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t,
+           const LinearLogProbsOptions& o, uintptr_t stats, uintptr_t stream, uintptr_t scratch,
+           size_t scratch_bytes) {
+          guarded([&] {
+            linear_log_probs_local_stats(h, w, t, o, static_cast<LogProbStats*>(ptr(stats)),
+                                         ptr(stream), ptr(scratch), scratch_bytes);
+          });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("tokens"), py::arg("options"),
+        py::arg("stats"), py::arg("stream"), py::arg("scratch") = 0, py::arg("scratch_bytes") = 0);
+  m.def("log_probs_merge",
+        [](uintptr_t stats, int world, int64_t rows, const IndexView& t,
+           const LinearLogProbsOptions& o, uintptr_t log_probs, uintptr_t entropy,
+           uintptr_t argmax, uintptr_t lse, Device device, uintptr_t stream) {
+          guarded([&] {
+            LinearLogProbsOutputs out;
+            out.log_probs = fptr(log_probs);
+            out.entropy = fptr(entropy);
+            out.argmax = static_cast<int64_t*>(ptr(argmax));
+            out.lse = fptr(lse);
+            log_probs_merge(static_cast<const LogProbStats*>(ptr(stats)), world, rows, t, o, out,
+                            device, ptr(stream));
+          });
+        },
+        py::arg("stats"), py::arg("world"), py::arg("rows"), py::arg("tokens"), py::arg("options"),
+        py::arg("log_probs"), py::arg("entropy"), py::arg("argmax"), py::arg("lse"),
+        py::arg("device"), py::arg("stream"));
+  m.def("linear_log_probs_backward",
+        [](const MatrixView& h, const MatrixView& w, const IndexView& t, uintptr_t lse,
+           uintptr_t entropy, uintptr_t grad_log_probs, uintptr_t grad_entropy,
+           const LinearLogProbsOptions& o, const MatrixView& dh, const MatrixView& dw,
+           bool accumulate_dweight, uintptr_t stream) {
+          guarded([&] {
+            linear_log_probs_backward(h, w, t, fptr(lse), fptr(entropy), fptr(grad_log_probs),
+                                      fptr(grad_entropy), o, {dh, dw, accumulate_dweight},
+                                      ptr(stream));
+          });
+        },
+        py::arg("hidden"), py::arg("weight"), py::arg("tokens"), py::arg("lse"),
+        py::arg("entropy"), py::arg("grad_log_probs"), py::arg("grad_entropy"), py::arg("options"),
+        py::arg("dhidden"), py::arg("dweight"), py::arg("accumulate_dweight"), py::arg("stream"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -451,6 +519,7 @@ PYBIND11_MODULE(_C, m) {
   bind_swiglu(m);
   bind_rms_norm(m);
   bind_linear_cross_entropy(m);
+  bind_linear_log_probs(m);
 
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });

@@ -8,6 +8,7 @@
 #include <optional>
 #include <sstream>
 #include "api/check.h"
+#include "api/lce_loop.h"
 #include "api/vocab_parallel.h"
 #include "core/lce_tuning.h"
 #include "core/linear_ce_plan.h"
@@ -24,6 +25,12 @@ namespace {
 
 using detail::check_targets_on_host;
 using detail::require;
+using lce::buffer_share;
+using lce::callers_scratch;
+using lce::chunk_rows_for;
+using lce::make_plan;
+using lce::run_loop;
+using lce::target_rows;
 
 const char* mode_name(LinearCeBackward m) {
   switch (m) {
@@ -105,39 +112,6 @@ core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
   return resolve(ce, o, hidden.rows, weight.rows, hidden.cols);
 }
 
-// A chunk's tokens in whole GEMM tiles: the largest of 256 and 128 rows whose rounding gives up
-// at most a quarter of the chunk, else 64. cuBLASLt's Hopper kernels for the logits and dhidden
-// GEMMs take 256 rows a tile pair: at 16384 x 4096 x 151936 (bf16, H200) chunks of 768 tokens
-// ran those GEMMs 11% and 19% faster than the 832 a 64-row rounding of 256 MiB gives, and the
-// whole in_forward loop 6% faster despite two more chunks.
-int64_t whole_tiles(int64_t chunk) {
-  if (chunk < 64) return chunk;
-  for (int64_t tile : {int64_t(256), int64_t(128)})
-    if (chunk >= tile && chunk % tile <= chunk / 4) return chunk - chunk % tile;
-  return chunk - chunk % 64;
-}
-
-// The bytes of workspace_bytes left to the chunk buffers beside the GEMM workspace.
-size_t buffer_share(const LinearCrossEntropyOptions& o, const core::LceTuning& tuning) {
-  return o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
-}
-
-// Tokens per chunk for the buffers' share of the workspace, split into `buffers` chunk buffers.
-int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
-                       DType dtype, const core::LceTuning& tuning) {
-  const int64_t buffers = tuning.buffers;
-  const int64_t es = detail::element_size(dtype);
-  require(vocab_local <= (int64_t(1) << 40), "weight.rows (vocab_local): got ", vocab_local,
-          ", expected at most 2^40 (a row of the chunk buffer must fit in memory)");
-  const int64_t stride = core::round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
-  int64_t chunk = o.chunk_rows;
-  if (chunk <= 0) {
-    const int64_t fits = int64_t(buffer_share(o, tuning) / size_t(buffers * stride * es));
-    chunk = fits >= rows ? rows : whole_tiles(fits);  // one chunk of every token needs no rounding
-  }
-  return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
-}
-
 // The recompute backward's vocabulary block: options.vocab_block columns (at most V), or fewer,
 // down to half of them, where that lets one chunk hold every token: such a block needs no fp32
 // block buffer and no conversion pass (at N = 16384, H = 4096, the 8192 columns of a 128 MiB
@@ -152,55 +126,9 @@ int64_t vocab_block_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_
   return fit >= block / 2 && fit > 0 ? fit : block;
 }
 
-core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
-                        const LinearCrossEntropyOptions& o,
-                        const core::LceTuning& tuning = core::lce_tuning()) {
-  core::LcePlan plan;
-  plan.rows = hidden.rows;
-  plan.hidden = hidden.cols;
-  plan.vocab_local = weight.rows;
-  plan.dtype = hidden.dtype;
-  plan.tf32 = o.allow_tf32;
-  plan.gemm_workspace = core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
-  plan.tuning = tuning;
-  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning);
-  plan.stride = core::round_up(weight.rows, int64_t(16) / detail::element_size(hidden.dtype));
-  return plan;
-}
-
-IndexView target_rows(const IndexView& t, int64_t row0, int64_t rows) {
-  IndexView v = t;
-  v.data = static_cast<const char*>(t.data) + row0 * (t.type == IndexType::I32 ? 4 : 8);
-  v.size = rows;
-  return v;
-}
-
 core::CeParams chunk_params(core::CeParams p, int64_t rows) {
   p.rows = rows;
   return p;
-}
-
-// The chunk loop in `memory` (core::lce_loop_bytes), or, when null, in scratch of its own.
-void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const MatrixView& hidden,
-              const MatrixView& weight, const core::LceSteps& steps, const core::LceGrads& grads,
-              Stream stream, void* memory = nullptr) {
-  std::optional<vocab_parallel::Scratch> own;
-  if (!memory) memory = own.emplace(dev, core::lce_loop_bytes(plan, dev), stream, fn).as<char>();
-  FL_DISPATCH(dev, fn, cpu::lce_run(plan, hidden, weight, steps, grads, memory),
-              cuda::lce_run(plan, hidden, weight, steps, grads, memory, stream));
-}
-
-// A caller's scratch block: at least `needed` bytes, aligned for the backend (the GEMM
-// workspace and the kernels' vector loads on CUDA; the host loop's floats and RowStats).
-char* callers_scratch(void* scratch, size_t bytes, size_t needed, Device dev, const char* name,
-                      const char* size_fn) {
-  require(bytes >= needed, name, "_bytes: got ", bytes, ", expected at least ", needed, " (",
-          size_fn, " for these arguments)");
-  const uintptr_t align = dev == Device::CUDA ? core::kLceAlign : sizeof(RowStats);
-  require(reinterpret_cast<uintptr_t>(scratch) % align == 0, name,
-          ": got an address that is not a multiple of ", align,
-          " bytes, expected an aligned block (as cudaMalloc or torch.empty returns)");
-  return static_cast<char*>(scratch);
 }
 
 // The forward's scratch, one block at 256-byte boundaries: floats (the per-row losses of a

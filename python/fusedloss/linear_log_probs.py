@@ -1,0 +1,191 @@
+"""fusedloss.linear_log_probs: per-token log-probabilities, entropy and arg-max from hidden states
+and the LM head's weight, without the [tokens, V] logits (include/fusedloss/linear_log_probs.h):
+the head RL post-training runs for the policy and the reference model.
+
+The forward runs one GEMM a token chunk and keeps lse and entropy (8 B a token); the backward
+recomputes each chunk's logits for the upstream gradients of log_probs and entropy (a PPO / GRPO
+loss knows them only after the forward): 4 GEMMs in all. A call no gradient follows (no_grad,
+the reference model, rollout scoring) keeps nothing.
+
+tp_group of size > 1: weight is this rank's vocabulary shard; every rank computes its shard's
+statistics (24 B a token), one all-gather over the group merges them, and every rank gets the
+same results. dhidden_reduction as for fusedloss.linear_cross_entropy: "partial" (this rank's
+partial sum), "all_reduce", or "reduce_scatter" (hidden is this rank's slice of the tokens).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _C
+from ._distributed import (fingerprint, group_name, group_size, rank_and_size, rank_checks,
+                           resolve_group)
+from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
+from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, autocast_operands, device_of,
+                     index, matrix, require_same_device, require_targets, require_tensor,
+                     require_values, rows_of, stream_of, validated)
+from .linear_cross_entropy import as_workspace_bytes
+
+_OP = "fusedloss.linear_log_probs"
+_DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
+
+
+class LogProbs(NamedTuple):
+    """linear_log_probs' results, one per token (target's shape)."""
+    log_probs: Tensor            # fp32: log softmax(hidden @ weight.T / temperature)[token]
+    entropy: Optional[Tensor]    # fp32: -sum p log p of that distribution (entropy=True)
+    argmax: Optional[Tensor]     # int64 global ids, ties -> the smallest (argmax=True)
+
+
+def _options(temperature, ignore_index, workspace_bytes, tf32, rank, v_local, world, rows, hidden):
+    o = _C.LinearLogProbsOptions()
+    o.temperature = temperature
+    o.ignore_index = ignore_index
+    if workspace_bytes:
+        o.workspace_bytes = workspace_bytes
+    o.allow_tf32 = tf32
+    o.vocab_start = rank * v_local
+    o.vocab_global = world * v_local
+    validated(_C.validate_linear_log_probs_options, o, rows, v_local, hidden)
+    return o
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """(hidden rows [N, H], weight [V_local, H], tokens [N]) -> (log_probs [N], entropy [N],
+    argmax [N]); the last is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, opts, group, dh_reduction, keep):
+        g = resolve_group(group) if group else None
+        world = group_size(g) if g is not None else 1
+        dev = hidden.device
+        h, w = rows_of(hidden), rows_of(weight)
+        t, tv = index(tokens, "tokens")
+        n = h.size(0)
+        f32 = dict(dtype=torch.float32, device=dev)
+        log_probs, entropy, lse = (torch.empty(n, **f32) for _ in range(3))
+        argmax = torch.empty(n, dtype=torch.int64, device=dev)
+        nbytes = _C.LOG_PROB_STATS_BYTES * n
+        stats = torch.empty(world * nbytes, dtype=torch.uint8, device=dev)
+        mine = stats.narrow(0, (dist.get_rank(g) if g is not None else 0) * nbytes, nbytes)
+        stream = stream_of(h)
+        _C.linear_log_probs_local_stats(matrix(h), matrix(w), tv, opts, mine.data_ptr(), stream)
+        if world > 1:
+            dist.all_gather_into_tensor(stats, mine.clone(), group=g)
+        _C.log_probs_merge(stats.data_ptr(), world, n, tv, opts, log_probs.data_ptr(),
+                           entropy.data_ptr(), argmax.data_ptr(), lse.data_ptr(), device_of(h),
+                           stream)
+        ctx.mark_non_differentiable(argmax)
+        if keep:
+            ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
+        ctx.opts, ctx.group, ctx.dh_reduction = opts, group, dh_reduction
+        return log_probs, entropy, argmax
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_argmax):
+        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+        g = resolve_group(ctx.group) if ctx.group else None
+        reduced = None if g is None else {1: "all-reduce", 2: "reduce-scatter"}.get(ctx.dh_reduction)
+        h, w = rows_of(hidden), rows_of(weight)
+        t, tv = index(tokens, "tokens")
+        dh = torch.empty(h.shape, dtype=hidden.dtype, device=hidden.device)
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
+        glp = None if g_lp is None else g_lp.to(torch.float32).contiguous()
+        gent = None if g_ent is None else g_ent.to(torch.float32).contiguous()
+        _C.linear_log_probs_backward(
+            matrix(h), matrix(w), tv, lse.data_ptr(), entropy.data_ptr(),
+            0 if glp is None else glp.data_ptr(), 0 if gent is None else gent.data_ptr(),
+            ctx.opts, matrix(dh), matrix(dw), False, stream_of(h))
+        if reduced == "all-reduce":
+            dist.all_reduce(dh, group=g)
+        elif reduced == "reduce-scatter":
+            sum_into_own_rows(dh, g, own_rows)
+        return dh.view(hidden.shape), dw, None, None, None, None, None
+
+
+def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperature: float = 1.0,
+                     entropy: bool = True, argmax: bool = False,
+                     loss_mask: Optional[Tensor] = None, ignore_index: int = -100,
+                     tp_group: Optional["dist.ProcessGroup"] = None,
+                     check_shard_agreement: bool = True, dhidden_reduction: str = "partial",
+                     workspace_bytes: Optional[int] = None) -> LogProbs:
+    """log softmax(hidden @ weight.T / temperature) at each token, its entropy and arg-max,
+    without the [N, V] logits.
+
+    hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides;
+    under torch.autocast the GEMMs run in its dtype); tokens: integer ids in hidden's shape
+    without H (the sampled tokens). temperature: > 0, finite (the sampling temperature).
+    Tokens equal to ignore_index, or where loss_mask (target's shape, any real dtype) is zero,
+    give log_prob = entropy = 0 and no gradient. Results are fp32 (int64 for argmax) in tokens'
+    shape; entropy is None unless entropy=True, argmax None unless argmax=True (ties: the
+    smallest id).
+
+    Gradients flow from log_probs and entropy together, for any upstream gradients, into
+    hidden and weight in their dtypes (4 GEMMs: the backward recomputes the logits a chunk at a
+    time). tp_group, check_shard_agreement and dhidden_reduction are as for
+    fusedloss.linear_cross_entropy. workspace_bytes bounds the logits chunk buffer and the GEMM
+    workspace together (default 256 MiB).
+    """
+    name = group_name(tp_group)
+    check = as_bool(check_shard_agreement, "check_shard_agreement")
+    t_value = as_float(temperature, "temperature")
+    want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
+    ignore = as_int(ignore_index, "ignore_index")
+    dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
+    workspace = as_workspace_bytes(workspace_bytes)
+    if not (t_value > 0 and t_value != float("inf")):
+        raise ValueError(f"temperature: got {temperature!r}, expected a finite value > 0")
+    hidden, weight = autocast_operands(hidden, weight)
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    require_tensor(tokens, "tokens")
+    world = group_size(tp_group) if name else 1
+    slices = world if name and dh_red == _DHIDDEN["reduce_scatter"] else 1
+    if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
+    require_same_device(weight, "weight", hidden, "hidden")
+    shape = None if slices == 1 else gathered_shape(hidden.shape[:-1], slices)
+    try:
+        require_targets(tokens, hidden, "hidden", "hidden's shape without the hidden dim" if slices == 1
+                        else f"the tokens of {slices} ranks' slices of hidden along dim 0",
+                        shape=shape)
+    except ValueError as e:
+        raise ValueError(str(e).replace("target", "tokens", 1)) from None
+    if loss_mask is not None:
+        require_tensor(loss_mask, "loss_mask")
+        if loss_mask.shape != tokens.shape:
+            raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected tokens' "
+                             f"shape {tuple(tokens.shape)}")
+        if loss_mask.is_complex() or loss_mask.requires_grad:
+            raise ValueError("loss_mask: got a complex tensor or one that requires grad, expected "
+                             "a constant real tensor (bool, integer or floating point)")
+        require_same_device(loss_mask, "loss_mask", hidden, "hidden")
+        tokens = torch.where(loss_mask != 0, tokens, torch.full_like(tokens, ignore))
+    rank, _ = rank_and_size(resolve_group(name)) if name else (0, 1)
+    v_local, rows, H = weight.size(0), tokens.numel(), hidden.size(-1)
+    opts = _options(t_value, ignore, workspace, bool(torch.backends.cuda.matmul.allow_tf32),
+                    rank, v_local, world, rows, H)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if name and check:  # the shard agreement before any collective
+        options = fingerprint(temperature=t_value, ignore_index=ignore, dtype=str(hidden.dtype),
+                              H=H, dhidden_reduction=dhidden_reduction, gradient=grad,
+                              tokens_shape=tuple(tokens.shape))
+        with rank_checks(resolve_group(name), True, _OP, options=options) as checks:
+            checks.rows, checks.v_local, checks.target = rows, v_local, tokens.reshape(-1)
+    if slices > 1:
+        hidden_grad = grad and hidden.requires_grad
+        if not hidden_grad:
+            dh_red = _DHIDDEN["partial"]
+        hidden = gather_token_slices(hidden, name, check, hidden_grad, rows, v_local, _OP)
+    flat = hidden.reshape(-1, H) if hidden.dim() == 3 else hidden
+    lp, ent, am = _LinearLogProbs.apply(flat, weight, tokens.reshape(-1), opts, name, dh_red, grad)
+    return LogProbs(lp.view(tokens.shape), ent.view(tokens.shape) if want_entropy else None,
+                    am.view(tokens.shape) if want_argmax else None)
