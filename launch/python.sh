@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Python package (pip install ., building the C++ core and the extension), checks
 # the C++ SDK it ships (the wheel's file list; a CMake consumer finding it through
-# python -m fusedloss --cmake-dir and fusedloss.cmake_prefix_path) and runs its pytest suite.
+# python -m fusedloss --cmake-prefix-path and --cmake-dir) and runs its pytest suite.
 # Python: as launch/quickstart.sh (launch/python_env.sh). Set FUSEDLOSS_OFFLINE=1 where no
 # package index is reachable (the test dependencies must then be installed already).
 # FUSEDLOSS_REPORTS=<dir>: JUnit XML and results for launch/test_summary.py go there.
@@ -13,7 +13,7 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
   # torch (CPU wheels where there is no GPU, when reachable); megatron-core: the newest release
   # this Python supports
   fl_install_torch || exit 1
-  "$PY" -m pip install -q pybind11 "scikit-build-core>=0.10" pytest hypothesis numpy megatron-core || exit 1
+  "$PY" -m pip install -q pybind11 "scikit-build-core>=0.11" pytest hypothesis numpy megatron-core || exit 1
 fi
 source launch/cuda_archs.sh
 "$PY" -m pip install -q --no-build-isolation --no-deps . || exit 1
@@ -24,7 +24,7 @@ junit() { [ -n "$reports" ] && echo "--junitxml=$reports/pytest$1.xml"; }
 echo "== the wheel's C++ SDK: file list, find_package(fusedloss) through python -m fusedloss"
 wheel=passed
 "$PY" tests/install_consumer/wheel_files.py || wheel=failed
-prefixes="$("$PY" -m fusedloss --cmake-dir);$("$PY" -c 'import fusedloss; print(fusedloss.cmake_prefix_path)')"
+prefixes="$("$PY" -m fusedloss --cmake-prefix-path);$("$PY" -m fusedloss --cmake-dir)"
 cmake -DMODE=prefix -DSOURCE_DIR="$PWD/tests/install_consumer" -DBUILD_ROOT="$PWD/build/install_consumer_wheel" \
   "-DPREFIXES=$prefixes" -P tests/install_consumer/run.cmake > build/install_consumer_wheel.log 2>&1 ||
   { tail -30 build/install_consumer_wheel.log; wheel=failed; }

@@ -8,7 +8,7 @@ PY=${PY:?set PY to an interpreter, e.g. python3.12}
 MEGATRON=${MEGATRON:-megatron-core}
 venv="$PWD/build/venv-$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-"$venv/bin/python" -m pip install -q "torch>=2.4" numpy pytest pybind11 "scikit-build-core>=0.10" "$MEGATRON"
+"$venv/bin/python" -m pip install -q "torch>=2.4" numpy pytest pybind11 "scikit-build-core>=0.11" "$MEGATRON"
 echo "Python $("$venv/bin/python" -V 2>&1 | cut -d' ' -f2), megatron-core \
 $("$venv/bin/python" -c 'from importlib.metadata import version; print(version("megatron-core"))')"
 PYTHON="$venv/bin/python" FUSEDLOSS_OFFLINE=1 FUSEDLOSS_MEGATRON_OLDER= launch/python.sh "$@"

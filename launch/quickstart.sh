@@ -19,7 +19,7 @@ build/examples/linear_ce_step
 echo "== Python API =="
 source launch/python_env.sh
 fl_install_torch
-"$PY" -m pip install -q numpy pybind11 "scikit-build-core>=0.10"
+"$PY" -m pip install -q numpy pybind11 "scikit-build-core>=0.11"
 source launch/cuda_archs.sh
 "$PY" -m pip install -q --no-build-isolation --no-deps .
 "$PY" examples/quickstart.py

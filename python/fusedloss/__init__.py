@@ -1,4 +1,6 @@
-"""fusedloss: fused, tensor-parallel-aware cross-entropy and SwiGLU kernels (CUDA C++).
+"""fusedloss: fused, tensor-parallel-aware CUDA C++ kernels for LLM training: cross-entropy,
+linear cross-entropy, SwiGLU and RMSNorm, as PyTorch ops (CPU and CUDA tensors, autograd,
+torch.compile), a C++ API and a Megatron-core patch.
 
     fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
     fusedloss.linear_cross_entropy(hidden, weight, target, ...)   LM head + loss, no [N, V] logits
@@ -13,10 +15,17 @@ from os import path as _path
 
 from . import _C
 
+# One version for the package and its C++ SDK: CMake's project() version, compiled into _C
+# (FUSEDLOSS_VERSION), the same as the distribution's and as find_package's fusedloss_VERSION.
 __version__ = _C.__version__
-# The C++ SDK shipped inside this package (include/, lib/libfusedloss.a, lib/cmake/fusedloss):
-# cmake -DCMAKE_PREFIX_PATH=<this> finds it with find_package(fusedloss).
-cmake_prefix_path = _path.join(_path.dirname(_path.abspath(__file__)), "lib", "cmake")
+# The C++ SDK shipped inside this package: this directory is its install prefix (include/,
+# lib/libfusedloss.a, lib/cmake/fusedloss/). Two ways to point CMake at it, both followed by
+# find_package(fusedloss):
+#   cmake_prefix_path  the prefix, for -DCMAKE_PREFIX_PATH=...   (python -m fusedloss --cmake-prefix-path)
+#   cmake_dir          the folder of fusedlossConfig.cmake, for -Dfusedloss_DIR=...
+#                                                                 (python -m fusedloss --cmake-dir)
+cmake_prefix_path = _path.dirname(_path.abspath(__file__))
+cmake_dir = _path.join(cmake_prefix_path, "lib", "cmake", "fusedloss")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
            "linear_log_probs", "LogProbs",
            "check_device_errors", "set_scratch_allocator"]
