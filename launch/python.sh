@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Python package (pip install ., building the C++ core and the extension), checks
 # the C++ SDK it ships (the wheel's file list; a CMake consumer finding it through
-# python -m fusedloss --cmake-prefix-path and --cmake-dir) and runs its pytest suite.
+# python -m fusedloss --cmake-prefix-path and --cmake-dir, and with COMPONENTS CPU without the
+# CUDA toolkit) and runs its pytest suite.
 # Python: as launch/quickstart.sh (launch/python_env.sh). Set FUSEDLOSS_OFFLINE=1 where no
 # package index is reachable (the test dependencies must then be installed already).
 # FUSEDLOSS_REPORTS=<dir>: JUnit XML and results for launch/test_summary.py go there.
@@ -25,8 +26,12 @@ echo "== the wheel's C++ SDK: file list, find_package(fusedloss) through python 
 wheel=passed
 "$PY" tests/install_consumer/wheel_files.py || wheel=failed
 prefixes="$("$PY" -m fusedloss --cmake-prefix-path);$("$PY" -m fusedloss --cmake-dir)"
+version="$("$PY" -c 'import fusedloss; print(fusedloss.__version__)')"
+has_cuda="$("$PY" -c 'import fusedloss; print(int(fusedloss.build_info()["backends"]["CUDA"]))')"
+"$PY" -m fusedloss --info
 cmake -DMODE=prefix -DSOURCE_DIR="$PWD/tests/install_consumer" -DBUILD_ROOT="$PWD/build/install_consumer_wheel" \
-  "-DPREFIXES=$prefixes" -P tests/install_consumer/run.cmake > build/install_consumer_wheel.log 2>&1 ||
+  "-DPREFIXES=$prefixes" -DEXPECT_VERSION="$version" -DHAS_CUDA="$has_cuda" \
+  -P tests/install_consumer/run.cmake > build/install_consumer_wheel.log 2>&1 ||
   { tail -30 build/install_consumer_wheel.log; wheel=failed; }
 grep -E "^-- fusedloss|^fusedloss" build/install_consumer_wheel.log
 echo "wheel consumer: $wheel"

@@ -8,6 +8,8 @@ torch.compile), a C++ API and a Megatron-core patch.
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
+
+    python -m fusedloss --info                     what this build has (backends, communicators)
 """
 import sys as _sys
 import types as _types
@@ -28,7 +30,18 @@ cmake_prefix_path = _path.dirname(_path.abspath(__file__))
 cmake_dir = _path.join(cmake_prefix_path, "lib", "cmake", "fusedloss")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
            "linear_log_probs", "LogProbs",
-           "check_device_errors", "set_scratch_allocator"]
+           "check_device_errors", "set_scratch_allocator", "build_info"]
+
+
+def build_info() -> dict:
+    """What this build of the package has, as written by CMake when it was built: "version",
+    "backends" ({"CPU": True, "CUDA": bool}), "cuda_version", "cuda_architectures" (the
+    CMAKE_CUDA_ARCHITECTURES the kernels were compiled for), "openmp", "communicators" ({"NCCL":
+    bool, "MPI": bool}: the C++ SDK's; the PyTorch ops run vocab-parallel over torch.distributed
+    either way), "cpu_library" (whether the SDK has fusedloss::cpu, the CPU backend alone for
+    consumers without the CUDA toolkit). `python -m fusedloss --info` prints it."""
+    from .__main__ import read_build_info
+    return read_build_info()
 
 
 def set_scratch_allocator(source: str) -> None:

@@ -1,7 +1,8 @@
 """The installed package as a newcomer meets it: one version everywhere (fusedloss.__version__,
 the distribution, the C++ SDK's CMake package and config.h, CMakeLists.txt's project()), the
-SDK's paths (python -m fusedloss and the module attributes agree), the license and the
-description."""
+SDK's paths (python -m fusedloss and the module attributes agree), what the build has
+(python -m fusedloss --info, the headers installed), the license and the description."""
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ def test_one_version_everywhere():
     v = fusedloss.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", v), v
     assert version("fusedloss") == v
+    assert fusedloss.build_info()["version"] == v
     assert _cli("--version") == v
     with open(os.path.join(fusedloss.cmake_dir, "fusedlossConfigVersion.cmake")) as f:
         assert re.search(r'set\(PACKAGE_VERSION "([^"]+)"\)', f.read()).group(1) == v
@@ -63,6 +65,34 @@ def test_cmake_paths_agree():
     assert _cli("--include-dir") == os.path.join(prefix, "include")
     assert os.path.isfile(os.path.join(prefix, "include", "fusedloss", "fusedloss.h"))
     assert os.path.isfile(os.path.join(_cli("--lib-dir"), "libfusedloss.a"))
+
+
+def test_info_says_what_the_build_has():
+    info = fusedloss.build_info()
+    assert info["backends"]["CPU"] is True
+    text = _cli("--info")
+    assert f"fusedloss {fusedloss.__version__}" in text
+    cuda_line = next(line for line in text.splitlines() if line.strip().startswith("CUDA "))
+    assert ("yes" if info["backends"]["CUDA"] else "no") in cuda_line
+    for arch in info["cuda_architectures"]:
+        assert f"sm_{arch}" in cuda_line or arch in cuda_line
+    include = os.path.join(fusedloss.cmake_prefix_path, "include", "fusedloss")
+    for name, header in (("NCCL", "comm_nccl.h"), ("MPI", "comm_mpi.h")):
+        built = info["communicators"][name]
+        line = next(line for line in text.splitlines() if line.strip().startswith(name + " "))
+        assert line.split()[1] == ("yes" if built else "no"), line
+        # the SDK ships the header of a communicator only where the library has it
+        assert os.path.exists(os.path.join(include, header)) == built, header
+    if info["backends"]["CUDA"]:
+        assert info["cpu_library"] is True  # fusedloss::cpu for consumers without the CUDA toolkit
+        assert os.path.isfile(os.path.join(fusedloss.cmake_dir, "fusedlossCpuTargets.cmake"))
+
+
+def test_build_info_is_json_with_every_field():
+    with open(os.path.join(fusedloss.cmake_prefix_path, "build_info.json")) as f:
+        info = json.load(f)
+    assert set(info) >= {"version", "backends", "cuda_version", "cuda_architectures", "openmp",
+                         "communicators", "cpu_library"}
 
 
 def test_distribution_metadata():

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 int main() {
   float x[2][3] = {{1.0f, 2.0f, 3.0f}, {0.5f, -1.0f, 0.0f}};
@@ -18,6 +19,17 @@ int main() {
     for (float v : x[r]) s += std::exp(double(v));
     expect += (std::log(s) - x[r][target[r]]) / 2;
   }
-  std::printf("fusedloss %s: loss %.7f, expected %.7f\n", FUSEDLOSS_VERSION, loss, expect);
+  std::printf("fusedloss %s (CUDA %d): loss %.7f, expected %.7f\n", FUSEDLOSS_VERSION,
+              FUSEDLOSS_HAS_CUDA, loss, expect);
+  if (std::strcmp(FUSEDLOSS_VERSION, EXPECT_VERSION) != 0) {
+    std::printf("FUSEDLOSS_VERSION %s differs from the CMake package's version %s\n",
+                FUSEDLOSS_VERSION, EXPECT_VERSION);
+    return 1;
+  }
+  if (FUSEDLOSS_HAS_CUDA != EXPECT_HAS_CUDA) {
+    std::printf("FUSEDLOSS_HAS_CUDA %d differs from the CMake package's fusedloss_CUDA_FOUND (%d)\n",
+                FUSEDLOSS_HAS_CUDA, EXPECT_HAS_CUDA);
+    return 1;
+  }
   return std::fabs(loss - expect) < 1e-5 ? 0 : 1;
 }
