@@ -12,19 +12,22 @@ statistics (24 B a token), one all-gather over the group merges them, and every 
 same results. dhidden_reduction as for fusedloss.linear_cross_entropy: "partial" (this rank's
 partial sum), "all_reduce", or "reduce_scatter" (hidden is this rank's slice of the tokens).
 """
-from typing import NamedTuple, Optional
+import functools
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._distributed import (fingerprint, group_name, group_size, rank_and_size, rank_checks,
+from ._op import FusedOp, through_custom_ops
+from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, rank_and_size, rank_checks,
                            resolve_group)
 from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
-from ._views import (_DTYPES, as_bool, as_choice, as_float, as_int, autocast_operands, device_of,
-                     index, matrix, require_same_device, require_targets, require_tensor,
-                     require_values, rows_of, stream_of, validated)
+from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands, device_of,
+                     index, matrix, require_same_device, require_tensor,
+                     require_values, rows_of, stream_of, validated, values_in)
+from .cross_entropy import check_targets_on_host
 from .linear_cross_entropy import as_workspace_bytes
 
 _OP = "fusedloss.linear_log_probs"
@@ -38,6 +41,7 @@ class LogProbs(NamedTuple):
     argmax: Optional[Tensor]     # int64 global ids, ties -> the smallest (argmax=True)
 
 
+@functools.lru_cache(maxsize=256)
 def _options(temperature, ignore_index, workspace_bytes, tf32, rank, v_local, world, rows, hidden):
     o = _C.LinearLogProbsOptions()
     o.temperature = temperature
@@ -51,58 +55,95 @@ def _options(temperature, ignore_index, workspace_bytes, tf32, rank, v_local, wo
     return o
 
 
-class _LinearLogProbs(torch.autograd.Function):
-    """(hidden rows [N, H], weight [V_local, H], tokens [N]) -> (log_probs [N], entropy [N],
-    argmax [N]); the last is not differentiable."""
+def _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group):
+    """(the C++ options of a call on these rows, its group or None)."""
+    g = resolve_group(group) if group else None
+    rank, world = rank_and_size(g) if g is not None else (0, 1)
+    return _options(temperature, ignore_index, workspace_bytes, tf32, rank, weight.size(0), world,
+                    hidden.size(0), hidden.size(1)), g
 
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, opts, group, dh_reduction, keep):
-        g = resolve_group(group) if group else None
-        world = group_size(g) if g is not None else 1
-        dev = hidden.device
-        h, w = rows_of(hidden), rows_of(weight)
-        t, tv = index(tokens, "tokens")
-        n = h.size(0)
-        f32 = dict(dtype=torch.float32, device=dev)
-        log_probs, entropy, lse = (torch.empty(n, **f32) for _ in range(3))
-        argmax = torch.empty(n, dtype=torch.int64, device=dev)
-        nbytes = _C.LOG_PROB_STATS_BYTES * n
-        stats = torch.empty(world * nbytes, dtype=torch.uint8, device=dev)
-        mine = stats.narrow(0, (dist.get_rank(g) if g is not None else 0) * nbytes, nbytes)
-        stream = stream_of(h)
-        _C.linear_log_probs_local_stats(matrix(h), matrix(w), tv, opts, mine.data_ptr(), stream)
-        if world > 1:
-            dist.all_gather_into_tensor(stats, mine.clone(), group=g)
-        _C.log_probs_merge(stats.data_ptr(), world, n, tv, opts, log_probs.data_ptr(),
-                           entropy.data_ptr(), argmax.data_ptr(), lse.data_ptr(), device_of(h),
-                           stream)
-        ctx.mark_non_differentiable(argmax)
-        if keep:
-            ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
-        ctx.opts, ctx.group, ctx.dh_reduction = opts, group, dh_reduction
-        return log_probs, entropy, argmax
 
-    @staticmethod
-    def backward(ctx, g_lp, g_ent, _g_argmax):
-        hidden, weight, tokens, lse, entropy = ctx.saved_tensors
-        g = resolve_group(ctx.group) if ctx.group else None
-        reduced = None if g is None else {1: "all-reduce", 2: "reduce-scatter"}.get(ctx.dh_reduction)
-        h, w = rows_of(hidden), rows_of(weight)
-        t, tv = index(tokens, "tokens")
-        dh = torch.empty(h.shape, dtype=hidden.dtype, device=hidden.device)
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-        own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
-        glp = None if g_lp is None else g_lp.to(torch.float32).contiguous()
-        gent = None if g_ent is None else g_ent.to(torch.float32).contiguous()
-        _C.linear_log_probs_backward(
-            matrix(h), matrix(w), tv, lse.data_ptr(), entropy.data_ptr(),
-            0 if glp is None else glp.data_ptr(), 0 if gent is None else gent.data_ptr(),
-            ctx.opts, matrix(dh), matrix(dw), False, stream_of(h))
-        if reduced == "all-reduce":
-            dist.all_reduce(dh, group=g)
-        elif reduced == "reduce-scatter":
-            sum_into_own_rows(dh, g, own_rows)
-        return dh.view(hidden.shape), dw, None, None, None, None, None
+def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float,
+             ignore_index: int, workspace_bytes: int, tf32: bool, group: str,
+             dhidden_reduction: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(hidden rows [N, H], weight [V_local, H], tokens [N]) -> (log_probs, entropy, argmax,
+    lse), each [N]: this shard's statistics, their all-gather over the group, the merge."""
+    opts, g = _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group)
+    world = 1 if g is None else dist.get_world_size(g)
+    dev = hidden.device
+    h, w = rows_of(hidden), rows_of(weight)
+    _, tv = index(tokens, "tokens")
+    n = h.size(0)
+    f32 = dict(dtype=torch.float32, device=dev)
+    log_probs, entropy, lse = (torch.empty(n, **f32) for _ in range(3))
+    argmax = torch.empty(n, dtype=torch.int64, device=dev)
+    nbytes = _C.LOG_PROB_STATS_BYTES * n
+    stats = torch.empty(world * nbytes, dtype=torch.uint8, device=dev)
+    mine = stats[:nbytes] if world == 1 else torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = stream_of(h)
+    _C.linear_log_probs_local_stats(matrix(h), matrix(w), tv, opts, mine.data_ptr(), stream)
+    if world > 1:
+        dist.all_gather_into_tensor(stats, mine, group=g)
+    _C.log_probs_merge(stats.data_ptr(), world, n, tv, opts, log_probs.data_ptr(),
+                       entropy.data_ptr(), argmax.data_ptr(), lse.data_ptr(), device_of(h), stream)
+    return log_probs, entropy, argmax, lse
+
+
+def _forward_fake(hidden, weight, tokens, *options):
+    n = tokens.numel()
+    return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
+            hidden.new_empty(n, dtype=torch.int64), hidden.new_empty(n, dtype=torch.float32))
+
+
+def _backward(grad_log_probs: Optional[Tensor], grad_entropy: Optional[Tensor], hidden: Tensor,
+              weight: Tensor, tokens: Tensor, lse: Tensor, entropy: Tensor, temperature: float,
+              ignore_index: int, workspace_bytes: int, tf32: bool, group: str,
+              dhidden_reduction: int) -> Tuple[Tensor, Tensor]:
+    """The recompute backward into new dhidden [N, H] and dweight [V_local, H], then dhidden's
+    collective over the group (dhidden_reduction)."""
+    opts, g = _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group)
+    reduced = None if g is None else {1: "all-reduce", 2: "reduce-scatter"}.get(dhidden_reduction)
+    h, w = rows_of(hidden), rows_of(weight)
+    _, tv = index(tokens, "tokens")
+    dh = torch.empty(h.shape, dtype=hidden.dtype, device=hidden.device)
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
+    glp = None if grad_log_probs is None else values_in(grad_log_probs, torch.float32)
+    gent = None if grad_entropy is None else values_in(grad_entropy, torch.float32)
+    _C.linear_log_probs_backward(
+        matrix(h), matrix(w), tv, lse.data_ptr(), entropy.data_ptr(),
+        0 if glp is None else glp.data_ptr(), 0 if gent is None else gent.data_ptr(), opts,
+        matrix(dh), matrix(dw), False, stream_of(h))
+    if reduced == "all-reduce":
+        dist.all_reduce(dh, group=g)
+    elif reduced == "reduce-scatter":
+        sum_into_own_rows(dh, g, own_rows)
+    return dh, dw
+
+
+def _backward_fake(grad_log_probs, grad_entropy, hidden, weight, *rest):
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, tokens, *options = inputs
+    _, entropy, _, lse = output
+    ctx.options = options
+    ctx.save_for_backward(hidden, weight, tokens, lse, entropy)
+
+
+def _grads(ctx, grads, kernels):
+    grad_log_probs, grad_entropy, _ = grads
+    hidden, weight, tokens, lse, entropy = ctx.saved_tensors
+    dh, dw = kernels.bwd(grad_log_probs, grad_entropy, hidden, weight, tokens, lse, entropy,
+                         *ctx.options)
+    return (dh, dw) + (None,) * (1 + len(ctx.options)), None
+
+
+_linear_log_probs = FusedOp(
+    "linear_log_probs", forward=_forward, forward_fake=_forward_fake, setup=_setup,
+    backward=_grads, inplace_flag="inplace_backward", n_outputs=3,
+    kernels={"bwd": (_backward, _backward_fake, ())})
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperature: float = 1.0,
@@ -129,20 +170,59 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
     workspace together (default 256 MiB).
     """
     name = group_name(tp_group)
-    check = as_bool(check_shard_agreement, "check_shard_agreement")
-    t_value = as_float(temperature, "temperature")
-    want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
-    ignore = as_int(ignore_index, "ignore_index")
-    dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
-    workspace = as_workspace_bytes(workspace_bytes)
-    if not (t_value > 0 and t_value != float("inf")):
-        raise ValueError(f"temperature: got {temperature!r}, expected a finite value > 0")
-    hidden, weight = autocast_operands(hidden, weight)
+    group = resolve_group(name) if name else None
+    check, bad_flag = agreement_flag(check_shard_agreement)
+    # Every argument check inside the agreement's reach: at TP > 1 a rank that fails raises the
+    # same error on every rank (deferred to the graph under torch.compile), nothing hangs.
+    with rank_checks(group, check, _OP, only_on_error=True, defer_when_compiling=True) as checks:
+        if bad_flag is not None:
+            raise bad_flag
+        t_value = as_float(temperature, "temperature")
+        want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
+        ignore = as_int(ignore_index, "ignore_index")
+        dh_red = as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN)
+        workspace = as_workspace_bytes(workspace_bytes)
+        if not (t_value > 0 and t_value != float("inf")):
+            raise ValueError(f"temperature: got {temperature!r}, expected a finite value > 0")
+        hidden, weight = autocast_operands(hidden, weight)
+        world = group_size(tp_group) if name else 1
+        slices = world if name and dh_red == _DHIDDEN["reduce_scatter"] else 1
+        _validate(hidden, weight, tokens, loss_mask, slices)
+        if loss_mask is not None:  # masked tokens are ignored ones
+            tokens = torch.where(loss_mask != 0, tokens, torch.full_like(tokens, ignore))
+        rank = rank_and_size(group)[0] if name else 0
+        v_local, rows, H = weight.size(0), tokens.numel(), hidden.size(-1)
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
+            o = _options(t_value, ignore, workspace, tf32, rank, v_local, world, rows, H)
+            check_targets_on_host(tokens, o, "tokens")
+    if checks.deferred is not None:  # traced: raised on every rank when the graph runs
+        rejected = deferred_rejection((hidden, weight, tokens), "none", tokens, name, _OP,
+                                      checks.deferred)
+        return LogProbs(rejected, rejected, None)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if name and check and not through_custom_ops():  # the shapes and options agreed
+        options = fingerprint(temperature=t_value, ignore_index=ignore, dtype=str(hidden.dtype),
+                              H=H, dhidden_reduction=dhidden_reduction, gradient=grad,
+                              tokens_shape=tuple(tokens.shape))
+        with rank_checks(group, True, _OP, options=options) as checks:
+            checks.rows, checks.v_local, checks.target = rows, v_local, tokens.reshape(-1)
+    if slices > 1:
+        hidden_grad = grad and hidden.requires_grad
+        if not hidden_grad:
+            dh_red = _DHIDDEN["partial"]
+        hidden = gather_token_slices(hidden, name, check, hidden_grad, rows, v_local, _OP)
+    flat = hidden.reshape(-1, H) if hidden.dim() == 3 else hidden
+    lp, ent, am = _linear_log_probs(flat, weight, tokens.reshape(-1), t_value, ignore, workspace,
+                                    tf32, name, dh_red)
+    return LogProbs(lp.view(tokens.shape), ent.view(tokens.shape) if want_entropy else None,
+                    am.view(tokens.shape) if want_argmax else None)
+
+
+def _validate(hidden, weight, tokens, loss_mask, slices):
     require_values(hidden, "hidden")
     require_values(weight, "weight")
     require_tensor(tokens, "tokens")
-    world = group_size(tp_group) if name else 1
-    slices = world if name and dh_red == _DHIDDEN["reduce_scatter"] else 1
     if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
         raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
                          "[s, b, H] tensor with H >= 1")
@@ -152,13 +232,14 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
     require_same_device(weight, "weight", hidden, "hidden")
-    shape = None if slices == 1 else gathered_shape(hidden.shape[:-1], slices)
-    try:
-        require_targets(tokens, hidden, "hidden", "hidden's shape without the hidden dim" if slices == 1
-                        else f"the tokens of {slices} ranks' slices of hidden along dim 0",
-                        shape=shape)
-    except ValueError as e:
-        raise ValueError(str(e).replace("target", "tokens", 1)) from None
+    shape = tuple(hidden.shape[:-1]) if slices == 1 else gathered_shape(hidden.shape[:-1], slices)
+    if tuple(tokens.shape) != shape:
+        what = ("hidden's shape without the hidden dim" if slices == 1 else
+                f"the tokens of {slices} ranks' slices of hidden along dim 0")
+        raise ValueError(f"tokens: got shape {tuple(tokens.shape)}, expected {shape} ({what})")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens.dtype: got {tokens.dtype}, expected an integer dtype")
+    require_same_device(tokens, "tokens", hidden, "hidden")
     if loss_mask is not None:
         require_tensor(loss_mask, "loss_mask")
         if loss_mask.shape != tokens.shape:
@@ -168,24 +249,3 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
             raise ValueError("loss_mask: got a complex tensor or one that requires grad, expected "
                              "a constant real tensor (bool, integer or floating point)")
         require_same_device(loss_mask, "loss_mask", hidden, "hidden")
-        tokens = torch.where(loss_mask != 0, tokens, torch.full_like(tokens, ignore))
-    rank, _ = rank_and_size(resolve_group(name)) if name else (0, 1)
-    v_local, rows, H = weight.size(0), tokens.numel(), hidden.size(-1)
-    opts = _options(t_value, ignore, workspace, bool(torch.backends.cuda.matmul.allow_tf32),
-                    rank, v_local, world, rows, H)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if name and check:  # the shard agreement before any collective
-        options = fingerprint(temperature=t_value, ignore_index=ignore, dtype=str(hidden.dtype),
-                              H=H, dhidden_reduction=dhidden_reduction, gradient=grad,
-                              tokens_shape=tuple(tokens.shape))
-        with rank_checks(resolve_group(name), True, _OP, options=options) as checks:
-            checks.rows, checks.v_local, checks.target = rows, v_local, tokens.reshape(-1)
-    if slices > 1:
-        hidden_grad = grad and hidden.requires_grad
-        if not hidden_grad:
-            dh_red = _DHIDDEN["partial"]
-        hidden = gather_token_slices(hidden, name, check, hidden_grad, rows, v_local, _OP)
-    flat = hidden.reshape(-1, H) if hidden.dim() == 3 else hidden
-    lp, ent, am = _LinearLogProbs.apply(flat, weight, tokens.reshape(-1), opts, name, dh_red, grad)
-    return LogProbs(lp.view(tokens.shape), ent.view(tokens.shape) if want_entropy else None,
-                    am.view(tokens.shape) if want_argmax else None)

@@ -153,7 +153,7 @@ def test_bad_inputs(device):
         fusedloss.linear_log_probs(h, w, t, entropy="yes")
     if device == "cpu":  # CUDA tokens are checked in flight: their rows are NaN
         t[5] = 203
-        with pytest.raises(ValueError, match=r"target\[5\]: got 203, expected in \[0, 203\)"):
+        with pytest.raises(ValueError, match=r"tokens\[5\]: got 203, expected in \[0, 203\)"):
             fusedloss.linear_log_probs(h, w, t)
 
 
@@ -229,3 +229,43 @@ def _tp_disagreement(rank, world):
 
 def test_gloo_tp_disagreement_raises_on_every_rank():
     run_world(2, _tp_disagreement)
+
+
+def _tp_one_rank_wrong(rank, world):
+    h, w, t = _problem("cpu", torch.float32, shape=(6,), V=8)
+    bad = {"temperature": -1.0} if rank == 1 else {}
+    with pytest.raises(ValueError, match="rank 1: temperature: got -1.0"):
+        fusedloss.linear_log_probs(h, w, t, tp_group=dist.group.WORLD, **bad)
+    t_bad = t.clone()
+    if rank == 0:
+        t_bad[0] = 99  # beyond every rank's shard
+    with pytest.raises(ValueError, match=r"rank 0: tokens\[0\]: got 99, expected in \[0, 16\)"):
+        fusedloss.linear_log_probs(h, w, t_bad, tp_group=dist.group.WORLD)
+
+
+def test_gloo_tp_one_rank_wrong_raises_on_every_rank():
+    run_world(2, _tp_one_rank_wrong)
+
+
+def test_compile_fullgraph_matches_eager(device):
+    h, w, t = _problem(device, torch.float32)
+    op = torch.compile(lambda h, w, t: fusedloss.linear_log_probs(h, w, t, temperature=0.9),
+                       fullgraph=True)
+
+    def run(fn):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(hh, ww, t)
+        (out.log_probs * 0.5 - out.entropy).sum().backward()
+        return out.log_probs, out.entropy, hh.grad, ww.grad
+
+    for got, want in zip(run(op), run(lambda h, w, t: fusedloss.linear_log_probs(h, w, t, temperature=0.9))):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_second_order_gradient_raises(device):
+    h, w, t = _problem(device, torch.float32)
+    hh = h.clone().requires_grad_()
+    out = fusedloss.linear_log_probs(hh, w, t)
+    (g,) = torch.autograd.grad(out.log_probs.sum(), hh, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
