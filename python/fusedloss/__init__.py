@@ -116,3 +116,7 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+# A process that has torch already gets the ops at import, as before (their torch.ops
+# registrations included, which code may look up without naming fusedloss's functions).
+if "torch" in _sys.modules:
+    _load_torch_api()

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from . import _ffi
 from ._args import (NONE, CeOptions, loss_results, index, parse_ce_options, require_targets,
                     require_values)
-from ._vocab_parallel import axis_place, local_targets, merge, replicated_cotangent, shard_options
+from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
 
@@ -71,7 +71,7 @@ def _sharded_cross_entropy(o, axis_name, x, t):
 def _sharded_cross_entropy_bwd(o, axis_name, saved, g):
     x, tl, lse, count = saved
     g = replicated_cotangent(g, x, axis_name)
-    vocab_global = jax.lax.axis_size(axis_name) * x.shape[1]
+    vocab_global = axis_size(axis_name) * x.shape[1]
     # each shard's gradient is its own: nothing is communicated in the backward
     return _backward(shard_options(o, vocab_global), x, tl, lse, count, g, vocab_global), None
 

@@ -28,7 +28,7 @@ from . import _ffi
 from ._args import (DTYPES, NONE, CeOptions, as_bool, as_choice, as_int, as_float, index,
                     loss_results, parse_ce_options, require_array, require_targets,
                     require_values)
-from ._vocab_parallel import axis_place, local_targets, merge, replicated_cotangent, shard_options
+from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
 # fusedloss::LinearCeBackward
@@ -112,7 +112,7 @@ def _sharded_linear_cross_entropy(o, axis_name, h, w, t):
 def _sharded_linear_cross_entropy_bwd(o, axis_name, saved, g):
     h, w, tl, lse, count = saved
     g = replicated_cotangent(g, w, axis_name)
-    vocab_global = jax.lax.axis_size(axis_name) * w.shape[0]
+    vocab_global = axis_size(axis_name) * w.shape[0]
     shard = o._replace(ce=shard_options(o.ce, vocab_global))
     # dhidden: this shard's partial sum, summed over the axis by JAX (see the module's note)
     return (*_recompute_backward(shard, h, w, tl, lse, count, g, vocab_global), None)
@@ -202,7 +202,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     if sequence_parallel and axis_name is None:
         raise ValueError("sequence_parallel: got True without axis_name, expected the mesh axis "
                          "the token slices and the vocabulary are split over")
-    slices = jax.lax.axis_size(axis_name) if sequence_parallel else 1
+    slices = axis_size(axis_name) if sequence_parallel else 1
     _validate(hidden, weight, target, slices)
     h = hidden.reshape(-1, hidden.shape[-1])
     if sequence_parallel:  # its transpose reduce-scatters the slices' gradient

@@ -36,9 +36,16 @@ def replicated_cotangent(g, shard, axis_name):
     return jax.lax.psum(g, axis_name)
 
 
+def axis_size(axis_name) -> int:
+    """The mesh axis' size, static (older JAX: psum of a constant, which it folds)."""
+    if hasattr(jax.lax, "axis_size"):
+        return jax.lax.axis_size(axis_name)
+    return jax.lax.psum(1, axis_name)
+
+
 def axis_place(axis_name):
     """(this device's index on the axis, traced; the axis size, static)."""
-    return jax.lax.axis_index(axis_name), jax.lax.axis_size(axis_name)
+    return jax.lax.axis_index(axis_name), axis_size(axis_name)
 
 
 def shard_options(o: CeOptions, vocab_global: int) -> CeOptions:

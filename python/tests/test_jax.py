@@ -1,0 +1,535 @@
+"""fusedloss.jax: the JAX ops over XLA FFI against float64 jax.numpy references (every op and
+option), their gradients (jax.test_util.check_grads where it fits), jit / vmap / grad
+composition, vocab- and sequence-parallel under jax.shard_map at TP 2 and 4 (four CPU devices in
+this process) against the unsharded result, and bad inputs (the argument, the value, what was
+expected). The CUDA handlers run where JAX has a GPU; elsewhere their tests skip, saying so."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="fusedloss.jax: jax is not installed")
+if "jax_num_cpu_devices" in jax.config.values:  # four CPU devices for shard_map (before any use)
+    try:
+        jax.config.update("jax_num_cpu_devices", 4)
+    except RuntimeError:  # the backends started already (another module used jax first)
+        pass
+jax.config.update("jax_enable_x64", True)  # the float64 references; int64 targets
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+import fusedloss.jax as fj  # noqa: E402  (a missing libfusedloss_jax fails here, loudly)
+
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+TOL = {F32: 2e-5, BF16: 2e-2, F16: 4e-3}  # relative to the reference's scale
+_GPU = [d for d in jax.devices() if d.platform == "gpu"] if "CUDA" in fj.platforms else []
+_CUDA = pytest.mark.skipif(not _GPU, reason="fusedloss.jax CUDA handlers: " + (
+    "no GPU in this process" if "CUDA" in fj.platforms else "this build has no CUDA handlers"))
+
+
+def _key(i):
+    return jax.random.key(1000 + i)
+
+
+def _close(got, want, dtype=F32, what=""):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    err = float(np.abs(got - want).max(initial=0.0))
+    assert err <= TOL[dtype] * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+# ---- float64 references ----
+
+def ref_cross_entropy(x, t, ignore_index=-100, label_smoothing=0.0, smoothing_formula="pytorch",
+                      reduction="mean", z_loss=0.0, softcap=0.0):
+    x = x.astype(jnp.float64)
+    if softcap:
+        x = softcap * jnp.tanh(x / softcap)
+    v = x.shape[-1]
+    alpha = label_smoothing * (v / (v - 1) if smoothing_formula == "megatron" else 1.0)
+    lse = jax.nn.logsumexp(x, -1)
+    valid = t != ignore_index
+    xt = jnp.take_along_axis(x, jnp.where(valid, t, 0)[..., None], -1)[..., 0]
+    loss = (1 - alpha) * (lse - xt) + alpha * (lse - x.mean(-1)) + z_loss * lse ** 2
+    loss = jnp.where(valid, loss, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / jnp.maximum(valid.sum(), 1)
+
+
+def ref_linear_cross_entropy(h, w, t, **kw):
+    return ref_cross_entropy(h.astype(jnp.float64) @ w.astype(jnp.float64).T, t, **kw)
+
+
+def ref_rms_norm(x, w, eps=1e-5, zero_centered_gamma=False):
+    x = x.astype(jnp.float64)
+    g = w.astype(jnp.float64) + (1.0 if zero_centered_gamma else 0.0)
+    return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
+
+
+def ref_swiglu(y, bias=None, scale=None, clamp=None):
+    y = y.astype(jnp.float64)
+    if bias is not None:
+        y = y + bias.astype(jnp.float64)
+    n = y.shape[-1] // 2
+    a, b = y[..., :n], y[..., n:]
+    if clamp is not None:
+        a, b = jnp.minimum(a, clamp), jnp.clip(b, -clamp, clamp)
+    out = jax.nn.silu(a) * b
+    return out if scale is None else out * scale.astype(jnp.float64)
+
+
+def _loss_and_grads(f, args, reduction, argnums):
+    """The loss and the gradients of sum(w * loss) (w: fixed row weights for 'none')."""
+    def scalar(*a):
+        loss = f(*a)
+        if reduction == "none":
+            loss = loss * jnp.linspace(0.5, 1.5, loss.size).reshape(loss.shape)
+        return loss.sum()
+    return f(*args), jax.grad(scalar, argnums)(*args)
+
+
+def _targets(key, shape, v, ignore_every=5):
+    t = jax.random.randint(key, shape, 0, v)
+    flat = t.reshape(-1)
+    return flat.at[::ignore_every].set(-100).reshape(shape)
+
+
+# ---- imports ----
+
+def test_the_packages_import_apart():
+    """`import fusedloss` imports neither framework; fusedloss.jax imports no torch; the PyTorch
+    ops still load on first use."""
+    child = textwrap.dedent("""
+        import sys
+        import fusedloss
+        assert "torch" not in sys.modules and "jax" not in sys.modules, "import fusedloss"
+        import fusedloss.jax
+        assert "torch" not in sys.modules, "import fusedloss.jax"
+        assert callable(fusedloss.jax.cross_entropy)
+        fusedloss.cross_entropy  # the PyTorch op: loads torch now
+        assert "torch" in sys.modules and callable(fusedloss.cross_entropy)
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_the_enums_are_the_cores():
+    from fusedloss import _C
+    from fusedloss.jax import _args
+    assert _args.REDUCTIONS == {"none": int(_C.Reduction.NONE), "sum": int(_C.Reduction.SUM),
+                                "mean": int(_C.Reduction.MEAN)}
+    assert _args.FORMULAS == {"pytorch": int(_C.SmoothingFormula.PYTORCH),
+                              "megatron": int(_C.SmoothingFormula.MEGATRON)}
+    assert _args.SCOPES == {"global": int(_C.SmoothingScope.GLOBAL),
+                            "partition": int(_C.SmoothingScope.PARTITION)}
+    assert list(_args.DTYPES.values()) == [int(_C.DType.F32), int(_C.DType.F16), int(_C.DType.BF16)]
+
+
+# ---- cross-entropy ----
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1}, {"z_loss": 1e-3},
+                                     {"label_smoothing": 0.2, "smoothing_formula": "megatron"},
+                                     {"ignore_index": 7}])
+def test_cross_entropy(reduction, options):
+    x = jax.random.normal(_key(0), (24, 97), F32) * 2
+    t = _targets(_key(1), (24,), 97)
+    if options.get("ignore_index") == 7:  # a class id as the ignore value
+        t = jnp.where(t < 0, 7, t).at[::4].set(7)
+    kw = dict(options, reduction=reduction)
+    loss, dx = _loss_and_grads(lambda x: fj.cross_entropy(x, t, **kw), (x,), reduction, 0)
+    want, dwant = _loss_and_grads(lambda x: ref_cross_entropy(x, t, **kw), (x,), reduction, 0)
+    assert loss.dtype == F32 and loss.shape == want.shape
+    _close(loss, want, what="loss")
+    _close(dx, dwant, what="dlogits")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_cross_entropy_16_bit(dtype):
+    x = (jax.random.normal(_key(2), (2, 8, 300), F32) * 3).astype(dtype)  # [s, b, V]
+    t = _targets(_key(3), (2, 8), 300)
+    loss, dx = _loss_and_grads(lambda x: fj.cross_entropy(x, t, label_smoothing=0.1), (x,), "mean", 0)
+    want, dwant = _loss_and_grads(lambda x: ref_cross_entropy(x, t, label_smoothing=0.1), (x,), "mean", 0)
+    assert dx.dtype == dtype and dx.shape == x.shape
+    _close(loss, want, dtype, "loss")
+    _close(dx, dwant, dtype, "dlogits")
+
+
+def test_cross_entropy_check_grads():
+    x = jax.random.normal(_key(4), (6, 11), F32)
+    t = jnp.array([0, 3, 10, -100, 5, 5], jnp.int32)
+    for reduction in ("none", "mean"):
+        check_grads(lambda x: fj.cross_entropy(x, t, reduction=reduction, z_loss=0.01), (x,),
+                    order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_cross_entropy_no_counted_row_is_zero():
+    x = jax.random.normal(_key(5), (4, 9), F32)
+    t = jnp.full((4,), -100)
+    loss, dx = jax.value_and_grad(lambda x: fj.cross_entropy(x, t))(x)
+    assert float(loss) == 0.0 and not np.any(np.asarray(dx))
+
+
+def test_cross_entropy_bad_target_raises_with_the_value():
+    x = jax.random.normal(_key(6), (4, 9), F32)
+    with pytest.raises(Exception, match=r"target\[2\]: got 9, expected in \[0, 9\) or ignore_index"):
+        jax.block_until_ready(fj.cross_entropy(x, jnp.array([0, 1, 9, 2])))
+
+
+# ---- linear cross-entropy ----
+
+@pytest.mark.parametrize("reduction,mode", [("mean", "auto"), ("sum", "recompute"),
+                                            ("none", "auto"), ("mean", "in_forward")])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3},
+                                     {"logit_softcap": 3.0}])
+def test_linear_cross_entropy(reduction, mode, options):
+    h = jax.random.normal(_key(7), (40, 16), F32)
+    w = jax.random.normal(_key(8), (70, 16), F32) * 0.4
+    t = _targets(_key(9), (40,), 70)
+    # a workspace of 9 rows of logits: several chunks, the last one short
+    kw = dict(options, reduction=reduction)
+    f = lambda h, w: fj.linear_cross_entropy(h, w, t, backward_mode=mode,  # noqa: E731
+                                             workspace_bytes=9 * 70 * 4, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k != "logit_softcap"}
+    ref = lambda h, w: ref_linear_cross_entropy(h, w, t, softcap=options.get("logit_softcap", 0.0),  # noqa: E731
+                                                **ref_kw)
+    loss, (dh, dw) = _loss_and_grads(f, (h, w), reduction, (0, 1))
+    want, (dhw, dww) = _loss_and_grads(ref, (h, w), reduction, (0, 1))
+    _close(loss, want, what="loss")
+    _close(dh, dhw, what="dhidden")
+    _close(dw, dww, what="dweight")
+    # not differentiated: the forward alone, the same loss
+    _close(jax.jit(f)(h, w), want, what="forward alone")
+
+
+def test_linear_cross_entropy_bf16_3d():
+    h = jax.random.normal(_key(10), (4, 6, 32), F32).astype(BF16)
+    w = (jax.random.normal(_key(11), (50, 32), F32) * 0.2).astype(BF16)
+    t = _targets(_key(12), (4, 6), 50)
+    loss, (dh, dw) = _loss_and_grads(lambda h, w: fj.linear_cross_entropy(h, w, t), (h, w), "mean", (0, 1))
+    want, (dhw, dww) = _loss_and_grads(lambda h, w: ref_linear_cross_entropy(h, w, t), (h, w), "mean", (0, 1))
+    assert dh.dtype == BF16 and dh.shape == h.shape and dw.dtype == BF16
+    _close(loss, want, BF16, "loss")
+    _close(dh, dhw, BF16, "dhidden")
+    _close(dw, dww, BF16, "dweight")
+
+
+def test_linear_cross_entropy_check_grads():
+    h = jax.random.normal(_key(13), (5, 4), F32)
+    w = jax.random.normal(_key(14), (7, 4), F32)
+    t = jnp.array([0, 6, -100, 3, 3])
+    for mode in ("in_forward", "recompute"):
+        check_grads(lambda h, w: fj.linear_cross_entropy(h, w, t, backward_mode=mode), (h, w),
+                    order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+# ---- RMSNorm ----
+
+@pytest.mark.parametrize("dtype,w_dtype", [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16),
+                                           (F16, jnp.float64)])
+@pytest.mark.parametrize("options", [{}, {"eps": 1e-3, "zero_centered_gamma": True}, {"eps": None}])
+def test_rms_norm(dtype, w_dtype, options):
+    x = jax.random.normal(_key(15), (3, 5, 48), F32).astype(dtype)
+    w = jax.random.uniform(_key(16), (48,), F32, 0.5, 1.5).astype(w_dtype)
+    kw = dict(options)
+    ref_kw = dict(kw, eps=float(np.finfo(np.float32).eps) if kw.get("eps", 1) is None else kw.get("eps", 1e-5))
+    f = lambda x, w: fj.rms_norm(x, w, **kw)  # noqa: E731
+    y = f(x, w)
+    assert y.dtype == dtype and y.shape == x.shape
+    _close(y, ref_rms_norm(x, w, **ref_kw), dtype, "y")
+    g = jax.random.normal(_key(17), x.shape, F32).astype(dtype)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(f(x, w).astype(F32) * g), (0, 1))(x, w)
+    dxr, dwr = jax.grad(lambda x, w: jnp.sum(ref_rms_norm(x, w, **ref_kw) * g), (0, 1))(x, w)
+    assert dx.dtype == dtype and dw.dtype == w_dtype
+    _close(dx, dxr, dtype, "dx")
+    _close(dw, dwr, dtype if dtype != F32 else jnp.dtype(w_dtype).type if w_dtype != jnp.float64 else F32, "dw")
+
+
+def test_rms_norm_residual():
+    x = jax.random.normal(_key(18), (6, 32), F32)
+    r = jax.random.normal(_key(19), (6, 32), F32)
+    w = jax.random.uniform(_key(20), (32,), F32, 0.5, 1.5)
+
+    def fused(x, r, w):
+        y, s = fj.rms_norm(x, w, residual=r)
+        return jnp.sum(y * jnp.cos(y)) + jnp.sum(s ** 2)
+
+    def plain(x, r, w):
+        s = x.astype(jnp.float64) + r
+        y = ref_rms_norm(s, w)
+        return jnp.sum(y * jnp.cos(y)) + jnp.sum(s ** 2)
+    y, s = fj.rms_norm(x, w, residual=r)
+    _close(s, x + r, what="s")
+    _close(y, ref_rms_norm(x + r, w), what="y")
+    for got, want, name in zip(jax.grad(fused, (0, 1, 2))(x, r, w),
+                               jax.grad(plain, (0, 1, 2))(x, r, w), ("dx", "dresidual", "dw")):
+        _close(got, want, what=name)
+    check_grads(lambda x, r, w: fj.rms_norm(x, w, residual=r)[0], (x, r, w), order=1, modes=["rev"],
+                eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+# ---- SwiGLU ----
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bias,scale,clamp", [(False, False, None), (True, False, None),
+                                              (False, True, None), (True, True, 1.5),
+                                              (False, False, 0.7)])
+def test_swiglu(dtype, bias, scale, clamp):
+    y = (jax.random.normal(_key(21), (2, 7, 24), F32) * 2).astype(dtype)
+    b = jax.random.normal(_key(22), (24,), F32) * 0.1 if bias else None
+    s = jax.random.uniform(_key(23), (2, 7, 1), F32, 0.5, 2.0) if scale else None
+    f = lambda y, b, s: fj.swiglu(y, b, per_token_scale=s, clamp_value=clamp)  # noqa: E731
+    out = f(y, b, s)
+    assert out.dtype == dtype and out.shape == (2, 7, 12)
+    _close(out, ref_swiglu(y, b, s, clamp), dtype, "out")
+    g = jax.random.normal(_key(24), out.shape, F32)
+    got = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32) * g), (0, 1, 2))(y, b, s)
+    want = jax.grad(lambda *a: jnp.sum(ref_swiglu(*a, clamp) * g), (0, 1, 2))(y, b, s)
+    for gg, ww, name in zip(got, want, ("dy", "dbias", "dscale")):
+        if ww is not None:
+            _close(gg, ww, dtype, name)
+    assert got[0].dtype == dtype
+
+
+def test_swiglu_check_grads():
+    y = jax.random.normal(_key(25), (5, 8), F32)
+    b = jax.random.normal(_key(26), (8,), F32)
+    s = jax.random.uniform(_key(27), (5, 1), F32, 0.5, 2.0)
+    check_grads(lambda y, b, s: fj.swiglu(y, b, per_token_scale=s), (y, b, s), order=1,
+                modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+# ---- composition: jit, grad, value_and_grad, vmap ----
+
+def test_jit_value_and_grad_match_eager():
+    x = jax.random.normal(_key(28), (12, 33), F32)
+    t = _targets(_key(29), (12,), 33)
+    f = lambda x: fj.cross_entropy(x, t, label_smoothing=0.05)  # noqa: E731
+    eager = jax.value_and_grad(f)(x)
+    jitted = jax.jit(jax.value_and_grad(f))(x)
+    np.testing.assert_array_equal(eager[0], jitted[0])
+    np.testing.assert_array_equal(eager[1], jitted[1])
+
+
+def test_vmap_each_element_is_its_own_problem():
+    x = jax.random.normal(_key(30), (3, 10, 21), F32)
+    t = _targets(_key(31), (3, 10), 21, ignore_every=3)
+    for reduction in ("none", "mean"):
+        f = lambda x, t: fj.cross_entropy(x, t, reduction=reduction)  # noqa: E731
+        batched = jax.vmap(f)(x, t)
+        looped = jnp.stack([f(x[i], t[i]) for i in range(3)])
+        _close(batched, looped, what=reduction)
+        dx = jax.vmap(jax.grad(lambda x, t: jnp.sum(f(x, t))))(x, t)
+        dloop = jnp.stack([jax.grad(lambda x: jnp.sum(f(x, t[i])))(x[i]) for i in range(3)])
+        _close(dx, dloop, what=f"d {reduction}")
+    # shared logits, batched targets: the gradient gets a batch of its own
+    shared = jax.vmap(jax.grad(lambda x, t: fj.cross_entropy(x, t)), in_axes=(None, 0))(x[0], t)
+    assert shared.shape == (3, 10, 21)
+    _close(shared[2], jax.grad(lambda x: fj.cross_entropy(x, t[2]))(x[0]), what="shared logits")
+
+
+def test_vmap_linear_cross_entropy_rms_norm_swiglu():
+    h = jax.random.normal(_key(32), (3, 8, 16), F32)
+    w = jax.random.normal(_key(33), (30, 16), F32) * 0.3
+    t = _targets(_key(34), (3, 8), 30)
+    g = jnp.linspace(0.5, 1.5, 16)
+
+    def step(h, t):
+        return fj.linear_cross_entropy(fj.rms_norm(h, g), w, t)
+    per_example = jax.vmap(jax.value_and_grad(step))(h, t)
+    for i in range(3):
+        loss, dh = jax.value_and_grad(step)(h[i], t[i])
+        _close(per_example[0][i], loss, what="loss")
+        _close(per_example[1][i], dh, what="dhidden")
+    # per-example weight gradients (the weight itself not batched)
+    dws = jax.vmap(jax.grad(lambda w, h, t: fj.linear_cross_entropy(h, w, t)), in_axes=(None, 0, 0))(w, h, t)
+    _close(dws[1], jax.grad(lambda w: fj.linear_cross_entropy(h[1], w, t[1]))(w), what="dweight")
+    y = jax.random.normal(_key(35), (3, 4, 10), F32)
+    _close(jax.vmap(fj.swiglu)(y), fj.swiglu(y), what="swiglu")
+    dg = jax.vmap(jax.grad(lambda x, g: jnp.sum(fj.rms_norm(x, g) ** 2), 1), in_axes=(0, None))(h, g)
+    _close(dg[0], jax.grad(lambda g: jnp.sum(fj.rms_norm(h[0], g) ** 2))(g), what="dgamma")
+
+
+# ---- vocab- and sequence-parallel under shard_map ----
+
+def _mesh(tp):
+    if len(jax.devices("cpu")) < tp:
+        pytest.skip(f"shard_map TP {tp}: {len(jax.devices('cpu'))} CPU devices in this process "
+                    "(JAX started before this module set jax_num_cpu_devices)")
+    return jax.make_mesh((tp,), ("tp",), devices=jax.devices("cpu")[:tp])
+
+
+def _put(mesh, x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("options", [{"reduction": "mean"},
+                                     {"reduction": "none", "label_smoothing": 0.1, "z_loss": 1e-3},
+                                     {"reduction": "sum", "ignore_index": 0,
+                                      "smoothing_formula": "megatron", "label_smoothing": 0.1}])
+def test_vocab_parallel_cross_entropy(tp, check_vma, options):
+    mesh = _mesh(tp)
+    x = jax.random.normal(_key(36), (16, 96), F32) * 2
+    t = _targets(_key(37), (16,), 96).at[1].set(0)
+    if options.get("ignore_index") == 0:  # a class id as the ignore value: renumbered per shard
+        t = jnp.where(t < 0, 0, t).at[::3].set(0)
+    sharded = jax.shard_map(lambda x, t: fj.cross_entropy(x, t, axis_name="tp", **options),
+                            mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P(),
+                            check_vma=check_vma)
+    reduction = options["reduction"]
+    with jax.set_mesh(mesh):
+        loss, dx = jax.jit(lambda x, t: _loss_and_grads(lambda x: sharded(x, t), (x,), reduction, 0))(
+            _put(mesh, x, P(None, "tp")), _put(mesh, t, P()))
+    want, dwant = _loss_and_grads(lambda x: fj.cross_entropy(x, t, **options), (x,), reduction, 0)
+    _close(loss, want, what="loss")
+    _close(dx, dwant, what="dlogits")
+    ref, _ = _loss_and_grads(lambda x: ref_cross_entropy(x, t, **options), (x,), reduction, 0)
+    _close(loss, ref, what="loss against float64")
+
+
+def test_vocab_parallel_partition_scope_is_per_shard():
+    mesh = _mesh(2)
+    x = jax.random.normal(_key(38), (8, 40), F32)
+    t = _targets(_key(39), (8,), 40)
+    kw = dict(label_smoothing=0.1, smoothing_formula="megatron", smoothing_scope="partition")
+    sharded = jax.shard_map(lambda x, t: fj.cross_entropy(x, t, axis_name="tp", **kw)[None],
+                            mesh=mesh, in_specs=(P(None, "tp"), P()), out_specs=P("tp"))
+    with jax.set_mesh(mesh):
+        per_shard = np.asarray(sharded(_put(mesh, x, P(None, "tp")), _put(mesh, t, P())))
+    # Megatron's partition scope: the smoothing term averages over the shard's own columns
+    for r in range(2):
+        xs = x.astype(jnp.float64)
+        lse = jax.nn.logsumexp(xs, -1)
+        xt = jnp.take_along_axis(xs, jnp.where(t >= 0, t, 0)[:, None], -1)[:, 0]
+        alpha = 0.1 * 20 / 19
+        shard_mean = xs[:, 20 * r:20 * (r + 1)].mean(-1)
+        loss = jnp.where(t >= 0, (1 - alpha) * (lse - xt) + alpha * (lse - shard_mean), 0.0)
+        _close(per_shard[r], loss.sum() / (t >= 0).sum(), what=f"shard {r}")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_vocab_parallel_linear_cross_entropy(tp, sequence_parallel, check_vma):
+    mesh = _mesh(tp)
+    h = jax.random.normal(_key(40), (16, 12), F32)
+    w = jax.random.normal(_key(41), (64, 12), F32) * 0.3
+    t = _targets(_key(42), (16,), 64)
+    for reduction, kw in (("mean", {}), ("none", {"logit_softcap": 4.0, "label_smoothing": 0.1})):
+        kw = dict(kw, reduction=reduction, workspace_bytes=5 * 64 * 4)
+        body = lambda h, w, t: fj.linear_cross_entropy(  # noqa: E731
+            h, w, t, axis_name="tp", sequence_parallel=sequence_parallel, **kw)
+        h_spec = P("tp") if sequence_parallel else P()
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(h_spec, P("tp"), P()), out_specs=P(),
+                                check_vma=check_vma)
+        with jax.set_mesh(mesh):
+            loss, (dh, dw) = jax.jit(lambda h, w, t: _loss_and_grads(
+                lambda h, w: sharded(h, w, t), (h, w), reduction, (0, 1)))(
+                _put(mesh, h, h_spec), _put(mesh, w, P("tp")), _put(mesh, t, P()))
+        want, (dhw, dww) = _loss_and_grads(lambda h, w: fj.linear_cross_entropy(h, w, t, **kw),
+                                           (h, w), reduction, (0, 1))
+        _close(loss, want, what=f"{reduction} loss")
+        _close(dh, dhw, what=f"{reduction} dhidden")
+        _close(dw, dww, what=f"{reduction} dweight")
+
+
+# ---- bad inputs ----
+
+def _raises(match, f, *args, error=ValueError, **kw):
+    with pytest.raises(error, match=match):
+        f(*args, **kw)
+
+
+def test_bad_inputs_name_the_argument_the_value_and_what_was_expected():
+    x = jnp.zeros((4, 9), F32)
+    t = jnp.zeros((4,), jnp.int32)
+    _raises(r"logits\.dtype: got float64, expected float32, float16 or bfloat16",
+            fj.cross_entropy, x.astype(jnp.float64), t)
+    _raises(r"logits: got shape \(9,\), expected a 2-D \[N, V\] or 3-D \[s, b, V\] tensor with V >= 1",
+            fj.cross_entropy, x[0], t)
+    _raises(r"target: got shape \(5,\), expected \(4,\) \(the logits' shape without the vocab dim\)",
+            fj.cross_entropy, x, jnp.zeros((5,), jnp.int32))
+    _raises(r"target\.dtype: got float32, expected an integer dtype", fj.cross_entropy, x,
+            jnp.zeros((4,), F32))
+    _raises(r"reduction: got 'avg', expected one of \['mean', 'none', 'sum'\]", fj.cross_entropy,
+            x, t, reduction="avg")
+    _raises(r"^label_smoothing: got 1\.5", fj.cross_entropy, x, t, label_smoothing=1.5)
+    _raises(r"^z_loss: got -1", fj.cross_entropy, x, t, z_loss=-1.0)
+    _raises(r"ignore_index: got 1\.5 \(float\), expected an int", fj.cross_entropy, x, t,
+            ignore_index=1.5, error=TypeError)
+    _raises(r"logits: got list, expected a jax\.Array", fj.cross_entropy, [[0.0]], t, error=TypeError)
+    with pytest.raises(TypeError, match=r"label_smoothing: got a traced value, expected a real number"):
+        jax.jit(lambda ls: fj.cross_entropy(x, t, label_smoothing=ls))(0.1)
+    h, w = jnp.zeros((4, 8), BF16), jnp.zeros((10, 8), F32)
+    _raises(r"weight\.dtype: got float32, expected bfloat16 \(hidden's dtype\)",
+            fj.linear_cross_entropy, h, w, t)
+    _raises(r"weight: got shape \(10, 7\), expected \[V_local, 8\]", fj.linear_cross_entropy,
+            h, jnp.zeros((10, 7), BF16), t)
+    _raises(r"backward_mode: got 'in_forward' with reduction='none', expected 'recompute' or 'auto'",
+            fj.linear_cross_entropy, h, w.astype(BF16), t, reduction="none", backward_mode="in_forward")
+    _raises(r"backward_mode: got 'in_forward' with float16 inputs", fj.linear_cross_entropy,
+            h.astype(F16), w.astype(F16), t, backward_mode="in_forward")
+    _raises(r"^logit_softcap: got -2", fj.linear_cross_entropy, h, w.astype(BF16), t, logit_softcap=-2.0)
+    _raises(r"workspace_bytes: got 0, expected None or a positive number of bytes",
+            fj.linear_cross_entropy, h, w.astype(BF16), t, workspace_bytes=0)
+    _raises(r"sequence_parallel: got True without axis_name", fj.linear_cross_entropy, h,
+            w.astype(BF16), t, sequence_parallel=True)
+    _raises(r"weight: got shape \(7,\), expected \(8,\) = \[H\]", fj.rms_norm, h, jnp.ones(7))
+    _raises(r"^eps: got 0", fj.rms_norm, h, jnp.ones(8), eps=0.0)
+    _raises(r"residual: got shape \(4, 8\) float32, expected x's \(4, 8\) bfloat16", fj.rms_norm,
+            h, jnp.ones(8), residual=jnp.zeros((4, 8), F32))
+    _raises(r"y: got shape \(4, 7\), expected \[\.\.\., 2n\] with n >= 1", fj.swiglu, jnp.zeros((4, 7), F32))
+    _raises(r"bias: got shape \(6,\), expected \(8,\) = \[2n\]", fj.swiglu, jnp.zeros((4, 8), F32),
+            jnp.zeros(6))
+    _raises(r"per_token_scale: got shape \(4,\), expected \(4, 1\) = \[T, 1\]", fj.swiglu,
+            jnp.zeros((4, 8), F32), per_token_scale=jnp.ones(4))
+    _raises(r"^clamp_value: got -1", fj.swiglu, jnp.zeros((4, 8), F32), clamp_value=-1.0)
+
+
+def test_the_messages_are_the_pytorch_ops():
+    """The same bad option gives the same text from both adapters (the core's validators)."""
+    torch = pytest.importorskip("torch")
+    import fusedloss
+    x = jnp.zeros((4, 9), F32)
+    t = jnp.zeros((4,), jnp.int32)
+    for kw in ({"label_smoothing": 1.5}, {"z_loss": -1.0}, {"reduction": "avg"}):
+        with pytest.raises(ValueError) as from_jax:
+            fj.cross_entropy(x, t, **kw)
+        with pytest.raises(ValueError) as from_torch:
+            fusedloss.cross_entropy(torch.zeros(4, 9), torch.zeros(4, dtype=torch.long), **kw)
+        assert str(from_jax.value) == str(from_torch.value)
+
+
+# ---- CUDA ----
+
+@_CUDA
+def test_cuda_handlers_match_the_cpu():
+    gpu, cpu = _GPU[0], jax.devices("cpu")[0]
+    h = jax.random.normal(_key(43), (300, 64), F32).astype(BF16)
+    w = (jax.random.normal(_key(44), (1000, 64), F32) * 0.1).astype(BF16)
+    t = _targets(_key(45), (300,), 1000)
+    g = jnp.linspace(0.5, 1.5, 64)
+
+    def step(h, w):
+        y = fj.swiglu(jnp.concatenate([h, h], -1))
+        return fj.linear_cross_entropy(fj.rms_norm(y, g), w, t) + fj.cross_entropy(
+            (h @ w.T).astype(F32), t)
+    results = [jax.jit(jax.value_and_grad(step, (0, 1)))(jax.device_put(h, d), jax.device_put(w, d))
+               for d in (gpu, cpu)]
+    for a, b, name in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
+                          ("loss", "dhidden", "dweight")):
+        _close(a, b, BF16, name)
+    fj.check_device_errors()
