@@ -513,6 +513,16 @@ def test_the_messages_are_the_pytorch_ops():
         assert str(from_jax.value) == str(from_torch.value)
 
 
+# ---- the example ----
+
+def test_the_training_example_matches_jax_numpy():
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "jax_train.py")
+    done = subprocess.run([sys.executable, example, "--steps", "3", "--tp", "2"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("ok"), done.stdout + done.stderr
+    assert "head over 2 devices" in done.stdout, done.stdout
+
+
 # ---- CUDA ----
 
 @_CUDA
