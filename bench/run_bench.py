@@ -7,13 +7,16 @@
                  SM kernel without a row reduction reaches at that size); [T, H] from 16384 x 2048
                  to 8192 x 16384, H = 5120 / 6144, bf16 and fp32
   linear-cross-entropy: fusedloss.linear_cross_entropy (both modes) vs the GEMMs alone, torch,
-                 linear + fusedloss CE, Liger, cut-cross-entropy (bench/lce_bench.py)
+                 Liger, cut-cross-entropy, QuACK (bench/lce_bench.py)
+  log-probs:     fusedloss.linear_log_probs vs the GEMMs alone, torch (whole and chunked), verl's
+                 Triton kernel (bench/log_probs_bench.py)
 
 Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x each peer and
 peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
 
-usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm,linear-cross-entropy} --build build-gpu [--out DIR]
+usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm} --build build-gpu [--out DIR]
        python3 bench/run_bench.py linear-cross-entropy [--variants all|v1,v2] [--shapes N,H,V;...]
+       python3 bench/run_bench.py log-probs [--shapes N,H,V;...]
 """
 import argparse
 import csv
@@ -252,7 +255,8 @@ def rms_norm_main(build, out_dir):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm", "linear-cross-entropy"])
+    ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm", "linear-cross-entropy",
+                                     "log-probs"])
     ap.add_argument("--build", help="CMake build dir holding bench/ce_bench etc. (not needed for "
                     "linear-cross-entropy, which runs through the Python package)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -260,10 +264,18 @@ def main():
                     help="linear-cross-entropy: comma-separated pipeline variants of "
                     "bench/lce_bench.py VARIANTS (or 'all'); each fusedloss mode runs in each")
     ap.add_argument("--shapes", default=None,
-                    help="linear-cross-entropy: N,H,V[;N,H,V...] instead of the issue's shapes")
+                    help="linear-cross-entropy, log-probs: N,H,V[;N,H,V...] instead of the "
+                    "issue's shapes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
+        return
+    if args.kind == "log-probs":
+        import log_probs_bench
+        shapes = None
+        if args.shapes:
+            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+        log_probs_bench.run(args.out, git_commit(), shapes=shapes)
         return
     if args.kind == "linear-cross-entropy":
         import lce_bench

@@ -91,3 +91,20 @@ def test_run_bench_keeps_the_cpp_providers_apart(monkeypatch, capsys):
     assert len(out) == 4 and out[2].split()[-1] == "-" and out[3].split()[-1] == "1.32x"
     monkeypatch.setattr(run_bench, "git_commit", lambda: "abc")
     assert run_bench._timing(recs[1], bw, gpu)[:3] == ["0.0050", "0.0000", ""]  # a skipped backward: no ratio
+
+
+def test_log_probs_bench_providers_agree_on_the_cpu():
+    """bench/log_probs_bench.py's torch heads (whole and chunked) and the fused one give the
+    float64 reference's log-probs and entropy (the benchmark itself needs a GPU)."""
+    import torch
+    import log_probs_bench as lp
+    h = torch.randn(40, 16, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(50, 16).float() * 0.3
+    t = torch.randint(0, 50, (40,))
+    ref_lp, ref_ent = lp.reference(h.detach(), w, t, chunk=16)
+    for fn in (lp.torch_head, lambda h, w, t: lp.torch_chunked(h, w, t, chunk=16), lp.fusedloss_head):
+        got_lp, got_ent = fn(h, w, t)
+        assert lp.rel_err(got_lp.detach(), ref_lp) < 1e-5 and lp.rel_err(got_ent.detach(), ref_ent) < 1e-5
+        (got_lp.sum() + got_ent.sum()).backward()
+        assert h.grad is not None and h.grad.abs().sum() > 0
+        h.grad = None

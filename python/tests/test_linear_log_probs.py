@@ -269,3 +269,18 @@ def test_second_order_gradient_raises(device):
     (g,) = torch.autograd.grad(out.log_probs.sum(), hh, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         g.sum().backward()
+
+
+def test_grpo_example_matches_torch():
+    """examples/grpo_step.py: the GRPO step's loss and every gradient with the fused head equal
+    the torch head's (it exits non-zero otherwise)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "grpo_step.py"), "--vocab",
+                           "500", "--hidden", "32", "--seq", "48", "--group", "4"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss: torch" in done.stdout and "fusedloss" in done.stdout
