@@ -328,7 +328,7 @@ def _lce_case(draw):
                 backward_mode=draw(st.sampled_from(["auto", "recompute"] +
                                                    ([] if reduction == "none" else ["in_forward"]))),
                 inplace_backward=draw(st.booleans()),
-                dweight_accumulation=draw(st.sampled_from(["fp32", "weight_dtype"])),
+                dweight_accumulation=draw(st.sampled_from(["auto", "fp32", "weight_dtype"])),
                 # a few tokens per chunk (chunk boundaries), the default workspace, or 3/4 of
                 # one chunk of every token (a 16-bit recompute with fp32 accumulation then
                 # shrinks its vocabulary block so that one chunk holds them all)
@@ -672,3 +672,81 @@ def test_linear_cross_entropy_token_slices_any_layout(run):
     seed = 0 if run == "fixed" else int.from_bytes(os.urandom(4), "little")
     run_world(2, _token_slices_case, run, seed,
               backend="gloo-cuda" if DEVICE == "cuda" else "gloo", timeout_s=60)
+
+
+@st.composite
+def _log_probs_case(draw):
+    H = draw(st.integers(1, 24))
+    shape = _shape(draw, H)
+    V = draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    opts = dict(temperature=draw(st.sampled_from([1.0, 0.6, 1.7])),
+                argmax=draw(st.booleans()),
+                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])))
+    return draw, shape, V, dtype, gen, opts
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_linear_log_probs_any_layout(run):
+    """linear_log_probs over every layout, dtype, temperature, chunking, ignored and masked
+    tokens, no_grad and autocast: log-probs, entropy and both gradients against float64, the
+    caller's tensors unwritten."""
+    from test_linear_log_probs import reference
+
+    @RUNS[run]
+    @given(_log_probs_case())
+    def check(case):
+        draw, shape, V, dtype, gen, opts = case
+        base_h, h, base_h64, h64, layout_h = _input(draw, shape, dtype, gen, 1.0)
+        H = shape[-1]
+        base_w, w, base_w64, w64, layout_w = _input(draw, (V, H), dtype, gen, 2.0 / H ** 0.5)
+        t = torch.randint(0, V, shape[:-1], generator=gen)
+        t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
+        t = t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+        owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
+        mask = None
+        if draw(st.booleans()):
+            mask_base, mask = _mask_input(draw, shape[:-1], gen)
+            owned.append((mask_base, mask_base.clone()))
+        no_grad = draw(st.sampled_from([False, False, False, True]))
+        autocast = dtype == torch.float32 and draw(st.booleans())
+        with torch.no_grad() if no_grad else contextlib.nullcontext(), \
+                torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
+            out = fusedloss.linear_log_probs(h, w, t, loss_mask=mask, **opts)
+        t_ref = t.cpu().long() if mask is None else torch.where(mask.cpu() != 0, t.cpu().long(), -100)
+        x64 = h64.cpu().reshape(-1, H)
+        w_ref = w64.cpu()
+        if autocast or dtype != torch.float32:  # the logits as the chunk buffer rounds them
+            gdt = torch.bfloat16 if autocast else dtype
+            x64 = x64.to(gdt).double()
+            w_ref = w_ref.to(gdt).double()
+        lp, ent, am = reference(x64, w_ref, t_ref, opts["temperature"])
+        tol = LCE_TOL[torch.bfloat16 if autocast else dtype]
+        assert out.log_probs.shape == t.shape and out.log_probs.dtype == torch.float32
+        scale = max(1.0, lp.abs().max().item() if lp.numel() else 1.0)
+        _close(out.log_probs.reshape(-1), lp, tol, scale / max(opts["temperature"], 1.0) * 4)
+        _close(out.entropy.reshape(-1), ent, tol, max(1.0, math.log(max(V, 2))) * 4)
+        assert (out.argmax is not None) == opts["argmax"]
+        if no_grad:
+            assert not out.log_probs.requires_grad
+            for x, before in owned:
+                assert torch.equal(x.detach(), before), "a tensor was written without a backward"
+            return
+        a = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        b = torch.randn(t.shape, generator=gen, dtype=torch.float64)
+        (out.log_probs * a.to(DEVICE, torch.float32) + out.entropy * b.to(DEVICE, torch.float32)).sum().backward()
+        lp64, ent64, _ = reference(h64.cpu().reshape(-1, H), w64.cpu(), t_ref, opts["temperature"])
+        (lp64 * a.reshape(-1) + ent64 * b.reshape(-1)).sum().backward()
+        for x, before in owned:
+            assert torch.equal(x.detach(), before), "the caller's tensor was written"
+        for base, base64, layout, shp, other in ((base_h, base_h64, layout_h, shape, w64),
+                                                 (base_w, base_w64, layout_w, (V, H), h64)):
+            assert base.grad.dtype == dtype and base.grad.shape == base.shape
+            scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
+                        other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
+            _close(base.grad, base64.grad, tol * 2, scale * _multiplicity(layout, shp) * max(shp)
+                   * (a.abs().amax().item() + b.abs().amax().item() + 1 if a.numel() else 1.0)
+                   / opts["temperature"])
+
+    check()
