@@ -1,5 +1,6 @@
 """One line per test suite from the reports launch/test.sh collects (ctest's and pytest's JUnit
-XML, the wheel consumer's result): what ran, what was skipped and why, what failed.
+XML, the wheel consumer's result, the documentation build's): what ran, what was skipped and
+why, what failed.
 
     python3 launch/test_summary.py build/test-reports
 
@@ -118,6 +119,20 @@ def pytest_line(name, path):
     return out, bool(failed)
 
 
+def docs_line(path):
+    """The documentation build (launch/docs.sh's docs.json): one check, the strict build."""
+    import json
+    if not os.path.exists(path):
+        return "Docs: did not run", True
+    with open(path) as f:
+        report = json.load(f)
+    failed = report.get("status") != "passed"
+    note = f" (mkdocs build --strict: {report.get('pages', 0)} pages, {report.get('seconds', '?')} s)"
+    if failed:
+        FAILED.extend(f"Docs: {p}" for p in report.get("problems", [])[:10] or ["mkdocs build --strict"])
+    return line("Docs", 1, 0, int(failed), [], note), failed
+
+
 def main(reports):
     lines, bad = [], False
     wheel = os.path.join(reports, "wheel_consumer.txt")
@@ -142,6 +157,9 @@ def main(reports):
     if not found:
         lines.append("Python pytest: did not run")
         bad = True
+    more, b = docs_line(os.path.join(reports, "docs.json"))
+    lines.append(more)
+    bad |= b
     if FAILED:
         print("failed tests:\n  " + "\n  ".join(FAILED))
     print("\n".join(lines))
