@@ -17,6 +17,8 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
   "$PY" -m pip install -q pybind11 "scikit-build-core>=0.11" pytest hypothesis numpy megatron-core || exit 1
   # jax (its CPU wheels): fusedloss.jax's tests, and XLA's FFI headers for the build to find
   "$PY" -m pip install -q jax || exit 1
+  # transformers: fusedloss.huggingface's tests (tiny random-weight models of each family)
+  "$PY" -m pip install -q transformers || exit 1
 fi
 source launch/cuda_archs.sh
 "$PY" -m pip install -q --no-build-isolation --no-deps . || exit 1
