@@ -148,8 +148,12 @@ def train(params, data, loss, opt):
 def sharded_head_loss(mesh):
     """The LM head vocab-parallel: weight rows sharded over the mesh axis 'tp', hidden states and
     targets on every device; the loss (and the gradients) the same as unsharded."""
-    return jax.shard_map(lambda h, w, t: fj.linear_cross_entropy(h, w, t, axis_name="tp"),
-                         mesh=mesh, in_specs=(P(), P("tp"), P()), out_specs=P())
+    if hasattr(jax, "shard_map"):
+        shard_map = jax.shard_map
+    else:  # older JAX
+        from jax.experimental.shard_map import shard_map
+    return shard_map(lambda h, w, t: fj.linear_cross_entropy(h, w, t, axis_name="tp"),
+                     mesh=mesh, in_specs=(P(), P("tp"), P()), out_specs=P())
 
 
 def main():
@@ -171,7 +175,7 @@ def main():
         else:
             mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[:args.tp],
                                  axis_types=(jax.sharding.AxisType.Auto,))
-            with jax.set_mesh(mesh):
+            with (jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh):
                 runs[f"fusedloss.jax, head over {args.tp} devices"] = train(
                     params, data, lambda p, t: loss_fn(p, t, FUSED, sharded_head_loss(mesh)), opt)
     print("step  jax.numpy  " + "  ".join(runs))
