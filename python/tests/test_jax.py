@@ -177,6 +177,14 @@ def test_cross_entropy_check_grads():
                     order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
+def test_cross_entropy_any_integer_targets():
+    x = jax.random.normal(_key(46), (5, 200), F32)
+    t = jnp.array([0, 199, 7, 128, 255], jnp.int32)
+    want = fj.cross_entropy(x, t, ignore_index=255)
+    for dtype in (jnp.uint8, jnp.int16, jnp.int64, jnp.uint32):
+        _close(fj.cross_entropy(x, t.astype(dtype), ignore_index=255), want, what=str(dtype))
+
+
 def test_cross_entropy_no_counted_row_is_zero():
     x = jax.random.normal(_key(5), (4, 9), F32)
     t = jnp.full((4,), -100)
@@ -216,16 +224,17 @@ def test_linear_cross_entropy(reduction, mode, options):
     _close(jax.jit(f)(h, w), want, what="forward alone")
 
 
-def test_linear_cross_entropy_bf16_3d():
-    h = jax.random.normal(_key(10), (4, 6, 32), F32).astype(BF16)
-    w = (jax.random.normal(_key(11), (50, 32), F32) * 0.2).astype(BF16)
+@pytest.mark.parametrize("dtype", [BF16, F16])  # float16: the recompute backward ("auto")
+def test_linear_cross_entropy_16_bit_3d(dtype):
+    h = jax.random.normal(_key(10), (4, 6, 32), F32).astype(dtype)
+    w = (jax.random.normal(_key(11), (50, 32), F32) * 0.2).astype(dtype)
     t = _targets(_key(12), (4, 6), 50)
     loss, (dh, dw) = _loss_and_grads(lambda h, w: fj.linear_cross_entropy(h, w, t), (h, w), "mean", (0, 1))
     want, (dhw, dww) = _loss_and_grads(lambda h, w: ref_linear_cross_entropy(h, w, t), (h, w), "mean", (0, 1))
-    assert dh.dtype == BF16 and dh.shape == h.shape and dw.dtype == BF16
-    _close(loss, want, BF16, "loss")
-    _close(dh, dhw, BF16, "dhidden")
-    _close(dw, dww, BF16, "dweight")
+    assert dh.dtype == dtype and dh.shape == h.shape and dw.dtype == dtype
+    _close(loss, want, dtype, "loss")
+    _close(dh, dhw, dtype, "dhidden")
+    _close(dw, dww, dtype, "dweight")
 
 
 def test_linear_cross_entropy_check_grads():
