@@ -168,6 +168,10 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
     time). tp_group, check_shard_agreement and dhidden_reduction are as for
     fusedloss.linear_cross_entropy. workspace_bytes bounds the logits chunk buffer and the GEMM
     workspace together (default 256 MiB).
+
+    CPU tokens outside [0, V) that are not ignore_index raise (on every rank at TP > 1); CUDA
+    tokens are not read on the host (no synchronisation): such a row's log_prob and entropy are
+    NaN.
     """
     name = group_name(tp_group)
     group = resolve_group(name) if name else None
