@@ -87,11 +87,14 @@ def _result(shape, dtype, like):
     """A result's shape and dtype, varying over the mesh axes `like` varies over (the field's name
     depends on the JAX release: manual_axis_type, or vma before it)."""
     aval = jax.typeof(like)
-    for field in ("manual_axis_type", "vma"):
-        axes = getattr(aval, field, None)
-        if field in _RESULT_FIELDS and axes:  # (replicated over the mesh's other axes)
-            sharding = jax.sharding.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec())
-            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding, **{field: axes})
+    if varying_axes(like):
+        for field in ("manual_axis_type", "vma"):
+            if field in _RESULT_FIELDS and hasattr(aval, field):
+                # on the shard_map's mesh, replicated over its other axes
+                sharding = jax.sharding.NamedSharding(aval.sharding.mesh,
+                                                      jax.sharding.PartitionSpec())
+                return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding,
+                                            **{field: getattr(aval, field)})
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
