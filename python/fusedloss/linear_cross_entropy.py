@@ -583,7 +583,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          dweight_accumulation: str = "auto",
                          inplace_backward: bool = True,
                          weight_grad_accumulator: Optional[Tensor] = None,
-                         loss_mask: Optional[Tensor] = None) -> Tensor:
+                         loss_mask: Optional[Tensor] = None,
+                         class_weight: Optional[Tensor] = None) -> Tensor:
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -649,9 +650,26 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     weight's .grad materialises them). Nothing is added when the weight needs no gradient.
     Eager calls only.
 
+    class_weight: a per-class weight [V_global] (torch's and Liger's `weight` of the
+    cross-entropy; any float dtype, no gradient, the same on every rank at TP > 1): row i's loss
+    is scaled by class_weight[target_i], and "mean" divides by the sum of those weights over the
+    counted rows, as F.cross_entropy(weight=...) does (0 where no row counts). Through the
+    row-weighted in-forward backward (3 GEMMs) for "sum" and "mean". Not with label_smoothing
+    (torch weights each smoothing term by its own class) or a loss_mask.
+
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
     """
+    if class_weight is not None:
+        return _class_weighted(hidden, weight, target, class_weight, loss_mask, tp_group,
+                               check_shard_agreement, reduction, label_smoothing,
+                               ignore_index=ignore_index, smoothing_formula=smoothing_formula,
+                               smoothing_scope=smoothing_scope, z_loss=z_loss,
+                               logit_softcap=logit_softcap, workspace_bytes=workspace_bytes,
+                               backward_mode=backward_mode, dhidden_reduction=dhidden_reduction,
+                               dweight_accumulation=dweight_accumulation,
+                               inplace_backward=inplace_backward,
+                               weight_grad_accumulator=weight_grad_accumulator)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
@@ -713,3 +731,51 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,
                                      check, dh_red, acc32, inplace, weight_grad_accumulator)
     return loss.view(target.shape) if opts.reduction == _NONE else loss
+
+
+def _class_weighted(hidden, weight, target, class_weight, loss_mask, tp_group, check, reduction,
+                    label_smoothing, **options):
+    """linear_cross_entropy with a per-class weight: the per-token losses weighted by
+    class_weight[target] (their row weights: the in-forward backward for sum and mean), reduced
+    as F.cross_entropy(weight=...) reduces them."""
+    name = group_name(tp_group)
+    # the checks inside the agreement's reach: a rank that fails here raises on every rank
+    with rank_checks(resolve_group(name) if name else None, as_bool(check, "check_shard_agreement"),
+                     _OP, only_on_error=True) as _:
+        kind = as_choice(reduction, "reduction", {"none": 0, "sum": 1, "mean": 2})
+        require_tensor(class_weight, "class_weight")
+        require_tensor(target, "target")
+        require_tensor(weight, "weight")
+        if loss_mask is not None:
+            raise ValueError("class_weight: got a tensor with a loss_mask, expected one of the "
+                             "two (weight the per-token losses by class_weight[target] in the "
+                             "loss_mask instead)")
+        if as_float(label_smoothing, "label_smoothing") != 0.0:
+            raise ValueError(f"class_weight: got a tensor with label_smoothing={label_smoothing!r}, "
+                             "expected label_smoothing=0 (a weighted smoothing term is not supported)")
+        world = group_size(tp_group) if name else 1
+        v_global = weight.size(0) * world if weight.dim() == 2 else -1
+        if (class_weight.dim() != 1 or class_weight.size(0) != v_global
+                or not class_weight.is_floating_point()):
+            raise ValueError(f"class_weight: got {class_weight.dtype} {tuple(class_weight.shape)}, "
+                             f"expected a floating-point [{v_global}] (one weight per class of the "
+                             "whole vocabulary)")
+        if class_weight.requires_grad:
+            raise ValueError("class_weight: got a tensor that requires grad, expected a constant "
+                             "(no gradient flows to it)")
+        require_same_device(class_weight, "class_weight", target, "target")
+        ignore = as_int(options["ignore_index"], "ignore_index")
+        counted = target != ignore
+        # ignored rows weigh 0; an out-of-range target is the op's error (a 0-weight lookup here)
+        safe = torch.where(counted & (target >= 0) & (target < v_global), target, 0).long()
+        row_weight = torch.where(counted, class_weight.float()[safe], 0.0)
+    per_token = linear_cross_entropy(
+        hidden, weight, target, reduction="none", tp_group=tp_group, check_shard_agreement=check,
+        loss_mask=row_weight if kind else None, **options)
+    if kind == 0:
+        return per_token * row_weight
+    total = (per_token * row_weight).sum()
+    if kind == 1:
+        return total
+    norm = row_weight.sum()
+    return torch.where(norm != 0, total / torch.where(norm != 0, norm, 1.0), 0.0)

@@ -1014,3 +1014,69 @@ def _check_tp_token_slices_out_of_memory_in_backward(rank, world):
 
 def test_gloo_tp_token_slices_out_of_memory_in_backward():
     run_world(2, _check_tp_token_slices_out_of_memory_in_backward, timeout_s=30)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_class_weight_matches_torch(device, reduction, dtype):
+    """class_weight is F.cross_entropy's weight: each row scaled by its class's weight, 'mean'
+    over the counted rows' weights; gradients of hidden and weight against float64."""
+    h, w, t = _problem(device, dtype)
+    t[::5] = -100
+    cw = torch.rand(w.size(0), device=device) + 0.25
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction=reduction, class_weight=cw)
+    up = torch.rand_like(loss) + 0.5
+    loss.backward(up)
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    ref = F.cross_entropy(F.linear(h64, w64), t.cpu(), weight=cw.double().cpu(), reduction=reduction)
+    ref.backward(up.double().cpu())
+    tol = _TOL[dtype]
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
+    assert _rel(hh.grad.cpu(), h64.grad) <= tol and _rel(ww.grad.cpu(), w64.grad) <= tol
+    # every row ignored: 'mean' is 0 with zero gradients (torch gives NaN)
+    if reduction == "mean":
+        hh = h.clone().requires_grad_()
+        loss = fusedloss.linear_cross_entropy(hh, w, torch.full_like(t, -100), class_weight=cw)
+        loss.backward()
+        assert loss.item() == 0.0 and not hh.grad.any()
+
+
+def test_class_weight_bad_inputs(device):
+    h, w, t = _problem(device, torch.float32)
+    cw = torch.ones(w.size(0), device=device)
+    with pytest.raises(ValueError, match=r"class_weight: got torch.float32 \(202,\), expected a "
+                                         r"floating-point \[203\]"):
+        fusedloss.linear_cross_entropy(h, w, t, class_weight=cw[1:])
+    with pytest.raises(ValueError, match="class_weight: got a tensor with label_smoothing=0.1"):
+        fusedloss.linear_cross_entropy(h, w, t, class_weight=cw, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="class_weight: got a tensor with a loss_mask"):
+        fusedloss.linear_cross_entropy(h, w, t, reduction="none", class_weight=cw,
+                                       loss_mask=torch.ones_like(t))
+    with pytest.raises(ValueError, match="class_weight: got a tensor that requires grad"):
+        fusedloss.linear_cross_entropy(h, w, t, class_weight=cw.clone().requires_grad_())
+
+
+def _tp_class_weight(rank, world):
+    torch.manual_seed(7)
+    h, w, t = _problem("cpu", torch.float32, shape=(13,), V=192)
+    cw = torch.rand(192) + 0.5
+    V_local = w.size(0) // world
+    shard = w[rank * V_local:(rank + 1) * V_local].clone().requires_grad_()
+    hh = h.clone().requires_grad_()
+    loss = fusedloss.linear_cross_entropy(hh, shard, t, class_weight=cw, tp_group=dist.group.WORLD,
+                                          dhidden_reduction="all_reduce")
+    loss.backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy(F.linear(h64, w64), t, weight=cw.double())
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert _rel(hh.grad, h64.grad) <= 1e-5
+    assert _rel(shard.grad, w64.grad[rank * V_local:(rank + 1) * V_local]) <= 1e-5
+    bad = cw[:-1] if rank == 1 else cw
+    with pytest.raises(ValueError, match=r"rank 1: class_weight: got torch.float32 \(191,\)"):
+        fusedloss.linear_cross_entropy(h, shard, t, class_weight=bad, tp_group=dist.group.WORLD)
+
+
+def test_gloo_tp_class_weight():
+    run_world(2, _tp_class_weight)
