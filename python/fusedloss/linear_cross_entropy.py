@@ -421,13 +421,11 @@ def _casts_weight_inside(hidden, weight) -> bool:
             and autocast_dtype(weight, hidden) in (torch.bfloat16, torch.float16))
 
 
-def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_ok=False):
-    """token_slices > 1: hidden is one of that many ranks' slices of the tokens (dim 0), and
-    target covers them all. fp32_weight_ok: an fp32 weight beside a 16-bit hidden (torch.autocast's
-    operands, cast inside the op)."""
+def validate_head_operands(hidden, weight, fp32_weight_ok=False):
+    """An LM head's operands, as every op over them takes them: hidden [N, H] or [s, b, H] and
+    weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device."""
     require_values(hidden, "hidden")
     require_values(weight, "weight")
-    require_tensor(target, "target")
     if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
         raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
                          "[s, b, H] tensor with H >= 1")
@@ -437,6 +435,14 @@ def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_o
     if weight.dtype != hidden.dtype and not (fp32_weight_ok and weight.dtype == torch.float32):
         raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
     require_same_device(weight, "weight", hidden, "hidden")
+
+
+def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_ok=False):
+    """token_slices > 1: hidden is one of that many ranks' slices of the tokens (dim 0), and
+    target covers them all. fp32_weight_ok: an fp32 weight beside a 16-bit hidden (torch.autocast's
+    operands, cast inside the op)."""
+    validate_head_operands(hidden, weight, fp32_weight_ok)
+    require_tensor(target, "target")
     if token_slices == 1:
         require_targets(target, hidden, "hidden", "hidden's shape without the hidden dim")
     else:

@@ -26,9 +26,9 @@ from ._distributed import (deferred_rejection, fingerprint, group_name, group_si
 from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands, device_of,
                      index, matrix, require_same_device, require_tensor,
-                     require_values, rows_of, stream_of, validated, values_in)
+                     rows_of, stream_of, validated, values_in)
 from .cross_entropy import check_targets_on_host
-from .linear_cross_entropy import as_workspace_bytes
+from .linear_cross_entropy import as_workspace_bytes, validate_head_operands
 
 _OP = "fusedloss.linear_log_probs"
 _DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
@@ -224,18 +224,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
 
 
 def _validate(hidden, weight, tokens, loss_mask, slices):
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
+    validate_head_operands(hidden, weight)
     require_tensor(tokens, "tokens")
-    if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
-                         "[s, b, H] tensor with H >= 1")
-    if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
-    require_same_device(weight, "weight", hidden, "hidden")
     shape = tuple(hidden.shape[:-1]) if slices == 1 else gathered_shape(hidden.shape[:-1], slices)
     if tuple(tokens.shape) != shape:
         what = ("hidden's shape without the hidden dim" if slices == 1 else

@@ -312,6 +312,16 @@ def test_swiglu_any_layout(run):
     check()
 
 
+def _head_inputs(draw, shape, V, dtype, gen):
+    """An LM head's inputs: hidden (shape) and weight [V, H] through _input, and int32/int64
+    targets in [0, V) with a fifth of them -100 (hidden_and_weight, t)."""
+    hidden = _input(draw, shape, dtype, gen, 1.0)
+    weight = _input(draw, (V, shape[-1]), dtype, gen, 2.0 / shape[-1] ** 0.5)
+    t = torch.randint(0, V, shape[:-1], generator=gen)
+    t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
+    return hidden, weight, t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+
+
 @st.composite
 def _lce_case(draw):
     H = draw(st.integers(1, 24))
@@ -374,12 +384,9 @@ def test_linear_cross_entropy_any_layout(run):
     @given(_lce_case())
     def check(case):
         draw, shape, V, dtype, gen, opts = case
-        base_h, h, base_h64, h64, layout_h = _input(draw, shape, dtype, gen, 1.0)
+        (base_h, h, base_h64, h64, layout_h), (base_w, w, base_w64, w64, layout_w), t = \
+            _head_inputs(draw, shape, V, dtype, gen)
         H = shape[-1]
-        base_w, w, base_w64, w64, layout_w = _input(draw, (V, H), dtype, gen, 2.0 / H ** 0.5)
-        t = torch.randint(0, V, shape[:-1], generator=gen)
-        t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
-        t = t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
         if draw(st.booleans()) and t.numel():  # strided targets
             t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
@@ -698,12 +705,9 @@ def test_linear_log_probs_any_layout(run):
     @given(_log_probs_case())
     def check(case):
         draw, shape, V, dtype, gen, opts = case
-        base_h, h, base_h64, h64, layout_h = _input(draw, shape, dtype, gen, 1.0)
+        (base_h, h, base_h64, h64, layout_h), (base_w, w, base_w64, w64, layout_w), t = \
+            _head_inputs(draw, shape, V, dtype, gen)
         H = shape[-1]
-        base_w, w, base_w64, w64, layout_w = _input(draw, (V, H), dtype, gen, 2.0 / H ** 0.5)
-        t = torch.randint(0, V, shape[:-1], generator=gen)
-        t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
-        t = t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
         mask = None
         if draw(st.booleans()):
