@@ -22,7 +22,13 @@ def _all_gather_invariant(x, axis_name):
     """all_gather whose result shard_map's type system (check_vma) knows is the same on every
     device, so that the merged loss is too (out_specs=P()); older JAX has no such form."""
     if "to" in inspect.signature(jax.lax.all_gather).parameters:
-        return jax.lax.all_gather(x, axis_name, to="invarying")
+        for to in ("invarying", "invariant"):  # (its name has changed between releases)
+            try:
+                return jax.lax.all_gather(x, axis_name, to=to)
+            except ValueError:
+                pass
+    if hasattr(jax.lax, "all_gather_invariant"):
+        return jax.lax.all_gather_invariant(x, axis_name)
     return jax.lax.all_gather(x, axis_name)
 
 
