@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._args import as_bool, as_choice, as_int, choice_name, fits_float32  # noqa: F401 (re-exported)
+from .._args import as_bool, as_choice, as_int, fits_float32  # noqa: F401 (re-exported)
 
 # The C++ enums (include/fusedloss/options.h, types.h) as the handlers take them.
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
