@@ -263,7 +263,9 @@ void bind_swiglu(py::module_& m) {
       .def_readwrite("clamp_value", &SwigluOptions::clamp_value)
       .def_readwrite("fp8_saturate", &SwigluOptions::fp8_saturate)
       .def_readwrite("clamp_gate_grad_at_bound", &SwigluOptions::clamp_gate_grad_at_bound)
-      .def_readwrite("clamp_up_grad_at_bound", &SwigluOptions::clamp_up_grad_at_bound);
+      .def_readwrite("clamp_up_grad_at_bound", &SwigluOptions::clamp_up_grad_at_bound)
+      .def_readwrite("gate_multiplier", &SwigluOptions::gate_multiplier)
+      .def_readwrite("down_multiplier", &SwigluOptions::down_multiplier);
   m.def("validate_swiglu_options",
         [](const SwigluOptions& o) { guarded([&] { validate_swiglu_options(o); }); },
         py::arg("options"));
@@ -277,6 +279,20 @@ void bind_swiglu(py::module_& m) {
            const SwigluOptions& o, const MatrixView& gy, uintptr_t gw, uintptr_t gb,
            uintptr_t stream) {
           guarded([&] { swiglu_backward(g, y, bias, w, o, gy, fptr(gw), fptr(gb), ptr(stream)); });
+        });
+  m.def("swiglu_gate_up_forward",
+        [](const MatrixView& gate, const MatrixView& up, const VectorView& bias, const VectorView& w,
+           const SwigluOptions& o, const MatrixView& out, const MatrixView& in8, uintptr_t stream) {
+          guarded([&] { swiglu_gate_up_forward(gate, up, bias, w, o, out, in8, ptr(stream)); });
+        });
+  m.def("swiglu_gate_up_backward",
+        [](const MatrixView& g, const MatrixView& gate, const MatrixView& up, const VectorView& bias,
+           const VectorView& w, const SwigluOptions& o, const MatrixView& dgate,
+           const MatrixView& dup, uintptr_t gw, uintptr_t gb, uintptr_t stream) {
+          guarded([&] {
+            swiglu_gate_up_backward(g, gate, up, bias, w, o, dgate, dup, fptr(gw), fptr(gb),
+                                    ptr(stream));
+          });
         });
 }
 

@@ -27,7 +27,7 @@ using CoreError = const CoreFailure*;
 
 // Raised whenever an entry is added, removed or changes its parameters (or a struct passed
 // through the table changes): a library built against another layout refuses the table.
-constexpr uint32_t kCoreTableVersion = 6;
+constexpr uint32_t kCoreTableVersion = 7;  // 7: SwigluOptions gained the multipliers
 
 struct CoreTable {
   uint32_t version = kCoreTableVersion;

@@ -180,11 +180,11 @@ def test_swiglu_node_never_writes_a_leaf_or_a_copy(device):
     op = torch.ops.fusedloss.swiglu_eager.default
     y = torch.randn(4, 8, device=device, requires_grad=True)
     before = y.detach().clone()
-    op(y, None, None, False, 0.0, False, False, True).sum().backward()
+    op(y, None, None, False, 0.0, False, False, 1.0, 1.0, True).sum().backward()
     assert torch.equal(y.detach(), before) and not torch.equal(y.grad, before)
     b = torch.randn(1, 8, device=device, requires_grad=True)
     h = (b * 1).expand(4, 8)  # an intermediate whose rows the kernels read as a copy
-    out = op(h, None, None, False, 0.0, False, False, True)
+    out = op(h, None, None, False, 0.0, False, False, 1.0, 1.0, True)
     out.sum().backward()
     ref = b.detach().clone().requires_grad_()
     fusedloss.swiglu((ref * 1).expand(4, 8)).sum().backward()

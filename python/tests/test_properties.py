@@ -162,21 +162,24 @@ def _max_abs_lse(x64):
     return torch.logsumexp(x2, -1).abs().max().item() if x2.numel() else 0.0
 
 
-def _swiglu_reference(y, bias, w, clamp):
+def _swiglu_reference(y, bias, w, clamp, gm=1.0, dm=1.0):
+    """Megatron's SwiGLU with Falcon-H1's multipliers (the gate times gm before the clamp and the
+    activation, the output times dm)."""
     v = y + bias if bias is not None else y
     a, u = v.chunk(2, -1)
+    a = a * gm
     if clamp is not None:
         a = a.clamp(max=clamp)
         u = u.clamp(-clamp, clamp)
-    out = F.silu(a) * u
+    out = F.silu(a) * u * dm
     return out * w.reshape(*out.shape[:-1], 1) if w is not None else out
 
 
-def _swiglu_aux_terms(y, b_ref, w_ref, clamp, up64, factor):
+def _swiglu_aux_terms(y, b_ref, w_ref, clamp, up64, factor, gm=1.0, dm=1.0):
     """The magnitudes of the terms the bias's gradient (per column: |dL/dv| summed over rows)
     and the scale's (per row: |dL/dout * out / scale| summed over columns) add up."""
     v = (y + b_ref if b_ref is not None else y).detach().requires_grad_(True)
-    unscaled = _swiglu_reference(v, None, None, clamp)
+    unscaled = _swiglu_reference(v, None, None, clamp, gm, dm)
     scale = w_ref.detach().reshape(*unscaled.shape[:-1], 1) if w_ref is not None else 1.0
     out = unscaled * scale * factor
     (gv,) = torch.autograd.grad(up64(out), v)
@@ -204,6 +207,9 @@ def _swiglu_case(draw):
     fp8 = draw(st.booleans()) and draw(st.booleans())
     opts = dict(clamp_value=draw(st.sampled_from([None, 0.5, 2.0])), fp8_input_store=fp8,
                 inplace_backward=draw(st.booleans()) and not fp8)
+    if draw(st.booleans()):  # Falcon-H1's multipliers
+        opts.update(gate_multiplier=draw(st.sampled_from([0.5, 1.0, 2.5, -1.5])),
+                    down_multiplier=draw(st.sampled_from([0.25, 1.0, -3.0])))
     return draw, shape, dtype, gen, opts
 
 
@@ -240,6 +246,7 @@ def test_swiglu_any_layout(run):
     def check(case):
         draw, shape, dtype, gen, opts = case
         clamp = opts["clamp_value"]
+        mults = (opts.get("gate_multiplier", 1.0), opts.get("down_multiplier", 1.0))
 
         def on_bounds(base):  # bf16 values land exactly on the clamp bound often
             pick = torch.rand(base.shape, generator=gen) < 0.25
@@ -277,8 +284,8 @@ def test_swiglu_any_layout(run):
         if opts["fp8_input_store"]:  # the backward sees only the e4m3 copy of y
             y_bwd = y64.detach().to(torch.float8_e4m3fn).double().requires_grad_(True)
         ref_out = _swiglu_reference(y64.detach(), None if b_ref is None else b_ref.detach(),
-                                    None if w_ref is None else w_ref.detach(), clamp)
-        ref = _swiglu_reference(y_bwd, b_ref, w_ref, clamp)
+                                    None if w_ref is None else w_ref.detach(), clamp, *mults)
+        ref = _swiglu_reference(y_bwd, b_ref, w_ref, clamp, *mults)
         assert out.dtype == dtype and out.shape == ref.shape
         tol = TOL[dtype]
         _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
@@ -299,7 +306,7 @@ def test_swiglu_any_layout(run):
         if y64_grad is not None:
             gmax = y64_grad.abs().max().item() if y64_grad.numel() else 1.0
             _close(base.grad, y64_grad, tol, gmax * mult + 1e-6)
-        terms = _swiglu_aux_terms(y_bwd, b_ref, w_ref, clamp, up64, 2.0 if scaled else 1.0)
+        terms = _swiglu_aux_terms(y_bwd, b_ref, w_ref, clamp, up64, 2.0 if scaled else 1.0, *mults)
         for t, t64, view, kind in ((b, b64, b_view, "bias"), (w, w64, w_view, "scale")):
             if t is not None:
                 assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
@@ -320,6 +327,90 @@ def _head_inputs(draw, shape, V, dtype, gen):
     t = torch.randint(0, V, shape[:-1], generator=gen)
     t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
     return hidden, weight, t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+
+
+@st.composite
+def _swiglu_two_case(draw):
+    n = draw(st.integers(1, 40))
+    shape = _shape(draw, n)
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    fp8 = draw(st.booleans()) and draw(st.booleans())
+    opts = dict(clamp_value=draw(st.sampled_from([None, 0.5, 2.0])), fp8_input_store=fp8,
+                inplace_backward=draw(st.booleans()) and not fp8,
+                gate_multiplier=draw(st.sampled_from([1.0, 0.5, 2.5, -1.5])),
+                down_multiplier=draw(st.sampled_from([1.0, 0.25, -3.0])))
+    return draw, shape, dtype, gen, opts, draw(st.booleans())
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_swiglu_two_tensor_any_layout(run):
+    """swiglu(gate, up): two tensors in any layouts, or the halves of one buffer in any layout
+    (y.chunk(2, -1)), with every option and the multipliers, against the float64 reference of
+    the fused form over [gate | up]; the caller's tensors are never written."""
+    @RUNS[run]
+    @given(_swiglu_two_case())
+    def check(case):
+        draw, shape, dtype, gen, opts, halves = case
+        n, clamp = shape[-1], opts["clamp_value"]
+        mults = (opts["gate_multiplier"], opts["down_multiplier"])
+        fp8 = opts["fp8_input_store"]
+
+        def to_bwd(v64):  # what the backward reads: the input, or its e4m3 copy (a new leaf)
+            return v64.detach().to(torch.float8_e4m3fn).double().requires_grad_(True) if fp8 else v64
+
+        if halves:
+            base, y, base64, y64, layout = _input(draw, (*shape[:-1], 2 * n), dtype, gen, 2.0)
+            gate, up = y.chunk(2, -1)
+            src64, src_bwd = y64, to_bwd(y64)
+            inputs = [(base, base64, y64, src_bwd, layout, y.shape)]
+        else:
+            inputs, views = [], []
+            for _ in range(2):
+                base, v, base64, v64, layout = _input(draw, shape, dtype, gen, 2.0)
+                views.append(v)
+                inputs.append((base, base64, v64, to_bwd(v64), layout, shape))
+            gate, up = views
+            src64 = torch.cat([inputs[0][2], inputs[1][2]], -1)
+            src_bwd = torch.cat([inputs[0][3], inputs[1][3]], -1)
+        rows = gate.numel() // n
+        b, b_view, b64 = _aux(draw, (2 * n,), gen, "bias")
+        w, w_view, w64 = _aux(draw, draw(st.sampled_from([(rows, 1), (*gate.shape[:-1], 1)])), gen, "scale")
+        owned = [(t, t.detach().clone()) for t in [i[0] for i in inputs] + [b, w] if t is not None]
+        b_ref = None if b is None else b_view(b64)
+        w_ref = None if w is None else w_view(w64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = fusedloss.swiglu(gate, up, bias=None if b is None else b_view(b),
+                                   per_token_scale=None if w is None else w_view(w), **opts)
+        ref_out = _swiglu_reference(src64.detach(), None if b_ref is None else b_ref.detach(),
+                                    None if w_ref is None else w_ref.detach(), clamp, *mults)
+        ref = _swiglu_reference(src_bwd, b_ref, w_ref, clamp, *mults)
+        assert out.dtype == dtype and out.shape == gate.shape == ref.shape
+        tol = TOL[dtype]
+        _close(out, ref_out, tol, max(1.0, ref_out.abs().max().item() if ref_out.numel() else 1.0))
+        up_fn, up64 = _upstream(draw, out, gen)
+        up_fn(out).backward()
+        up64(ref).backward()
+        for t, before in owned:
+            assert torch.equal(t.detach(), before), "the caller's tensor was written"
+        for base, base64, v64, v_bwd, layout, v_shape in inputs:
+            if fp8 and v_bwd.grad is not None:  # d(e4m3 copy) flows to the input as is
+                want = torch.autograd.grad(v64, base64, v_bwd.grad, allow_unused=True)[0]
+            else:
+                want = base64.grad
+            if want is not None:
+                gmax = want.abs().max().item() if want.numel() else 1.0
+                _close(base.grad, want, tol, gmax * _multiplicity(layout, v_shape) + 1e-6)
+        terms = _swiglu_aux_terms(src_bwd, b_ref, w_ref, clamp, up64, 1.0, *mults)
+        for t, t64, view, kind in ((b, b64, b_view, "bias"), (w, w64, w_view, "scale")):
+            if t is not None:
+                assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+                gmax = t64.grad.abs().max().item() if t64.grad.numel() else 1.0
+                base_terms = _through_view(view, t64, terms[kind])
+                _close(t.grad, t64.grad, max(tol, TOL.get(t.dtype, 2e-5)), max(gmax, base_terms) + 1e-6)
+
+    check()
 
 
 @st.composite

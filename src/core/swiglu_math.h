@@ -32,7 +32,10 @@ struct GateUp {
   bool a_live, b_live;
 };
 
-FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k) {
+// gate_multiplier (Falcon-H1's) scales the gate before the clamp: the clamp bounds what the
+// activation reads. A multiplier of 1 is exact (x * 1 == x).
+FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k, float gate_multiplier = 1.0f) {
+  gate *= gate_multiplier;
   if (!k.clamp) return GateUp{gate, up, true, true};
   const float c = k.clamp_value;
   // Strictly inside the bounds the gradient passes, beyond them it does not; exactly on a
@@ -45,11 +48,13 @@ FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k) {
 
 FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }
 
-// d(out)/d(a), d(out)/d(b) scaled by g (the upstream gradient, already times w). Returns
-// swiglu_value(v) from the same sigmoid, for the per-token weight's gradient.
-FL_HD float swiglu_grad(const GateUp& v, float g, float& da, float& db) {
+// d(out)/d(a), d(out)/d(b) scaled by g (the upstream gradient, already times w and the down
+// multiplier); da through the gate multiplier too (a' = m a). Returns swiglu_value(v) from the
+// same sigmoid, for the per-token weight's gradient.
+FL_HD float swiglu_grad(const GateUp& v, float g, float& da, float& db,
+                        float gate_multiplier = 1.0f) {
   float s = sigmoid(v.a);
-  da = v.a_live ? g * s * (1.0f + v.a * (1.0f - s)) * v.b : 0.0f;
+  da = v.a_live ? g * s * (1.0f + v.a * (1.0f - s)) * v.b * gate_multiplier : 0.0f;
   db = v.b_live ? g * v.a * s : 0.0f;
   return v.a * s * v.b;
 }

@@ -1,12 +1,14 @@
-// CPU reference backend of SwiGLU. Arguments arrive validated (src/api/swiglu.cpp).
+// CPU reference backend of SwiGLU. Arguments arrive validated (src/api/swiglu.cpp); the fused
+// [T, 2n] layout arrives as the pair of its halves (core::halves).
 #pragma once
 #include "core/swiglu_params.h"
 
 namespace fusedloss::cpu {
 
-void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const MatrixView& out,
-                    const MatrixView& y_fp8);
-void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluParams& p,
-                     const MatrixView& grad_y, float* grad_weights, float* grad_bias);
+void swiglu_forward(const core::GateUpViews& in, const core::SwigluParams& p, const MatrixView& out,
+                    const core::GateUpViews& in_fp8);
+void swiglu_backward(const MatrixView& grad_out, const core::GateUpViews& in,
+                     const core::SwigluParams& p, const core::GateUpViews& grad, float* grad_weights,
+                     float* grad_bias);
 
 }  // namespace fusedloss::cpu

@@ -5,10 +5,10 @@
 
 namespace fusedloss::cuda {
 
-void swiglu_forward(const MatrixView& y, const core::SwigluParams& p, const MatrixView& out,
-                    const MatrixView& y_fp8, Stream stream);
-void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const core::SwigluParams& p,
-                     const MatrixView& grad_y, float* grad_weights, float* grad_bias,
-                     Stream stream);
+void swiglu_forward(const core::GateUpViews& in, const core::SwigluParams& p, const MatrixView& out,
+                    const core::GateUpViews& in_fp8, Stream stream);
+void swiglu_backward(const MatrixView& grad_out, const core::GateUpViews& in,
+                     const core::SwigluParams& p, const core::GateUpViews& grad, float* grad_weights,
+                     float* grad_bias, Stream stream);
 
 }  // namespace fusedloss::cuda

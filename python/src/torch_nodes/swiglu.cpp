@@ -21,8 +21,11 @@ fusedloss::VectorView vector_or_absent(const at::Tensor& t) {
 }
 
 fusedloss::SwigluOptions swiglu_options(bool clamp, double clamp_value, bool gate_at_bound,
-                                        bool up_at_bound) {
+                                        bool up_at_bound, double gate_multiplier,
+                                        double down_multiplier) {
   fusedloss::SwigluOptions o;
+  o.gate_multiplier = float(gate_multiplier);
+  o.down_multiplier = float(down_multiplier);
   o.clamp = clamp;
   o.clamp_value = float(clamp_value);
   o.clamp_gate_grad_at_bound = gate_at_bound;
@@ -31,16 +34,18 @@ fusedloss::SwigluOptions swiglu_options(bool clamp, double clamp_value, bool gat
 }
 
 struct Swiglu : torch::autograd::Function<Swiglu> {
-  // options: clamp, clamp_value, the gate's and the up's gradient at the bound (_options in
-  // swiglu.py); inplace: the backward writes y's gradient into y (the caller checked that y's
+  // options: clamp, clamp_value, the gate's and the up's gradient at the bound, the gate and
+  // down multipliers (_options in swiglu.py); inplace: the backward writes y's gradient into y (the caller checked that y's
   // memory is an autograd intermediate's, _views.inplace_refused)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y,
                             const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& weights, bool clamp, double clamp_value,
-                            bool gate_at_bound, bool up_at_bound, bool inplace) {
+                            bool gate_at_bound, bool up_at_bound, double gate_multiplier,
+                            double down_multiplier, bool inplace) {
     c10::OptionalDeviceGuard device(y.device());
     const at::Tensor x = rows_of(y);
-    const auto o = swiglu_options(clamp, clamp_value, gate_at_bound, up_at_bound);
+    const auto o = swiglu_options(clamp, clamp_value, gate_at_bound, up_at_bound, gate_multiplier,
+                                  down_multiplier);
     auto out_shape = y.sizes().vec();
     out_shape.back() /= 2;
     at::Tensor out = at::empty(out_shape, x.options());
@@ -53,6 +58,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     ctx->saved_data["clamp_value"] = clamp_value;
     ctx->saved_data["gate_at_bound"] = gate_at_bound;
     ctx->saved_data["up_at_bound"] = up_at_bound;
+    ctx->saved_data["gate_multiplier"] = gate_multiplier;
+    ctx->saved_data["down_multiplier"] = down_multiplier;
     // (the Python caller has decided and warned, _views.inplace_refused; the op itself is
     // reachable as torch.ops.fusedloss.swiglu_eager, so a leaf's memory is never taken here)
     ctx->saved_data["inplace"] = inplace && storage_is_ours(y);
@@ -70,7 +77,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     c10::OptionalDeviceGuard device(y.device());
     auto& d = ctx->saved_data;
     const auto o = swiglu_options(d["clamp"].toBool(), d["clamp_value"].toDouble(),
-                                  d["gate_at_bound"].toBool(), d["up_at_bound"].toBool());
+                                  d["gate_at_bound"].toBool(), d["up_at_bound"].toBool(),
+                                  d["gate_multiplier"].toDouble(), d["down_multiplier"].toDouble());
     at::Tensor grad = grads[0];
     // In place only into y's own rows: were they a copy now (y's layout changed since the
     // forward, e.g. through .data), the gradient goes to a new buffer instead.
@@ -91,8 +99,9 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     auto grad_of = [](const at::Tensor& input, const at::Tensor& g32) {
       return input.defined() ? as_dtype(g32.view(input.sizes()), input.scalar_type()) : at::Tensor();
     };
-    variable_list out{dy, grad_of(bias, gb), grad_of(weights, gw), at::Tensor(), at::Tensor(),
-                      at::Tensor(), at::Tensor(), at::Tensor()};
+    variable_list out{dy,          grad_of(bias, gb), grad_of(weights, gw), at::Tensor(),
+                      at::Tensor(), at::Tensor(),       at::Tensor(),         at::Tensor(),
+                      at::Tensor(), at::Tensor()};
     at::AutoGradMode restored(create_graph);
     guard_second_order(create_graph, out, saved, "fusedloss.swiglu");
     return out;
@@ -101,8 +110,10 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
 
 at::Tensor swiglu(const at::Tensor& y, const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weights, bool clamp, double clamp_value,
-                  bool gate_at_bound, bool up_at_bound, bool inplace) {
-  return Swiglu::apply(y, bias, weights, clamp, clamp_value, gate_at_bound, up_at_bound, inplace);
+                  bool gate_at_bound, bool up_at_bound, double gate_multiplier,
+                  double down_multiplier, bool inplace) {
+  return Swiglu::apply(y, bias, weights, clamp, clamp_value, gate_at_bound, up_at_bound,
+                       gate_multiplier, down_multiplier, inplace);
 }
 
 }  // namespace
@@ -112,7 +123,8 @@ at::Tensor swiglu(const at::Tensor& y, const std::optional<at::Tensor>& bias,
 // without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("swiglu_eager(Tensor y, Tensor? bias, Tensor? weights, bool clamp, float clamp_value, "
-        "bool clamp_gate_grad_at_bound, bool clamp_up_grad_at_bound, bool inplace) -> Tensor");
+        "bool clamp_gate_grad_at_bound, bool clamp_up_grad_at_bound, float gate_multiplier, "
+        "float down_multiplier, bool inplace) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {
