@@ -7,6 +7,7 @@ gradient is deterministic (fixed-order fp32 partials, no atomics) and, under seq
 parallelism, a partial sum over this rank's tokens that the caller all-reduces.
 """
 import functools
+import math
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -153,22 +154,163 @@ def _check(x, weight, eps, zero_centered_gamma, residual):
     return eps
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5,
-             zero_centered_gamma: bool = False,
-             residual: Optional[Tensor] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """RMSNorm of x [..., H] (fp32/fp16/bf16, any strides; [T, H] or Megatron's [s, b, H]) with
-    weight [H] (any float dtype): y = x / sqrt(mean(x^2, -1) + eps) * gamma, gamma = weight, or
-    1 + weight with zero_centered_gamma. Returns y in x's dtype and shape.
+_UNSET = object()  # an argument not passed
+_LEGACY_EPS = 1e-5  # the weight-first form's default (Megatron's layernorm_epsilon, TE's)
+_SHAPE_TYPES = (int, tuple, list, torch.Size)
 
-    eps: 1e-5 by default (Megatron's layernorm_epsilon, TransformerEngine's); None takes
-    torch.nn.RMSNorm's default, the fp32 epsilon 2^-23 (what F.rms_norm(eps=None) adds for
-    every dtype fusedloss reads). Pass the model's own eps when swapping in for another norm.
+
+def _shape_like(v) -> bool:
+    return isinstance(v, _SHAPE_TYPES) and not isinstance(v, bool)
+
+
+def _describe(v) -> str:
+    if isinstance(v, Tensor):
+        return f"a tensor of shape {tuple(v.shape)} ({v.dtype})"
+    return f"{v!r} ({type(v).__name__})"
+
+
+_FORMS = ("rms_norm(x, normalized_shape, weight=None, eps=None) (F.rms_norm's order) or "
+          "rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False, residual=None)")
+
+
+def _parse(args, kwargs):
+    """(normalized_shape or None, weight or None, eps, zero_centered_gamma, residual) from either
+    call form, or an error naming the argument that does not fit either."""
+    known = ("normalized_shape", "weight", "eps", "zero_centered_gamma", "residual")
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"{_OP}: unknown keyword arguments {unknown}; expected some of {list(known)}")
+    torch_form = (_shape_like(args[0]) if args else "normalized_shape" in kwargs)
+    if args and not torch_form and not isinstance(args[0], Tensor):
+        raise TypeError(f"normalized_shape: got {_describe(args[0])}, expected ints (the normalised "
+                        f"trailing dims of x) or, in the weight-first form, a weight tensor: {_FORMS}")
+    names = (("normalized_shape", "weight", "eps") if torch_form
+             else ("weight", "eps", "zero_centered_gamma", "residual"))
+    if len(args) > len(names):
+        raise TypeError(f"{_OP}: got {len(args) + 1} positional arguments, expected at most "
+                        f"{len(names) + 1} in this form ({', '.join(('x',) + names)})"
+                        + ("; zero_centered_gamma and residual go by keyword" if torch_form else ""))
+    values = dict(zip(names, args))
+    for name in values:
+        if name in kwargs:
+            raise TypeError(f"{_OP}: {name} given twice, by position and by keyword")
+    values.update(kwargs)
+    eps = values.get("eps", _UNSET)
+    weight = values.get("weight")
+    if torch_form:
+        shape = values["normalized_shape"]
+        if isinstance(shape, Tensor):
+            raise TypeError(f"normalized_shape: got {_describe(shape)}, expected ints (the normalised "
+                            "trailing dims of x, as F.rms_norm takes them); a weight goes after it, "
+                            "rms_norm(x, normalized_shape, weight), or first in the weight-first form, "
+                            "rms_norm(x, weight)")
+        if weight is not None and not isinstance(weight, Tensor):
+            hint = (" (eps is the fourth argument in F.rms_norm's order)"
+                    if isinstance(weight, float) else "")
+            raise TypeError(f"weight: got {_describe(weight)}, expected a tensor of shape "
+                            f"normalized_shape or None{hint}: {_FORMS}")
+        eps = None if eps is _UNSET else eps
+    else:
+        if weight is None or not isinstance(weight, Tensor):
+            raise TypeError(f"weight: got {_describe(weight)}, expected a tensor [H]; or give "
+                            f"normalized_shape: {_FORMS}")
+        if not weight.dtype.is_floating_point:
+            raise ValueError(f"weight.dtype: got {weight.dtype}, expected a floating-point dtype (a "
+                             "weight [H]; normalized_shape, F.rms_norm's second argument, takes ints as "
+                             f"a tuple, not a tensor): {_FORMS}")
+        if (isinstance(eps, Tensor) and eps.dim() > 0) or (_shape_like(eps) and not isinstance(eps, int)):
+            raise TypeError(f"eps: got {_describe(eps)}, expected a float; the weight-first form is "
+                            "rms_norm(x, weight, eps): in F.rms_norm's order the shape comes before "
+                            "the weight, rms_norm(x, normalized_shape, weight, eps)")
+        shape = None
+        eps = _LEGACY_EPS if eps is _UNSET else eps
+    return shape, weight, eps, values.get("zero_centered_gamma", False), values.get("residual")
+
+
+def _normalized_shape(shape, x: Tensor) -> Tuple[int, ...]:
+    """normalized_shape as a tuple of ints that are x's trailing dims."""
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        shown = repr(shape) if len(dims) <= 4 else f"{repr(shape)[:40]}... ({len(dims)} items)"
+        raise TypeError(f"normalized_shape: got {shown} ({type(shape).__name__}), expected ints (x's "
+                        "trailing dims to normalise over); a weight is a tensor, not a list: "
+                        f"{_FORMS}")
+    if not dims or x.dim() < len(dims) or tuple(x.shape[x.dim() - len(dims):]) != dims:
+        raise ValueError(f"normalized_shape: got {dims}, expected x's trailing dims (x has shape "
+                         f"{tuple(x.shape)}): rms_norm normalises over the last len(normalized_shape) "
+                         "dims")
+    return dims
+
+
+def rms_norm(x: Tensor, *args, **kwargs) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """RMSNorm of x (fp32/fp16/bf16, any strides; [T, H] or Megatron's [s, b, H]):
+    y = x / sqrt(mean(x^2) + eps) * gamma over the normalised trailing dims, in two call forms:
+
+    - rms_norm(x, normalized_shape, weight=None, eps=None): torch.nn.functional.rms_norm's
+      signature and defaults. normalized_shape (an int or ints) is x's trailing dims to
+      normalise over (any number of them); weight has that shape, or is None (gamma = 1);
+      eps=None is torch's default.
+    - rms_norm(x, weight, eps=1e-5, zero_centered_gamma=False, residual=None): the weight-first
+      form (a tensor second), normalising over the last dim, weight [H]; eps defaults to 1e-5
+      (Megatron's layernorm_epsilon and TransformerEngine's), as it always has.
+
+    Both forms take zero_centered_gamma and residual (by keyword in the first form). eps: a finite
+    value > 0, or None for torch's default, the fp32 epsilon 2^-23 (what F.rms_norm(eps=None) adds
+    for every dtype fusedloss reads). Hugging Face's Llama-family norms and Liger's default to 1e-6
+    but always carry the model's rms_norm_eps: pass it when swapping one in. weight: any float
+    dtype; gamma = weight, or 1 + weight with zero_centered_gamma (the weight stores gamma - 1).
 
     With residual (x's shape and dtype): s = x + residual (rounded to x's dtype, as the unfused
-    sum is), y = rmsnorm(s); returns (y, s), both differentiable.
+    sum is), y = rmsnorm(s); returns (y, s), both differentiable. Returns y in x's dtype and shape.
     Gradients come back in each input's dtype and shape; the weight's is deterministic (the same
     bits on every call on a given device). Math in fp32; no host synchronisation.
+
+    A call that fits neither form raises naming the argument and both forms: a tensor where
+    normalized_shape goes, a float where the weight goes, a shape where eps goes.
+
+    Changed: the F.rms_norm form is new (the second argument selects the form: ints or a
+    tensor); the weight-first form and its 1e-5 default are unchanged.
     """
+    if not kwargs and 1 <= len(args) <= 2 and isinstance(args[0], Tensor) and args[0].dtype.is_floating_point:
+        # the weight-first form's common call, rms_norm(x, weight[, eps]), without the parsing
+        eps = args[1] if len(args) == 2 else _LEGACY_EPS
+        if eps is None or type(eps) is float:
+            return _rms_norm_last_dim(x, args[0], eps, False, None)
+    shape, weight, eps, zero_centered_gamma, residual = _parse(args, kwargs)
+    if shape is None:
+        return _rms_norm_last_dim(x, weight, eps, zero_centered_gamma, residual)
+    require_values(x, "x")
+    dims = _normalized_shape(shape, x)
+    if weight is not None and tuple(weight.shape) != dims:
+        require_float_aux(weight, "weight")
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected normalized_shape {dims}")
+    if weight is None:  # no weight: gamma = 1 (the ones below), zero-centred or not
+        as_bool(zero_centered_gamma, "zero_centered_gamma")
+        zero_centered_gamma = False
+    if len(dims) == 1:
+        w = weight if weight is not None else _ones(x, dims[0])
+        return _rms_norm_last_dim(x, w, eps, zero_centered_gamma, residual)
+    # several trailing dims: one row of their product (reshape copies only a layout that needs it)
+    hidden = math.prod(dims)
+    flat = (*x.shape[:x.dim() - len(dims)], hidden)
+    w = weight.reshape(hidden) if weight is not None else _ones(x, hidden)
+    if residual is not None:
+        if not isinstance(residual, Tensor) or residual.shape != x.shape:
+            raise ValueError(f"residual: got {_describe(residual)}, expected x's shape {tuple(x.shape)}")
+        y, s = _rms_norm_last_dim(x.reshape(flat), w, eps, zero_centered_gamma, residual.reshape(flat))
+        return y.view(x.shape), s.view(x.shape)
+    return _rms_norm_last_dim(x.reshape(flat), w, eps, zero_centered_gamma, None).view(x.shape)
+
+
+def _ones(x: Tensor, hidden: int) -> Tensor:
+    """gamma = 1 (F.rms_norm's weight=None), in x's dtype (read as it is; 1 is exact in every
+    dtype): the same kernels, a weight gradient nobody asked for left to autograd to drop."""
+    if not isinstance(x, Tensor) or x.dtype not in _WEIGHT_AS_IS:
+        require_values(x, "x")
+    return torch.ones(hidden, dtype=x.dtype, device=x.device)
+
+
+def _rms_norm_last_dim(x, weight, eps, zero_centered_gamma, residual):
     eps = _check(x, weight, eps, zero_centered_gamma, residual)
     if _EAGER is not None and not through_custom_ops():  # the C++ nodes (_native.py)
         if residual is not None:
@@ -182,10 +324,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = 1e-5,
 class RMSNorm(torch.nn.Module):
     """nn.Module form of fusedloss.rms_norm with a learnable weight [hidden_size], initialised
     like torch.nn.RMSNorm's (ones), or zeros with zero_centered_gamma (gamma = 1 + weight).
-    eps defaults to 1e-5, where torch.nn.RMSNorm's default is None: pass eps=None (or the
-    model's eps) when loading a torch.nn.RMSNorm's weights, which do not carry it."""
 
-    def __init__(self, hidden_size: int, eps: Optional[float] = 1e-5,
+    eps defaults to None, torch.nn.RMSNorm's default (the fp32 epsilon, 2^-23), so a
+    torch.nn.RMSNorm swapped out keeps its values. Hugging Face's Llama-family norms and Liger's
+    LigerRMSNorm default to 1e-6 and Megatron to 1e-5, but their models always set it from the
+    config (rms_norm_eps, layernorm_epsilon): pass that eps when swapping one in.
+
+    Changed: the default eps was 1e-5; pass eps=1e-5 for the former default.
+    """
+
+    def __init__(self, hidden_size: int, eps: Optional[float] = None,
                  zero_centered_gamma: bool = False, device=None, dtype=None):
         super().__init__()
         hidden_size = as_int(hidden_size, "hidden_size")

@@ -604,10 +604,15 @@ def test_rms_norm_any_layout(run):
         if with_residual:
             rbase, r, rbase64, r64, _ = _input(draw, shape, dtype, gen, 2.0)
         before = [t.detach().clone() for t in (base, wbase, rbase) if t is not None]
+        if draw(st.booleans()):  # F.rms_norm's order: (x, normalized_shape, weight, eps)
+            call = lambda **kw: fusedloss.rms_norm(x, (shape[-1],), w, opts["eps"],  # noqa: E731
+                                                   zero_centered_gamma=opts["zero_centered_gamma"], **kw)
+        else:  # the weight-first form
+            call = lambda **kw: fusedloss.rms_norm(x, w, **opts, **kw)  # noqa: E731
         if with_residual:
-            y, s = fusedloss.rms_norm(x, w, residual=r, **opts)
+            y, s = call(residual=r)
         else:
-            y, s = fusedloss.rms_norm(x, w, **opts), None
+            y, s = call(), None
         y64, s64 = _rms_reference(x64, w64, r64, opts["eps"], opts["zero_centered_gamma"])
         assert y.shape == x.shape and y.dtype == x.dtype
         tol = max(TOL[dtype], TOL[w_dtype])

@@ -237,7 +237,9 @@ def test_double_backward_raises(device):
     (lambda x, w: fusedloss.rms_norm(x, w, eps="1e-5"), TypeError, "eps"),
     (lambda x, w: fusedloss.rms_norm(x.long(), w), ValueError, "x.dtype: got torch.int64"),
     (lambda x, w: fusedloss.rms_norm(x, w.long()), ValueError, "weight.dtype: got torch.int64"),
-    (lambda x, w: fusedloss.rms_norm(x, [1.0] * 8), TypeError, "weight: got list"),
+    # a list is normalized_shape (F.rms_norm's form), never a weight
+    (lambda x, w: fusedloss.rms_norm(x, [1.0] * 8), TypeError,
+     r"normalized_shape: got \[1.0, .*expected ints.*a weight is a tensor, not a list"),
     (lambda x, w: fusedloss.rms_norm(x[:, :0], w[:0]), ValueError, r"x: got shape \(4, 0\)"),
     (lambda x, w: fusedloss.rms_norm(x, w, residual=x.half()), ValueError, "residual: got shape"),
     (lambda x, w: fusedloss.rms_norm(x, w, residual=x[:2]), ValueError, "residual: got shape"),
