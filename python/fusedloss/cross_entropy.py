@@ -302,6 +302,10 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     owns is never written: when the logits are a leaf, a view of a leaf, or a layout the kernels
     must copy, the gradient goes to a new buffer (with a warning). Under torch.compile the
     gradient always goes to a new buffer (a traced graph cannot tell whose memory an input is).
+    False by default, by the rule every fusedloss op follows: a backward overwrites a tensor the
+    caller passed in only when asked (here the logits, which plain code may still read after
+    the backward: argmax, accuracy, logging), while memory only the op can reach is reused by
+    default (the linear cross-entropy's saved gradients: inplace_backward=True there).
 
     grad_in_forward=True (reduction 'sum' or 'mean'; implies inplace_backward) writes the
     gradient over the logits during the forward, which reads each row once for both (2 passes
