@@ -1,8 +1,12 @@
 """fusedloss.jax: the JAX ops over XLA FFI against float64 jax.numpy references (every op and
 option), their gradients (jax.test_util.check_grads where it fits), jit / vmap / grad
 composition, vocab- and sequence-parallel under jax.shard_map at TP 2 and 4 (four CPU devices in
-this process) against the unsharded result, and bad inputs (the argument, the value, what was
-expected). The CUDA handlers run where JAX has a GPU; elsewhere their tests skip, saying so."""
+this process, or the GPUs where there are enough) against the unsharded result, and bad inputs
+(the argument, the value, what was expected).
+
+The arrays live on JAX's default device: where JAX has a GPU the whole suite runs the CUDA
+handlers, and test_cuda_handlers_match_the_cpu compares them with the CPU's; elsewhere that test
+skips, saying so."""
 import os
 import subprocess
 import sys
@@ -21,6 +25,7 @@ elif "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS",
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=4").strip()
 jax.config.update("jax_enable_x64", True)  # the float64 references; int64 targets
+jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 GEMMs on GPUs (nor in the op)
 
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -194,7 +199,14 @@ def test_cross_entropy_no_counted_row_is_zero():
 
 def test_cross_entropy_bad_target_raises_with_the_value():
     x = jax.random.normal(_key(6), (4, 9), F32)
-    with pytest.raises(Exception, match=r"target\[2\]: got 9, expected in \[0, 9\) or ignore_index"):
+    bad = r"target\[2\]: got 9, expected in \[0, 9\) or ignore_index"
+    if jax.devices()[0].platform == "gpu":  # the row is NaN; the device's flag raises later
+        loss = jax.block_until_ready(fj.cross_entropy(x, jnp.array([0, 1, 9, 2]), reduction="none"))
+        assert np.isnan(np.asarray(loss)[2])
+        with pytest.raises(ValueError, match=bad):
+            fj.check_device_errors()
+        return
+    with pytest.raises(Exception, match=bad):
         jax.block_until_ready(fj.cross_entropy(x, jnp.array([0, 1, 9, 2])))
 
 
@@ -377,10 +389,12 @@ def test_vmap_linear_cross_entropy_rms_norm_swiglu():
 # ---- vocab- and sequence-parallel under shard_map ----
 
 def _mesh(tp):
-    if len(jax.devices("cpu")) < tp:
-        pytest.skip(f"shard_map TP {tp}: {len(jax.devices('cpu'))} CPU devices in this process "
+    """TP devices: the default platform's where it has enough (GPUs), else the CPU's."""
+    devices = jax.devices() if len(jax.devices()) >= tp else jax.devices("cpu")
+    if len(devices) < tp:
+        pytest.skip(f"shard_map TP {tp}: {len(devices)} CPU devices in this process "
                     "(JAX started before this module set jax_num_cpu_devices)")
-    return jax.make_mesh((tp,), ("tp",), devices=jax.devices("cpu")[:tp])
+    return jax.make_mesh((tp,), ("tp",), devices=devices[:tp])
 
 
 def _shard_map(f, mesh, in_specs, out_specs, check_vma=True):
