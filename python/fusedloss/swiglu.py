@@ -359,6 +359,8 @@ _swiglu_gate_up = FusedOp(
     consumed="overwrote gate and up with their gradients",
     kernels={"bwd": (_gu_backward, _gu_backward_fake, ()),
              "bwd_": (_gu_backward_inplace, None, ("gate", "up"))})  # eager only
+# eager calls without the fp8 input store: the same steps with the autograd node in C++
+_EAGER_GATE_UP = _native.ops.swiglu_gate_up_eager.default if _native.ops is not None else None
 
 
 # ---- arguments ----
@@ -519,6 +521,15 @@ def _swiglu_two(gate, up, bias, per_token_scale, clamp_value, gate_multiplier, d
     require_same_device(up, "up", gate, "gate")
     _check_aux(bias, per_token_scale, gate, "gate", 2 * gate.size(-1), gate.numel() // gate.size(-1),
                " (the gate's bias in [0, n), the up's in [n, 2n))")
+    if _EAGER_GATE_UP is not None and not fp8_input_store and not through_custom_ops():
+        # the C++ node (_native.py), with the Python node's decisions
+        if inplace and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (gate, up, bias, per_token_scale)):
+            inplace = _gu_inplace(EAGER_CALL, gate, up)
+        else:
+            inplace = False
+        return _EAGER_GATE_UP(gate, up, bias, per_token_scale,
+                              *_eager_options(clamp_value, gate_multiplier, down_multiplier), inplace)
     return _swiglu_gate_up(gate, up, bias, per_token_scale, clamp_value, gate_multiplier,
                            down_multiplier, fp8_input_store, inplace)
 

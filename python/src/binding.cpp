@@ -145,6 +145,10 @@ const python::CoreTable& core_table() {
     t.linear_cross_entropy_backward =
         Exported<decltype(&linear_cross_entropy_backward), &linear_cross_entropy_backward>::call;
     t.set_scratch_allocator = Exported<decltype(&set_scratch_allocator), &set_scratch_allocator>::call;
+    t.swiglu_gate_up_forward =
+        Exported<decltype(&swiglu_gate_up_forward), &swiglu_gate_up_forward>::call;
+    t.swiglu_gate_up_backward =
+        Exported<decltype(&swiglu_gate_up_backward), &swiglu_gate_up_backward>::call;
     t.resolve_linear_ce_backward = [](LinearCeBackward mode, Reduction reduction, DType dtype,
                                       bool row_weighted, LinearCeBackward* resolved) noexcept {
       return caught(

@@ -27,7 +27,7 @@ using CoreError = const CoreFailure*;
 
 // Raised whenever an entry is added, removed or changes its parameters (or a struct passed
 // through the table changes): a library built against another layout refuses the table.
-constexpr uint32_t kCoreTableVersion = 7;  // 7: SwigluOptions gained the multipliers
+constexpr uint32_t kCoreTableVersion = 8;  // 7: SwigluOptions gained the multipliers; 8: swiglu_gate_up_*
 
 struct CoreTable {
   uint32_t version = kCoreTableVersion;
@@ -82,6 +82,16 @@ struct CoreTable {
   CoreError (*set_scratch_allocator)(const ScratchAllocator* allocator) = nullptr;
   CoreError (*resolve_linear_ce_backward)(LinearCeBackward mode, Reduction reduction, DType dtype,
                                           bool row_weighted, LinearCeBackward* resolved) = nullptr;
+  CoreError (*swiglu_gate_up_forward)(const MatrixView& gate, const MatrixView& up,
+                                      const VectorView& bias, const VectorView& weights,
+                                      const SwigluOptions& options, const MatrixView& out,
+                                      const MatrixView& input_fp8, Stream stream) = nullptr;
+  CoreError (*swiglu_gate_up_backward)(const MatrixView& grad_out, const MatrixView& gate,
+                                       const MatrixView& up, const VectorView& bias,
+                                       const VectorView& weights, const SwigluOptions& options,
+                                       const MatrixView& grad_gate, const MatrixView& grad_up,
+                                       float* grad_weights, float* grad_bias,
+                                       Stream stream) = nullptr;
 };
 
 }  // namespace fusedloss::python

@@ -174,6 +174,59 @@ def test_swiglu_inplace_consumes_and_second_backward_raises(device):
         fusedloss.swiglu(y, inplace_backward=True).sum().backward()
 
 
+def _swiglu_two_run(gate, up, bias, scale, mults, inplace, grad, through):
+    pairs = [_through(*t, through) if t is not None else (None, None) for t in (gate, up, bias, scale)]
+    out = fusedloss.swiglu(pairs[0][1], pairs[1][1], bias=pairs[2][1], per_token_scale=pairs[3][1],
+                           gate_multiplier=mults[0], down_multiplier=mults[1], inplace_backward=inplace)
+    out.backward(grad)
+    return [out.detach()] + [leaf.grad for leaf, _ in pairs if leaf is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("extras", ["none", "bias+scale+multipliers"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("through", ["view_of_leaf", "intermediate"])
+def test_swiglu_two_tensor_same_bits_as_python_nodes(device, dtype, layout, extras, inplace, through,
+                                                      monkeypatch):
+    """swiglu(gate, up): the C++ node and the Python node, the same bits."""
+    T, n = 12, 24
+    gate, up = (build(layout, (T, n), _made(dtype, device), step=5) for _ in range(2))
+    bias = scale = None
+    mults = (1.0, 1.0)
+    if extras != "none":
+        bias = build("contiguous", (4 * n,), _made(dtype, device))[0], lambda b: b[::2]
+        scale = build("expanded", (T, 1), lambda k: torch.rand(k, device=device))
+        mults = (1.5, -0.5)
+    grad = torch.randn(T, n, device=device).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _same_bits_as_python_node(lambda: _swiglu_two_run(gate, up, bias, scale, mults, inplace, grad, through),
+                                  swiglu_module, monkeypatch, names=("_EAGER_GATE_UP",), layout=layout,
+                                  device=device)
+
+
+def test_swiglu_two_tensor_node(device):
+    """The two-tensor form's C++ node: in place over the halves of one buffer (a second backward
+    raises), never over a leaf, nor over gate and up that share elements when called directly."""
+    x = torch.randn(4, 32, device=device, requires_grad=True)
+    gate, up = (x * 1).chunk(2, -1)
+    out = fusedloss.swiglu(gate, up, inplace_backward=True)
+    assert "Cpp" in type(out.grad_fn).__name__
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward .* inplace_backward=True; the first "
+                                           "backward overwrote gate and up"):
+        out.sum().backward()
+    op = torch.ops.fusedloss.swiglu_gate_up_eager.default
+    g0, u0 = (torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2))
+    before = g0.detach().clone(), u0.detach().clone()
+    op(g0, u0, None, None, False, 0.0, False, False, 1.0, 1.0, True).sum().backward()
+    assert torch.equal(g0.detach(), before[0]) and torch.equal(u0.detach(), before[1])
+    h = g0 * 1
+    with pytest.raises(ValueError, match="grad_gate: overlaps up"):
+        op(h, h, None, None, False, 0.0, False, False, 1.0, 1.0, True).sum().backward()
+
+
 def test_swiglu_node_never_writes_a_leaf_or_a_copy(device):
     """The op is reachable as torch.ops.fusedloss.swiglu_eager: asked for an in-place gradient
     of a leaf, or of rows that are a copy at backward time, it writes a new buffer."""

@@ -223,7 +223,8 @@ extern "C" __attribute__((visibility("default"))) int fusedloss_torch_attach(con
                             (const void*)t.cross_entropy_forward_with_grad, (const void*)t.cross_entropy_backward,
                             (const void*)t.cross_entropy_scale_grad, (const void*)t.linear_cross_entropy_forward,
                             (const void*)t.linear_cross_entropy_backward, (const void*)t.set_scratch_allocator,
-                            (const void*)t.resolve_linear_ce_backward})
+                            (const void*)t.resolve_linear_ce_backward, (const void*)t.swiglu_gate_up_forward,
+                            (const void*)t.swiglu_gate_up_backward})
     if (!entry) return 1;
   g_core.store(table, std::memory_order_release);
   return 0;
