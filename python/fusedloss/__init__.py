@@ -6,7 +6,10 @@ torch.compile), a C++ API and a Megatron-core patch.
     fusedloss.linear_cross_entropy(hidden, weight, target, ...)   LM head + loss, no [N, V] logits
     fusedloss.linear_log_probs(hidden, weight, tokens, ...)   RL head: log-probs, entropy, arg-max
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
+    fusedloss.swiglu(gate, up, ...)                the same over separate gate and up projections
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
+    fusedloss.rms_norm(x, normalized_shape, weight=None, eps=None)   F.rms_norm's call
+    fusedloss.huggingface.apply_fusedloss(model)   transformers' Llama, Qwen, Mistral, Gemma
     fusedloss.megatron.apply_fusedloss_to_megatron(...)   the one-line Megatron-core patch
 
     python -m fusedloss --info                     what this build has (backends, communicators)

@@ -54,7 +54,7 @@ def _zero_centred_rms_norm_forward(self, hidden_states):
 def _swiglu_mlp_forward(self, x):
     """down(silu(gate(x)) * up(x)), the product fused (gradients of both projections)."""
     import fusedloss
-    return self.down_proj(fusedloss.swiglu(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+    return self.down_proj(fusedloss.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 def _is_silu(mlp) -> bool:

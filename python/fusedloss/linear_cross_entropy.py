@@ -642,8 +642,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     gradients plus the workspace; the gradient carries one rounding per pair of chunks.
     "fp32": as exact as one GEMM over all tokens, for a 16-bit weight too: in_forward keeps an
     fp32 [V, H] between forward and backward, recompute loops over vocabulary blocks outside
-    the token chunks (fp32 scratch: [N, H] plus a 128 MiB block). inplace_backward (in_forward, gradients kept in the inputs' dtypes): the
-    backward scales the saved gradients where they are and returns them; a second backward
+    the token chunks (fp32 scratch: [N, H] plus a 128 MiB block).
+
+    inplace_backward (in_forward, gradients kept in the inputs' dtypes): the backward scales the saved gradients where they are and returns them (True by default, as
+    every op's rule has it: a backward reuses memory only the op can reach, and overwrites a
+    tensor the caller passed only when asked; these are the op's own); a second backward
     through the result (retain_graph) then raises. False keeps them, at the cost of a copy.
 
     weight_grad_accumulator: an fp32 tensor of weight's shape (Megatron's main_grad under
