@@ -6,7 +6,7 @@
 #include <string>
 #include <tuple>
 #include "cuda/runtime.h"
-#include "api/scratch.h"
+#include "common/scratch.h"
 #include "cuda/cuda_check.h"
 
 namespace fusedloss::cuda {

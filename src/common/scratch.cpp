@@ -9,7 +9,7 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
-#include "api/scratch.h"
+#include "common/scratch.h"
 #include "common/error.h"
 
 namespace fusedloss {

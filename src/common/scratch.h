@@ -1,4 +1,5 @@
-// The installed scratch allocator (fusedloss/scratch.h), as the CUDA runtime consults it.
+// The installed scratch allocator (fusedloss/scratch.h), as the backends consult it: below the
+// API and the CUDA runtime alike (src/common), so that src/cuda needs nothing from src/api.
 #pragma once
 #include <cstddef>
 #include "fusedloss/types.h"
