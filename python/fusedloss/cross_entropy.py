@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (deferred_rejection, fingerprint, group_name, merge_buffers, merge_over_group, rank_and_size, rank_checks,
-                           resolve_group)
+from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, merge_buffers,
+                           merge_over_group, rank_and_size, rank_checks, resolve_group)
 from ._op import FusedOp, through_custom_ops
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, choice_name, as_float, as_int, index, inplace_refused, matrix,
-                     parsed_once, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
+                     parsed_once, require_same_device, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
                      values_in)
 
 # Plain ints (what the op schemas carry, and what torch.compile traces).
@@ -277,7 +277,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", z_loss: float = 0.0, inplace_backward: bool = False,
                   tp_group: Optional["dist.ProcessGroup"] = None,
                   smoothing_scope: str = "global", check_shard_agreement: bool = True,
-                  grad_in_forward: bool = False) -> Tensor:
+                  grad_in_forward: bool = False, weight: Optional[Tensor] = None) -> Tensor:
     """Cross-entropy of logits [N, V] or [s, b, V] (fp32/fp16/bf16, any strides) against integer
     targets.
 
@@ -318,9 +318,24 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     unit-upstream gradient rounded to fp16 would lose the small entries that loss scaling
     keeps.
 
+    weight: F.cross_entropy's per-class weight [V_global] (any float dtype, no gradient, the
+    same on every rank at TP > 1): row i's loss is scaled by weight[target_i], and 'mean'
+    divides by the sum of those weights over the counted rows (0 where no row counts). Not with
+    label_smoothing (torch weights each smoothing term by its own class) or grad_in_forward.
+
     Never synchronises the host on CUDA at TP=1; an out-of-range target makes its row NaN and
     is raised by fusedloss.check_device_errors().
     """
+    if weight is not None:
+        per_token, row_weight, kind = class_weighted(
+            lambda **o: cross_entropy(logits, target, **o), weight, target, logits.size(-1)
+            if isinstance(logits, Tensor) and logits.dim() >= 1 else -1, tp_group,
+            check_shard_agreement, reduction, label_smoothing, ignore_index,
+            conflicts={"grad_in_forward": grad_in_forward}, arg="weight",
+            options=dict(ignore_index=ignore_index, smoothing_formula=smoothing_formula,
+                         z_loss=z_loss, inplace_backward=inplace_backward,
+                         smoothing_scope=smoothing_scope))
+        return weighted_reduction(per_token, row_weight, kind)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
@@ -364,10 +379,71 @@ class CrossEntropyLoss(torch.nn.Module):
                      kw["grad_in_forward"])
         as_bool(kw["check_shard_agreement"], "check_shard_agreement")
         group_name(kw["tp_group"])
+        # the per-class weight as torch's CrossEntropyLoss keeps it: a buffer (moves with .to())
+        self.register_buffer("weight", options.pop("weight", None))
         self.options = options
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(logits, target, **self.options)
+        return cross_entropy(logits, target, weight=self.weight, **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+_WEIGHTED_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction, label_smoothing,
+                   ignore_index, conflicts, options, row_weights_to_op=False, arg="class_weight",
+                   op_name=_OP):
+    """F.cross_entropy(weight=...)'s per-class weight for a fused loss `op` (called with keyword
+    options, reduction='none'): (per-token losses, the row weights class_weight[target] (0 for
+    ignored rows), the reduction's kind for weighted_reduction). `arg`: the weight's name in the
+    op's signature, for the messages. The checks run inside the
+    agreement's reach, so a rank that fails them raises on every rank. row_weights_to_op: the
+    op takes the row weights as its loss_mask (the linear CE's 3-GEMM backward for sum/mean);
+    op_name: the op's name in an agreement error."""
+    name = group_name(tp_group)
+    with rank_checks(resolve_group(name) if name else None, as_bool(check, "check_shard_agreement"),
+                     op_name, only_on_error=True):
+        kind = as_choice(reduction, "reduction", _WEIGHTED_REDUCTIONS)
+        require_tensor(class_weight, arg)
+        require_tensor(target, "target")
+        for option, value in conflicts.items():
+            if value is not None and value is not False:
+                what = f"a {option}" if isinstance(value, Tensor) else f"{option}={value!r}"
+                raise ValueError(f"{arg}: got a tensor with {what}, expected no {option} (not "
+                                 "supported with a per-class weight)")
+        if as_float(label_smoothing, "label_smoothing") != 0.0:
+            raise ValueError(f"{arg}: got a tensor with label_smoothing={label_smoothing!r}, "
+                             "expected label_smoothing=0 (a weighted smoothing term is not supported)")
+        v_global = v_local * (group_size(tp_group) if name else 1) if v_local > 0 else -1
+        if (class_weight.dim() != 1 or class_weight.size(0) != v_global
+                or not class_weight.is_floating_point()):
+            raise ValueError(f"{arg}: got {class_weight.dtype} {tuple(class_weight.shape)}, "
+                             f"expected a floating-point [{v_global}] (one weight per class of the "
+                             "whole vocabulary)")
+        if class_weight.requires_grad:
+            raise ValueError(f"{arg}: got a tensor that requires grad, expected a constant "
+                             "(no gradient flows to it)")
+        require_same_device(class_weight, arg, target, "target")
+        counted = target != as_int(ignore_index, "ignore_index")
+        # ignored rows weigh 0; an out-of-range target is the op's error (a 0-weight lookup here)
+        safe = torch.where(counted & (target >= 0) & (target < v_global), target, 0).long()
+        row_weight = torch.where(counted, class_weight.float()[safe], 0.0)
+    extra = {"loss_mask": row_weight} if row_weights_to_op and kind else {}
+    per_token = op(reduction="none", tp_group=tp_group, check_shard_agreement=check, **options,
+                   **extra)
+    return per_token, row_weight, kind
+
+
+def weighted_reduction(per_token: Tensor, row_weight: Tensor, kind: int) -> Tensor:
+    """The per-token losses weighted and reduced as F.cross_entropy(weight=...) does; 'mean'
+    over no weight is 0."""
+    if kind == 0:
+        return per_token * row_weight
+    total = (per_token * row_weight).sum()
+    if kind == 1:
+        return total
+    norm = row_weight.sum()
+    return torch.where(norm != 0, total / torch.where(norm != 0, norm, 1.0), 0.0)

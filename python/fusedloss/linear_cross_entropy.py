@@ -35,8 +35,8 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in)
-from .cross_entropy import (_REDUCTIONS, check_targets_on_host, loss_outputs,
-                            make_options, option_names, parse_options)
+from .cross_entropy import (_REDUCTIONS, check_targets_on_host, class_weighted, loss_outputs,
+                            make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
 
 _NONE = _REDUCTIONS["none"]
@@ -745,46 +745,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
 def _class_weighted(hidden, weight, target, class_weight, loss_mask, tp_group, check, reduction,
                     label_smoothing, **options):
     """linear_cross_entropy with a per-class weight: the per-token losses weighted by
-    class_weight[target] (their row weights: the in-forward backward for sum and mean), reduced
-    as F.cross_entropy(weight=...) reduces them."""
-    name = group_name(tp_group)
-    # the checks inside the agreement's reach: a rank that fails here raises on every rank
-    with rank_checks(resolve_group(name) if name else None, as_bool(check, "check_shard_agreement"),
-                     _OP, only_on_error=True) as _:
-        kind = as_choice(reduction, "reduction", {"none": 0, "sum": 1, "mean": 2})
-        require_tensor(class_weight, "class_weight")
-        require_tensor(target, "target")
-        require_tensor(weight, "weight")
-        if loss_mask is not None:
-            raise ValueError("class_weight: got a tensor with a loss_mask, expected one of the "
-                             "two (weight the per-token losses by class_weight[target] in the "
-                             "loss_mask instead)")
-        if as_float(label_smoothing, "label_smoothing") != 0.0:
-            raise ValueError(f"class_weight: got a tensor with label_smoothing={label_smoothing!r}, "
-                             "expected label_smoothing=0 (a weighted smoothing term is not supported)")
-        world = group_size(tp_group) if name else 1
-        v_global = weight.size(0) * world if weight.dim() == 2 else -1
-        if (class_weight.dim() != 1 or class_weight.size(0) != v_global
-                or not class_weight.is_floating_point()):
-            raise ValueError(f"class_weight: got {class_weight.dtype} {tuple(class_weight.shape)}, "
-                             f"expected a floating-point [{v_global}] (one weight per class of the "
-                             "whole vocabulary)")
-        if class_weight.requires_grad:
-            raise ValueError("class_weight: got a tensor that requires grad, expected a constant "
-                             "(no gradient flows to it)")
-        require_same_device(class_weight, "class_weight", target, "target")
-        ignore = as_int(options["ignore_index"], "ignore_index")
-        counted = target != ignore
-        # ignored rows weigh 0; an out-of-range target is the op's error (a 0-weight lookup here)
-        safe = torch.where(counted & (target >= 0) & (target < v_global), target, 0).long()
-        row_weight = torch.where(counted, class_weight.float()[safe], 0.0)
-    per_token = linear_cross_entropy(
-        hidden, weight, target, reduction="none", tp_group=tp_group, check_shard_agreement=check,
-        loss_mask=row_weight if kind else None, **options)
-    if kind == 0:
-        return per_token * row_weight
-    total = (per_token * row_weight).sum()
-    if kind == 1:
-        return total
-    norm = row_weight.sum()
-    return torch.where(norm != 0, total / torch.where(norm != 0, norm, 1.0), 0.0)
+    class_weight[target], as their row weights for sum and mean (the in-forward backward: 3
+    GEMMs), reduced as F.cross_entropy(weight=...) reduces them."""
+    v_local = weight.size(0) if isinstance(weight, Tensor) and weight.dim() == 2 else -1
+    per_token, row_weight, kind = class_weighted(
+        lambda **o: linear_cross_entropy(hidden, weight, target, **o), class_weight, target,
+        v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
+        conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
+        op_name=_OP)
+    return weighted_reduction(per_token, row_weight, kind)

@@ -218,3 +218,36 @@ def test_module_checks_the_option_pair_at_construction():
     with pytest.raises(TypeError, match="check_shard_agreement: got 'yes'"):
         fusedloss.CrossEntropyLoss(check_shard_agreement="yes")
     fusedloss.CrossEntropyLoss(grad_in_forward=True, reduction="sum")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_weight_matches_torch(device, reduction):
+    """weight is F.cross_entropy's per-class weight: rows scaled by their class's weight, 'mean'
+    over the counted rows' weights; the module keeps it as a buffer."""
+    x = torch.randn(37, 50, device=device, dtype=torch.float64)
+    t = torch.randint(0, 50, (37,), device=device)
+    t[::4] = -100
+    w = torch.rand(50, device=device) + 0.25
+    xx = x.float().requires_grad_()
+    loss = fusedloss.cross_entropy(xx, t, weight=w, reduction=reduction)
+    up = torch.rand_like(loss) + 0.5
+    loss.backward(up)
+    x64 = x.clone().requires_grad_()
+    ref = F.cross_entropy(x64, t, weight=w.double(), reduction=reduction)
+    ref.backward(up.double())
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xx.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+    module = fusedloss.CrossEntropyLoss(weight=w, reduction=reduction)
+    assert "weight" in dict(module.named_buffers())
+    torch.testing.assert_close(module(x.float(), t), loss.detach())
+
+
+def test_class_weight_bad_inputs(device):
+    x = torch.randn(5, 8, device=device)
+    t = torch.randint(0, 8, (5,), device=device)
+    with pytest.raises(ValueError, match=r"weight: got torch.float32 \(7,\), expected a floating-point \[8\]"):
+        fusedloss.cross_entropy(x, t, weight=torch.ones(7, device=device))
+    with pytest.raises(ValueError, match="weight: got a tensor with label_smoothing=0.1"):
+        fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), label_smoothing=0.1)
+    with pytest.raises(ValueError, match="weight: got a tensor with grad_in_forward=True"):
+        fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), grad_in_forward=True)
