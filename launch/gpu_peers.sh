@@ -4,7 +4,12 @@
 # arrive in separate calls: parts are kept in /tmp/peer-wheels until all are there) into
 # /tmp/site, and puts it and the CUTLASS DSL's `cutlass` package (which its wheel puts on
 # sys.path through a .pth file, not read from a --target folder) on PYTHONPATH.
-# The wheels are fetched on a machine with PyPI (bench/NOTES.md, "Peers").
+# The wheels are fetched on a machine with PyPI, for the GPU machine's Python (3.12 there):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 -d .whl liger-kernel cut-cross-entropy quack-kernels \
+#     nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 \
+#     apache-tvm-ffi torch-c-dlpack-ext
+# and a wheel over the transfer's size limit is split (split -b 46m X.whl X.whl.part.).
 mkdir -p /tmp/peer-wheels /tmp/site
 for dir in .whl .whl2; do
   [ -d "$dir" ] && cp -n "$dir"/* /tmp/peer-wheels/ 2>/dev/null
