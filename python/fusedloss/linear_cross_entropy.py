@@ -569,8 +569,8 @@ def _fp32_accumulation(accumulation: int, weight, accumulator) -> bool:
     """Whether the weight gradient sums over token chunks in fp32. "auto": where it lands in
     fp32 anyway (an fp32 weight, under torch.autocast too, whose gradient autograd hands back in
     fp32; a weight_grad_accumulator), else in the weight's dtype: no fp32 [V, H] copy of a 16-bit
-    weight's gradient, which measured 2.6x the memory of the weight-dtype sum and 1.2x its time
-    for a smaller gain in accuracy than the final rounding to bf16 costs (bench/NOTES.md)."""
+    weight's gradient, which measured 2.4x the memory of the weight-dtype sum and 1.1-1.2x its
+    time for a smaller gain in accuracy than the final rounding to bf16 costs (bench/NOTES.md)."""
     if accumulation != _ACCUMULATION["auto"]:
         return bool(accumulation)
     return accumulator is not None or getattr(weight, "dtype", None) == torch.float32
