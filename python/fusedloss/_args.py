@@ -3,6 +3,7 @@ of messages for every adapter: the PyTorch ops (through _views.py) and fusedloss
 and no jax here."""
 import math
 import operator
+from typing import NamedTuple
 
 
 def as_int(value, name):
@@ -52,3 +53,27 @@ def as_choice(value, name, allowed):
 def choice_name(allowed, value):
     """as_choice's inverse: the name of `value` in `allowed` (the value itself if none)."""
     return next((k for k, v in allowed.items() if v == value), value)
+
+
+class CeOptions(NamedTuple):
+    """The cross-entropy's checked keyword options, as every adapter hands them to its kernels
+    (the op schemas' first plain arguments, the FFI handlers' attributes); the linear
+    cross-entropy's begin with them."""
+    ignore_index: int
+    label_smoothing: float
+    formula: int
+    scope: int
+    z_loss: float
+    reduction: int
+
+
+def parse_ce_options(as_float, choices, ignore_index, label_smoothing, smoothing_formula,
+                     smoothing_scope, reduction, z_loss, make=CeOptions):
+    """The keyword options checked (types and choices; ranges are the core's, with the shapes):
+    as_float is the adapter's (what a real number is differs between torch and jax), choices its
+    (reductions, formulas, scopes) value maps, make the NamedTuple to build."""
+    reductions, formulas, scopes = choices
+    return make(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
+                as_choice(smoothing_formula, "smoothing_formula", formulas),
+                as_choice(smoothing_scope, "smoothing_scope", scopes),
+                as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", reductions))

@@ -8,7 +8,7 @@ backward one pass that reads the logits and writes the gradient, optionally into
          logits in the forward (2 passes in all) and the backward only scales it
 """
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,8 @@ from torch import Tensor
 from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, merge_buffers,
                            merge_over_group, rank_and_size, rank_checks, resolve_group)
+from ._args import CeOptions
+from ._args import parse_ce_options as _parse_ce_options
 from ._op import FusedOp, through_custom_ops
 from ._views import (EAGER_CALL, agreement_flag, apart_from, as_bool, as_choice, choice_name, as_float, as_int, index, inplace_refused, matrix,
                      parsed_once, require_same_device, require_targets, require_tensor, require_values, rows_of, storage_is_ours, stream_of, validated,
@@ -234,24 +236,15 @@ def _validate(logits, target):
     require_targets(target, logits, "the logits", "the logits' shape without the vocab dim")
 
 
-class _Options(NamedTuple):
-    """The checked keyword options the op schema carries first, in its order."""
-    ignore_index: int
-    label_smoothing: float
-    formula: int
-    scope: int
-    z_loss: float
-    reduction: int
+_Options = CeOptions  # the op schemas' first plain arguments
 
 
 def parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
-                  z_loss) -> _Options:
+                  z_loss) -> CeOptions:
     """The cross-entropy's keyword options as the op schemas carry them (types and choices
     checked here, ranges by the C++ validators); the linear CE's begin with them."""
-    return _Options(as_int(ignore_index, "ignore_index"), as_float(label_smoothing, "label_smoothing"),
-                    as_choice(smoothing_formula, "smoothing_formula", _FORMULAS),
-                    as_choice(smoothing_scope, "smoothing_scope", _SCOPES),
-                    as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", _REDUCTIONS))
+    return _parse_ce_options(as_float, (_REDUCTIONS, _FORMULAS, _SCOPES), ignore_index,
+                             label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss)
 
 
 @parsed_once

@@ -107,6 +107,17 @@ void check_gate_up(const MatrixView& gate, const MatrixView& up, bool allow_fp8)
           to_string(gate.device));
 }
 
+// The auxiliary gradients a backward writes: one for each auxiliary input given, none else.
+void require_aux_grads(const core::SwigluParams& p, const float* grad_weights,
+                       const float* grad_bias) {
+  require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
+          grad_weights ? "a buffer" : "null", ", expected ",
+          p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
+  require((grad_bias != nullptr) == (p.bias != nullptr), "grad_bias: got ",
+          grad_bias ? "a buffer" : "null", ", expected ",
+          p.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
+}
+
 }  // namespace
 
 void validate_swiglu_options(const SwigluOptions& o) {
@@ -157,12 +168,7 @@ void swiglu_backward(const MatrixView& grad_out, const MatrixView& y, const Vect
   detail::require_outputs_apart({{grad_weights, y.rows * 4, "grad_weights"},
                                  {grad_bias, y.cols * 4, "grad_bias"}},
                                 {gy, go, detail::span_of(y, "y"), b, w});
-  require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
-          grad_weights ? "a buffer" : "null", ", expected ",
-          p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
-  require((grad_bias != nullptr) == (p.bias != nullptr), "grad_bias: got ",
-          grad_bias ? "a buffer" : "null", ", expected ",
-          p.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
+  require_aux_grads(p, grad_weights, grad_bias);
   const core::GateUpViews in = core::halves(y), grad = core::halves(grad_y);
   FL_DISPATCH(y.device, "swiglu_backward",
               cpu::swiglu_backward(grad_out, in, p, grad, grad_weights, grad_bias),
@@ -235,12 +241,7 @@ void swiglu_gate_up_backward(const MatrixView& grad_out, const MatrixView& gate,
                                 {detail::span_of(grad_gate, "grad_gate"),
                                  detail::span_of(grad_up, "grad_up"), go,
                                  detail::span_of(gate, "gate"), detail::span_of(up, "up"), b, w});
-  require((grad_weights != nullptr) == (p.weights != nullptr), "grad_weights: got ",
-          grad_weights ? "a buffer" : "null", ", expected ",
-          p.weights ? "a [T] fp32 buffer (weights were given)" : "null (no weights)");
-  require((grad_bias != nullptr) == (p.bias != nullptr), "grad_bias: got ",
-          grad_bias ? "a buffer" : "null", ", expected ",
-          p.bias ? "a [2n] fp32 buffer (bias was given)" : "null (no bias)");
+  require_aux_grads(p, grad_weights, grad_bias);
   const core::GateUpViews in{gate, up}, grad{grad_gate, grad_up};
   FL_DISPATCH(gate.device, "swiglu_gate_up_backward",
               cpu::swiglu_backward(grad_out, in, p, grad, grad_weights, grad_bias),

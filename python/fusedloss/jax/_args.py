@@ -3,12 +3,13 @@
 fusedloss/_args.py, ranges by the core's validators (_ffi.py)."""
 import functools
 import numbers
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._args import CeOptions as _CeOptions
+from .._args import parse_ce_options as _parse_ce_options
 from .._args import as_bool, as_choice, as_int, fits_float32  # noqa: F401 (re-exported)
 
 # The C++ enums (include/fusedloss/options.h, types.h) as the handlers take them.
@@ -19,15 +20,10 @@ DTYPES = {np.dtype(jnp.float32): 0, np.dtype(jnp.float16): 1, np.dtype(jnp.bfloa
 NONE = REDUCTIONS["none"]
 
 
-class CeOptions(NamedTuple):
+class CeOptions(_CeOptions):
     """The cross-entropy's options as the handlers take them (hashable: custom_vjp's static
     argument); the linear cross-entropy's begin with them."""
-    ignore_index: int
-    label_smoothing: float
-    formula: int
-    scope: int
-    z_loss: float
-    reduction: int
+    __slots__ = ()
 
     def attributes(self, vocab_global: int = -1) -> dict:
         """The handlers' attributes; vocab_global > 0: a vocab-parallel call (targets renumbered)."""
@@ -54,11 +50,9 @@ def as_float(value, name):
 
 @functools.lru_cache(maxsize=256)
 def _parse_ce(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss):
-    return CeOptions(as_int(ignore_index, "ignore_index"),
-                     as_float(label_smoothing, "label_smoothing"),
-                     as_choice(smoothing_formula, "smoothing_formula", FORMULAS),
-                     as_choice(smoothing_scope, "smoothing_scope", SCOPES),
-                     as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", REDUCTIONS))
+    return _parse_ce_options(as_float, (REDUCTIONS, FORMULAS, SCOPES), ignore_index,
+                             label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
+                             make=CeOptions)
 
 
 def parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
