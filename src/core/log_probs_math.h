@@ -64,17 +64,13 @@ FL_HD LogProbStats lp_combine(LogProbStats a, LogProbStats b) {
   LogProbStats r;
   r.argmax = a.max > b.max ? a.argmax : b.max > a.max ? b.argmax
                                                        : (a.argmax < b.argmax ? a.argmax : b.argmax);
-  if (m == -INFINITY || m != m) {  // nothing finite yet (or a NaN max): sums as they are
-    r.max = m;
-    r.sum_exp = a.sum_exp + b.sum_exp;
-    r.sum_exp_shifted = a.sum_exp_shifted + b.sum_exp_shifted;
-  } else {
+  if (m != -INFINITY && m == m) {  // both sums to the common reference (none yet: as they are)
     lp_shift(a, m);
     lp_shift(b, m);
-    r.max = m;
-    r.sum_exp = a.sum_exp + b.sum_exp;
-    r.sum_exp_shifted = a.sum_exp_shifted + b.sum_exp_shifted;
   }
+  r.max = m;
+  r.sum_exp = a.sum_exp + b.sum_exp;
+  r.sum_exp_shifted = a.sum_exp_shifted + b.sum_exp_shifted;
   r.target = fmaxf(a.target, b.target);  // one shard holds the token, the others -inf
   return r;
 }
