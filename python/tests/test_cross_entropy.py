@@ -251,3 +251,30 @@ def test_class_weight_bad_inputs(device):
         fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), label_smoothing=0.1)
     with pytest.raises(ValueError, match="weight: got a tensor with grad_in_forward=True"):
         fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), grad_in_forward=True)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "expanded", "non-contiguous view of a leaf"])
+@pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_class_weight_any_layout_and_dtype(device, layout, wdtype):
+    """The per-class weight is read in any layout and float dtype (as F.cross_entropy reads it
+    in fp32 after the cast), for both ops, and never written."""
+    V = 24
+    base = {"sliced": lambda: torch.rand(2 * V) + 0.5,
+            "expanded": lambda: torch.tensor([0.7]),
+            "non-contiguous view of a leaf": lambda: torch.rand(V, 3) + 0.5}[layout]()
+    base = base.to(device, wdtype)
+    view = {"sliced": lambda b: b[::2], "expanded": lambda b: b.expand(V),
+            "non-contiguous view of a leaf": lambda b: b[:, 1]}[layout](base)
+    before = base.clone()
+    x = torch.randn(11, V, device=device)
+    t = torch.randint(0, V, (11,), device=device)
+    t[3] = -100
+    ref = F.cross_entropy(x.double(), t, weight=view.double())
+    got = fusedloss.cross_entropy(x, t, weight=view)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    h = torch.randn(11, 8, device=device)
+    w = torch.randn(V, 8, device=device)
+    ref = F.cross_entropy(F.linear(h.double(), w.double()), t, weight=view.double())
+    got = fusedloss.linear_cross_entropy(h, w, t, class_weight=view)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(base, before)

@@ -321,12 +321,18 @@ def test_swiglu_any_layout(run):
 
 def _head_inputs(draw, shape, V, dtype, gen):
     """An LM head's inputs: hidden (shape) and weight [V, H] through _input, and int32/int64
-    targets in [0, V) with a fifth of them -100 (hidden_and_weight, t)."""
+    targets in [0, V) with a fifth of them -100, contiguous, strided or expanded (stride 0)."""
     hidden = _input(draw, shape, dtype, gen, 1.0)
     weight = _input(draw, (V, shape[-1]), dtype, gen, 2.0 / shape[-1] ** 0.5)
     t = torch.randint(0, V, shape[:-1], generator=gen)
     t[torch.rand(shape[:-1], generator=gen) < 0.2] = -100
-    return hidden, weight, t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+    t = t.to(draw(st.sampled_from([torch.int64, torch.int32]))).to(DEVICE)
+    layout = draw(st.sampled_from(["contiguous", "strided", "expanded"])) if t.numel() else None
+    if layout == "strided":  # every other element of a wider buffer
+        t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    elif layout == "expanded":  # one token for every row, stride 0
+        t = t.reshape(-1)[:1].expand(t.shape)
+    return hidden, weight, t
 
 
 @st.composite
@@ -478,8 +484,6 @@ def test_linear_cross_entropy_any_layout(run):
         (base_h, h, base_h64, h64, layout_h), (base_w, w, base_w64, w64, layout_w), t = \
             _head_inputs(draw, shape, V, dtype, gen)
         H = shape[-1]
-        if draw(st.booleans()) and t.numel():  # strided targets
-            t = torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
         if dtype == torch.float16 and opts["backward_mode"] == "in_forward":
             with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with torch.float16 inputs"):
