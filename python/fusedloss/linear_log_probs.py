@@ -199,7 +199,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             o = _options(t_value, ignore, workspace, tf32, rank, v_local, world, rows, H)
-            check_targets_on_host(tokens, o, "tokens")
+            if name:  # inside the agreement's reach (at TP = 1 the core checks them, once)
+                check_targets_on_host(tokens, o, "tokens")
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         rejected = deferred_rejection((hidden, weight, tokens), "none", tokens, name, _OP,
                                       checks.deferred)

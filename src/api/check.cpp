@@ -100,11 +100,11 @@ void require_read_apart(const Span& written, std::initializer_list<Span> read) {
             r.name, " is read while ", written.name, " is written)");
 }
 
-void check_targets_on_host(const IndexView& target, const core::CeParams& p) {
+void check_targets_on_host(const IndexView& target, const core::CeParams& p, const char* name) {
   if (target.device != Device::CPU) return;
   int64_t value = 0;
   int64_t row = cpu::first_bad_target(target, p, &value);
-  require(row < 0, "target[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
+  require(row < 0, name, "[", row, "]: got ", value, ", expected in [0, ", p.vocab_global,
           ") or ignore_index (", p.ignore_index, ")");
 }
 

@@ -44,6 +44,7 @@ void require_outputs_apart(std::initializer_list<Span> outputs, std::initializer
 void require_read_apart(const Span& written, std::initializer_list<Span> read);
 // CPU targets are checked before anything is written (throws naming the first bad row); CUDA
 // kernels check them in flight, so this does nothing for CUDA targets.
-void check_targets_on_host(const IndexView& target, const core::CeParams& p);
+void check_targets_on_host(const IndexView& target, const core::CeParams& p,
+                           const char* name = "target");
 
 }  // namespace fusedloss::detail

@@ -39,7 +39,7 @@ void check_tokens_on_host(const IndexView& tokens, const LinearLogProbsOptions& 
   p.rows = tokens.size;
   p.vocab_global = o.vocab_global;
   p.ignore_index = o.ignore_index;
-  detail::check_targets_on_host(tokens, p);
+  detail::check_targets_on_host(tokens, p, "tokens");
 }
 
 LinearLogProbsOptions check_inputs(const MatrixView& hidden, const MatrixView& weight,
