@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from ._op import FusedOp, through_custom_ops
+from ._op import FusedOp
 from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, rank_and_size, rank_checks,
                            resolve_group)
 from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
-from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_operands, device_of,
+from ._views import (agreement_flag, as_bool, as_choice, as_float, choice_name, as_int, autocast_operands, device_of,
                      index, matrix, require_same_device, require_tensor,
                      rows_of, stream_of, validated, values_in)
 from .cross_entropy import check_targets_on_host
@@ -64,22 +64,35 @@ def _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf
 
 
 def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float,
-             ignore_index: int, workspace_bytes: int, tf32: bool, group: str,
-             dhidden_reduction: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(hidden rows [N, H], weight [V_local, H], tokens [N]) -> (log_probs, entropy, argmax,
-    lse), each [N]: this shard's statistics, their all-gather over the group, the merge."""
-    opts, g = _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group)
-    world = 1 if g is None else dist.get_world_size(g)
-    dev = hidden.device
-    h, w = rows_of(hidden), rows_of(weight)
-    _, tv = index(tokens, "tokens")
-    n = h.size(0)
-    f32 = dict(dtype=torch.float32, device=dev)
-    log_probs, entropy, lse = (torch.empty(n, **f32) for _ in range(3))
-    argmax = torch.empty(n, dtype=torch.int64, device=dev)
-    nbytes = _C.LOG_PROB_STATS_BYTES * n
-    stats = torch.empty(world * nbytes, dtype=torch.uint8, device=dev)
-    mine = stats[:nbytes] if world == 1 else torch.empty(nbytes, dtype=torch.uint8, device=dev)
+             ignore_index: int, workspace_bytes: int, tf32: bool, group: str, check: bool,
+             grad: bool, dhidden_reduction: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(hidden rows [N, H], weight [V_local, H], tokens (N of any shape)) -> (log_probs, entropy,
+    argmax, lse), each [N]: this shard's statistics, their all-gather over the group, the merge.
+    At TP > 1 with check, the shard agreement (rows, V_local, the tokens, the options, whether a
+    gradient follows) runs here, when the op runs (eager or in a compiled graph), after
+    everything this rank allocates."""
+    g = resolve_group(group) if group else None
+    options = (fingerprint(temperature=temperature, ignore_index=ignore_index,
+                           dtype=str(hidden.dtype), H=hidden.size(-1),
+                           dhidden_reduction=choice_name(_DHIDDEN, dhidden_reduction),
+                           gradient=grad, tokens_shape=tuple(tokens.shape))
+               if g is not None and check else 0)
+    tokens = tokens.reshape(-1)
+    with rank_checks(g, check, _OP, options=options) as checks:
+        opts, _ = _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32,
+                                group)
+        world = 1 if g is None else dist.get_world_size(g)
+        dev = hidden.device
+        h, w = rows_of(hidden), rows_of(weight)
+        _, tv = index(tokens, "tokens")
+        n = h.size(0)
+        checks.rows, checks.v_local, checks.target = n, w.size(0), tokens
+        f32 = dict(dtype=torch.float32, device=dev)
+        log_probs, entropy, lse = (torch.empty(n, **f32) for _ in range(3))
+        argmax = torch.empty(n, dtype=torch.int64, device=dev)
+        nbytes = _C.LOG_PROB_STATS_BYTES * n
+        stats = torch.empty(world * nbytes, dtype=torch.uint8, device=dev)
+        mine = stats[:nbytes] if world == 1 else torch.empty(nbytes, dtype=torch.uint8, device=dev)
     stream = stream_of(h)
     _C.linear_log_probs_local_stats(matrix(h), matrix(w), tv, opts, mine.data_ptr(), stream)
     if world > 1:
@@ -89,7 +102,7 @@ def _forward(hidden: Tensor, weight: Tensor, tokens: Tensor, temperature: float,
     return log_probs, entropy, argmax, lse
 
 
-def _forward_fake(hidden, weight, tokens, *options):
+def _forward_fake(hidden, weight, tokens, *options):  # (tokens of any shape: N of them)
     n = tokens.numel()
     return (hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32),
             hidden.new_empty(n, dtype=torch.int64), hidden.new_empty(n, dtype=torch.float32))
@@ -97,8 +110,8 @@ def _forward_fake(hidden, weight, tokens, *options):
 
 def _backward(grad_log_probs: Optional[Tensor], grad_entropy: Optional[Tensor], hidden: Tensor,
               weight: Tensor, tokens: Tensor, lse: Tensor, entropy: Tensor, temperature: float,
-              ignore_index: int, workspace_bytes: int, tf32: bool, group: str,
-              dhidden_reduction: int) -> Tuple[Tensor, Tensor]:
+              ignore_index: int, workspace_bytes: int, tf32: bool, group: str, check: bool,
+              grad: bool, dhidden_reduction: int) -> Tuple[Tensor, Tensor]:
     """The recompute backward into new dhidden [N, H] and dweight [V_local, H], then dhidden's
     collective over the group (dhidden_reduction)."""
     opts, g = _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group)
@@ -158,7 +171,7 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides;
     under torch.autocast the GEMMs run in its dtype); tokens: integer ids in hidden's shape
     without H (the sampled tokens). temperature: > 0, finite (the sampling temperature).
-    Tokens equal to ignore_index, or where loss_mask (target's shape, any real dtype) is zero,
+    Tokens equal to ignore_index, or where loss_mask (tokens' shape, any real dtype) is zero,
     give log_prob = entropy = 0 and no gradient. Results are fp32 (int64 for argmax) in tokens'
     shape; entropy is None unless entropy=True, argmax None unless argmax=True (ties: the
     smallest id).
@@ -174,7 +187,7 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
     NaN.
     """
     name = group_name(tp_group)
-    group = resolve_group(name) if name else None
+    group = tp_group if name else None  # (not resolved from its name: torch.compile traces this)
     check, bad_flag = agreement_flag(check_shard_agreement)
     # Every argument check inside the agreement's reach: at TP > 1 a rank that fails raises the
     # same error on every rank (deferred to the graph under torch.compile), nothing hangs.
@@ -194,11 +207,11 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
         _validate(hidden, weight, tokens, loss_mask, slices)
         if loss_mask is not None:  # masked tokens are ignored ones
             tokens = torch.where(loss_mask != 0, tokens, torch.full_like(tokens, ignore))
-        rank = rank_and_size(group)[0] if name else 0
         v_local, rows, H = weight.size(0), tokens.numel(), hidden.size(-1)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
-            o = _options(t_value, ignore, workspace, tf32, rank, v_local, world, rows, H)
+            # (the options as rank 0's: this rank's shard is the op's to place)
+            o = _options(t_value, ignore, workspace, tf32, 0, v_local, world, rows, H)
             if name:  # inside the agreement's reach (at TP = 1 the core checks them, once)
                 check_targets_on_host(tokens, o, "tokens")
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
@@ -206,20 +219,14 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, temperat
                                       checks.deferred)
         return LogProbs(rejected, rejected, None)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if name and check and not through_custom_ops():  # the shapes and options agreed
-        options = fingerprint(temperature=t_value, ignore_index=ignore, dtype=str(hidden.dtype),
-                              H=H, dhidden_reduction=dhidden_reduction, gradient=grad,
-                              tokens_shape=tuple(tokens.shape))
-        with rank_checks(group, True, _OP, options=options) as checks:
-            checks.rows, checks.v_local, checks.target = rows, v_local, tokens.reshape(-1)
     if slices > 1:
         hidden_grad = grad and hidden.requires_grad
         if not hidden_grad:
             dh_red = _DHIDDEN["partial"]
         hidden = gather_token_slices(hidden, name, check, hidden_grad, rows, v_local, _OP)
     flat = hidden.reshape(-1, H) if hidden.dim() == 3 else hidden
-    lp, ent, am = _linear_log_probs(flat, weight, tokens.reshape(-1), t_value, ignore, workspace,
-                                    tf32, name, dh_red)
+    lp, ent, am = _linear_log_probs(flat, weight, tokens, t_value, ignore, workspace, tf32, name,
+                                    bool(name) and check, grad, dh_red)
     return LogProbs(lp.view(tokens.shape), ent.view(tokens.shape) if want_entropy else None,
                     am.view(tokens.shape) if want_argmax else None)
 
