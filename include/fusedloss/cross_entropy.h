@@ -3,6 +3,7 @@
 //   local stats   one read of the logits: per row max m, sum-exp s, target logit t, sum x
 //   hook          all-gather of the 16-byte RowStats (or all-reduce max, then sum)
 //   merge         lse = M + log S, loss = (1-a)(lse - T) + a(lse - SX/K) + z lse^2
+//   (with logit_softcap c > 0 every pass sees c tanh(x / c) in place of the logit x)
 //   backward      one read + one write: g = dL (p (1 + 2 z lse) - (1-a)[j==target] - a/K)
 //
 // Nothing of size [rows, V] is allocated; lse (4 B/row) is what backward needs.
@@ -24,6 +25,10 @@ struct CrossEntropyOptions {
   // over the local shard only, so ranks report different losses at TP > 1.
   SmoothingScope smoothing_scope = SmoothingScope::Global;
   float z_loss = 0.0f;  // scale of the lse^2 regulariser, >= 0
+  // > 0: the loss sees c * tanh(logit / c) (Gemma-2's final logit soft-capping) and the
+  // gradient is taken through it; 0: off. The forward with the gradient then runs its stats and
+  // gradient passes apart (3 reads of the logits, not 2).
+  float logit_softcap = 0.0f;
   Reduction reduction = Reduction::Mean;
   int64_t vocab_start = 0;    // global index of this rank's first column
   int64_t vocab_global = -1;  // V_global; -1 means the logits' column count (no sharding)

@@ -8,7 +8,7 @@ backward one pass that reads the logits and writes the gradient, optionally into
          logits in the forward (2 passes in all) and the backward only scales it
 """
 import functools
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ _INPLACE_FLAGS = "inplace_backward or grad_in_forward"  # what the in-place warn
 
 
 def make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
-                 v_local):
+                 v_local, softcap=0.0):
     """The C++ CrossEntropyOptions of a call (unchecked), shard fields from the rank's place."""
     o = _C.CrossEntropyOptions()
     o.ignore_index = ignore_index
@@ -51,6 +51,7 @@ def make_options(ignore_index, label_smoothing, formula, scope, z_loss, reductio
     o.smoothing_scope = _C.SmoothingScope(scope)
     o.z_loss = z_loss
     o.reduction = _C.Reduction(reduction)
+    o.logit_softcap = softcap
     if world > 1:
         o.vocab_start = rank * v_local
         o.vocab_global = world * v_local
@@ -58,11 +59,12 @@ def make_options(ignore_index, label_smoothing, formula, scope, z_loss, reductio
 
 
 @functools.lru_cache(maxsize=256)
-def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local):
+def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, rank, world,
+             v_local):
     """One validated options object per distinct call (the C++ side only reads it; building
     and checking it field by field costs more host time than the rest of a small call)."""
     o = make_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world,
-                     v_local)
+                     v_local, softcap)
     validated(_C.validate_cross_entropy_options, o, 1, v_local)
     return o
 
@@ -91,7 +93,7 @@ def loss_outputs(rows, reduction, device):
 
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
-             scope: int, z_loss: float, reduction: int, group: str, check_agreement: bool,
+             scope: int, z_loss: float, reduction: int, softcap: float, group: str, check_agreement: bool,
              inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
@@ -103,7 +105,8 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
         rows, v_local = x.shape
         loss, lse, count = loss_outputs(rows, reduction, dev)
         stream = stream_of(x)
-        o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, 0, 1, v_local)
+        o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, 0, 1,
+                     v_local)
         if grad_in_forward:
             xv = matrix(x)
             _C.cross_entropy_forward_with_grad(xv, tv, o, loss.data_ptr(), lse.data_ptr(),
@@ -115,14 +118,16 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     rank, world = rank_and_size(g)
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
     options = fingerprint(**option_names(ignore_index, label_smoothing, formula, scope, z_loss,
-                                         reduction), target_shape=tuple(target.shape))
+                                         reduction), logit_softcap=softcap,
+                          target_shape=tuple(target.shape))
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
         x = rows_of(logits)
         t, tv = index(apart_from(target, logits) if grad_in_forward else target, "target")
         checks.rows, checks.v_local = rows, v_local = x.shape
         checks.target = t
-        o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, rank, world, v_local)
+        o = _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, rank,
+                     world, v_local)
         if check_agreement:  # without it, the C++ pass raises on this rank
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
         loss, lse, count = loss_outputs(rows, reduction, dev)
@@ -145,7 +150,7 @@ def _consumed(logits):
 
 
 def _forward_fake(logits, target, ignore_index, label_smoothing, formula, scope, z_loss, reduction,
-                  group, check_agreement, inplace_backward, grad_in_forward):
+                  softcap, group, check_agreement, inplace_backward, grad_in_forward):
     if grad_in_forward:  # it would write the logits, which the op's schema does not declare
         raise RuntimeError(f"{_OP}: grad_in_forward=True cannot be traced; cross_entropy() "
                            "takes the out-of-place path under torch.compile")
@@ -168,9 +173,9 @@ def _backward_into(grad_loss, x, target, lse, count, opts, out):
 
 def _backward(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
               ignore_index: int, label_smoothing: float, formula: int, scope: int, z_loss: float,
-              reduction: int, group: str) -> Tensor:
+              reduction: int, softcap: float, group: str) -> Tensor:
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, group)
     _backward_into(grad_loss, rows_of(logits), target, lse, count, opts, rows_of(grad))
     return grad
 
@@ -181,9 +186,9 @@ def _backward_fake(grad_loss, logits, *rest):
 
 def _backward_inplace(grad_loss: Tensor, logits: Tensor, target: Tensor, lse: Tensor, count: Tensor,
                       ignore_index: int, label_smoothing: float, formula: int, scope: int,
-                      z_loss: float, reduction: int, group: str) -> None:
+                      z_loss: float, reduction: int, softcap: float, group: str) -> None:
     x = rows_of(logits)  # a view: setup() checked storage_is_ours
-    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, group)
+    opts = (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, group)
     _backward_into(apart_from(grad_loss, logits), x, apart_from(target, logits), lse, count, opts, x)
 
 
@@ -223,6 +228,14 @@ _cross_entropy = FusedOp(
     kernels={"bwd": (_backward, _backward_fake, ()),
              "bwd_": (_backward_inplace, None, ("logits",)),  # eager only
              "scale_": (_scale_inplace, None, ("logits",))})  # eager only
+# return_z_loss: the same op with the merged lse as a second, non-differentiable output
+_cross_entropy_lse = FusedOp(
+    "cross_entropy_lse", forward=_forward, forward_fake=_forward_fake, setup=_setup,
+    backward=lambda ctx, grads, kernels: _grads(ctx, grads[0], kernels), n_outputs=2,
+    inplace_flag="inplace_backward",
+    kernels={"bwd": (_backward, _backward_fake, ()),
+             "bwd_": (_backward_inplace, None, ("logits",)),
+             "scale_": (_scale_inplace, None, ("logits",))})
 # eager calls without a tp_group: the same steps with the autograd node in C++
 _EAGER = _native.ops.cross_entropy_eager.default if _native.ops is not None else None
 
@@ -236,7 +249,38 @@ def _validate(logits, target):
     require_targets(target, logits, "the logits", "the logits' shape without the vocab dim")
 
 
-_Options = CeOptions  # the op schemas' first plain arguments
+_Options = CeOptions  # the op schemas' first plain arguments (the linear CE's begin with them)
+# the cross-entropy op's own: then the logit soft cap
+_CallOptions = NamedTuple("_CallOptions", [*CeOptions.__annotations__.items(), ("softcap", float)])
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What cross_entropy() and linear_cross_entropy() return when a return_* option asks for
+    more than the loss (Liger's CrossEntropyOutput fields; the options not asked for are None).
+
+    loss              the loss, as without the options (it includes the z-loss)
+    z_loss            z_loss * lse^2 of the counted rows, reduced as the loss (per row for
+                      reduction='none', 0 on ignored rows); a detached value for logging
+    token_accuracy    whether argmax == target: per row (0.0 on ignored rows) for 'none',
+                      else the fraction over the counted rows (0 where none counts)
+    predicted_tokens  [rows] int64 argmax of each row's logits (the smallest id of a tie; -1 on
+                      ignored rows), whatever the reduction
+    """
+    loss: Tensor
+    z_loss: Optional[Tensor] = None
+    token_accuracy: Optional[Tensor] = None
+    predicted_tokens: Optional[Tensor] = None
+
+
+def as_softcap(logit_softcap, softcap) -> float:
+    """logit_softcap, or Liger's name for it, softcap (one of them): 0.0 (off) for None; the
+    range (0 or a finite value > 0) is the core's check."""
+    if softcap is not None:
+        if logit_softcap is not None:
+            raise TypeError(f"softcap: got {softcap!r} with logit_softcap={logit_softcap!r}, "
+                            "expected one of them (softcap is Liger's name for logit_softcap)")
+        return as_float(softcap, "softcap")
+    return 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
 
 
 def parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
@@ -249,12 +293,13 @@ def parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_sc
 
 @parsed_once
 def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
-                 z_loss, inplace_backward, grad_in_forward):
+                 z_loss, logit_softcap, softcap, inplace_backward, grad_in_forward):
     """Keyword options -> (the plain values the op schema carries, inplace_backward,
     grad_in_forward). The ranges are checked by the C++ validator; grad_in_forward against the
     reduction."""
-    args = parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
-                         reduction, z_loss)
+    args = _CallOptions(*parse_options(ignore_index, label_smoothing, smoothing_formula,
+                                       smoothing_scope, reduction, z_loss),
+                        as_softcap(logit_softcap, softcap))
     if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
         _options(*args, 0, 1, 2)  # raises on a bad range or enum
     inplace = as_bool(inplace_backward, "inplace_backward")
@@ -270,7 +315,10 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", z_loss: float = 0.0, inplace_backward: bool = False,
                   tp_group: Optional["dist.ProcessGroup"] = None,
                   smoothing_scope: str = "global", check_shard_agreement: bool = True,
-                  grad_in_forward: bool = False, weight: Optional[Tensor] = None) -> Tensor:
+                  grad_in_forward: bool = False, weight: Optional[Tensor] = None,
+                  logit_softcap: Optional[float] = None, softcap: Optional[float] = None,
+                  return_z_loss: bool = False, return_token_accuracy: bool = False,
+                  return_predicted_tokens: bool = False):
     """Cross-entropy of logits [N, V] or [s, b, V] (fp32/fp16/bf16, any strides) against integer
     targets.
 
@@ -316,9 +364,21 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     divides by the sum of those weights over the counted rows (0 where no row counts). Not with
     label_smoothing (torch weights each smoothing term by its own class) or grad_in_forward.
 
+    logit_softcap=c (Gemma 2's final logit soft-capping; `softcap` is Liger's name for it):
+    the loss sees c * tanh(x / c) for every logit x, and the gradient is taken through it.
+    grad_in_forward then reads the logits twice (its stats and gradient passes apart).
+
+    return_z_loss, return_token_accuracy, return_predicted_tokens (Liger's options): return a
+    CrossEntropyOutput(loss, z_loss, token_accuracy, predicted_tokens) instead of the loss, with
+    the fields asked for (see CrossEntropyOutput). The z-loss comes from the lse the op keeps
+    (no pass over the logits); the argmax behind the other two is one more read of the logits
+    (before the op, so grad_in_forward may still overwrite them), at TP > 1 merged over the
+    group with one all-gather of 16 B/row.
+
     Never synchronises the host on CUDA at TP=1; an out-of-range target makes its row NaN and
     is raised by fusedloss.check_device_errors().
     """
+    want = _wanted(return_z_loss, return_token_accuracy, return_predicted_tokens)
     if weight is not None:
         per_token, row_weight, kind = class_weighted(
             lambda **o: cross_entropy(logits, target, **o), weight, target, logits.size(-1)
@@ -327,8 +387,18 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
             conflicts={"grad_in_forward": grad_in_forward}, arg="weight",
             options=dict(ignore_index=ignore_index, smoothing_formula=smoothing_formula,
                          z_loss=z_loss, inplace_backward=inplace_backward,
-                         smoothing_scope=smoothing_scope))
-        return weighted_reduction(per_token, row_weight, kind)
+                         smoothing_scope=smoothing_scope, logit_softcap=logit_softcap,
+                         softcap=softcap, **want._asdict()))
+        if not any(want):
+            return weighted_reduction(per_token, row_weight, kind)
+        # the z-loss weighted as the loss that includes it; the accuracy a plain fraction
+        return CrossEntropyOutput(
+            weighted_reduction(per_token.loss, row_weight, kind),
+            None if per_token.z_loss is None else weighted_reduction(per_token.z_loss, row_weight, kind),
+            None if per_token.token_accuracy is None else _reduced(
+                per_token.token_accuracy.reshape(-1), (target != ignore_index).reshape(-1),
+                2 if kind else 0),
+            per_token.predicted_tokens)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
@@ -336,8 +406,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         if bad_flag is not None:
             raise bad_flag
         opts, inplace, in_forward = _option_args(ignore_index, label_smoothing, smoothing_formula,
-                                                 smoothing_scope, reduction, z_loss,
-                                                 inplace_backward, grad_in_forward)
+                                                 smoothing_scope, reduction, z_loss, logit_softcap,
+                                                 softcap, inplace_backward, grad_in_forward)
         _validate(logits, target)
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         return deferred_rejection((logits, target), reduction, target, name, _OP, checks.deferred)
@@ -345,7 +415,17 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     in_forward = (in_forward and logits.dtype != torch.float16 and logits.requires_grad
                   and torch.is_grad_enabled() and not through_custom_ops()
                   and storage_is_ours(logits))
-    if _EAGER is not None and not name and not through_custom_ops():
+    argmax = want.return_token_accuracy or want.return_predicted_tokens
+    # the argmax before the op at TP = 1 (grad_in_forward overwrites the logits); at TP > 1 after
+    # it, once the op's agreement has checked the shapes its all-gather relies on, and the
+    # gradient then waits for the backward
+    predicted = _argmax(logits, None) if argmax and not name else None
+    in_forward = in_forward and not (argmax and name)
+    lse = None
+    if want.return_z_loss:  # the same op, with the lse it keeps
+        loss, lse = _cross_entropy_lse(logits, target, *opts, name, check, inplace, in_forward)
+        lse = lse.detach()
+    elif _EAGER is not None and not name and not through_custom_ops():
         # the C++ node (_native.py), with the Python node's in-place decision (and its warning),
         # made where the Python node's setup makes it: when a node is recorded
         if inplace and not in_forward:
@@ -354,7 +434,72 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         loss = _EAGER(logits, target, *opts, inplace, in_forward)
     else:
         loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
-    return loss.view(target.shape) if opts.reduction == _NONE else loss
+    loss = loss.view(target.shape) if opts.reduction == _NONE else loss
+    if not any(want):
+        return loss
+    if argmax and name:
+        predicted = _argmax(logits, resolve_group(name))
+    return _with_extras(loss, lse, predicted, target, opts, want)
+
+
+class _Wanted(NamedTuple):
+    return_z_loss: bool
+    return_token_accuracy: bool
+    return_predicted_tokens: bool
+
+
+def _wanted(*flags) -> _Wanted:
+    return _Wanted(*(as_bool(f, n) for f, n in zip(flags, _Wanted._fields)))
+
+
+def _argmax(logits: Tensor, group) -> Tensor:
+    """[rows] int64 global argmax of each row of logits [..., V_local] (the smallest id of a
+    tie, as torch.argmax), merged over `group` (None: one rank) by one all-gather of
+    (max, id) pairs in float64, which holds both exactly."""
+    x = logits.detach().reshape(-1, logits.size(-1))
+    best, at = x.max(dim=-1)
+    if group is None:
+        return at
+    rank, world = rank_and_size(group)
+    mine = torch.stack([best.double(), (at + rank * x.size(-1)).double()], dim=-1)
+    every = mine.new_empty((world, *mine.shape))
+    dist.all_gather_into_tensor(every, mine, group=group)
+    # the first rank holding the maximum has the smallest id among its ties
+    owner = every[..., 0].argmax(dim=0, keepdim=True)
+    return every[..., 1].gather(0, owner).squeeze(0).long()
+
+
+def _reduced(per_row: Tensor, counted: Tensor, kind: int) -> Tensor:
+    """A per-row metric reduced as Liger reduces it: as is ('none'), summed ('sum'), or over
+    the counted rows ('mean'; 0 where none counts)."""
+    if kind == 0:
+        return per_row
+    total = per_row.sum()
+    if kind == 1:
+        return total
+    n = counted.sum()
+    return torch.where(n > 0, total / n.clamp(min=1), 0.0)
+
+
+def _with_extras(loss, lse, predicted, target, opts, want) -> CrossEntropyOutput:
+    counted = (target != opts.ignore_index).reshape(-1)
+    kind = {_REDUCTIONS["none"]: 0, _REDUCTIONS["sum"]: 1, _REDUCTIONS["mean"]: 2}[opts.reduction]
+    shape = target.shape
+
+    def rows(t):
+        return t.view(shape) if kind == 0 else t
+
+    z = acc = tokens = None
+    if want.return_z_loss:
+        z = rows(_reduced(torch.where(counted, opts.z_loss * lse * lse, 0.0), counted, kind))
+    if predicted is not None:
+        hit = counted & (predicted == target.reshape(-1))
+        if want.return_token_accuracy:
+            # a fraction of the counted rows even for 'sum', as Liger's
+            acc = rows(_reduced(hit.float(), counted, 2 if kind else 0))
+        if want.return_predicted_tokens:
+            tokens = torch.where(counted, predicted, -1).view(shape)
+    return CrossEntropyOutput(loss, z, acc, tokens)
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -368,8 +513,9 @@ class CrossEntropyLoss(torch.nn.Module):
                             f"{sorted(cross_entropy.__kwdefaults__)}")
         kw = {**cross_entropy.__kwdefaults__, **options}
         _option_args(kw["ignore_index"], kw["label_smoothing"], kw["smoothing_formula"],
-                     kw["smoothing_scope"], kw["reduction"], kw["z_loss"], kw["inplace_backward"],
-                     kw["grad_in_forward"])
+                     kw["smoothing_scope"], kw["reduction"], kw["z_loss"], kw["logit_softcap"],
+                     kw["softcap"], kw["inplace_backward"], kw["grad_in_forward"])
+        _wanted(kw["return_z_loss"], kw["return_token_accuracy"], kw["return_predicted_tokens"])
         as_bool(kw["check_shard_agreement"], "check_shard_agreement")
         group_name(kw["tp_group"])
         # the per-class weight as torch's CrossEntropyLoss keeps it: a buffer (moves with .to())

@@ -195,6 +195,7 @@ void bind_types(py::module_& m) {
       .def_readwrite("smoothing_formula", &CrossEntropyOptions::smoothing_formula)
       .def_readwrite("smoothing_scope", &CrossEntropyOptions::smoothing_scope)
       .def_readwrite("z_loss", &CrossEntropyOptions::z_loss)
+      .def_readwrite("logit_softcap", &CrossEntropyOptions::logit_softcap)
       .def_readwrite("reduction", &CrossEntropyOptions::reduction)
       .def_readwrite("vocab_start", &CrossEntropyOptions::vocab_start)
       .def_readwrite("vocab_global", &CrossEntropyOptions::vocab_global)

@@ -70,7 +70,11 @@ core::CeParams resolve(const CrossEntropyOptions& ce, const LinearCrossEntropyOp
   require(o.dhidden_form == DHiddenForm::Partial, "options.dhidden_form: got ",
           int(o.dhidden_form), ", expected Partial");
   check_mode(o.backward_mode);  // the rules with the reduction: where the inputs are known
-  p.softcap = o.logit_softcap;
+  // the cap may come with either options struct; two different caps are a contradiction
+  require(!(ce.logit_softcap > 0.0f && o.logit_softcap > 0.0f && ce.logit_softcap != o.logit_softcap),
+          "options.logit_softcap: got ", o.logit_softcap, " with ce.logit_softcap ",
+          ce.logit_softcap, ", expected one of them 0 or both equal");
+  if (o.logit_softcap > 0.0f) p.softcap = o.logit_softcap;
   return p;
 }
 

@@ -139,6 +139,7 @@ uint64_t fingerprint(const CrossEntropyOptions& o) {
   h = mix(h, o.z_loss + 0.0f);
   h = mix(h, int(o.reduction));
   h = mix(h, o.vocab_global);
+  h = mix(h, o.logit_softcap + 0.0f);
   return h;
 }
 
@@ -154,7 +155,7 @@ std::string describe(const CrossEntropyOptions& o) {
      << ", smoothing_scope=" << (o.smoothing_scope == SmoothingScope::Global ? "Global" : "Partition")
      << ", z_loss=" << o.z_loss + 0.0f << ", reduction="
      << (o.reduction == Reduction::None ? "None" : o.reduction == Reduction::Sum ? "Sum" : "Mean")
-     << ", vocab_global=" << o.vocab_global;
+     << ", vocab_global=" << o.vocab_global << ", logit_softcap=" << o.logit_softcap + 0.0f;
   return os.str();
 }
 

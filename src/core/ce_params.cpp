@@ -29,6 +29,8 @@ CeParams resolve_params(const CrossEntropyOptions& o, int64_t rows, int64_t voca
           "options.label_smoothing: got ", o.label_smoothing, ", expected in [0, 1)");
   require(std::isfinite(o.z_loss) && o.z_loss >= 0.0f, "options.z_loss: got ", o.z_loss,
           ", expected a finite value >= 0");
+  require(std::isfinite(o.logit_softcap) && o.logit_softcap >= 0.0f,
+          "options.logit_softcap: got ", o.logit_softcap, ", expected 0 (off) or a finite value > 0");
   require(o.reduction == Reduction::None || o.reduction == Reduction::Sum ||
               o.reduction == Reduction::Mean,
           "options.reduction: got ", int(o.reduction), ", expected None, Sum or Mean");
@@ -51,6 +53,7 @@ CeParams resolve_params(const CrossEntropyOptions& o, int64_t rows, int64_t voca
   p.need_sum_logits = o.label_smoothing > 0.0f;
   p.z_loss = o.z_loss;
   p.reduction = o.reduction;
+  p.softcap = o.logit_softcap + 0.0f;  // -0 is off
   return p;
 }
 

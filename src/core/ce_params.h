@@ -21,7 +21,7 @@ struct CeParams {
   bool need_sum_logits = false;  // label smoothing on
   float z_loss = 0.0f;
   Reduction reduction = Reduction::Mean;
-  float softcap = 0.0f;  // > 0: the loss sees cap_logit(x, softcap) (linear cross-entropy)
+  float softcap = 0.0f;  // > 0: the loss sees cap_logit(x, softcap)
 };
 
 // A merged row's lse and reported loss. `local_sum_logits` is this rank's own sum, which the

@@ -801,12 +801,16 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
   // no longer fits L2). Longer rows take the cluster kernel below where it can run; they, and
   // vectors of one row that would not land on the other's boundary, else take the two kernels:
   // the same results, 3 passes.
-  const bool fused = same_alignment && logits.cols * esize <= 2 * int64_t(shared);
+  // A soft cap takes the two kernels (each has it): the 2-pass kernels keep no cap variant,
+  // which would double their instantiations for an option few calls use.
+  const bool uncapped = p.softcap == 0.0f;
+  const bool fused = uncapped && same_alignment && logits.cols * esize <= 2 * int64_t(shared);
   // Rows the fused kernel cannot hold, on sm_90: the cluster kernel, for rows of whole vectors
   // on the 16-byte boundary in both (H200, 8192 rows bf16, against the 3 passes in the same
   // run: 1.51 against 1.56 ms at V = 131072, 1.69 against 1.80 at 151936). Where the fused
   // kernel applies it stays (V = 32768: 0.350 ms, the cluster kernel 0.352-0.355 in other runs).
-  const bool whole_vectors = !fused && rows_vectorisable(logits) && rows_vectorisable(grad);
+  const bool whole_vectors =
+      uncapped && !fused && rows_vectorisable(logits) && rows_vectorisable(grad);
   bool done = false;
   if (p.rows > 0) dispatch_all(logits.dtype, target.type, [&](auto k, auto idx) {
     constexpr StorageKind K = decltype(k)::value;

@@ -7,14 +7,15 @@ namespace fusedloss::torch_nodes {
 namespace {
 
 struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
-  // options: ignore_index, label_smoothing, smoothing formula and scope, z_loss and reduction
+  // options: ignore_index, label_smoothing, smoothing formula and scope, z_loss, reduction and
+  // the logit soft cap
   // as the Python schema carries them (validated there); inplace: the backward writes the
   // gradient into the logits; in_forward: the forward does (sum/mean; the caller decided both,
   // _views.inplace_refused / storage_is_ours, and they are re-checked here: the op is public)
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
                             int64_t ignore_index, double label_smoothing, int64_t formula,
-                            int64_t scope, double z_loss, int64_t reduction, bool inplace,
-                            bool in_forward) {
+                            int64_t scope, double z_loss, int64_t reduction, double softcap,
+                            bool inplace, bool in_forward) {
     c10::OptionalDeviceGuard device(logits.device());
     // (the Python caller checked these; the op is public as torch.ops.fusedloss.cross_entropy_eager)
     require_index_dtype(target);
@@ -24,7 +25,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     in_forward = in_forward && ours;
     const at::Tensor x = rows_of(logits);
     const at::Tensor t = index_of(in_forward ? apart_from(target, logits) : target);
-    const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction);
+    const auto o = ce_options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap);
     const auto f32 = logits.options().dtype(at::kFloat);
     const int64_t rows = x.size(0);
     at::Tensor loss = o.reduction == fusedloss::Reduction::None ? at::empty({rows}, f32) : at::empty({}, f32);
@@ -47,6 +48,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     ctx->saved_data["scope"] = scope;
     ctx->saved_data["z_loss"] = z_loss;
     ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["softcap"] = softcap;
     ctx->saved_data["mode"] = int64_t(in_forward ? 2 : (inplace && ours) ? 1 : 0);
     return loss;
   }
@@ -75,7 +77,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       auto& d = ctx->saved_data;
       const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
                                 d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
-                                d["reduction"].toInt());
+                                d["reduction"].toInt(), d["softcap"].toDouble());
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
       const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
@@ -83,7 +85,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
                 gl.data_ptr<float>(), count.data_ptr<float>(), o, matrix(out_rows), stream_of(x));
     }
     if (into_logits) mark_consumed(ctx, logits);
-    variable_list out(10);
+    variable_list out(11);
     out[0] = grad;
     at::AutoGradMode restored(create_graph);
     guard_second_order(create_graph, out, saved, "fusedloss.cross_entropy");
@@ -93,14 +95,14 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
 
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
                          double label_smoothing, int64_t formula, int64_t scope, double z_loss,
-                         int64_t reduction, bool inplace, bool in_forward) {
+                         int64_t reduction, double softcap, bool inplace, bool in_forward) {
   // the gradient in the forward only where a node will take it (grad mode is off inside the
   // node's forward), and not in fp16 (a unit-upstream gradient rounded to fp16 loses the small
   // entries that loss scaling keeps): cross_entropy() decides the same
   in_forward = in_forward && at::GradMode::is_enabled() && logits.requires_grad() &&
                logits.scalar_type() != at::kHalf;
   return CrossEntropy::apply(logits, target, ignore_index, label_smoothing, formula, scope, z_loss,
-                             reduction, inplace, in_forward);
+                             reduction, softcap, inplace, in_forward);
 }
 
 }  // namespace
@@ -110,8 +112,8 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 // without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("cross_entropy_eager(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
-        "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, bool inplace, "
-        "bool grad_in_forward) -> Tensor");
+        "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, "
+        "float logit_softcap, bool inplace, bool grad_in_forward) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fusedloss, CompositeImplicitAutograd, m) {

@@ -152,7 +152,7 @@ fusedloss::IndexView index_view(const at::Tensor& t) {
 // The options as the Python schema carries them (enums as their integer values).
 fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smoothing,
                                           int64_t formula, int64_t scope, double z_loss,
-                                          int64_t reduction) {
+                                          int64_t reduction, double logit_softcap) {
   fusedloss::CrossEntropyOptions o;
   o.ignore_index = ignore_index;
   o.label_smoothing = float(label_smoothing);
@@ -160,6 +160,7 @@ fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smo
   o.smoothing_scope = fusedloss::SmoothingScope(scope);
   o.z_loss = float(z_loss);
   o.reduction = fusedloss::Reduction(reduction);
+  o.logit_softcap = float(logit_softcap);
   return o;
 }
 

@@ -63,7 +63,8 @@ fusedloss::IndexView index_view(const at::Tensor& t);
 // The options as the Python schema carries them (enums as their integer values).
 fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smoothing,
                                           int64_t formula, int64_t scope, double z_loss,
-                                          int64_t reduction);
+                                          int64_t reduction,
+                                          double logit_softcap = 0.0);
 
 // ---- the core call ----
 
