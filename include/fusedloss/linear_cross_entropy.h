@@ -1,6 +1,7 @@
 // fusedloss: linear cross-entropy, the LM head's projection fused with the loss.
 //
-//   logits = hidden @ weight^T            hidden [N, H], weight [V_local, H] (a vocab shard)
+//   logits = hidden @ weight^T (+ bias)   hidden [N, H], weight [V_local, H] (a vocab shard),
+//                                         bias [V_local] (optional: this shard's columns)
 //   loss   = cross_entropy(softcap(logits), target)   (every CrossEntropyOptions option)
 //
 // The logits never exist whole: they are computed one token chunk at a time into a bounded
@@ -23,7 +24,12 @@
 // all-gather of 16 B/row, the merge; the shard agreement of the cross-entropy runs once per
 // call before any collective. dhidden is this rank's partial sum over its vocab shard: the
 // caller all-reduces it over the TP group, or reduce-scatters it along tokens (sequence
-// parallel). dweight is this rank's own shard, complete.
+// parallel). dweight and dbias are this rank's own shard, complete.
+//
+// The bias (LinearCrossEntropyOutputs::bias) is added to each chunk's logits after its GEMM,
+// before the cross-entropy reads them (the soft-cap sees the biased logit), and rounded once
+// into the chunk's dtype; its gradient dbias[v] = sum over the tokens of dlogits[:, v] sums
+// each chunk's dlogits in fp32 (one pass over the chunk each way, on the steps' stream).
 //
 // Memory beside the caller's buffers: the chunk buffer(s) and on CUDA the cuBLASLt workspace
 // (workspace_bytes together), O(N) floats, and with vocab_block (recompute) fp32 [N, H] and
@@ -119,6 +125,16 @@ struct LinearCrossEntropyOutputs {
   // accumulates over the token chunks in fp32.
   MatrixView dhidden;
   MatrixView dweight;
+  // An input: the LM head's bias [V_local] (at TP > 1 this rank's shard of the [V_global]
+  // bias, the weight's rows), contiguous, of the inputs' dtype or fp32, with the inputs.
+  // Absent (data null): no bias, and nothing of it is computed. The backward reads the same
+  // bias as `saved.bias` (a Recompute backward adds it to the recomputed logits). At TP > 1
+  // every rank has one or none: the agreement compares its presence.
+  VectorView bias;
+  // InForward with a bias only (null otherwise, or: no bias gradient is computed): fp32 [V_local]
+  // receiving the bias gradient for an upstream gradient of 1 (summed over the token chunks
+  // in fp32), which the backward scales into LinearCrossEntropyGrads::dbias.
+  float* dbias = nullptr;
   // An input, Reduction::None only (null otherwise): fp32 row weights w [N] with the inputs.
   // The InForward gradients are then those of sum(w * loss), and the backward needs an upstream
   // gradient grad_loss = c * w for one scalar c (Megatron's loss_func reduces
@@ -148,6 +164,12 @@ struct LinearCrossEntropyGrads {
   // true: dweight += the gradient (beta = 1; e.g. Megatron's fp32 main_grad under gradient-
   // accumulation fusion); false: dweight = the gradient.
   bool accumulate_dweight = false;
+  // With a bias (saved.bias) only: [V_local] of dbias_dtype (fp32 or the bias's dtype),
+  // contiguous, receiving sum over the tokens of dlogits, summed in fp32 and rounded once;
+  // written, never accumulated. Null: no bias gradient (a bias that needs none), at no cost.
+  // The InForward backward scales the forward's saved.dbias into it (required then).
+  void* dbias = nullptr;
+  DType dbias_dtype = DType::F32;
 };
 
 // Checks everything about the options that needs no data (shapes: N rows, V_local, H).
@@ -200,12 +222,13 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
 // cross_entropy_merge (same `ce`) for loss, lse and valid_count, and the Recompute backward.
 // No collective runs here. scratch (optional, as LinearCrossEntropyOutputs::scratch): at least
 // linear_cross_entropy_local_stats_scratch_bytes, for a caller that allocates everything before
-// its agreement; null: the call allocates the chunk buffers itself.
+// its agreement; null: the call allocates the chunk buffers itself. bias: as
+// LinearCrossEntropyOutputs::bias (added before the stats), absent by default.
 void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
                                       const IndexView& target, const CrossEntropyOptions& ce,
                                       const LinearCrossEntropyOptions& options, RowStats* stats,
                                       Stream stream = nullptr, void* scratch = nullptr,
-                                      size_t scratch_bytes = 0);
+                                      size_t scratch_bytes = 0, const VectorView& bias = {});
 size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
                                                       const MatrixView& weight,
                                                       const LinearCrossEntropyOptions& options);
@@ -216,14 +239,15 @@ size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
 void linear_cross_entropy_prepare(Device device, Stream stream = nullptr);
 
 // Backward. Same inputs and options as the forward (resolved to the same mode).
-//   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight (`saved`),
+//   InForward: grads = grad_loss[0] x the forward's out.dhidden / out.dweight / out.dbias (`saved`),
 //              elementwise on the device; hidden, weight, lse and valid_count are not read.
 //              With saved.row_weight (None): grad_loss is [N] = c x row_weight, and the
 //              scale is c (see LinearCrossEntropyOutputs::row_weight).
 //              grads may be the saved buffers themselves (scaled in place: they are then
 //              consumed, and a second backward over them would scale them again).
 //   Recompute: grad_loss is [N] for Reduction::None, else [1]; lse and valid_count (Mean) are
-//              the forward's; each chunk's logits are recomputed (no communication).
+//              the forward's; each chunk's logits are recomputed (no communication), with
+//              saved.bias (the forward's bias) added.
 // grad_loss lives with the inputs (host or device) and is read there, never copied to the host.
 void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& weight,
                                    const IndexView& target, const float* lse,

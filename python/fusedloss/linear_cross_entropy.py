@@ -34,7 +34,8 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      autocast_operands,
                      choice_name, device_of, _DTYPES, index, matrix, parsed_once,
                      require_same_device, require_targets, require_tensor, require_values,
-                     rows_of, _rows_view, shares_memory, stream_of, validated, values_in)
+                     rows_of, _rows_view, shares_memory, stream_of, validated, values_in,
+                     vector)
 from .cross_entropy import (_REDUCTIONS, check_targets_on_host, class_weighted, loss_outputs,
                             make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
@@ -65,7 +66,8 @@ _Options = NamedTuple("_Options", [*CeOptions.__annotations__.items(), ("softcap
 # ops take them flat: *options): the keyword options, then what the call resolved.
 _KernelOptions = NamedTuple("_KernelOptions", [
     *_Options.__annotations__.items(), ("mode", int), ("tf32", bool), ("group", str),
-    ("check", bool), ("dhidden_reduction", int), ("acc32", bool), ("inplace", bool)])
+    ("check", bool), ("dhidden_reduction", int), ("acc32", bool), ("inplace", bool),
+    ("bias_grad", bool)])
 
 
 def _cpp_mode(mode: int) -> int:
@@ -126,16 +128,23 @@ def _absent(device):
 
 
 def _address(row_weight: Optional[Tensor]) -> int:
-    """The row weights' address for the core (0: none), an fp32 contiguous [N] tensor."""
-    return 0 if row_weight is None else row_weight.data_ptr()
+    """The row weights' (or a gradient buffer's) address for the core (0: none or empty)."""
+    return 0 if row_weight is None or row_weight.numel() == 0 else row_weight.data_ptr()
 
 
-def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optional[Tensor],
-             ignore_index: int,
+def _bias_operand(bias: Optional[Tensor]) -> Optional[Tensor]:
+    """The bias as the kernels read it: contiguous in its own dtype (the weight's, or fp32
+    beside a 16-bit hidden under torch.autocast), a copy of an expanded or strided view."""
+    return None if bias is None else bias.contiguous()
+
+
+def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor],
+             row_weight: Optional[Tensor], ignore_index: int,
              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
-             weight_grad_accumulator: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+             bias_grad: bool, weight_grad_accumulator: Optional[Tensor]
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     mode = _cpp_mode(lce_mode)  # ("mode" would clash with torch's functionalization of the ops)
     g = resolve_group(group)
     rank, world = rank_and_size(g)
@@ -148,9 +157,12 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     def outputs(h, rows, v_local):
         loss, lse, count = loss_outputs(rows, reduction, dev)
         if mode != _IN_FORWARD:  # distinct: outputs never alias
-            return loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32)
+            return (loss, lse, count, torch.empty(0, **f32), torch.empty(0, **f32),
+                    torch.empty(0, **f32))
+        # the bias's unit gradient in fp32 (summed over the chunks there), when it needs one
+        db = torch.empty(v_local if bias is not None and bias_grad else 0, **f32)
         return (loss, lse, count, torch.empty(rows, h.size(1), dtype=h.dtype, device=dev),
-                torch.empty(v_local, h.size(1), **unit_dw))
+                torch.empty(v_local, h.size(1), **unit_dw), db)
 
     if g is None:
         h = rows_of(hidden)
@@ -158,12 +170,14 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
         t, tv = index(target, "target")
         rows, v_local = h.size(0), w.size(0)
         o, lo = _options(*args, 0, 1, v_local, h.size(1))
-        loss, lse, count, dh, dw = outputs(h, rows, v_local)
+        b = _bias_operand(bias)
+        loss, lse, count, dh, dw, db = outputs(h, rows, v_local)
         grads = (matrix(dh), matrix(dw)) if mode == _IN_FORWARD else (_absent(device_of(h)),) * 2
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), *grads, stream_of(h),
-                                        row_weight=_address(row_weight))
-        return loss, lse, count, dh, dw
+                                        row_weight=_address(row_weight), bias=vector(b),
+                                        dbias=_address(db))
+        return loss, lse, count, dh, dw, db
     # the fingerprint leaves the workspace out (the chunking it sets is its own field); it
     # holds what changes the collectives (mode, dhidden_reduction; a callable accumulator,
     # agreed on again in the backward), the dtype, H (the dhidden all-reduce's size) and the
@@ -178,6 +192,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
     options = fingerprint(**option_names(*args[:6]), logit_softcap=softcap,
                           loss_mask=row_weight is not None, backward_mode=mode_name,
                           allow_tf32=tf32, dhidden_reduction=choice_name(_DHIDDEN, dhidden_reduction),
+                          bias=bias is not None,
                           dtype=str(hidden.dtype), H=hidden.size(-1),
                           weight_grad_accumulator=_ACCUMULATOR_KINDS[accumulator],
                           inplace_backward=scaled_in_place, target_shape=tuple(target.shape))
@@ -192,7 +207,8 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
         o, lo = _options(*args, rank, world, v_local, h.size(1))
         if check_agreement:
             check_targets_on_host(t.reshape(-1), o)  # (flat positions in its message)
-        loss, lse, count, dh, dw = outputs(h, rows, v_local)
+        b = _bias_operand(bias)
+        loss, lse, count, dh, dw, db = outputs(h, rows, v_local)
         stream = stream_of(h)
         if mode == _IN_FORWARD:  # one collective per chunk: the chunking must agree too
             checks.chunk_rows = chunk_rows(h.dtype, rows, v_local, workspace_bytes)
@@ -209,34 +225,39 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, row_weight: Optiona
         _C.linear_cross_entropy_forward(matrix(h), matrix(w), tv, o, lo, loss.data_ptr(),
                                         lse.data_ptr(), count.data_ptr(), matrix(dh), matrix(dw),
                                         stream, comm, scratch.data_ptr(), scratch.numel(),
-                                        _address(row_weight))
-        return loss, lse, count, dh, dw
+                                        _address(row_weight), vector(b), _address(db))
+        return loss, lse, count, dh, dw, db
     _C.linear_cross_entropy_local_stats(matrix(h), matrix(w), tv, o, lo, stats.data_ptr(), stream,
-                                        scratch.data_ptr(), scratch.numel())
+                                        scratch.data_ptr(), scratch.numel(), vector(b))
     merge_over_group(g, stats, buffers, tv, o, v_local, loss, lse, count, stream)
-    return loss, lse, count, dh, dw
+    return loss, lse, count, dh, dw, db
 
 
-def _forward_fake(hidden, weight, target, row_weight, ignore_index, label_smoothing, formula, scope, z_loss,
-                  reduction, softcap, workspace_bytes, lce_mode, tf32, group, check_agreement,
-                  dhidden_reduction, acc32, inplace, weight_grad_accumulator):
+def _forward_fake(hidden, weight, target, bias, row_weight, ignore_index, label_smoothing, formula,
+                  scope, z_loss, reduction, softcap, workspace_bytes, lce_mode, tf32, group,
+                  check_agreement, dhidden_reduction, acc32, inplace, bias_grad,
+                  weight_grad_accumulator):
     rows, H = target.numel(), hidden.size(-1)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss = hidden.new_empty(rows if reduction == _NONE else (), **f32)
+    db = hidden.new_empty(0, **f32)
     if lce_mode == _IN_FORWARD:
         dh = hidden.new_empty(rows, H, dtype=hidden.dtype)
         dw = hidden.new_empty(weight.size(0), H, dtype=torch.float32 if acc32 else weight.dtype)
+        if bias is not None and bias_grad:
+            db = hidden.new_empty(weight.size(0), **f32)
     else:
         dh, dw = hidden.new_empty(0, **f32), hidden.new_empty(0, **f32)
-    return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw
+    return loss, hidden.new_empty(rows, **f32), hidden.new_empty((), **f32), dh, dw, db
 
 
 def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
-                  opts, dh, dw, accumulate=False):
+                  opts, dh, dw, accumulate=False, bias=None, saved_db=None, db=None):
     """The C++ backward into rows dh [N, H] and dw [V_local, H] (which may be the saved ones;
-    accumulate: dw += the weight's gradient), then dh's collective over the group, if any."""
+    accumulate: dw += the weight's gradient) and, with a bias, db [V_local] (None or empty: no
+    bias gradient), then dh's collective over the group, if any."""
     (ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap, workspace_bytes,
-     mode, tf32, group, _check, dhidden_reduction, acc32, _inplace) = opts  # a _KernelOptions
+     mode, tf32, group, _check, dhidden_reduction, acc32, _inplace, _bias_grad) = opts
     g = resolve_group(group)
     rank, world = rank_and_size(g)
     # the collective over dh on every rank: the all-reduce, or the reduce-scatter of the
@@ -263,9 +284,12 @@ def _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, sav
         else:
             sdh = sdw = _absent(device_of(h))
         own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
+        b = _bias_operand(bias)
         _C.linear_cross_entropy_backward(matrix(h), matrix(w), tv, lse.data_ptr(), gl.data_ptr(),
                                          count.data_ptr(), o, lo, sdh, sdw, matrix(dh), matrix(dw),
-                                         accumulate, stream_of(h), _address(row_weight))
+                                         accumulate, stream_of(h), _address(row_weight), vector(b),
+                                         _address(saved_db), _address(db),
+                                         _DTYPES[db.dtype] if db is not None else _C.DType.F32)
     except Exception as error:
         if reduced is not None:
             _join_failed(dh, g, reduced, error)
@@ -299,48 +323,56 @@ def _join_failed(dh, group, reduced, error):
 
 
 def _backward(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
-              count: Tensor, row_weight: Optional[Tensor], saved_dh: Tensor, saved_dw: Tensor,
-              ignore_index: int,
+              count: Tensor, bias: Optional[Tensor], row_weight: Optional[Tensor],
+              saved_dh: Tensor, saved_dw: Tensor, saved_db: Tensor, ignore_index: int,
               label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
               softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
               check_agreement: bool, dhidden_reduction: int, acc32: bool,
-              inplace: bool) -> Tuple[Tensor, Tensor]:
+              inplace: bool, bias_grad: bool) -> Tuple[Tensor, Tensor, Tensor]:
     opts = _KernelOptions(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                           workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction,
-                          acc32, inplace)
+                          acc32, inplace, bias_grad)
     N, H = target.numel(), hidden.size(-1)
     dh = torch.empty(N, H, dtype=hidden.dtype, device=hidden.device)
     # recompute: dweight sums over all tokens in fp32 per vocabulary block (acc32), or chunk pair
     # by chunk pair in the weight's dtype. in_forward: the saved unit gradient, scaled.
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    # the bias's, in its dtype (summed in fp32, rounded once); empty without one to compute
+    db = (torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+          if bias is not None and bias_grad else hidden.new_empty(0, dtype=torch.float32))
     _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
-                  opts, dh, dw)
-    return dh.view(hidden.shape), dw
+                  opts, dh, dw, bias=bias, saved_db=saved_db, db=db)
+    return dh.view(hidden.shape), dw, db
 
 
 def _scale_inplace(grad_loss: Tensor, hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor,
-                   count: Tensor, row_weight: Optional[Tensor], saved_dh: Tensor,
-                   saved_dw: Tensor, ignore_index: int,
+                   count: Tensor, bias: Optional[Tensor], row_weight: Optional[Tensor],
+                   saved_dh: Tensor, saved_dw: Tensor, saved_db: Tensor, ignore_index: int,
                    label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
                    softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
                    check_agreement: bool, dhidden_reduction: int, acc32: bool,
-                   inplace: bool) -> None:
-    """in_forward with saved gradients in the inputs' dtypes: scaled where they are."""
+                   inplace: bool, bias_grad: bool) -> None:
+    """in_forward with saved gradients in the inputs' dtypes: scaled where they are (the bias's
+    too, in fp32: _grads casts it to the bias's dtype)."""
     opts = _KernelOptions(ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap,
                           workspace_bytes, lce_mode, tf32, group, check_agreement, dhidden_reduction,
-                          acc32, inplace)
+                          acc32, inplace, bias_grad)
     _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, saved_dh, saved_dw,
-                  opts, saved_dh, saved_dw)
+                  opts, saved_dh, saved_dw, bias=bias, saved_db=saved_db, db=saved_db)
 
 
-def _backward_fake(grad_loss, hidden, weight, *rest):
+def _backward_fake(grad_loss, hidden, weight, target, lse, count, bias, row_weight, saved_dh,
+                   saved_dw, saved_db, *opts):
     # contiguous, as _backward returns them (empty_like would keep a transposed input's strides)
-    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape)
+    bias_grad = _KernelOptions(*opts).bias_grad
+    db = (bias.new_empty(bias.shape) if bias is not None and bias_grad
+          else hidden.new_empty(0, dtype=torch.float32))
+    return hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, row_weight, *opts, accumulator = inputs
-    _, lse, count, dh, dw = output
+    hidden, weight, target, bias, row_weight, *opts, accumulator = inputs
+    _, lse, count, dh, dw, db = output
     if accumulator is not None and ctx.traced:  # (refused before the call; a traced op still)
         raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
                            "(the backward would write into a tensor the graph does not own); "
@@ -353,7 +385,7 @@ def _setup(ctx, inputs, output):
     # Scaling the saved gradients in place needs them in the inputs' dtypes (the saved ones are
     # owned here alone); the second backward this rules out raises (the scaffold's guard).
     ctx.inplace = _scales_in_place(opts.inplace, opts.mode, opts.acc32, weight.dtype)
-    ctx.save_for_backward(hidden, weight, target, lse, count, row_weight, dh, dw)
+    ctx.save_for_backward(hidden, weight, target, lse, count, bias, row_weight, dh, dw, db)
 
 
 def _scales_in_place(inplace: bool, mode: int, acc32: bool, weight_dtype: torch.dtype) -> bool:
@@ -376,29 +408,34 @@ def _accumulator_at_backward(ctx, weight, hidden):
 
 
 def _grads(ctx, grad_loss, kernels):
-    hidden, weight, target, lse, count, row_weight, dh, dw = ctx.saved_tensors
-    nones = (None,) * (len(ctx.opts) + 3)  # target, the row weights, the options, the accumulator
+    hidden, weight, target, lse, count, bias, row_weight, dh, dw, db = ctx.saved_tensors
+    nones = (None,) * (len(ctx.opts) + 2)  # the row weights, the options, the accumulator
     group, check = ctx.opts.group, ctx.opts.check
     g = resolve_group(group) if callable(ctx.accumulator) and check else None
     # A callable's buffer is known only now: at TP > 1 every rank takes part in one agreement,
     # so a bad buffer on one rank raises its error on every rank (not a hang in the all-reduce).
     with rank_checks(g, check, _OP):
         accumulator = _accumulator_at_backward(ctx, weight, hidden)
+    bias_grad = bias is not None and ctx.opts.bias_grad
     if accumulator is not None:  # eager only (see _setup)
         out_dh = dh if ctx.inplace else torch.empty(target.numel(), hidden.size(-1),
                                                     dtype=hidden.dtype, device=hidden.device)
+        out_db = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias_grad else None
         _run_backward(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw, ctx.opts,
-                      out_dh, accumulator, accumulate=True)
+                      out_dh, accumulator, accumulate=True, bias=bias, saved_db=db, db=out_db)
         # autograd still gets a weight gradient (Megatron's DDP hooks wait for one): zeros,
         # expanded from one element
         zeros = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        return (out_dh.view(hidden.shape), zeros) + nones, (dh if ctx.inplace else None)
+        return ((out_dh.view(hidden.shape), zeros, None, out_db) + nones,
+                (dh if ctx.inplace else None))
     if ctx.inplace:
-        kernels.scale_(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw, *ctx.opts)
-        return (dh.view(hidden.shape), dw.view(weight.shape)) + nones, dh
-    dh, dw = kernels.bwd(grad_loss, hidden, weight, target, lse, count, row_weight, dh, dw,
-                         *ctx.opts)
-    return (dh, dw) + nones, None
+        kernels.scale_(grad_loss, hidden, weight, target, lse, count, bias, row_weight, dh, dw, db,
+                       *ctx.opts)
+        out_db = db.to(bias.dtype) if bias_grad else None  # scaled in fp32, rounded once
+        return (dh.view(hidden.shape), dw.view(weight.shape), None, out_db) + nones, dh
+    dh, dw, db = kernels.bwd(grad_loss, hidden, weight, target, lse, count, bias, row_weight, dh,
+                             dw, db, *ctx.opts)
+    return (dh, dw, None, db if bias_grad else None) + nones, None
 
 
 _linear_cross_entropy = FusedOp(
@@ -406,7 +443,7 @@ _linear_cross_entropy = FusedOp(
     backward=_grads, inplace_flag="inplace_backward",
     consumed="scaled the gradients its forward saved in place (the inputs are untouched)",
     kernels={"bwd": (_backward, _backward_fake, ()),
-             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw"))})
+             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))})
 
 
 # eager calls without a tp_group or an accumulator: the same steps with the node in C++
@@ -449,6 +486,20 @@ def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_o
         require_targets(target, hidden, "hidden", f"the tokens of {token_slices} ranks' slices "
                         "of hidden along dim 0, without the hidden dim: dhidden_reduction="
                         "'reduce_scatter'", shape=gathered_shape(hidden.shape[:-1], token_slices))
+
+
+def _checked_bias(bias, weight, hidden):
+    """The bias as the op takes it: [V_local] of weight's dtype (as passed; the op's own cast
+    to the GEMMs' dtype under torch.autocast is differentiated back to it) and device."""
+    require_values(bias, "bias")
+    if bias.dim() != 1 or bias.size(0) != weight.size(0):
+        raise ValueError(f"bias: got shape {tuple(bias.shape)}, expected [{weight.size(0)}] "
+                         "(V_local = weight.shape[0]: this rank's shard of the vocabulary)")
+    if bias.dtype != weight.dtype:
+        raise ValueError(f"bias.dtype: got {bias.dtype}, expected {weight.dtype} (weight's dtype)")
+    require_same_device(bias, "bias", weight, "weight")
+    # the kernels read it in the GEMMs' dtype or fp32 (an fp32 weight cast inside the op)
+    return bias if bias.dtype in (hidden.dtype, torch.float32) else bias.to(hidden.dtype)
 
 
 def validate_loss_mask(loss_mask, target, hidden, per_token, reduction):
@@ -514,10 +565,11 @@ def _resolve_mode(mode: int, reduction: int, needs_grad: bool, dtype: torch.dtyp
     return mode if needs_grad else _FORWARD_ONLY
 
 
-def wants_grad(hidden, weight) -> bool:
+def wants_grad(hidden, weight, bias=None) -> bool:
     """Whether a gradient follows the call (else it runs the forward alone). Under vmap a
     batched tensor does not say whether the tensor under it requires grad."""
     return torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or
+                                        (bias is not None and bias.requires_grad) or
                                         torch._C._are_functorch_transforms_active())
 
 
@@ -576,7 +628,8 @@ def _fp32_accumulation(accumulation: int, weight, accumulator) -> bool:
     return accumulator is not None or getattr(weight, "dtype", None) == torch.float32
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
+                         bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, label_smoothing: float = 0.0,
                          smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
                          reduction: str = "mean", z_loss: float = 0.0,
@@ -591,10 +644,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          weight_grad_accumulator: Optional[Tensor] = None,
                          loss_mask: Optional[Tensor] = None,
                          class_weight: Optional[Tensor] = None) -> Tensor:
-    """cross_entropy(hidden @ weight.T, target) without the [N, V] logits.
+    """cross_entropy(F.linear(hidden, weight, bias), target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
-    target: integer class ids of hidden's shape without H. The options are those of
+    target: integer class ids of hidden's shape without H. bias (optional, as F.linear's and
+    Liger's): [V_local] of weight's dtype and device (at tp_group size > 1 this rank's shard of
+    the [V_global] bias, the weight's rows), any strides (read, never written); it is added to
+    the logits before the soft-cap and the loss, and its gradient (the column sums of the
+    logits' gradient, summed over the token chunks in fp32 and rounded once to its dtype) is
+    computed only when it requires grad. At tp_group size > 1 every rank passes one or none (the
+    shard agreement raises on every rank otherwise). The options are those of
     fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
     (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
     accumulates over token chunks as dweight_accumulation says. fp32 inputs follow
@@ -670,7 +729,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     raised by fusedloss.check_device_errors().
     """
     if class_weight is not None:
-        return _class_weighted(hidden, weight, target, class_weight, loss_mask, tp_group,
+        return _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group,
                                check_shard_agreement, reduction, label_smoothing,
                                ignore_index=ignore_index, smoothing_formula=smoothing_formula,
                                smoothing_scope=smoothing_scope, z_loss=z_loss,
@@ -694,6 +753,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         # leaves autograd expanded zeros for the weight, which the cast keeps expanded)
         # An fp32 weight is kept: the op casts it for the GEMMs and returns its gradient in fp32,
         # summed there without a rounding to the autocast dtype (autograd's cast would round it).
+        given_weight = weight  # the bias has its dtype, whatever autocast makes of it below
         cast_inside = _casts_weight_inside(hidden, weight)
         if cast_inside:
             (hidden,) = autocast_operands(hidden)
@@ -704,10 +764,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
         token_slices = (group_size(tp_group) if name and dh_red == _DHIDDEN["reduce_scatter"]
                         else 1)
         validate_inputs(hidden, weight, target, token_slices, fp32_weight_ok=cast_inside)
+        if bias is not None:
+            bias = _checked_bias(bias, given_weight, hidden)
         if loss_mask is not None:
             validate_loss_mask(loss_mask, target, hidden, opts.reduction == _NONE, reduction)
-        mode = resolved_mode(mode, opts.reduction, wants_grad(hidden, weight), hidden.dtype,
+        mode = resolved_mode(mode, opts.reduction, wants_grad(hidden, weight, bias), hidden.dtype,
                              target.numel(), loss_mask is not None)
+        bias_grad = bias is not None and torch.is_grad_enabled() and bias.requires_grad
         # the row weights of the in-forward gradients, fp32 [N] (copied here, inside the
         # agreement's reach: an allocation that fails on one rank fails on every rank)
         row_weight = (loss_mask.detach().reshape(-1).to(torch.float32).contiguous()
@@ -733,23 +796,24 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             dh_red = _DHIDDEN["partial"]  # no hidden gradient: nothing to reduce-scatter
         hidden = gather_token_slices(hidden, name, check, hidden_grad, target.numel(),
                                      weight.size(0), _OP)
-    if (_EAGER is not None and not name and weight_grad_accumulator is None
+    if (_EAGER is not None and not name and weight_grad_accumulator is None and bias is None
             and not cast_inside and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)
     else:
-        loss = _linear_cross_entropy(hidden, weight, target, row_weight, *opts, mode, tf32, name,
-                                     check, dh_red, acc32, inplace, weight_grad_accumulator)
+        loss = _linear_cross_entropy(hidden, weight, target, bias, row_weight, *opts, mode, tf32,
+                                     name, check, dh_red, acc32, inplace, bias_grad,
+                                     weight_grad_accumulator)
     return loss.view(target.shape) if opts.reduction == _NONE else loss
 
 
-def _class_weighted(hidden, weight, target, class_weight, loss_mask, tp_group, check, reduction,
-                    label_smoothing, **options):
+def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group, check,
+                    reduction, label_smoothing, **options):
     """linear_cross_entropy with a per-class weight: the per-token losses weighted by
     class_weight[target], as their row weights for sum and mean (the in-forward backward: 3
     GEMMs), reduced as F.cross_entropy(weight=...) reduces them."""
     v_local = weight.size(0) if isinstance(weight, Tensor) and weight.dim() == 2 else -1
     per_token, row_weight, kind = class_weighted(
-        lambda **o: linear_cross_entropy(hidden, weight, target, **o), class_weight, target,
+        lambda **o: linear_cross_entropy(hidden, weight, target, bias, **o), class_weight, target,
         v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
         conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
         op_name=_OP)

@@ -386,10 +386,12 @@ void bind_linear_cross_entropy(py::module_& m) {
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t loss,
            uintptr_t lse, uintptr_t count, const MatrixView& dh, const MatrixView& dw,
            uintptr_t stream, CallbackCommunicator* comm, uintptr_t scratch, size_t scratch_bytes,
-           uintptr_t row_weight) {
+           uintptr_t row_weight, const VectorView& bias, uintptr_t dbias) {
           guarded([&] {
             LinearCrossEntropyOutputs out;
             out.row_weight = fptr(row_weight);
+            out.bias = bias;
+            out.dbias = fptr(dbias);
             out.loss = fptr(loss);
             out.lse = fptr(lse);
             out.valid_count = fptr(count);
@@ -403,7 +405,8 @@ void bind_linear_cross_entropy(py::module_& m) {
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"), py::arg("options"),
         py::arg("loss"), py::arg("lse"), py::arg("count"), py::arg("dhidden"),
         py::arg("dweight"), py::arg("stream"), py::arg("comm") = nullptr, py::arg("scratch") = 0,
-        py::arg("scratch_bytes") = 0, py::arg("row_weight") = 0);
+        py::arg("scratch_bytes") = 0, py::arg("row_weight") = 0, py::arg("bias") = VectorView{},
+        py::arg("dbias") = 0);
   m.def("linear_cross_entropy_backward_vocab_block", &linear_cross_entropy_backward_vocab_block,
         py::arg("mode"), py::arg("fp32_accumulation"), py::arg("dweight_dtype"), py::arg("hidden"));
   m.def("linear_cross_entropy_forward_scratch_bytes",
@@ -418,15 +421,15 @@ void bind_linear_cross_entropy(py::module_& m) {
   m.def("linear_cross_entropy_local_stats",
         [](const MatrixView& h, const MatrixView& w, const IndexView& t,
            const CrossEntropyOptions& ce, const LinearCrossEntropyOptions& o, uintptr_t stats,
-           uintptr_t stream, uintptr_t scratch, size_t scratch_bytes) {
+           uintptr_t stream, uintptr_t scratch, size_t scratch_bytes, const VectorView& bias) {
           guarded([&] {
             linear_cross_entropy_local_stats(h, w, t, ce, o, static_cast<RowStats*>(ptr(stats)),
-                                             ptr(stream), ptr(scratch), scratch_bytes);
+                                             ptr(stream), ptr(scratch), scratch_bytes, bias);
           });
         },
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("ce"),
         py::arg("options"), py::arg("stats"), py::arg("stream"), py::arg("scratch") = 0,
-        py::arg("scratch_bytes") = 0);
+        py::arg("scratch_bytes") = 0, py::arg("bias") = VectorView{});
   m.def("linear_cross_entropy_prepare",
         [](Device device, uintptr_t stream) {
           guarded([&] { linear_cross_entropy_prepare(device, ptr(stream)); });
@@ -444,20 +447,28 @@ void bind_linear_cross_entropy(py::module_& m) {
            uintptr_t grad_loss, uintptr_t count, const CrossEntropyOptions& ce,
            const LinearCrossEntropyOptions& o, const MatrixView& saved_dh,
            const MatrixView& saved_dw, const MatrixView& dh, const MatrixView& dw,
-           bool accumulate_dweight, uintptr_t stream, uintptr_t row_weight) {
+           bool accumulate_dweight, uintptr_t stream, uintptr_t row_weight,
+           const VectorView& bias, uintptr_t saved_dbias, uintptr_t dbias, DType dbias_dtype) {
           guarded([&] {
             LinearCrossEntropyOutputs saved;
             saved.dhidden = saved_dh;
             saved.dweight = saved_dw;
             saved.row_weight = fptr(row_weight);
+            saved.bias = bias;
+            saved.dbias = fptr(saved_dbias);
+            LinearCrossEntropyGrads grads{dh, dw, accumulate_dweight};
+            grads.dbias = ptr(dbias);
+            grads.dbias_dtype = dbias_dtype;
             linear_cross_entropy_backward(h, w, t, fptr(lse), fptr(grad_loss), fptr(count), ce, o,
-                                          saved, {dh, dw, accumulate_dweight}, ptr(stream));
+                                          saved, grads, ptr(stream));
           });
         },
         py::arg("hidden"), py::arg("weight"), py::arg("target"), py::arg("lse"),
         py::arg("grad_loss"), py::arg("count"), py::arg("ce"), py::arg("options"),
         py::arg("saved_dhidden"), py::arg("saved_dweight"), py::arg("dhidden"), py::arg("dweight"),
-        py::arg("accumulate_dweight"), py::arg("stream"), py::arg("row_weight") = 0);
+        py::arg("accumulate_dweight"), py::arg("stream"), py::arg("row_weight") = 0,
+        py::arg("bias") = VectorView{}, py::arg("saved_dbias") = 0, py::arg("dbias") = 0,
+        py::arg("dbias_dtype") = DType::F32);
 }
 
 // The log-prob head (fusedloss/linear_log_probs.h): pointers as integers, as above.

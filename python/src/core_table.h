@@ -27,7 +27,7 @@ using CoreError = const CoreFailure*;
 
 // Raised whenever an entry is added, removed or changes its parameters (or a struct passed
 // through the table changes): a library built against another layout refuses the table.
-constexpr uint32_t kCoreTableVersion = 8;  // 7: SwigluOptions gained the multipliers; 8: swiglu_gate_up_*
+constexpr uint32_t kCoreTableVersion = 9;  // 8: swiglu_gate_up_*; 9: the linear CE's bias
 
 struct CoreTable {
   uint32_t version = kCoreTableVersion;

@@ -99,6 +99,77 @@ void check_grad_view(const MatrixView& g, const char* name, int64_t rows, int64_
     require(!detail::overlaps(g, *in), name, ": overlaps ", in_name, ", expected a separate buffer");
 }
 
+// The LM head's bias, when given (data not null): [V_local] of the inputs' dtype or fp32, with
+// the inputs.
+void check_bias(const VectorView& b, const MatrixView& hidden, const MatrixView& weight,
+                const char* name) {
+  if (b.data == nullptr) return;
+  require(b.size == weight.rows, name, ".size: got ", b.size, ", expected V_local = weight.rows = ",
+          weight.rows);
+  require(b.dtype == hidden.dtype || b.dtype == DType::F32, name, ".dtype: got ",
+          to_string(b.dtype), ", expected ", to_string(hidden.dtype), " (the inputs' dtype) or fp32");
+  require(b.device == hidden.device, name, ".device: got ", to_string(b.device), ", expected ",
+          to_string(hidden.device), " (the inputs' device)");
+  detail::require_element_aligned(b, name);
+}
+
+// A bias gradient buffer (null: none asked for): only beside a bias (`bias_name`); fp32, or
+// (any_dtype) the bias's dtype.
+void check_dbias(const void* dbias, DType dtype, const VectorView& bias, const char* name,
+                 const char* bias_name, bool any_dtype) {
+  if (dbias == nullptr) return;
+  require(bias.data != nullptr, name, ": got a pointer without ", bias_name,
+          ", expected null (no bias, no bias gradient)");
+  require(dtype == DType::F32 || (any_dtype && dtype == bias.dtype), name, " dtype: got ",
+          to_string(dtype), ", expected fp32", any_dtype ? " or the bias's dtype" : "");
+  detail::require_element_aligned(dbias, dtype, name, "");
+}
+
+// The bias's columns [col0, col0 + cols).
+VectorView bias_columns(const VectorView& b, int64_t col0, int64_t cols) {
+  VectorView v = b;
+  v.data = static_cast<const char*>(b.data) + col0 * detail::element_size(b.dtype);
+  v.size = cols;
+  return v;
+}
+
+// The step that adds the bias's columns [col0, ...) to each chunk's logits (null without one).
+core::LceStep bias_step(const VectorView& bias, int64_t col0 = 0) {
+  if (bias.data == nullptr) return {};
+  return [=](const MatrixView& logits, int64_t, [[maybe_unused]] Stream s) {
+    const VectorView b = bias_columns(bias, col0, logits.cols);
+    FL_DISPATCH(logits.device, "linear_cross_entropy", cpu::lce_add_bias(logits, b),
+                cuda::lce_add_bias(logits, b, s));
+  };
+}
+
+// `gradient`, then the chunk's dlogits summed into dbias32 (fp32, a float per column; null:
+// `gradient` alone).
+core::LceStep with_column_sums(core::LceStep gradient, float* dbias32) {
+  if (dbias32 == nullptr) return gradient;
+  return [gradient = std::move(gradient), dbias32](const MatrixView& g, int64_t row0,
+                                                   [[maybe_unused]] Stream s) {
+    gradient(g, row0, s);
+    FL_DISPATCH(g.device, "linear_cross_entropy", cpu::lce_add_column_sums(g, dbias32),
+                cuda::lce_add_column_sums(g, dbias32, s));
+  };
+}
+
+// n floats of zeros at p, where p lives.
+void zero_floats(Device dev, float* p, int64_t n, [[maybe_unused]] Stream stream) {
+  FL_DISPATCH(dev, "linear_cross_entropy", std::fill(p, p + n, 0.0f),
+              cuda::lce_fill(p, 0.0f, n, stream));
+}
+
+// dst (n elements of dtype) = scale[0] * src (n floats), where they live.
+void scale_vector(Device dev, const float* src, void* dst, DType dtype, int64_t n,
+                  const float* scale, [[maybe_unused]] Stream stream) {
+  const MatrixView s{const_cast<float*>(src), 1, n, n, DType::F32, dev};
+  const MatrixView d{dst, 1, n, n, dtype, dev};
+  FL_DISPATCH(dev, "linear_cross_entropy", cpu::lce_scale(s, d, scale, false),
+              cuda::lce_scale(s, d, scale, false, stream));
+}
+
 // The inputs' checks, shared by forward and backward.
 core::CeParams check_inputs(const MatrixView& hidden, const MatrixView& weight,
                             const IndexView& target, const CrossEntropyOptions& ce,
@@ -273,15 +344,18 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
       check_grad_view(out.dhidden, "out.dhidden", N, hidden.cols, hidden, weight, why);
       check_grad_view(out.dweight, "out.dweight", weight.rows, hidden.cols, hidden, weight, why);
     }
+    check_bias(out.bias, hidden, weight, "out.bias");
     const bool grads = mode == LinearCeBackward::InForward;
+    if (grads) check_dbias(out.dbias, DType::F32, out.bias, "out.dbias", "out.bias", false);
     detail::require_outputs_apart(
         {{out.loss, nloss * 4, "out.loss"}, {out.lse, N * 4, "out.lse"},
          {out.valid_count, 4, "out.valid_count"},
          detail::span_of(grads ? out.dhidden : MatrixView{}, "out.dhidden"),
          detail::span_of(grads ? out.dweight : MatrixView{}, "out.dweight"),
+         {grads ? out.dbias : nullptr, weight.rows * 4, "out.dbias"},
          {out.scratch, int64_t(out.scratch_bytes), "out.scratch"}},
         {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
-         detail::span_of(target, "target"),
+         detail::span_of(target, "target"), detail::span_of(out.bias, "out.bias"),
          {grads ? out.row_weight : nullptr, N * 4, "out.row_weight"}});
     check_targets_on_host(target, p);
     if (parallel) {
@@ -307,9 +381,10 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   } else {
     vocab_parallel::claim_errors(mine, local);
     // the options that change the loss or the gradients beside the cross-entropy's
-    // (vocab_block only orders the local backward's sums: not among them), and H (the size of
-    // a caller's dhidden all-reduce)
-    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode), hidden.cols};
+    // (vocab_block only orders the local backward's sums: not among them), the bias's
+    // presence, and H (the size of a caller's dhidden all-reduce)
+    const int64_t more[] = {int64_t(options.allow_tf32), int64_t(mode), hidden.cols,
+                            int64_t(out.bias.data != nullptr)};
     const float softcap = options.logit_softcap + 0.0f;  // -0 and 0 are one option
     uint64_t h = vocab_parallel::fingerprint(ce);
     h = vocab_parallel::fingerprint_more(h, &softcap, sizeof(float));
@@ -317,6 +392,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     std::ostringstream more_text;
     more_text << std::setprecision(9) << ", logit_softcap=" << softcap
               << ", allow_tf32=" << options.allow_tf32
+              << ", bias=" << (out.bias.data ? "given" : "null")
               // before the mode it sets under Auto: a rank without row weights is named so
               << ", row_weight=" << (out.row_weight ? "given" : "null")
               << ", backward_mode=" << mode_name(mode)
@@ -337,6 +413,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   char* exchange = mem + layout.exchange_at;
 
   core::LceSteps steps;
+  steps.logits = bias_step(out.bias);
   steps.forward = [&, parallel](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     core::CeParams pc = chunk_params(p, logits.rows);
     pc.reduction = Reduction::None;  // per-row losses; reduced once after the loop
@@ -360,7 +437,10 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
     reduce(dev, kFn, nullptr, target, count_only, nullptr, count, stream);
     FL_DISPATCH(dev, kFn, *one = 1.0f, cuda::lce_fill(one, 1.0f, 1, stream));
     // None: each row's upstream gradient is its weight; Sum / Mean: the unit scalar
-    steps.gradient = gradient_step(target, p, out.lse, reduced ? one : out.row_weight, count);
+    float* dbias = out.bias.data ? out.dbias : nullptr;
+    if (dbias) zero_floats(dev, dbias, weight.rows, stream);
+    steps.gradient = with_column_sums(
+        gradient_step(target, p, out.lse, reduced ? one : out.row_weight, count), dbias);
     grads = core::LceGrads{out.dhidden, out.dweight, false, false};
   }
   run_loop(dev, kFn, plan, hidden, weight, steps, grads, stream, mem + layout.loop_at);
@@ -384,16 +464,18 @@ size_t linear_cross_entropy_local_stats_scratch_bytes(const MatrixView& hidden,
 void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView& weight,
                                       const IndexView& target, const CrossEntropyOptions& ce,
                                       const LinearCrossEntropyOptions& options, RowStats* stats,
-                                      Stream stream, void* scratch, size_t scratch_bytes) {
+                                      Stream stream, void* scratch, size_t scratch_bytes,
+                                      const VectorView& bias) {
   constexpr const char* kFn = "linear_cross_entropy_local_stats";
   const core::CeParams p = check_inputs(hidden, weight, target, ce, options);
+  check_bias(bias, hidden, weight, "bias");
   require(stats != nullptr || hidden.rows == 0, "stats: got null, expected ", hidden.rows,
           " RowStats");
   detail::require_outputs_apart(
       {{stats, hidden.rows * int64_t(sizeof(RowStats)), "stats"},
        {scratch, int64_t(scratch_bytes), "scratch"}},
       {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
-       detail::span_of(target, "target")});
+       detail::span_of(target, "target"), detail::span_of(bias, "bias")});
   check_targets_on_host(target, p);
   const core::LcePlan plan = make_plan(hidden, weight, options);
   char* memory = scratch ? callers_scratch(scratch, scratch_bytes,
@@ -402,6 +484,7 @@ void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView
                                            "linear_cross_entropy_local_stats_scratch_bytes")
                          : nullptr;
   core::LceSteps steps;
+  steps.logits = bias_step(bias);
   steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     const core::CeParams pc = chunk_params(p, logits.rows);
     const IndexView tc = target_rows(target, row0, logits.rows);
@@ -430,14 +513,22 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   constexpr const char* written = "the backward writes the gradients there";
   check_grad_view(grads.dhidden, "grads.dhidden", N, hidden.cols, hidden, weight, written);
   check_grad_view(grads.dweight, "grads.dweight", weight.rows, hidden.cols, hidden, weight, written);
-  detail::require_disjoint({detail::span_of(grads.dhidden, "grads.dhidden"),
-                            detail::span_of(grads.dweight, "grads.dweight")});
+  check_bias(saved.bias, hidden, weight, "saved.bias");
+  check_dbias(grads.dbias, grads.dbias_dtype, saved.bias, "grads.dbias", "saved.bias", true);
+  const int64_t V = weight.rows;
+  const detail::Span dbias_span{grads.dbias, V * detail::element_size(grads.dbias_dtype),
+                                "grads.dbias"};
+  detail::require_outputs_apart(
+      {detail::span_of(grads.dhidden, "grads.dhidden"),
+       detail::span_of(grads.dweight, "grads.dweight"), dbias_span},
+      {detail::span_of(hidden, "hidden"), detail::span_of(weight, "weight"),
+       detail::span_of(saved.bias, "saved.bias")});
   require(grad_loss != nullptr || (p.reduction == Reduction::None && N == 0),
           "grad_loss: got null, expected ", p.reduction == Reduction::None ? N : 1, " floats");
   // what the backward reads beside the inputs, never under the gradients it writes
   const int64_t ngrad = p.reduction == Reduction::None ? N : 1;
   for (const detail::Span& written : {detail::span_of(grads.dhidden, "grads.dhidden"),
-                                      detail::span_of(grads.dweight, "grads.dweight")})
+                                      detail::span_of(grads.dweight, "grads.dweight"), dbias_span})
     detail::require_read_apart(written, {{grad_loss, ngrad * 4, "grad_loss"}, {lse, N * 4, "lse"},
                                          {valid_count, 4, "valid_count"},
                                          detail::span_of(target, "target"),
@@ -462,6 +553,19 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                                {detail::span_of(saved.dweight, "saved.dweight")});
     detail::require_read_apart(detail::span_of(grads.dweight, "grads.dweight"),
                                {detail::span_of(saved.dhidden, "saved.dhidden")});
+    if (grads.dbias) {
+      require(saved.dbias != nullptr, "saved.dbias: got null with grads.dbias, expected the "
+              "forward's out.dbias (the InForward backward scales it)");
+      // the saved fp32 gradient itself (scaled in place), or apart from it and the others
+      const bool same = grads.dbias == saved.dbias && grads.dbias_dtype == DType::F32;
+      const detail::Span saved_dbias{saved.dbias, V * 4, "saved.dbias"};
+      if (!same) detail::require_read_apart(dbias_span, {saved_dbias});
+      for (const detail::Span& written : {detail::span_of(grads.dhidden, "grads.dhidden"),
+                                          detail::span_of(grads.dweight, "grads.dweight")})
+        detail::require_read_apart(written, {saved_dbias});
+      detail::require_read_apart(dbias_span, {detail::span_of(saved.dhidden, "saved.dhidden"),
+                                              detail::span_of(saved.dweight, "saved.dweight")});
+    }
     // The scale: grad_loss[0], or (row weights) the c of grad_loss = c * row_weight, found
     // where grad_loss lives (a float of device memory on CUDA).
     const float* scale = grad_loss;
@@ -481,26 +585,46 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
                 cuda::lce_scale(saved.dhidden, grads.dhidden, scale, false, stream);
                 cuda::lce_scale(saved.dweight, grads.dweight, scale,
                                 grads.accumulate_dweight, stream));
+    if (grads.dbias) scale_vector(dev, saved.dbias, grads.dbias, grads.dbias_dtype, V, scale, stream);
     return;
   }
   require(lse != nullptr || N == 0, "lse: got null, expected the forward's lse");
   require(valid_count != nullptr || p.reduction != Reduction::Mean || N == 0,
           "valid_count: got null, expected the forward's valid_count for Reduction::Mean");
   check_targets_on_host(target, p);
+  // dbias sums in fp32: in grads.dbias itself when it is fp32, else in V floats of scratch
+  // (and a 1 to scale by) rounded into it once after the loop.
+  std::optional<vocab_parallel::Scratch> dbias_scratch;
+  float* dbias32 = nullptr;
+  if (grads.dbias) {
+    if (grads.dbias_dtype == DType::F32) {
+      dbias32 = static_cast<float*>(grads.dbias);
+    } else {
+      dbias32 = dbias_scratch.emplace(dev, sizeof(float) * size_t(V + 1), stream, kFn).as<float>();
+      FL_DISPATCH(dev, kFn, dbias32[V] = 1.0f, cuda::lce_fill(dbias32 + V, 1.0f, 1, stream));
+    }
+    zero_floats(dev, dbias32, V, stream);
+  }
+  auto round_dbias = [&] {
+    if (dbias_scratch)
+      scale_vector(dev, dbias32, grads.dbias, grads.dbias_dtype, V, dbias32 + V, stream);
+  };
   core::LceSteps steps;
+  steps.logits = bias_step(saved.bias);
   if (options.vocab_block == 0) {
-    steps.gradient = gradient_step(target, p, lse, grad_loss, valid_count);
+    steps.gradient = with_column_sums(gradient_step(target, p, lse, grad_loss, valid_count),
+                                      dbias32);
     run_loop(dev, kFn, make_plan(hidden, weight, options), hidden, weight, steps,
              core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},
              stream);
+    round_dbias();
     return;
   }
   // Vocabulary blocks outside, token chunks inside: a block is a shard of this rank's shard
   // (its columns start at vocab_start + b0), so the cross-entropy's gradient pass runs on it
   // as is. fp32 accumulators: dhidden over the blocks, each block's dweight over all tokens.
   const core::LceTuning tuning = core::lce_tuning();
-  const int64_t H = hidden.cols, V = weight.rows,
-                block = vocab_block_for(options, N, V, hidden.dtype, tuning);
+  const int64_t H = hidden.cols, block = vocab_block_for(options, N, V, hidden.dtype, tuning);
   auto block_of = [&](int64_t b0, int64_t nb) {
     MatrixView wb = weight;
     wb.data = static_cast<char*>(weight.data) +
@@ -534,7 +658,9 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     const bool direct = all_direct || plan.chunk >= N;
     detail::require(direct || block_floats > 0, kFn, ": internal: a vocabulary block of ", nb,
                     " rows needs the fp32 block that was not allocated");
-    steps.gradient = gradient_step(target, pb, lse, grad_loss, valid_count);
+    steps.logits = bias_step(saved.bias, b0);
+    steps.gradient = with_column_sums(gradient_step(target, pb, lse, grad_loss, valid_count),
+                                      dbias32 ? dbias32 + b0 : nullptr);
     run_loop(dev, kFn, plan, hidden, wb, steps,
              direct ? core::LceGrads{dh32, dw_rows, grads.accumulate_dweight, b0 > 0}
                     : core::LceGrads{dh32, dwb, false, b0 > 0},
@@ -545,6 +671,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
   }
   FL_DISPATCH(dev, kFn, cpu::lce_scale(dh32, grads.dhidden, one, false),
               cuda::lce_scale(dh32, grads.dhidden, one, false, stream));
+  round_dbias();
 }
 
 }  // namespace fusedloss

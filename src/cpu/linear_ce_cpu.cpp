@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include "core/dispatch.h"
+#include "core/lce_bias.h"
 #include "core/row_weight.h"
 #include "common/error.h"
 #include "cpu/parallel.h"
@@ -109,6 +110,30 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
          grads.accumulate_dhidden);                                           // G @ W
     gemm(logits, true, h, false, grads.dweight, true);                           // G^T @ h
   }
+}
+
+void lce_add_bias(const MatrixView& logits, const VectorView& bias) {
+  core::dispatch_dtype(logits.dtype, [&](auto kl) {
+    core::dispatch_dtype(bias.dtype, [&](auto kb) {
+      constexpr core::StorageKind KL = decltype(kl)::value, KB = decltype(kb)::value;
+      const auto* b = static_cast<const core::Elem<KB>*>(bias.data);
+#pragma omp parallel for schedule(static) if (worth_threads(logits.rows * logits.cols))
+      for (int64_t r = 0; r < logits.rows; ++r) {
+        auto* row = static_cast<core::Elem<KL>*>(logits.data) + r * logits.row_stride;
+        for (int64_t c = 0; c < logits.cols; ++c) row[c] = core::lce_biased<KL, KB>(row[c], b[c]);
+      }
+    });
+  });
+}
+
+void lce_add_column_sums(const MatrixView& g, float* acc) {
+  core::dispatch_dtype(g.dtype, [&](auto kg) {
+    constexpr core::StorageKind KG = decltype(kg)::value;
+    const auto* data = static_cast<const core::Elem<KG>*>(g.data);
+#pragma omp parallel for schedule(static) if (worth_threads(g.rows * g.cols))
+    for (int64_t c = 0; c < g.cols; ++c)
+      acc[c] = core::lce_column_sum<KG>(data, g.row_stride, g.rows, c, acc[c]);
+  });
 }
 
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate) {

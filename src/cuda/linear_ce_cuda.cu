@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 #include "core/dispatch.h"
+#include "core/lce_bias.h"
 #include "core/lce_tuning.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gemm_lt.h"
@@ -90,6 +91,28 @@ __global__ void scale_kernel(const typename core::Storage<KS>::type* src, int64_
   }
 }
 
+// Rows over blockIdx.y, columns over x, as scale_kernel.
+template <core::StorageKind KL, core::StorageKind KB>
+__global__ void add_bias_kernel(core::Elem<KL>* logits, int64_t stride, int64_t rows, int64_t cols,
+                                const core::Elem<KB>* bias) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    core::Elem<KL>* row = logits + r * stride;
+    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
+         c += int64_t(gridDim.x) * blockDim.x)
+      row[c] = core::lce_biased<KL, KB>(row[c], bias[c]);
+  }
+}
+
+// One thread per column, down the rows: a warp reads consecutive columns of a row (coalesced),
+// and each column's sum has one order (deterministic, no atomics).
+template <core::StorageKind KG>
+__global__ void column_sums_kernel(const core::Elem<KG>* g, int64_t stride, int64_t rows,
+                                   int64_t cols, float* acc) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
+       c += int64_t(gridDim.x) * blockDim.x)
+    acc[c] = core::lce_column_sum<KG>(g, stride, rows, c, acc[c]);
+}
+
 __global__ void fill_kernel(float* p, float v, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -100,12 +123,41 @@ unsigned grid_for(int64_t n, int threads) {
   return unsigned(std::min<int64_t>((n + threads - 1) / threads, 132 * 16));
 }
 
+// A grid over a matrix: up to 8 blocks of 256 columns a row (x), the rows over the rest (y).
+dim3 rows_grid(int64_t rows, int64_t cols) {
+  const unsigned gx = unsigned(std::min<int64_t>((cols + 255) / 256, 8));
+  return dim3(gx, unsigned(std::min<int64_t>(rows, std::max<int64_t>(1, 132 * 16 / gx))));
+}
+
 }  // namespace
 
 void lce_fill(float* ptr, float value, int64_t n, Stream stream) {
   if (n <= 0) return;
   fill_kernel<<<grid_for(n, 256), 256, 0, as_cuda(stream)>>>(ptr, value, n);
   FL_CUDA_CHECK_LAUNCH();
+}
+
+void lce_add_bias(const MatrixView& logits, const VectorView& bias, Stream stream) {
+  if (logits.rows == 0 || logits.cols == 0) return;
+  core::dispatch_dtype(logits.dtype, [&](auto kl) {
+    core::dispatch_dtype(bias.dtype, [&](auto kb) {
+      constexpr core::StorageKind KL = decltype(kl)::value, KB = decltype(kb)::value;
+      add_bias_kernel<KL, KB><<<rows_grid(logits.rows, logits.cols), 256, 0, as_cuda(stream)>>>(
+          static_cast<core::Elem<KL>*>(logits.data), logits.row_stride, logits.rows, logits.cols,
+          static_cast<const core::Elem<KB>*>(bias.data));
+      FL_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
+void lce_add_column_sums(const MatrixView& g, float* acc, Stream stream) {
+  if (g.rows == 0 || g.cols == 0) return;
+  core::dispatch_dtype(g.dtype, [&](auto kg) {
+    constexpr core::StorageKind KG = decltype(kg)::value;
+    column_sums_kernel<KG><<<grid_for(g.cols, 256), 256, 0, as_cuda(stream)>>>(
+        static_cast<const core::Elem<KG>*>(g.data), g.row_stride, g.rows, g.cols, acc);
+    FL_CUDA_CHECK_LAUNCH();
+  });
 }
 
 void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale, bool accumulate,
@@ -118,9 +170,7 @@ void lce_scale(const MatrixView& src, const MatrixView& dst, const float* scale,
       using TD = typename core::Storage<KD>::type;
       const bool in_place = !accumulate && KS == KD && src.data == dst.data &&
                             src.row_stride == dst.row_stride;
-      const unsigned gx = unsigned(std::min<int64_t>((src.cols + 255) / 256, 8));
-      const dim3 grid(gx, unsigned(std::min<int64_t>(src.rows, std::max<int64_t>(1, 132 * 16 / gx))));
-      scale_kernel<KS, KD><<<grid, 256, 0, as_cuda(stream)>>>(
+      scale_kernel<KS, KD><<<rows_grid(src.rows, src.cols), 256, 0, as_cuda(stream)>>>(
           static_cast<const TS*>(src.data), src.row_stride, static_cast<TD*>(dst.data),
           dst.row_stride, src.rows, src.cols, scale, accumulate, in_place);
       FL_CUDA_CHECK_LAUNCH();

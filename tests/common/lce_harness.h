@@ -1,7 +1,8 @@
 // Runs one linear cross-entropy configuration (forward + backward) on a backend, and the
 // float64 reference it is checked against: logits = hidden @ weight^T in double, rounded to
-// the inputs' dtype as the chunk buffers store them, soft-capped, then the reference
-// cross-entropy (tests/common/reference.h) and the chain rule back to hidden and weight.
+// the inputs' dtype as the chunk buffers store them, plus the bias (rounded again, as the
+// chunk buffer stores the sum), soft-capped, then the reference cross-entropy
+// (tests/common/reference.h) and the chain rule back to hidden, weight and bias.
 #pragma once
 #include <algorithm>
 #include <sstream>
@@ -28,8 +29,14 @@ struct LceCase {
   // Reduction::None with row weights (LinearCrossEntropyOutputs::row_weight): 0 off, 1 a 0/1
   // mask, 2 arbitrary weights; the upstream gradient is then grad_scale x the weights.
   int row_weights = 0;
+  // The LM head's bias: 0 none, 1 in the inputs' dtype, 2 in fp32; its gradient in dbias_dtype
+  // (fp32 or the bias's dtype), or not asked for (dbias = false: a bias without a gradient).
+  int bias = 0;
+  bool dbias = true;
+  DType dbias_dtype = DType::F32;
 
   LceCase() { lo.chunk_rows = 7; }
+  DType bias_dtype() const { return bias == 2 ? DType::F32 : dtype; }
   std::string describe() const {
     std::ostringstream os;
     os << "N=" << N << " H=" << H << " V=" << V << " pad=" << hidden_pad
@@ -40,7 +47,8 @@ struct LceCase {
        << " scope=" << int(ce.smoothing_scope) << " z=" << ce.z_loss
        << " softcap=" << lo.logit_softcap << " tf32=" << lo.allow_tf32
        << " ignore=" << ignore_fraction << " accumulate=" << accumulate_dweight
-       << " in_place=" << in_place_scale << " row_weights=" << row_weights;
+       << " in_place=" << in_place_scale << " row_weights=" << row_weights << " bias=" << bias
+       << " dbias=" << dbias << " dbias_dtype=" << to_string(dbias_dtype);
     return os.str();
   }
 };
@@ -53,6 +61,7 @@ struct LceProblem {
   std::vector<float> grad_rows;       // upstream gradient per row (None)
   std::vector<float> row_weight;      // the row weights (LceCase::row_weights)
   std::vector<float> dweight_init;    // dweight before an accumulating backward
+  std::vector<float> bias;            // [V_global] (LceCase::bias), rounded to its dtype
 };
 
 template <class Gen>
@@ -87,11 +96,20 @@ LceProblem make_lce_problem(const LceCase& c, Gen& gen) {
   }
   p.dweight_init.resize(c.V * c.H);
   for (auto& v : p.dweight_init) v = normal(gen) * 0.01f;
+  if (c.bias) {
+    p.bias.resize(vglobal);
+    for (auto& v : p.bias) {
+      float tmp;
+      store_as(c.bias_dtype(), &tmp, 0, normal(gen));
+      v = load_as(c.bias_dtype(), &tmp, 0);
+    }
+  }
   return p;
 }
 
 struct LceResult {
   std::vector<double> loss, lse, dhidden, dweight;  // dense
+  std::vector<double> dbias;                        // [V] with a bias and its gradient
   float valid_count = -1;
 };
 
@@ -145,6 +163,15 @@ inline LceResult run_lce(Device device, const LceCase& c, const LceProblem& p,
     rw.upload();
     out.row_weight = rw.data_as<float>();
   }
+  const int64_t bs = dtype_size(c.bias_dtype()), dbs = dtype_size(c.dbias_dtype);
+  Buffer bias(device, size_t(V * bs)), sdb(device, size_t(V * 4)), db(device, size_t(V * dbs));
+  sdb.poison(); db.poison();
+  if (c.bias) {
+    for (int64_t v = 0; v < V; ++v) store_as(c.bias_dtype(), bias.host(), v, p.bias[v0 + v]);
+    bias.upload();
+    out.bias = VectorView{bias.data(), V, c.bias_dtype(), device};
+    if (c.dbias) out.dbias = sdb.data_as<float>();
+  }
   linear_cross_entropy_forward(hv, wv, tv, c.ce, c.lo, out, comm);
   for (int64_t r = 0; r < N; ++r) gl.host_as<float>()[r] = none ? p.grad_rows[r] : p.grad_scale;
   gl.upload();
@@ -156,6 +183,12 @@ inline LceResult run_lce(Device device, const LceCase& c, const LceProblem& p,
   grads.dhidden = MatrixView{dh_buf.data(), N, H, H, c.grad_dtype, device};
   grads.dweight = MatrixView{dw_buf.data(), V, H, H, c.grad_dtype, device};
   grads.accumulate_dweight = c.accumulate_dweight;
+  if (c.bias && c.dbias) {
+    // in place over the saved fp32 gradient where the case scales in place and can
+    const bool db_in_place = in_place && c.dbias_dtype == DType::F32;
+    grads.dbias = db_in_place ? sdb.data() : db.data();
+    grads.dbias_dtype = c.dbias_dtype;
+  }
   linear_cross_entropy_backward(hv, wv, tv, lse.data_as<float>(), gl.data_as<float>(),
                                 count.data_as<float>(), c.ce, c.lo, out, grads);
   check_device_errors();
@@ -166,6 +199,11 @@ inline LceResult run_lce(Device device, const LceCase& c, const LceProblem& p,
   for (int64_t i = 0; i < N * H; ++i) res.dhidden.push_back(load_as(c.grad_dtype, dh_buf.host(), i));
   for (int64_t i = 0; i < V * H; ++i) res.dweight.push_back(load_as(c.grad_dtype, dw_buf.host(), i));
   res.valid_count = count.host_as<float>()[0];
+  if (grads.dbias) {
+    Buffer& db_buf = grads.dbias == sdb.data() ? sdb : db;
+    db_buf.download();
+    for (int64_t v = 0; v < V; ++v) res.dbias.push_back(load_as(c.dbias_dtype, db_buf.host(), v));
+  }
   return res;
 }
 
@@ -180,6 +218,8 @@ inline LceResult reference_lce(const LceCase& c, const LceProblem& p) {
       for (int64_t h = 0; h < H; ++h) acc += double(p.hidden[r * H + h]) * p.weight[v * H + h];
       float stored;
       store_as(c.dtype, &stored, 0, float(acc));  // the chunk buffer's rounding
+      if (c.bias)  // the biased logit, stored again
+        store_as(c.dtype, &stored, 0, load_as(c.dtype, &stored, 0) + p.bias[v]);
       double x = load_as(c.dtype, &stored, 0);
       z[r * V + v] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
@@ -222,6 +262,11 @@ inline LceResult reference_lce(const LceCase& c, const LceProblem& p) {
     }
   if (c.accumulate_dweight)
     for (int64_t i = 0; i < V * H; ++i) res.dweight[i] += p.dweight_init[i];
+  if (c.bias && c.dbias) {
+    res.dbias.assign(V, 0.0);
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t v = 0; v < V; ++v) res.dbias[v] += gx[r * V + v];
+  }
   return res;
 }
 
@@ -253,6 +298,9 @@ inline void expect_lce_close(const LceCase& c, const LceResult& got, const LceRe
   EXPECT_EQ(got.valid_count, ref.valid_count);
   EXPECT_LE(rel_l2(got.dhidden, ref.dhidden), gt) << "dhidden";
   EXPECT_LE(rel_l2(got.dweight, ref.dweight), gt) << "dweight";
+  ASSERT_EQ(got.dbias.size(), ref.dbias.size());
+  const double bt = c.dbias_dtype == DType::F32 ? gt : std::max(gt, grad_tolerance(c.dbias_dtype));
+  if (!ref.dbias.empty()) EXPECT_LE(rel_l2(got.dbias, ref.dbias), bt) << "dbias";
 }
 
 inline void expect_lce_matches_reference(Device device, const LceCase& c) {

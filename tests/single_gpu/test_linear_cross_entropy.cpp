@@ -327,6 +327,121 @@ TEST_P(LinearCrossEntropy, SplitFormMatchesTheForward) {
   }
 }
 
+TEST_P(LinearCrossEntropy, BiasEveryModeDtypeAndOption) {
+  // The bias in the inputs' dtype and in fp32, its gradient in fp32 and in the bias's dtype,
+  // over 8 chunks of 7 tokens, every mode and reduction, with the options that read the
+  // biased logit (soft-cap, smoothing, z-loss, ignored rows).
+  for (DType d : {DType::F32, DType::BF16, DType::F16})
+    for (auto [mode, red] : kModes)
+      for (int bias : {1, 2}) {
+        if (d == DType::F16 && mode == LinearCeBackward::InForward) continue;
+        LceCase c;
+        c.dtype = d;
+        c.grad_dtype = bias == 1 ? d : DType::F32;
+        c.lo.backward_mode = mode;
+        c.ce.reduction = red;
+        c.bias = bias;
+        c.dbias_dtype = bias == 1 ? d : DType::F32;
+        c.lo.logit_softcap = bias == 2 ? 3.0f : 0.0f;
+        c.ce.label_smoothing = bias == 1 ? 0.1f : 0.0f;
+        c.ce.z_loss = bias == 2 ? 1e-3f : 0.0f;
+        check(c);
+      }
+}
+
+TEST_P(LinearCrossEntropy, BiasRowWeightsVocabBlocksAndInPlace) {
+  for (int rw : {1, 2}) {  // the row-weighted in-forward gradients, dbias among them
+    LceCase c;
+    c.ce.reduction = Reduction::None;
+    c.row_weights = rw;
+    c.bias = 1;
+    c.dtype = rw == 1 ? DType::F32 : DType::BF16;
+    check(c);
+  }
+  for (int64_t block : {1, 7, 64, 500})  // vocabulary blocks: each block's columns of dbias
+    for (DType dbd : {DType::F32, DType::BF16}) {
+      LceCase c;
+      c.lo.backward_mode = LinearCeBackward::Recompute;
+      c.lo.vocab_block = block;
+      c.dtype = DType::BF16;
+      c.grad_dtype = DType::BF16;
+      c.bias = 1;
+      c.dbias_dtype = dbd;
+      c.lo.logit_softcap = block == 7 ? 2.0f : 0.0f;
+      check(c);
+    }
+  for (DType dbd : {DType::F32, DType::BF16}) {  // scaled in place (fp32) or out of the saved
+    LceCase c;
+    c.dtype = DType::BF16;
+    c.grad_dtype = DType::BF16;
+    c.in_place_scale = true;
+    c.bias = 1;
+    c.dbias_dtype = dbd;
+    check(c);
+  }
+  for (auto mode : {LinearCeBackward::InForward, LinearCeBackward::Recompute}) {
+    LceCase c;  // a bias that needs no gradient: the loss and the others still see it
+    c.lo.backward_mode = mode;
+    c.bias = 1;
+    c.dbias = false;
+    check(c);
+  }
+  for (int64_t chunk : {int64_t(1), int64_t(0)}) {  // one token a chunk; one chunk of all
+    LceCase c;
+    c.lo.chunk_rows = chunk;
+    c.bias = 2;
+    check(c);
+  }
+}
+
+TEST_P(LinearCrossEntropy, BiasZeroRows) {
+  // No tokens: a zero bias gradient, both modes.
+  for (auto mode : {LinearCeBackward::InForward, LinearCeBackward::Recompute}) {
+    LceCase c;
+    c.N = 0;
+    c.lo.backward_mode = mode;
+    c.ce.reduction = Reduction::Sum;
+    c.bias = 1;
+    LceProblem p = make_lce_problem(c, rng());
+    const LceResult got = run_lce(GetParam(), c, p);
+    ASSERT_EQ(got.dbias.size(), size_t(c.V));
+    for (double g : got.dbias) ASSERT_EQ(g, 0.0);
+  }
+}
+
+TEST_P(LinearCrossEntropy, BiasSplitFormMatchesTheForward) {
+  // linear_cross_entropy_local_stats with the bias + cross_entropy_merge == the forward.
+  const Device dev = GetParam();
+  LceCase c;
+  c.dtype = DType::BF16;
+  c.lo.logit_softcap = 2.0f;
+  c.ce.reduction = Reduction::None;
+  c.bias = 1;
+  c.dbias = false;
+  LceProblem p = make_lce_problem(c, rng());
+  const LceResult whole = run_lce(dev, c, p);
+  Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), bias(dev, c.V * 2),
+      target(dev, c.N * 8), stats(dev, c.N * sizeof(RowStats)), loss(dev, c.N * 4),
+      lse(dev, c.N * 4), count(dev, 4);
+  for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
+  for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
+  for (int64_t i = 0; i < c.V; ++i) store_as(c.dtype, bias.host(), i, p.bias[i]);
+  std::memcpy(target.host(), p.target.data(), c.N * 8);
+  hidden.upload(); weight.upload(); bias.upload(); target.upload();
+  MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
+  MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
+  IndexView tv{target.data(), c.N, IndexType::I64, dev};
+  linear_cross_entropy_local_stats(hv, wv, tv, c.ce, c.lo, stats.data_as<RowStats>(), nullptr,
+                                   nullptr, 0, VectorView{bias.data(), c.V, c.dtype, dev});
+  cross_entropy_merge(stats.data_as<RowStats>(), 1, stats.data_as<RowStats>(), tv, c.ce, c.V,
+                      {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()});
+  loss.download(); lse.download();
+  for (int64_t r = 0; r < c.N; ++r) {
+    EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
+    EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
+  }
+}
+
 // Sets one environment variable for a scope (the FUSEDLOSS_LCE_* knobs of src/core/lce_tuning.h).
 class ScopedEnv {
  public:
@@ -640,6 +755,77 @@ TEST_P(LinearCrossEntropyBadInputs, ShapesDtypesDevicesAndOptions) {
 
 // A caller's scratch (forward and local_stats): enough of it gives the bits of the call's own;
 // too little, a misaligned block or one over an input is refused before anything is written.
+TEST_P(LinearCrossEntropyBadInputs, Bias) {
+  BadFixture f(GetParam());
+  const Device dev = GetParam(), other = dev == Device::CPU ? Device::CUDA : Device::CPU;
+  constexpr int64_t V = BadFixture::V;
+  Buffer bias(dev, V * 4), db(dev, V * 4), sdb(dev, V * 4);
+  bias.poison(0);
+  auto forward = [&](const VectorView& b, float* dbias = nullptr) {
+    LinearCrossEntropyOutputs o = f.out();
+    o.bias = b;
+    o.dbias = dbias;
+    linear_cross_entropy_forward(f.hv(), f.wv(), f.tv(), {}, {}, o);
+  };
+  const VectorView good{bias.data(), V, DType::F32, dev};
+  VectorView b = good;
+  b.size = V - 1;
+  expect_error([&] { forward(b); }, {"out.bias.size", "got 9", "V_local = weight.rows = 10"});
+  b = good;
+  b.dtype = DType::BF16;  // fp32 inputs: an fp32 bias only
+  expect_error([&] { forward(b); }, {"out.bias.dtype", "bf16", "fp32"});
+  b = good;
+  b.device = other;
+  expect_error([&] { forward(b); }, {"out.bias.device"});
+  b = good;
+  b.data = static_cast<char*>(bias.data()) + 2;
+  expect_error([&] { forward(b); }, {"out.bias"});
+  expect_error([&] { forward({}, db.data_as<float>()); },
+               {"out.dbias", "without out.bias", "expected null"});
+  // an output over the bias it reads
+  expect_error([&] { forward(good, static_cast<float*>(const_cast<void*>(good.data))); },
+               {"out.dbias", "out.bias"});
+  forward(good, sdb.data_as<float>());  // the forward the backward calls below scale
+  auto backward = [&](const VectorView& b, void* dbias, DType dt, float* saved_dbias) {
+    LinearCrossEntropyOutputs saved = f.out();
+    saved.bias = b;
+    saved.dbias = saved_dbias;
+    LinearCrossEntropyGrads g{{f.dh.data(), BadFixture::N, BadFixture::H, BadFixture::H,
+                               DType::F32, dev},
+                              {f.dw.data(), V, BadFixture::H, BadFixture::H, DType::F32, dev}};
+    g.dbias = dbias;
+    g.dbias_dtype = dt;
+    linear_cross_entropy_backward(f.hv(), f.wv(), f.tv(), f.lse.data_as<float>(),
+                                  f.gl.data_as<float>(), f.count.data_as<float>(), {}, {}, saved,
+                                  g);
+  };
+  expect_error([&] { backward({}, db.data(), DType::F32, sdb.data_as<float>()); },
+               {"grads.dbias", "without saved.bias"});
+  expect_error([&] { backward(good, db.data(), DType::BF16, sdb.data_as<float>()); },
+               {"grads.dbias dtype", "bf16", "fp32"});
+  expect_error([&] { backward(good, db.data(), DType::F32, nullptr); },
+               {"saved.dbias", "got null"});
+  b = good;
+  b.size = V + 1;
+  expect_error([&] { backward(b, db.data(), DType::F32, sdb.data_as<float>()); },
+               {"saved.bias.size", "got 11"});
+  expect_error([&] { backward(good, const_cast<void*>(good.data), DType::F32,
+                              sdb.data_as<float>()); },
+               {"grads.dbias", "saved.bias"});
+  // the right call passes, and the bias was only read
+  backward(good, db.data(), DType::F32, sdb.data_as<float>());
+  bias.download();
+  for (int64_t v = 0; v < V; ++v) ASSERT_EQ(bias.host_as<float>()[v], 0.0f);
+  // the split form names its own argument
+  b = good;
+  b.size = 3;
+  expect_error([&] {
+    Buffer stats(dev, BadFixture::N * sizeof(RowStats));
+    linear_cross_entropy_local_stats(f.hv(), f.wv(), f.tv(), {}, {}, stats.data_as<RowStats>(),
+                                     nullptr, nullptr, 0, b);
+  }, {"bias.size", "got 3"});
+}
+
 TEST_P(LinearCrossEntropyBadInputs, CallersScratch) {
   BadFixture f(GetParam());
   CrossEntropyOptions ce;
