@@ -31,7 +31,7 @@ __version__ = _C.__version__
 #                                                                 (python -m fusedloss --cmake-dir)
 cmake_prefix_path = _path.dirname(_path.abspath(__file__))
 cmake_dir = _path.join(cmake_prefix_path, "lib", "cmake", "fusedloss")
-__all__ = ["cross_entropy", "CrossEntropyLoss", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
+__all__ = ["cross_entropy", "CrossEntropyLoss", "CrossEntropyOutput", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
            "linear_log_probs", "LogProbs",
            "check_device_errors", "set_scratch_allocator", "build_info"]
 
@@ -81,7 +81,7 @@ def check_device_errors(device=None):
 # The PyTorch ops load with torch on the first use of one of the package's names (PEP 562), so
 # that `import fusedloss` and fusedloss.jax do not import torch. The op modules load the C++
 # nodes and set the scratch allocator (_native.py) on their import, whichever route imports them.
-_TORCH_API = {"cross_entropy": ("CrossEntropyLoss", "cross_entropy"),
+_TORCH_API = {"cross_entropy": ("CrossEntropyLoss", "CrossEntropyOutput", "cross_entropy"),
               "linear_cross_entropy": ("linear_cross_entropy",),
               "linear_log_probs": ("LogProbs", "linear_log_probs"),
               "rms_norm": ("RMSNorm", "rms_norm"),

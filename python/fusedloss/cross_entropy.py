@@ -462,8 +462,9 @@ def _argmax(logits: Tensor, group) -> Tensor:
         return at
     rank, world = rank_and_size(group)
     mine = torch.stack([best.double(), (at + rank * x.size(-1)).double()], dim=-1)
-    every = mine.new_empty((world, *mine.shape))
+    every = mine.new_empty((world * mine.size(0), 2))  # rank-major, as gloo wants it
     dist.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(world, -1, 2)
     # the first rank holding the maximum has the smallest id among its ties
     owner = every[..., 0].argmax(dim=0, keepdim=True)
     return every[..., 1].gather(0, owner).squeeze(0).long()

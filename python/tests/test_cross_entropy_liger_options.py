@@ -1,0 +1,234 @@
+"""The cross-entropy's options that Liger-Kernel users rely on: logit_softcap (Liger's softcap),
+return_z_loss, return_token_accuracy and return_predicted_tokens, against float64 references
+with Liger's tolerances or tighter (Liger's test_cross_entropy.py: fp32 rtol 1e-6, bf16 5e-2)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fusedloss
+from dist_util import run_world
+
+DTYPES = [torch.float32, torch.bfloat16]
+GRAD_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+
+
+def _problem(device, dtype, rows=67, V=1031, scale=4.0, ignore_index=-100, ignore_frac=0.2):
+    logits = (torch.randn(rows, V, dtype=torch.float64) * scale).to(dtype).to(device)
+    target = torch.randint(0, V, (rows,), device=device)
+    target[torch.rand(rows, device=device) < ignore_frac] = ignore_index
+    return logits, target
+
+
+def _reference(logits, target, softcap=0.0, z_loss=0.0, label_smoothing=0.0, ignore_index=-100,
+               reduction="mean"):
+    """float64: (loss, z-loss part) of the soft-capped logits, and the leaf the gradient lands on."""
+    x = logits.detach().double().requires_grad_(True)
+    y = softcap * torch.tanh(x / softcap) if softcap else x
+    per_row = F.cross_entropy(y, target, ignore_index=ignore_index, reduction="none",
+                              label_smoothing=label_smoothing)
+    valid = target != ignore_index
+    z = torch.where(valid, z_loss * torch.logsumexp(y, -1) ** 2, 0.0)
+    per_row = per_row + z
+    if reduction == "none":
+        return x, per_row, z
+    if reduction == "sum":
+        return x, per_row.sum(), z.sum()
+    n = valid.sum().clamp(min=1)
+    return x, per_row.sum() / n, z.sum() / n
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("options", [dict(), dict(z_loss=1e-4, label_smoothing=0.1),
+                                     dict(ignore_index=-123)])
+def test_softcap_matches_float64(device, dtype, reduction, options):
+    softcap = 5.0
+    ignore = options.get("ignore_index", -100)
+    logits, target = _problem(device, dtype, ignore_index=ignore)
+    x_ref, ref, _ = _reference(logits, target, softcap, reduction=reduction, **options)
+    x = logits.clone().requires_grad_(True)
+    loss = fusedloss.cross_entropy(x, target, logit_softcap=softcap, reduction=reduction, **options)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    g = torch.rand_like(ref) + 0.5
+    loss.backward(g.float())
+    ref.backward(g)
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol,
+                               atol=tol * x_ref.grad.abs().max().item())
+    # the cap changes the loss: a test that could not tell them apart would prove nothing
+    plain = fusedloss.cross_entropy(logits, target, reduction=reduction, **options)
+    assert not torch.allclose(plain, loss.detach())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_softcap_with_the_gradient_in_the_forward(device, dtype, reduction):
+    logits, target = _problem(device, dtype)
+    x_ref, ref, _ = _reference(logits, target, 3.0, z_loss=1e-3, reduction=reduction)
+    x = logits.clone().requires_grad_(True)
+    loss = fusedloss.cross_entropy(x * 1, target, softcap=3.0, z_loss=1e-3, reduction=reduction,
+                                   grad_in_forward=True)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    (2 * loss).backward()
+    (2 * ref).backward()
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol,
+                               atol=tol * x_ref.grad.abs().max().item())
+
+
+def test_softcap_module_and_names(device):
+    logits, target = _problem(device, torch.float32)
+    a = fusedloss.CrossEntropyLoss(softcap=7.0)(logits, target)
+    b = fusedloss.cross_entropy(logits, target, logit_softcap=7.0)
+    assert torch.equal(a, b)
+    # 0 and None are off: the plain loss, bit for bit
+    assert torch.equal(fusedloss.cross_entropy(logits, target, softcap=0.0),
+                       fusedloss.cross_entropy(logits, target))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(softcap=-1.0), ValueError, r"logit_softcap: got -1"),
+    (dict(logit_softcap=float("inf")), ValueError, r"logit_softcap: got inf"),
+    (dict(softcap=2.0, logit_softcap=2.0), TypeError, r"softcap: got 2.0 with logit_softcap=2.0"),
+    (dict(softcap="30"), TypeError, r"softcap: got '30'"),
+    (dict(return_z_loss=1), TypeError, r"return_z_loss: got 1"),
+    (dict(return_token_accuracy="yes"), TypeError, r"return_token_accuracy: got 'yes'"),
+])
+def test_bad_options_name_themselves(kwargs, error, match):
+    logits, target = _problem("cpu", torch.float32, rows=4, V=9)
+    with pytest.raises(error, match=match):
+        fusedloss.cross_entropy(logits, target, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("z_loss", [1e-4, 1e-5])  # PaLM's, Chameleon's (Liger's cases)
+def test_return_z_loss(device, dtype, reduction, z_loss):
+    logits, target = _problem(device, dtype)
+    x_ref, ref, z_ref = _reference(logits, target, z_loss=z_loss, reduction=reduction)
+    x = logits.clone().requires_grad_(True)
+    out = fusedloss.cross_entropy(x, target, z_loss=z_loss, reduction=reduction,
+                                  return_z_loss=True)
+    assert isinstance(out, fusedloss.CrossEntropyOutput)
+    assert out.token_accuracy is None and out.predicted_tokens is None
+    assert out.z_loss.shape == z_ref.shape and out.z_loss.grad_fn is None  # for logging
+    torch.testing.assert_close(out.z_loss.double(), z_ref.detach(), rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    # the loss (which includes the z-loss) and its gradient as without the option
+    plain_x = logits.clone().requires_grad_(True)
+    plain = fusedloss.cross_entropy(plain_x, target, z_loss=z_loss, reduction=reduction)
+    assert torch.equal(plain.detach(), out.loss.detach())
+    g = torch.rand_like(plain) + 0.5
+    out.loss.backward(g)
+    plain.backward(g)
+    assert torch.equal(x.grad, plain_x.grad)
+
+
+def _accuracy_reference(logits, target, ignore_index, reduction):
+    valid = target != ignore_index
+    predicted = torch.where(valid, logits.double().argmax(-1), -1)
+    hit = (valid & (predicted == target)).double()
+    if reduction == "none":
+        return hit, predicted
+    return hit.sum() / valid.sum().clamp(min=1), predicted
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("grad_in_forward", [False, True])
+def test_token_accuracy_and_predicted_tokens(device, dtype, reduction, grad_in_forward):
+    if grad_in_forward and reduction == "none":
+        pytest.skip("grad_in_forward needs a sum or mean (its own test refuses 'none')")
+    logits, target = _problem(device, dtype, rows=203, V=67, scale=1.0)
+    logits[5] = 0.5  # a whole row tied: the smallest id wins
+    logits[7, 60] = logits[7, 3] = logits[7].max() + 1  # a tie of two
+    # some rows predicted right, so accuracy is neither 0 nor 1
+    target[10:40] = torch.where(target[10:40] == -100, -100, logits[10:40].float().argmax(-1))
+    acc_ref, pred_ref = _accuracy_reference(logits, target, -100, reduction)
+    assert pred_ref[7] in (3, -1) and 0 < acc_ref.mean() < 1
+    x = logits.clone().requires_grad_(True)
+    out = fusedloss.cross_entropy(x * 1, target, reduction=reduction, return_token_accuracy=True,
+                                  return_predicted_tokens=True, grad_in_forward=grad_in_forward)
+    assert out.z_loss is None
+    assert out.predicted_tokens.dtype == torch.int64
+    assert torch.equal(out.predicted_tokens, pred_ref)
+    torch.testing.assert_close(out.token_accuracy.double(), acc_ref, rtol=1e-6, atol=0)
+    # the loss and gradient as without the options (the argmax read the logits before any
+    # gradient overwrote them)
+    plain_x = logits.clone().requires_grad_(True)
+    plain = fusedloss.cross_entropy(plain_x * 1, target, reduction=reduction)
+    assert torch.equal(plain.detach(), out.loss.detach())
+    out.loss.sum().backward()
+    plain.sum().backward()
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(x.grad, plain_x.grad, rtol=tol, atol=tol * plain_x.grad.abs().max())
+
+
+def test_every_extra_with_class_weight_and_3d_logits(device):
+    logits, target = _problem(device, torch.float32, rows=48, V=41)
+    logits, target = logits.view(6, 8, 41), target.view(6, 8)
+    weight = torch.rand(41, device=device) + 0.5
+    out = fusedloss.cross_entropy(logits, target, weight=weight, z_loss=1e-3, reduction="mean",
+                                  return_z_loss=True, return_token_accuracy=True,
+                                  return_predicted_tokens=True)
+    x = logits.double().reshape(-1, 41)
+    t = target.reshape(-1)
+    valid = t != -100
+    w = torch.where(valid, weight.double()[t.clamp(min=0)], 0.0)
+    z = 1e-3 * torch.logsumexp(x, -1) ** 2
+    ce = F.cross_entropy(x, t, weight=weight.double(), reduction="sum")
+    torch.testing.assert_close(out.loss.double(), (ce + (w * z).sum()) / w.sum(), rtol=1e-6, atol=0)
+    # the z-loss weighted as the loss that includes it; the accuracy a plain fraction
+    torch.testing.assert_close(out.z_loss.double(), (w * z).sum() / w.sum(), rtol=1e-5, atol=0)
+    acc, pred = _accuracy_reference(x, t, -100, "mean")
+    torch.testing.assert_close(out.token_accuracy.double(), acc, rtol=1e-6, atol=0)
+    assert torch.equal(out.predicted_tokens, pred.view(6, 8))
+
+
+def test_no_counted_row_gives_zero_metrics():
+    logits, target = _problem("cpu", torch.float32, rows=5, V=11)
+    target[:] = -100
+    out = fusedloss.cross_entropy(logits, target, z_loss=1e-3, return_z_loss=True,
+                                  return_token_accuracy=True, return_predicted_tokens=True)
+    assert out.loss.item() == 0 and out.z_loss.item() == 0 and out.token_accuracy.item() == 0
+    assert torch.equal(out.predicted_tokens, torch.full((5,), -1))
+
+
+def _check_tp(rank, world, reduction):
+    torch.manual_seed(0)  # the same problem on every rank
+    logits, target = _problem("cpu", torch.float32, rows=31, V=16 * world)
+    logits[3, 5] = logits[3, 16 + 2] = logits[3].max() + 1  # a tie across the shards: id 5 wins
+    shard = logits[:, rank * 16:(rank + 1) * 16].clone().requires_grad_(True)
+    options = dict(reduction=reduction, logit_softcap=4.0, z_loss=1e-3, return_z_loss=True,
+                   return_token_accuracy=True, return_predicted_tokens=True)
+    out = fusedloss.cross_entropy(shard, target, tp_group=dist.group.WORLD, **options)
+    x = logits.clone().requires_grad_(True)
+    one = fusedloss.cross_entropy(x, target, **options)
+    torch.testing.assert_close(out.loss, one.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.z_loss, one.z_loss, rtol=1e-6, atol=1e-9)
+    assert torch.equal(out.predicted_tokens, one.predicted_tokens)
+    assert out.predicted_tokens[3] in (5, -1)  # -1: an ignored row
+    torch.testing.assert_close(out.token_accuracy, one.token_accuracy)
+    out.loss.sum().backward()
+    one.loss.sum().backward()
+    torch.testing.assert_close(shard.grad, x.grad[:, rank * 16:(rank + 1) * 16], rtol=1e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_gloo_tp_equals_tp1(reduction):
+    run_world(2, _check_tp, reduction)
+
+
+def _check_tp_softcap_on_one_rank(rank, world):
+    from test_vocab_parallel import _same_error_everywhere
+    logits, target = _problem("cpu", torch.float32, rows=8, V=16 * world)
+    shard = logits[:, rank * 16:(rank + 1) * 16]
+    _same_error_everywhere(lambda: fusedloss.cross_entropy(
+        shard, target, tp_group=dist.group.WORLD, logit_softcap=5.0 if rank == 0 else None),
+        "logit_softcap")
+
+
+def test_gloo_tp_softcap_on_one_rank_raises_everywhere():
+    run_world(2, _check_tp_softcap_on_one_rank, timeout_s=30)
