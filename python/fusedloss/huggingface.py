@@ -78,8 +78,9 @@ def _causal_lm_loss(model, hidden, labels, shift_labels, num_items_in_batch):
     if shift_labels is None:  # transformers' shift: position i predicts token i + 1
         shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
     cap = getattr(model.config, "final_logit_softcapping", None)
+    head = model.get_output_embeddings()
     loss = fusedloss.linear_cross_entropy(
-        hidden, model.get_output_embeddings().weight, shift_labels.to(hidden.device),
+        hidden, head.weight, shift_labels.to(hidden.device), getattr(head, "bias", None),
         ignore_index=-100, reduction="sum" if num_items_in_batch is not None else "mean",
         logit_softcap=cap or None)
     if num_items_in_batch is not None:

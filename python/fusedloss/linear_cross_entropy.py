@@ -36,7 +36,8 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in,
                      vector)
-from .cross_entropy import (_REDUCTIONS, check_targets_on_host, class_weighted, loss_outputs,
+from .cross_entropy import (_REDUCTIONS, CrossEntropyOutput, as_softcap, check_targets_on_host,
+                            class_weighted, loss_outputs, _wanted, _with_extras,
                             make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
 
@@ -446,6 +447,16 @@ _linear_cross_entropy = FusedOp(
              "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))})
 
 
+# return_z_loss: the same op with the merged lse as a second, non-differentiable output
+_linear_cross_entropy_lse = FusedOp(
+    "linear_cross_entropy_lse", forward=_forward, forward_fake=_forward_fake, setup=_setup,
+    backward=lambda ctx, grads, kernels: _grads(ctx, grads[0], kernels), n_outputs=2,
+    inplace_flag="inplace_backward",
+    consumed="scaled the gradients its forward saved in place (the inputs are untouched)",
+    kernels={"bwd": (_backward, _backward_fake, ()),
+             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))})
+
+
 # eager calls without a tp_group or an accumulator: the same steps with the node in C++
 _EAGER = _native.ops.linear_cross_entropy_eager.default if _native.ops is not None else None
 
@@ -603,13 +614,13 @@ _AUTO_MODE = {(int(r), dtype, masked): int(_C.resolve_linear_ce_backward(
 
 @parsed_once
 def _option_args(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
-                 z_loss, logit_softcap, workspace_bytes, backward_mode, dhidden_reduction,
+                 z_loss, logit_softcap, softcap, workspace_bytes, backward_mode, dhidden_reduction,
                  dweight_accumulation, inplace_backward):
     """Keyword options -> (the plain values the op schema carries, the backward mode (auto
     unresolved), dhidden_reduction, fp32 accumulation, inplace_backward)."""
     opts = _Options(*parse_options(ignore_index, label_smoothing, smoothing_formula,
                                    smoothing_scope, reduction, z_loss),
-                    0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap"),
+                    as_softcap(logit_softcap, softcap),
                     as_workspace_bytes(workspace_bytes))
     return (opts, as_choice(backward_mode, "backward_mode", _MODES),
             as_choice(dhidden_reduction, "dhidden_reduction", _DHIDDEN),
@@ -643,7 +654,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          inplace_backward: bool = True,
                          weight_grad_accumulator: Optional[Tensor] = None,
                          loss_mask: Optional[Tensor] = None,
-                         class_weight: Optional[Tensor] = None) -> Tensor:
+                         class_weight: Optional[Tensor] = None,
+                         softcap: Optional[float] = None, return_z_loss: bool = False,
+                         return_token_accuracy: bool = False,
+                         return_predicted_tokens: bool = False):
     """cross_entropy(F.linear(hidden, weight, bias), target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -655,7 +669,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     computed only when it requires grad. At tp_group size > 1 every rank passes one or none (the
     shard agreement raises on every rank otherwise). The options are those of
     fusedloss.cross_entropy; logit_softcap=c applies c * tanh(z / c) to the logits first
-    (Gemma-2). Gradients for hidden and weight come back in their dtypes; the weight's
+    (Gemma-2; `softcap` is Liger's name for it). Gradients for hidden and weight come back in their dtypes; the weight's
     accumulates over token chunks as dweight_accumulation says. fp32 inputs follow
     torch.backends.cuda.matmul.allow_tf32. Under torch.autocast, the GEMMs run in its dtype as
     F.linear's would (a 16-bit hidden and an fp32 weight, too: the weight is cast inside the op,
@@ -725,15 +739,25 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     row-weighted in-forward backward (3 GEMMs) for "sum" and "mean". Not with label_smoothing
     (torch weights each smoothing term by its own class) or a loss_mask.
 
+    return_z_loss, return_token_accuracy, return_predicted_tokens: as fusedloss.cross_entropy's
+    (a CrossEntropyOutput). The z-loss comes from the lse the op keeps; the argmax behind the
+    other two is the log-prob head's (fusedloss.linear_log_probs with argmax=True, without a
+    gradient): one more logits GEMM over the tokens, so a third more time. Not with a bias
+    (the log-prob head has none).
+
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
     """
+    want = _wanted(return_z_loss, return_token_accuracy, return_predicted_tokens)
+    if want.return_token_accuracy or want.return_predicted_tokens:
+        return _with_argmax(hidden, weight, target, bias, want, locals())
     if class_weight is not None:
         return _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group,
                                check_shard_agreement, reduction, label_smoothing,
                                ignore_index=ignore_index, smoothing_formula=smoothing_formula,
                                smoothing_scope=smoothing_scope, z_loss=z_loss,
-                               logit_softcap=logit_softcap, workspace_bytes=workspace_bytes,
+                               logit_softcap=logit_softcap, softcap=softcap,
+                               return_z_loss=return_z_loss, workspace_bytes=workspace_bytes,
                                backward_mode=backward_mode, dhidden_reduction=dhidden_reduction,
                                dweight_accumulation=dweight_accumulation,
                                inplace_backward=inplace_backward,
@@ -746,7 +770,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
             raise bad_flag
         opts, mode, dh_red, accumulation, inplace = _option_args(
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
-            logit_softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
+            logit_softcap, softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
             inplace_backward)
         acc32 = _fp32_accumulation(accumulation, weight, weight_grad_accumulator)
         # under torch.autocast the GEMMs run in its dtype, as F.linear's would (an accumulator
@@ -796,14 +820,52 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
             dh_red = _DHIDDEN["partial"]  # no hidden gradient: nothing to reduce-scatter
         hidden = gather_token_slices(hidden, name, check, hidden_grad, target.numel(),
                                      weight.size(0), _OP)
-    if (_EAGER is not None and not name and weight_grad_accumulator is None and bias is None
+    lse = None
+    if want.return_z_loss:  # the same op, with the lse it keeps
+        loss, lse = _linear_cross_entropy_lse(hidden, weight, target, bias, row_weight, *opts, mode,
+                                              tf32, name, check, dh_red, acc32, inplace, bias_grad,
+                                              weight_grad_accumulator)
+        lse = lse.detach()
+    elif (_EAGER is not None and not name and weight_grad_accumulator is None and bias is None
             and not cast_inside and not through_custom_ops()):
         loss = _EAGER(hidden, weight, target, row_weight, *opts, mode, tf32, acc32, inplace)
     else:
         loss = _linear_cross_entropy(hidden, weight, target, bias, row_weight, *opts, mode, tf32,
                                      name, check, dh_red, acc32, inplace, bias_grad,
                                      weight_grad_accumulator)
-    return loss.view(target.shape) if opts.reduction == _NONE else loss
+    loss = loss.view(target.shape) if opts.reduction == _NONE else loss
+    return _with_extras(loss, lse, None, target, opts, want) if want.return_z_loss else loss
+
+
+def _with_argmax(hidden, weight, target, bias, want, arguments):
+    """linear_cross_entropy(**arguments) with token accuracy or predicted tokens: the loss
+    (and z-loss) as asked, then the arg-max of the log-prob head over the same tokens (its own
+    agreement at TP > 1), without a gradient."""
+    from .linear_log_probs import linear_log_probs
+    if bias is not None:
+        raise ValueError("bias: got a tensor with return_token_accuracy or return_predicted_tokens, "
+                         "expected no bias (the arg-max comes from the log-prob head, which has "
+                         "none)")
+    call = {k: v for k, v in arguments.items() if k not in ("hidden", "weight", "target", "want")}
+    call.update(return_token_accuracy=False, return_predicted_tokens=False)
+    out = linear_cross_entropy(hidden, weight, target, **call)
+    loss, z = (out.loss, out.z_loss) if want.return_z_loss else (out, None)
+    with torch.no_grad():
+        predicted = linear_log_probs(
+            hidden.detach(), weight.detach(), target, entropy=False, argmax=True,
+            ignore_index=arguments["ignore_index"], tp_group=arguments["tp_group"],
+            check_shard_agreement=arguments["check_shard_agreement"],
+            dhidden_reduction=arguments["dhidden_reduction"],
+            workspace_bytes=arguments["workspace_bytes"]).argmax.reshape(-1)
+    opts = _ExtrasOptions(as_int(arguments["ignore_index"], "ignore_index"),
+                          _REDUCTIONS[arguments["reduction"]], 0.0)
+    extras = _with_extras(loss, None, predicted, target, opts,
+                          want._replace(return_z_loss=False))
+    return extras._replace(z_loss=z)
+
+
+_ExtrasOptions = NamedTuple("_ExtrasOptions", [("ignore_index", int), ("reduction", int),
+                                               ("z_loss", float)])
 
 
 def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group, check,
@@ -817,4 +879,8 @@ def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_gr
         v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
         conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
         op_name=_OP)
-    return weighted_reduction(per_token, row_weight, kind)
+    if not isinstance(per_token, CrossEntropyOutput):
+        return weighted_reduction(per_token, row_weight, kind)
+    # the z-loss weighted as the loss that includes it
+    return per_token._replace(loss=weighted_reduction(per_token.loss, row_weight, kind),
+                              z_loss=weighted_reduction(per_token.z_loss, row_weight, kind))
