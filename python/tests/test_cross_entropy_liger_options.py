@@ -232,3 +232,84 @@ def _check_tp_softcap_on_one_rank(rank, world):
 
 def test_gloo_tp_softcap_on_one_rank_raises_everywhere():
     run_world(2, _check_tp_softcap_on_one_rank, timeout_s=30)
+
+
+# ---- the linear cross-entropy: the same options ----
+
+def _lce_problem(device, dtype, N=45, H=24, V=133):
+    hidden = (torch.randn(N, H, dtype=torch.float64)).to(dtype).to(device)
+    weight = (torch.randn(V, H, dtype=torch.float64) / 2).to(dtype).to(device)
+    target = torch.randint(0, V, (N,), device=device)
+    target[torch.rand(N, device=device) < 0.2] = -100
+    return hidden, weight, target
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_linear_every_extra(device, dtype, reduction):
+    hidden, weight, target = _lce_problem(device, dtype)
+    logits = hidden.double() @ weight.double().T
+    _, ref, z_ref = _reference(logits, target, softcap=6.0, z_loss=1e-3, reduction=reduction)
+    acc_ref, pred_ref = _accuracy_reference(logits, target, -100, reduction)
+    h = hidden.clone().requires_grad_(True)
+    out = fusedloss.linear_cross_entropy(h, weight, target, softcap=6.0, z_loss=1e-3,
+                                         reduction=reduction, return_z_loss=True,
+                                         return_token_accuracy=True, return_predicted_tokens=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.z_loss.double(), z_ref.detach(), rtol=tol, atol=1e-9)
+    # the arg-max of the logits as the GEMM rounds them: compare where the float64 top two
+    # differ by more than that rounding
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > (1e-4 if dtype == torch.float32 else 0.1)
+    assert clear.sum() > 10
+    assert torch.equal(out.predicted_tokens[clear], pred_ref[clear])
+    if reduction == "none":
+        assert torch.equal(out.token_accuracy[clear], acc_ref[clear])
+    plain = fusedloss.linear_cross_entropy(hidden, weight, target, logit_softcap=6.0, z_loss=1e-3,
+                                           reduction=reduction)
+    torch.testing.assert_close(out.loss.detach(), plain, rtol=0, atol=0)
+    out.loss.sum().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_linear_extras_refuse_a_bias_and_name_it():
+    hidden, weight, target = _lce_problem("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"bias: got a tensor with return_token_accuracy"):
+        fusedloss.linear_cross_entropy(hidden, weight, target, torch.zeros(weight.size(0)),
+                                       return_predicted_tokens=True)
+    # the z-loss alone comes with a bias
+    out = fusedloss.linear_cross_entropy(hidden, weight, target, torch.zeros(weight.size(0)),
+                                         z_loss=1e-3, return_z_loss=True)
+    assert out.z_loss.item() > 0
+
+
+def test_linear_z_loss_with_class_weight(device):
+    hidden, weight, target = _lce_problem(device, torch.float32)
+    cw = torch.rand(weight.size(0), device=device) + 0.5
+    out = fusedloss.linear_cross_entropy(hidden, weight, target, class_weight=cw, z_loss=1e-3,
+                                         return_z_loss=True)
+    x = hidden.double() @ weight.double().T
+    valid = target != -100
+    w = torch.where(valid, cw.double()[target.clamp(min=0)], 0.0)
+    z = 1e-3 * torch.logsumexp(x, -1) ** 2
+    torch.testing.assert_close(out.z_loss.double(), (w * z).sum() / w.sum(), rtol=1e-5, atol=0)
+
+
+def _check_linear_tp(rank, world):
+    torch.manual_seed(0)
+    hidden, weight, target = _lce_problem("cpu", torch.float32, V=32 * world)
+    own = slice(rank * 32, (rank + 1) * 32)
+    options = dict(z_loss=1e-3, return_z_loss=True, return_token_accuracy=True,
+                   return_predicted_tokens=True, reduction="mean")
+    out = fusedloss.linear_cross_entropy(hidden, weight[own], target, tp_group=dist.group.WORLD,
+                                         **options)
+    one = fusedloss.linear_cross_entropy(hidden, weight, target, **options)
+    torch.testing.assert_close(out.loss, one.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.z_loss, one.z_loss, rtol=1e-5, atol=1e-9)
+    assert torch.equal(out.predicted_tokens, one.predicted_tokens)
+    torch.testing.assert_close(out.token_accuracy, one.token_accuracy)
+
+
+def test_linear_gloo_tp_equals_tp1():
+    run_world(2, _check_linear_tp)
