@@ -657,7 +657,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          class_weight: Optional[Tensor] = None,
                          softcap: Optional[float] = None, return_z_loss: bool = False,
                          return_token_accuracy: bool = False,
-                         return_predicted_tokens: bool = False):
+                         return_predicted_tokens: bool = False, use_token_scaling: bool = False):
     """cross_entropy(F.linear(hidden, weight, bias), target) without the [N, V] logits.
 
     hidden [N, H] or [s, b, H] and weight [V_local, H] (fp32/fp16/bf16, one dtype, any strides);
@@ -745,9 +745,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     gradient): one more logits GEMM over the tokens, so a third more time. Not with a bias
     (the log-prob head has none).
 
+    use_token_scaling (Liger's option): each counted token's loss (and z-loss) is multiplied by
+    the probability the model gives its target, p = exp(-(loss - z-loss)), taken as a constant
+    (no gradient through it), then reduced (mean: over the counted tokens). The factors are
+    known only after the forward, so the gradient takes the recompute backward (4 GEMMs). Not
+    with label_smoothing (the loss then no longer gives p) or class_weight.
+
     No host synchronisation at TP=1 on CUDA; an out-of-range target makes its row NaN and is
     raised by fusedloss.check_device_errors().
     """
+    if as_bool(use_token_scaling, "use_token_scaling"):
+        return _token_scaled(hidden, weight, target, bias, locals())
     want = _wanted(return_z_loss, return_token_accuracy, return_predicted_tokens)
     if want.return_token_accuracy or want.return_predicted_tokens:
         return _with_argmax(hidden, weight, target, bias, want, locals())
@@ -862,6 +870,39 @@ def _with_argmax(hidden, weight, target, bias, want, arguments):
     extras = _with_extras(loss, None, predicted, target, opts,
                           want._replace(return_z_loss=False))
     return extras._replace(z_loss=z)
+
+
+def _token_scaled(hidden, weight, target, bias, arguments):
+    """linear_cross_entropy(**arguments) with Liger's token scaling: the per-token losses
+    (reduction 'none', with their z-loss parts) scaled by the detached target probability,
+    then reduced as asked."""
+    for name, off in (("label_smoothing", 0.0), ("class_weight", None)):
+        if arguments[name] is not None and arguments[name] != off:
+            raise ValueError(f"use_token_scaling: got True with {name}={arguments[name]!r}, "
+                             f"expected {name}={off!r} (the scaling needs the plain loss's "
+                             "target probability)")
+    kind = as_choice(arguments["reduction"], "reduction", {"none": 0, "sum": 1, "mean": 2})
+    call = {k: v for k, v in arguments.items() if k not in ("hidden", "weight", "target", "bias")}
+    call.update(reduction="none", use_token_scaling=False, return_z_loss=True)
+    out = linear_cross_entropy(hidden, weight, target, bias, **call)
+    counted = target != as_int(arguments["ignore_index"], "ignore_index")
+    p = torch.where(counted, torch.exp(out.z_loss - out.loss.detach()), 0.0)
+    loss, z = out.loss * p, out.z_loss * p
+    if kind:
+        n = counted.sum().clamp(min=1) if kind == 2 else 1
+        loss, z = loss.sum() / n, z.sum() / n
+    if not (arguments["return_z_loss"] or arguments["return_token_accuracy"]
+            or arguments["return_predicted_tokens"]):
+        return loss
+    extras = {}
+    if arguments["return_token_accuracy"] or arguments["return_predicted_tokens"]:
+        acc = out.token_accuracy
+        extras = dict(predicted_tokens=out.predicted_tokens,
+                      token_accuracy=None if acc is None or kind == 0 else
+                      acc.sum() / counted.sum().clamp(min=1))
+        if acc is not None and kind == 0:
+            extras["token_accuracy"] = acc
+    return CrossEntropyOutput(loss, z if arguments["return_z_loss"] else None, **extras)
 
 
 _ExtrasOptions = NamedTuple("_ExtrasOptions", [("ignore_index", int), ("reduction", int),

@@ -313,3 +313,39 @@ def _check_linear_tp(rank, world):
 
 def test_linear_gloo_tp_equals_tp1():
     run_world(2, _check_linear_tp)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("options", [dict(), dict(z_loss=1e-3, logit_softcap=4.0)])
+def test_linear_token_scaling(device, reduction, options):
+    """Liger's use_token_scaling: each token's loss times its detached target probability."""
+    hidden, weight, target = _lce_problem(device, torch.float32)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss = fusedloss.linear_cross_entropy(h, w, target, reduction=reduction,
+                                          use_token_scaling=True, **options)
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    cap = options.get("logit_softcap", 0.0)
+    _, per_row, _ = _reference(h64 @ w64.T, target, cap, options.get("z_loss", 0.0),
+                               reduction="none")
+    x = h64 @ w64.T  # the reference's own leaf is detached: recompute with the graph
+    y = cap * torch.tanh(x / cap) if cap else x
+    valid = target != -100
+    per_row = (F.cross_entropy(y, target, reduction="none")
+               + torch.where(valid, options.get("z_loss", 0.0) * torch.logsumexp(y, -1) ** 2, 0.0))
+    p = torch.where(valid, torch.softmax(y, -1).gather(1, target.clamp(min=0)[:, None])[:, 0],
+                    0.0).detach()
+    ref = per_row * p
+    ref = ref if reduction == "none" else ref.sum() / (valid.sum() if reduction == "mean" else 1)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-7)
+    g = torch.rand_like(ref) + 0.5
+    loss.backward(g.float())
+    ref.backward(g)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_linear_token_scaling_refuses_label_smoothing():
+    hidden, weight, target = _lce_problem("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"use_token_scaling: got True with label_smoothing=0.1"):
+        fusedloss.linear_cross_entropy(hidden, weight, target, use_token_scaling=True,
+                                       label_smoothing=0.1)
