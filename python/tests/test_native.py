@@ -317,11 +317,11 @@ def test_cross_entropy_node_checks_what_a_direct_call_passes(device):
     op = torch.ops.fusedloss.cross_entropy_eager.default
     h = torch.randn(4, 5, device=device, requires_grad=True)
     with pytest.raises(ValueError, match="target.dtype"):
-        op(h * 1, torch.zeros(4, device=device), -100, 0.0, 0, 0, 0.0, 2, False, False)
+        op(h * 1, torch.zeros(4, device=device), -100, 0.0, 0, 0, 0.0, 2, 0.0, False, False)
     x = h * 1
     before = x.detach().clone()
     with torch.no_grad():
-        op(x, torch.zeros(4, dtype=torch.long, device=device), -100, 0.0, 0, 0, 0.0, 2, True, True)
+        op(x, torch.zeros(4, dtype=torch.long, device=device), -100, 0.0, 0, 0, 0.0, 2, 0.0, True, True)
     assert torch.equal(x, before)  # no node: nothing written
     t = torch.zeros(4, dtype=torch.uint8, device=device)
     loss = fusedloss.cross_entropy(h * 1, t)
@@ -347,9 +347,9 @@ def test_nodes_share_the_core_of_check_device_errors(device, in_forward):
     t = torch.tensor([1, 2, 10, 3], device=device)
     if device == "cpu":
         with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
-            op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, False, in_forward)
+            op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, 0.0, False, in_forward)
         return
-    loss = op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, False, in_forward)  # reduction sum
+    loss = op(h * 1, t, -100, 0.0, 0, 0, 0.0, 1, 0.0, False, in_forward)  # reduction sum
     assert loss.grad_fn is not None and "CppFunction" in type(loss.grad_fn).__name__
     with pytest.raises(ValueError, match=r"target\[2\]: got 10"):
         fusedloss.check_device_errors()
