@@ -35,7 +35,7 @@ struct CeCase {
        << " dtype=" << to_string(dtype) << " target=" << to_string(itype)
        << " ls=" << opt.label_smoothing
        << (opt.smoothing_formula == SmoothingFormula::Megatron ? "(megatron)" : "(pytorch)")
-       << " z=" << opt.z_loss << " reduction=" << int(opt.reduction)
+       << " z=" << opt.z_loss << " softcap=" << opt.logit_softcap << " reduction=" << int(opt.reduction)
        << " ignore=" << ignore_fraction << (in_place ? " in-place" : " out-of-place")
        << (grad_in_forward ? " grad-in-forward" : "") << " upstream=" << upstream;
     return os.str();
@@ -186,7 +186,14 @@ inline RefResult reference_for(const CeCase& c, const CeRun& run) {
   o.label_smoothing = c.opt.label_smoothing;
   o.megatron_formula = c.opt.smoothing_formula == SmoothingFormula::Megatron;
   o.z_loss = c.opt.z_loss;
-  return reference_cross_entropy(run.x, c.rows, c.V, run.target, o, run.grad_weight);
+  const double cap = c.opt.logit_softcap;
+  if (cap <= 0) return reference_cross_entropy(run.x, c.rows, c.V, run.target, o, run.grad_weight);
+  // the loss of the capped logits z = c tanh(x / c); dz/dx = 1 - (z / c)^2
+  std::vector<double> z(run.x.size());
+  for (size_t i = 0; i < z.size(); ++i) z[i] = cap * std::tanh(run.x[i] / cap);
+  RefResult ref = reference_cross_entropy(z, c.rows, c.V, run.target, o, run.grad_weight);
+  for (size_t i = 0; i < z.size(); ++i) ref.grad[i] *= 1.0 - (z[i] / cap) * (z[i] / cap);
+  return ref;
 }
 
 // The whole check of one case.

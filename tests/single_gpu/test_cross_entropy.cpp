@@ -64,6 +64,29 @@ TEST_P(CrossEntropy, ZLoss) {
   }
 }
 
+// Gemma-2's soft cap: every reduction, the gradient in place and in the forward (which takes
+// the stats and gradient kernels apart when capped), with smoothing and z-loss, rows long
+// enough for the cluster kernel's length.
+TEST_P(CrossEntropy, LogitSoftcap) {
+  for (auto red : {Reduction::None, Reduction::Sum, Reduction::Mean})
+    for (DType d : {DType::F32, DType::BF16})
+      for (bool in_forward : {false, true}) {
+        if (in_forward && red == Reduction::None) continue;
+        CeCase c;
+        c.opt.logit_softcap = 3.0f;
+        c.opt.reduction = red;
+        c.dtype = d;
+        c.V = red == Reduction::Sum ? 131072 : 2051;
+        c.rows = red == Reduction::Sum ? 5 : 23;
+        c.grad_in_forward = in_forward;
+        c.in_place = in_forward;
+        c.ignore_fraction = 0.2;
+        c.opt.label_smoothing = red == Reduction::Mean ? 0.1f : 0.0f;
+        c.opt.z_loss = 1e-3f;
+        check(c);
+      }
+}
+
 TEST_P(CrossEntropy, EveryReduction) {
   for (auto red : {Reduction::None, Reduction::Sum, Reduction::Mean})
     for (bool in_place : {false, true}) {
