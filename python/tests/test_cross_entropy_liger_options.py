@@ -349,3 +349,34 @@ def test_linear_token_scaling_refuses_label_smoothing():
     with pytest.raises(ValueError, match=r"use_token_scaling: got True with label_smoothing=0.1"):
         fusedloss.linear_cross_entropy(hidden, weight, target, use_token_scaling=True,
                                        label_smoothing=0.1)
+
+
+# Liger's own CUDA cases (its test_cross_entropy.py shapes and options); the CPU runs the same
+# options at the smaller shapes above.
+@pytest.mark.parametrize("B, T, V", [(2, 4096, 32000), (3, 423, 32000)])
+@pytest.mark.parametrize("dtype, rtol", [(torch.bfloat16, 5e-2), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("options", [dict(softcap=30.0), dict(z_loss=1e-4, return_z_loss=True),
+                                     dict(z_loss=1e-5, label_smoothing=0.1, ignore_index=-123,
+                                          reduction="sum", return_z_loss=True)])
+def test_liger_cases_on_cuda(B, T, V, dtype, rtol, options):
+    if not torch.cuda.is_available():
+        pytest.skip("Liger's shapes are its CUDA cases: no GPU here (the same options run on "
+                    "the CPU at smaller shapes in this file)")
+    options = dict(options)
+    ignore = options.get("ignore_index", -100)
+    logits, target = _problem("cuda", dtype, rows=B * T, V=V, scale=1.0, ignore_index=ignore)
+    x_ref, ref, z_ref = _reference(logits, target, options.get("softcap", 0.0),
+                                   options.get("z_loss", 0.0), options.get("label_smoothing", 0.0),
+                                   ignore, options.get("reduction", "mean"))
+    x = logits.clone().requires_grad_(True)
+    out = fusedloss.cross_entropy(x, target, **options)
+    loss = out.loss if options.get("return_z_loss") else out
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=rtol, atol=1e-8)
+    if options.get("return_z_loss"):
+        torch.testing.assert_close(out.z_loss.double(), z_ref.detach(), rtol=max(rtol, 1e-5),
+                                   atol=1e-8)
+    loss.backward()
+    ref.backward()
+    tol = GRAD_TOL[dtype]
+    torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol,
+                               atol=tol * x_ref.grad.abs().max().item())
