@@ -68,6 +68,28 @@ def fusedloss_ce(x, t):
     return fusedloss.cross_entropy(x, t, reduction="none", inplace_backward=True)
 
 
+# The options that change the kernels' traffic, beside the plain call: Gemma 2's soft cap of
+# 30, and a per-class weight (all ones: the same loss, the weighted path's cost).
+SOFTCAP = 30.0
+
+
+def fusedloss_ce_softcap(x, t):
+    import fusedloss
+    return fusedloss.cross_entropy(x, t, reduction="none", inplace_backward=True,
+                                   logit_softcap=SOFTCAP)
+
+
+def fusedloss_ce_class_weight(x, t):
+    import fusedloss
+    weight = torch.ones(x.size(-1), device=x.device)
+    return fusedloss.cross_entropy(x, t, reduction="none", inplace_backward=True, weight=weight)
+
+
+def liger_ce_softcap():
+    from liger_kernel.transformers.functional import liger_cross_entropy
+    return lambda x, t: liger_cross_entropy(x, t, reduction="none", softcap=SOFTCAP)
+
+
 def fusedloss_swiglu(in_place):
     import fusedloss
     return lambda y: fusedloss.swiglu(y, inplace_backward=in_place)
@@ -85,7 +107,8 @@ def collect(providers, candidates, *args):
 
 
 def available():
-    return collect({"torch": torch_ce}, {"liger": liger_ce, "megatron": megatron_fused_ce})
+    return collect({"torch": torch_ce}, {"liger": liger_ce, "liger-softcap": liger_ce_softcap,
+                                         "megatron": megatron_fused_ce})
 
 
 def time_provider(fn, pristine, target, iters=30, warmup=3):

@@ -89,7 +89,9 @@ def python_providers(kind):
         print(f"[bench] fusedloss Python package unavailable: {e}")
         return {}
     if kind == "cross-entropy":
-        return {"fusedloss-py": peers.fusedloss_ce}
+        return {"fusedloss-py": peers.fusedloss_ce,
+                "fusedloss-py-softcap": peers.fusedloss_ce_softcap,
+                "fusedloss-py-class-weight": peers.fusedloss_ce_class_weight}
     return {"fusedloss-py": peers.fusedloss_swiglu(True),
             "fusedloss-py-out-of-place": peers.fusedloss_swiglu(False)}
 
