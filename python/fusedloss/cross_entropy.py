@@ -94,7 +94,8 @@ def loss_outputs(rows, reduction, device):
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
              scope: int, z_loss: float, reduction: int, softcap: float, group: str, check_agreement: bool,
-             inplace_backward: bool, grad_in_forward: bool) -> Tuple[Tensor, Tensor, Tensor]:
+             inplace_backward: bool, grad_in_forward: bool,
+             argmax: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
     g = resolve_group(group)
@@ -119,7 +120,9 @@ def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing:
     # the target's shape too: [s, b] on one rank and [b, s] on another have equal rows
     options = fingerprint(**option_names(ignore_index, label_smoothing, formula, scope, z_loss,
                                          reduction), logit_softcap=softcap,
-                          target_shape=tuple(target.shape))
+                          target_shape=tuple(target.shape),
+                          # the arg-max's all-gather follows on the ranks that ask for it
+                          return_token_accuracy_or_predicted_tokens=argmax)
     # Everything that may fail on this rank alone (a copy, an allocation) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
         x = rows_of(logits)
@@ -150,7 +153,7 @@ def _consumed(logits):
 
 
 def _forward_fake(logits, target, ignore_index, label_smoothing, formula, scope, z_loss, reduction,
-                  softcap, group, check_agreement, inplace_backward, grad_in_forward):
+                  softcap, group, check_agreement, inplace_backward, grad_in_forward, argmax):
     if grad_in_forward:  # it would write the logits, which the op's schema does not declare
         raise RuntimeError(f"{_OP}: grad_in_forward=True cannot be traced; cross_entropy() "
                            "takes the out-of-place path under torch.compile")
@@ -201,7 +204,7 @@ def _scale_inplace(grad_loss: Tensor, logits: Tensor) -> None:
 
 
 def _setup(ctx, inputs, output):
-    logits, target, *opts, _check, inplace, in_forward = inputs
+    logits, target, *opts, _check, inplace, in_forward, _argmax = inputs
     _, lse, count = output
     ctx.opts = tuple(opts)
     ctx.in_forward = in_forward
@@ -212,7 +215,7 @@ def _setup(ctx, inputs, output):
 
 def _grads(ctx, grad_loss, kernels):
     logits, target, lse, count = ctx.saved_tensors
-    no_grads = (None,) * (len(ctx.opts) + 4)
+    no_grads = (None,) * (len(ctx.opts) + 5)
     if ctx.in_forward:
         kernels.scale_(grad_loss, logits)
         return (logits, *no_grads), logits
@@ -279,8 +282,15 @@ def as_softcap(logit_softcap, softcap) -> float:
         if logit_softcap is not None:
             raise TypeError(f"softcap: got {softcap!r} with logit_softcap={logit_softcap!r}, "
                             "expected one of them (softcap is Liger's name for logit_softcap)")
-        return as_float(softcap, "softcap")
-    return 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
+        name, value = "softcap", softcap
+    elif logit_softcap is None:
+        return 0.0
+    else:
+        name, value = "logit_softcap", logit_softcap
+    cap = as_float(value, name)
+    if not 0 <= cap < float("inf"):  # (the core checks it too, under its own field's name)
+        raise ValueError(f"{name}: got {value!r}, expected None or 0 (off), or a finite value > 0")
+    return cap
 
 
 def parse_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction,
@@ -395,9 +405,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         return CrossEntropyOutput(
             weighted_reduction(per_token.loss, row_weight, kind),
             None if per_token.z_loss is None else weighted_reduction(per_token.z_loss, row_weight, kind),
-            None if per_token.token_accuracy is None else _reduced(
-                per_token.token_accuracy.reshape(-1), (target != ignore_index).reshape(-1),
-                2 if kind else 0),
+            per_token.token_accuracy if per_token.token_accuracy is None or kind == 0 else
+            _reduced(per_token.token_accuracy.reshape(-1), (target != ignore_index).reshape(-1), 2),
             per_token.predicted_tokens)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
@@ -423,7 +432,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     in_forward = in_forward and not (argmax and name)
     lse = None
     if want.return_z_loss:  # the same op, with the lse it keeps
-        loss, lse = _cross_entropy_lse(logits, target, *opts, name, check, inplace, in_forward)
+        loss, lse = _cross_entropy_lse(logits, target, *opts, name, check, inplace, in_forward,
+                                       argmax)
         lse = lse.detach()
     elif _EAGER is not None and not name and not through_custom_ops():
         # the C++ node (_native.py), with the Python node's in-place decision (and its warning),
@@ -433,7 +443,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                 EAGER_CALL, logits, _OP, "logits", _INPLACE_FLAGS))
         loss = _EAGER(logits, target, *opts, inplace, in_forward)
     else:
-        loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward)
+        loss = _cross_entropy(logits, target, *opts, name, check, inplace, in_forward, argmax)
     loss = loss.view(target.shape) if opts.reduction == _NONE else loss
     if not any(want):
         return loss
@@ -456,12 +466,12 @@ def _argmax(logits: Tensor, group) -> Tensor:
     """[rows] int64 global argmax of each row of logits [..., V_local] (the smallest id of a
     tie, as torch.argmax), merged over `group` (None: one rank) by one all-gather of
     (max, id) pairs in float64, which holds both exactly."""
-    x = logits.detach().reshape(-1, logits.size(-1))
-    best, at = x.max(dim=-1)
+    best, at = logits.detach().max(dim=-1)  # over any layout, without a copy of the logits
+    best, at = best.reshape(-1), at.reshape(-1)
     if group is None:
         return at
     rank, world = rank_and_size(group)
-    mine = torch.stack([best.double(), (at + rank * x.size(-1)).double()], dim=-1)
+    mine = torch.stack([best.double(), (at + rank * logits.size(-1)).double()], dim=-1)
     every = mine.new_empty((world * mine.size(0), 2))  # rank-major, as gloo wants it
     dist.all_gather_into_tensor(every, mine, group=group)
     every = every.view(world, -1, 2)

@@ -858,15 +858,18 @@ def _with_argmax(hidden, weight, target, bias, want, arguments):
     call.update(return_token_accuracy=False, return_predicted_tokens=False)
     out = linear_cross_entropy(hidden, weight, target, **call)
     loss, z = (out.loss, out.z_loss) if want.return_z_loss else (out, None)
+    # the head refuses an ignore_index among the class ids (the loss allows it): its rows are
+    # masked by _with_extras anyway, so an id outside the vocabulary stands for it there
+    ignore = as_int(arguments["ignore_index"], "ignore_index")
+    head_ignore = ignore if ignore < 0 else -1
     with torch.no_grad():
         predicted = linear_log_probs(
             hidden.detach(), weight.detach(), target, entropy=False, argmax=True,
-            ignore_index=arguments["ignore_index"], tp_group=arguments["tp_group"],
+            ignore_index=head_ignore, tp_group=arguments["tp_group"],
             check_shard_agreement=arguments["check_shard_agreement"],
             dhidden_reduction=arguments["dhidden_reduction"],
             workspace_bytes=arguments["workspace_bytes"]).argmax.reshape(-1)
-    opts = _ExtrasOptions(as_int(arguments["ignore_index"], "ignore_index"),
-                          _REDUCTIONS[arguments["reduction"]], 0.0)
+    opts = _ExtrasOptions(ignore, _REDUCTIONS[arguments["reduction"]], 0.0)
     extras = _with_extras(loss, None, predicted, target, opts,
                           want._replace(return_z_loss=False))
     return extras._replace(z_loss=z)
@@ -876,14 +879,22 @@ def _token_scaled(hidden, weight, target, bias, arguments):
     """linear_cross_entropy(**arguments) with Liger's token scaling: the per-token losses
     (reduction 'none', with their z-loss parts) scaled by the detached target probability,
     then reduced as asked."""
-    for name, off in (("label_smoothing", 0.0), ("class_weight", None)):
+    want = _wanted(arguments["return_z_loss"], arguments["return_token_accuracy"],
+                   arguments["return_predicted_tokens"])
+    as_float(arguments["label_smoothing"], "label_smoothing")
+    for name, off in (("label_smoothing", 0.0), ("class_weight", None), ("loss_mask", None)):
         if arguments[name] is not None and arguments[name] != off:
-            raise ValueError(f"use_token_scaling: got True with {name}={arguments[name]!r}, "
+            raise ValueError(f"use_token_scaling: got True with {name}="
+                             f"{'a tensor' if isinstance(arguments[name], Tensor) else repr(arguments[name])}, "
                              f"expected {name}={off!r} (the scaling needs the plain loss's "
-                             "target probability)")
+                             "target probability, and weighs each token itself)")
+    if arguments["backward_mode"] == "in_forward":
+        raise ValueError("backward_mode: got 'in_forward' with use_token_scaling=True, expected "
+                         "'auto' or 'recompute' (the scaling factors exist only after the forward)")
     kind = as_choice(arguments["reduction"], "reduction", {"none": 0, "sum": 1, "mean": 2})
     call = {k: v for k, v in arguments.items() if k not in ("hidden", "weight", "target", "bias")}
-    call.update(reduction="none", use_token_scaling=False, return_z_loss=True)
+    call.update(reduction="none", use_token_scaling=False, return_z_loss=True,
+                backward_mode="recompute")
     out = linear_cross_entropy(hidden, weight, target, bias, **call)
     counted = target != as_int(arguments["ignore_index"], "ignore_index")
     p = torch.where(counted, torch.exp(out.z_loss - out.loss.detach()), 0.0)
@@ -891,18 +902,17 @@ def _token_scaled(hidden, weight, target, bias, arguments):
     if kind:
         n = counted.sum().clamp(min=1) if kind == 2 else 1
         loss, z = loss.sum() / n, z.sum() / n
-    if not (arguments["return_z_loss"] or arguments["return_token_accuracy"]
-            or arguments["return_predicted_tokens"]):
+    if not any(want):
         return loss
     extras = {}
-    if arguments["return_token_accuracy"] or arguments["return_predicted_tokens"]:
+    if want.return_token_accuracy or want.return_predicted_tokens:
         acc = out.token_accuracy
         extras = dict(predicted_tokens=out.predicted_tokens,
                       token_accuracy=None if acc is None or kind == 0 else
                       acc.sum() / counted.sum().clamp(min=1))
         if acc is not None and kind == 0:
             extras["token_accuracy"] = acc
-    return CrossEntropyOutput(loss, z if arguments["return_z_loss"] else None, **extras)
+    return CrossEntropyOutput(loss, z if want.return_z_loss else None, **extras)
 
 
 _ExtrasOptions = NamedTuple("_ExtrasOptions", [("ignore_index", int), ("reduction", int),

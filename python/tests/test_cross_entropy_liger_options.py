@@ -88,7 +88,8 @@ def test_softcap_module_and_names(device):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(softcap=-1.0), ValueError, r"logit_softcap: got -1"),
+    (dict(softcap=-1.0), ValueError, r"^softcap: got -1.0, expected None or 0"),
+    (dict(logit_softcap=-2), ValueError, r"^logit_softcap: got -2, expected None or 0"),
     (dict(logit_softcap=float("inf")), ValueError, r"logit_softcap: got inf"),
     (dict(softcap=2.0, logit_softcap=2.0), TypeError, r"softcap: got 2.0 with logit_softcap=2.0"),
     (dict(softcap="30"), TypeError, r"softcap: got '30'"),
@@ -380,3 +381,49 @@ def test_liger_cases_on_cuda(B, T, V, dtype, rtol, options):
     tol = GRAD_TOL[dtype]
     torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=tol,
                                atol=tol * x_ref.grad.abs().max().item())
+
+
+def _check_tp_argmax_on_one_rank(rank, world):
+    from test_vocab_parallel import _same_error_everywhere
+    logits, target = _problem("cpu", torch.float32, rows=8, V=16 * world)
+    shard = logits[:, rank * 16:(rank + 1) * 16]
+    # rank 0 alone asks for the accuracy (for its log line): its all-gather would meet no peer
+    _same_error_everywhere(lambda: fusedloss.cross_entropy(
+        shard, target, tp_group=dist.group.WORLD, return_token_accuracy=rank == 0),
+        "return_token_accuracy_or_predicted_tokens")
+
+
+def test_gloo_tp_argmax_on_one_rank_raises_everywhere():
+    run_world(2, _check_tp_argmax_on_one_rank, timeout_s=30)
+
+
+def test_weighted_per_row_accuracy_keeps_the_targets_shape():
+    logits, target = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    out = fusedloss.CrossEntropyLoss(weight=torch.ones(7), reduction="none",
+                                     return_token_accuracy=True)(logits, target)
+    assert out.loss.shape == out.token_accuracy.shape == (2, 3)
+
+
+def test_linear_extras_with_an_ignore_index_among_the_ids():
+    hidden, weight, target = _lce_problem("cpu", torch.float32)
+    target[target == -100] = 7
+    out = fusedloss.linear_cross_entropy(hidden, weight, target, ignore_index=7,
+                                         return_token_accuracy=True, return_predicted_tokens=True,
+                                         reduction="none")
+    ignored = target == 7
+    assert ignored.any() and (out.predicted_tokens[ignored] == -1).all()
+    logits = hidden.double() @ weight.double().T
+    assert torch.equal(out.predicted_tokens[~ignored], logits.argmax(-1)[~ignored])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(loss_mask=torch.ones(45)), ValueError, r"use_token_scaling: got True with loss_mask="),
+    (dict(backward_mode="in_forward"), ValueError, r"backward_mode: got 'in_forward' with use_token"),
+    (dict(return_z_loss="no"), TypeError, r"return_z_loss: got 'no'"),
+    (dict(label_smoothing="x"), TypeError, r"label_smoothing: got 'x'"),
+])
+def test_linear_token_scaling_bad_arguments(kwargs, error, match):
+    hidden, weight, target = _lce_problem("cpu", torch.float32)
+    with pytest.raises(error, match=match):
+        fusedloss.linear_cross_entropy(hidden, weight, target, use_token_scaling=True,
+                                       reduction="none", **kwargs)

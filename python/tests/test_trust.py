@@ -158,7 +158,7 @@ def test_double_backward_raises_on_the_custom_op_path(device, op):
     t = torch.randint(0, 16, (6,), device=device)
     if op == "cross_entropy":
         out = torch.ops.fusedloss.cross_entropy_fwd(x, t, -100, 0.0, 0, 0, 0.0, 2, 0.0, "", True, False,
-                                                   False)[0]
+                                                   False, False)[0]
     else:
         out = torch.ops.fusedloss.swiglu_fwd(x, None, None, None, 1.0, 1.0, False, False)[0].sum()
     g, = torch.autograd.grad(out, x, create_graph=True)
