@@ -743,7 +743,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     (a CrossEntropyOutput). The z-loss comes from the lse the op keeps; the argmax behind the
     other two is the log-prob head's (fusedloss.linear_log_probs with argmax=True, without a
     gradient): one more logits GEMM over the tokens, so a third more time. Not with a bias
-    (the log-prob head has none).
+    (the log-prob head has none). At tp_group size > 1 every rank passes the same return_*
+    flags (the head's shard agreement then raises on every rank where they differ).
 
     use_token_scaling (Liger's option): each counted token's loss (and z-loss) is multiplied by
     the probability the model gives its target, p = exp(-(loss - z-loss)), taken as a constant
