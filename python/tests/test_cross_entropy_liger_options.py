@@ -427,3 +427,37 @@ def test_linear_token_scaling_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         fusedloss.linear_cross_entropy(hidden, weight, target, use_token_scaling=True,
                                        reduction="none", **kwargs)
+
+
+# Liger's test_fused_linear_cross_entropy.py cases: an nn.Linear LM head (its init: weight and
+# bias from torch.rand) and a mean loss, against float64 (of the logits rounded as stored) with
+# Liger's tolerances (bf16: atol 5e-3,
+# rtol 5e-2; fp32: atol 1e-5, rtol 5e-4). Its small shape runs everywhere, its large ones on CUDA.
+@pytest.mark.parametrize("B, T, H, V", [(2, 4, 512, 512), (8, 2048, 4096, 32000),
+                                        (4, 423, 8192, 32000)])
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.bfloat16, 5e-3, 5e-2),
+                                               (torch.float32, 1e-5, 5e-4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_liger_linear_cases(device, B, T, H, V, dtype, atol, rtol, bias):
+    if B * T > 8 and device != "cuda":
+        pytest.skip("Liger's large shapes are its CUDA cases (the small one runs here)")
+    g = torch.Generator().manual_seed(B * T + V)
+    weight = torch.rand(V, H, generator=g).to(dtype).to(device)
+    b = torch.rand(V, generator=g).to(dtype).to(device) if bias else None
+    x = torch.randn(B * T, H, generator=g).to(dtype).to(device)
+    target = torch.randint(0, V, (B * T,), generator=g).to(device)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight) + ((b,) if bias else ())]
+    loss = fusedloss.linear_cross_entropy(leaves[0], leaves[1], target, leaves[2] if bias else None)
+    refs = [t.double().requires_grad_(True) for t in (x, weight) + ((b,) if bias else ())]
+    z = F.linear(*refs)
+    # the logits as the GEMM stores them (in the inputs' dtype, as torch's and Liger's): logits of
+    # magnitude ~100 (torch.rand weights) carry bf16 steps of 0.5-1, which decide the softmax
+    z = z + (z.to(dtype).double() - z).detach()
+    ref = F.cross_entropy(z, target)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=atol, rtol=rtol)
+    loss.backward()
+    ref.backward()
+    for ours, theirs in zip(leaves, refs):
+        # Liger's elementwise tolerances, on the gradient's scale (its entries span decades)
+        torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=rtol,
+                                   atol=atol * theirs.grad.abs().max().item())

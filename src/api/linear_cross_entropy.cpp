@@ -133,13 +133,14 @@ VectorView bias_columns(const VectorView& b, int64_t col0, int64_t cols) {
   return v;
 }
 
-// The step that adds the bias's columns [col0, ...) to each chunk's logits (null without one).
+// The step that starts each chunk's logits buffer as the bias's columns [col0, ...), for the
+// logits GEMM to add to (null without a bias).
 core::LceStep bias_step(const VectorView& bias, int64_t col0 = 0) {
   if (bias.data == nullptr) return {};
   return [=](const MatrixView& logits, int64_t, [[maybe_unused]] Stream s) {
     const VectorView b = bias_columns(bias, col0, logits.cols);
-    FL_DISPATCH(logits.device, "linear_cross_entropy", cpu::lce_add_bias(logits, b),
-                cuda::lce_add_bias(logits, b, s));
+    FL_DISPATCH(logits.device, "linear_cross_entropy", cpu::lce_fill_bias(logits, b),
+                cuda::lce_fill_bias(logits, b, s));
   };
 }
 
@@ -413,7 +414,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   char* exchange = mem + layout.exchange_at;
 
   core::LceSteps steps;
-  steps.logits = bias_step(out.bias);
+  steps.prefill = bias_step(out.bias);
   steps.forward = [&, parallel](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     core::CeParams pc = chunk_params(p, logits.rows);
     pc.reduction = Reduction::None;  // per-row losses; reduced once after the loop
@@ -484,7 +485,7 @@ void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView
                                            "linear_cross_entropy_local_stats_scratch_bytes")
                          : nullptr;
   core::LceSteps steps;
-  steps.logits = bias_step(bias);
+  steps.prefill = bias_step(bias);
   steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     const core::CeParams pc = chunk_params(p, logits.rows);
     const IndexView tc = target_rows(target, row0, logits.rows);
@@ -610,7 +611,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
       scale_vector(dev, dbias32, grads.dbias, grads.dbias_dtype, V, dbias32 + V, stream);
   };
   core::LceSteps steps;
-  steps.logits = bias_step(saved.bias);
+  steps.prefill = bias_step(saved.bias);
   if (options.vocab_block == 0) {
     steps.gradient = with_column_sums(gradient_step(target, p, lse, grad_loss, valid_count),
                                       dbias32);
@@ -658,7 +659,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     const bool direct = all_direct || plan.chunk >= N;
     detail::require(direct || block_floats > 0, kFn, ": internal: a vocabulary block of ", nb,
                     " rows needs the fp32 block that was not allocated");
-    steps.logits = bias_step(saved.bias, b0);
+    steps.prefill = bias_step(saved.bias, b0);
     steps.gradient = with_column_sums(gradient_step(target, pb, lse, grad_loss, valid_count),
                                       dbias32 ? dbias32 + b0 : nullptr);
     run_loop(dev, kFn, plan, hidden, wb, steps,

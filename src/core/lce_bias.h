@@ -1,7 +1,8 @@
 // The linear heads' LM-head bias (logits = hidden @ weight^T + bias), the math both backends
-// share. The bias is added to a chunk's logits in place after the logits GEMM and before any
-// cross-entropy step reads them, so the soft-cap sees the biased logit (torch: F.linear, then
-// the cap). Its gradient is the column sum of the chunk's dlogits (the gradient step's output,
+// share. Each row of a chunk's logits buffer starts as the bias, and the logits GEMM adds
+// hidden @ weight^T to it in its fp32 accumulator (beta = 1): the biased logit is rounded once
+// to the chunk's dtype, as torch's F.linear (addmm) rounds it, and every cross-entropy step,
+// the soft-cap first, sees it. Its gradient is the column sum of the chunk's dlogits (the gradient step's output,
 // in the chunk's dtype, as the weight-gradient GEMM reads it), summed in fp32 across chunks.
 #pragma once
 #include <cstdint>
@@ -10,10 +11,11 @@
 
 namespace fusedloss::core {
 
-// A stored logit plus its bias, rounded once back to the chunk's dtype.
+// A logits buffer's initial element: the bias in the chunk's dtype (exact for a bias of that
+// dtype; an fp32 bias beside 16-bit logits is rounded to theirs first).
 template <StorageKind KL, StorageKind KB>
-FL_HD Elem<KL> lce_biased(Elem<KL> logit, Elem<KB> bias) {
-  return St<KL>::store(St<KL>::load(logit) + St<KB>::load(bias));
+FL_HD Elem<KL> lce_bias_start(Elem<KB> bias) {
+  return St<KL>::store(St<KB>::load(bias));
 }
 
 // acc plus column c of rows [0, rows) of g (row stride `stride`), in row order: every backend

@@ -67,7 +67,10 @@ inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
 using LceStep = std::function<void(const MatrixView& logits, int64_t row0, Stream stream)>;
 
 struct LceSteps {
-  LceStep logits;    // completes the GEMM's logits in place before the others (the bias), or null
+  // Before each chunk's logits GEMM, on the GEMM's stream: writes the buffer's start (the bias
+  // in each row), to which the GEMM then adds hidden @ weight^T (beta = 1); null: the GEMM
+  // overwrites the buffer.
+  LceStep prefill;
   LceStep forward;   // stats -> hook -> merge: writes the chunk's lse and row losses (or null)
   LceStep gradient;  // writes the chunk's dloss/dlogits over the logits (or null: no gradients)
 };
@@ -83,7 +86,6 @@ inline void lce_run_steps(const LcePlan& plan, const LceSteps& steps, const Matr
     part.data = static_cast<char*>(logits.data) +
                 r * logits.row_stride * detail::element_size(logits.dtype);
     part.rows = std::min(slice, logits.rows - r);
-    if (steps.logits) steps.logits(part, row0 + r, stream);
     if (steps.forward) steps.forward(part, row0 + r, stream);
     if (steps.gradient) steps.gradient(part, row0 + r, stream);
   }

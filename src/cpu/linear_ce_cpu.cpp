@@ -103,7 +103,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     const int64_t n = std::min(plan.chunk, plan.rows - row0);
     const MatrixView h = rows_of(hidden, row0, n);
     const MatrixView logits{memory, n, plan.vocab_local, plan.stride, plan.dtype, Device::CPU};
-    gemm(h, false, weight, true, logits, false);  // [n, V] = h @ W^T
+    if (steps.prefill) steps.prefill(logits, row0, nullptr);
+    gemm(h, false, weight, true, logits, bool(steps.prefill));  // [n, V] (+)= h @ W^T
     core::lce_run_steps(plan, steps, logits, row0, nullptr);
     if (!with_grads) continue;
     gemm(logits, false, weight, false, rows_of(grads.dhidden, row0, n),
@@ -112,7 +113,7 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
   }
 }
 
-void lce_add_bias(const MatrixView& logits, const VectorView& bias) {
+void lce_fill_bias(const MatrixView& logits, const VectorView& bias) {
   core::dispatch_dtype(logits.dtype, [&](auto kl) {
     core::dispatch_dtype(bias.dtype, [&](auto kb) {
       constexpr core::StorageKind KL = decltype(kl)::value, KB = decltype(kb)::value;
@@ -120,7 +121,7 @@ void lce_add_bias(const MatrixView& logits, const VectorView& bias) {
 #pragma omp parallel for schedule(static) if (worth_threads(logits.rows * logits.cols))
       for (int64_t r = 0; r < logits.rows; ++r) {
         auto* row = static_cast<core::Elem<KL>*>(logits.data) + r * logits.row_stride;
-        for (int64_t c = 0; c < logits.cols; ++c) row[c] = core::lce_biased<KL, KB>(row[c], b[c]);
+        for (int64_t c = 0; c < logits.cols; ++c) row[c] = core::lce_bias_start<KL, KB>(b[c]);
       }
     });
   });

@@ -12,9 +12,9 @@ namespace fusedloss::cpu {
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
              const core::LceSteps& steps, const core::LceGrads& grads, void* memory);
 
-// logits[r, c] += bias[c], rounded once to the logits' dtype (bias: logits.cols elements of the
-// logits' dtype or fp32; core/lce_bias.h).
-void lce_add_bias(const MatrixView& logits, const VectorView& bias);
+// logits[r, c] = bias[c] in the logits' dtype, the start the logits GEMM adds to (bias:
+// logits.cols elements of the logits' dtype or fp32; core/lce_bias.h).
+void lce_fill_bias(const MatrixView& logits, const VectorView& bias);
 
 // acc[c] += the sum of column c of g over its rows, in fp32 (acc: g.cols floats).
 void lce_add_column_sums(const MatrixView& g, float* acc);

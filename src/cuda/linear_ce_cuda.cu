@@ -93,13 +93,13 @@ __global__ void scale_kernel(const typename core::Storage<KS>::type* src, int64_
 
 // Rows over blockIdx.y, columns over x, as scale_kernel.
 template <core::StorageKind KL, core::StorageKind KB>
-__global__ void add_bias_kernel(core::Elem<KL>* logits, int64_t stride, int64_t rows, int64_t cols,
-                                const core::Elem<KB>* bias) {
+__global__ void fill_bias_kernel(core::Elem<KL>* logits, int64_t stride, int64_t rows,
+                                 int64_t cols, const core::Elem<KB>* bias) {
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     core::Elem<KL>* row = logits + r * stride;
     for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
          c += int64_t(gridDim.x) * blockDim.x)
-      row[c] = core::lce_biased<KL, KB>(row[c], bias[c]);
+      row[c] = core::lce_bias_start<KL, KB>(bias[c]);
   }
 }
 
@@ -137,12 +137,12 @@ void lce_fill(float* ptr, float value, int64_t n, Stream stream) {
   FL_CUDA_CHECK_LAUNCH();
 }
 
-void lce_add_bias(const MatrixView& logits, const VectorView& bias, Stream stream) {
+void lce_fill_bias(const MatrixView& logits, const VectorView& bias, Stream stream) {
   if (logits.rows == 0 || logits.cols == 0) return;
   core::dispatch_dtype(logits.dtype, [&](auto kl) {
     core::dispatch_dtype(bias.dtype, [&](auto kb) {
       constexpr core::StorageKind KL = decltype(kl)::value, KB = decltype(kb)::value;
-      add_bias_kernel<KL, KB><<<rows_grid(logits.rows, logits.cols), 256, 0, as_cuda(stream)>>>(
+      fill_bias_kernel<KL, KB><<<rows_grid(logits.rows, logits.cols), 256, 0, as_cuda(stream)>>>(
           static_cast<core::Elem<KL>*>(logits.data), logits.row_stride, logits.rows, logits.cols,
           static_cast<const core::Elem<KB>*>(bias.data));
       FL_CUDA_CHECK_LAUNCH();
@@ -274,7 +274,9 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     const MatrixView buf = buffer(i);
     if (i >= B) FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
     const size_t tl = clock.begin(PhaseClock::kLogits, S);
-    gemm_(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf, false);
+    if (steps.prefill) steps.prefill(buf, i * plan.chunk, S);  // the bias, for beta = 1
+    gemm_(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf,
+          bool(steps.prefill));
     clock.end(tl, S);
     FL_CUDA_CHECK(cudaEventRecord(pl.logits_ready, S));
     FL_CUDA_CHECK(cudaStreamWaitEvent(X, pl.logits_ready, 0));

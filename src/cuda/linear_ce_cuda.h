@@ -17,8 +17,8 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
 // cuBLASLt handle), so that a vocab-parallel caller can do it before its agreement.
 void lce_prepare(Stream stream);
 
-// As cpu::lce_add_bias / cpu::lce_add_column_sums (core/lce_bias.h), enqueued on `stream`.
-void lce_add_bias(const MatrixView& logits, const VectorView& bias, Stream stream);
+// As cpu::lce_fill_bias / cpu::lce_add_column_sums (core/lce_bias.h), enqueued on `stream`.
+void lce_fill_bias(const MatrixView& logits, const VectorView& bias, Stream stream);
 void lce_add_column_sums(const MatrixView& g, float* acc, Stream stream);
 
 // dst = scale[0] * src, or dst += scale[0] * src; scale is read on the device.

@@ -216,10 +216,14 @@ inline LceResult reference_lce(const LceCase& c, const LceProblem& p) {
     for (int64_t v = 0; v < V; ++v) {
       double acc = 0;
       for (int64_t h = 0; h < H; ++h) acc += double(p.hidden[r * H + h]) * p.weight[v * H + h];
-      float stored;
-      store_as(c.dtype, &stored, 0, float(acc));  // the chunk buffer's rounding
-      if (c.bias)  // the biased logit, stored again
-        store_as(c.dtype, &stored, 0, load_as(c.dtype, &stored, 0) + p.bias[v]);
+      // the chunk buffer's one rounding, of the product plus the bias (in the logits' dtype,
+      // as the buffer starts from it), as torch's addmm rounds
+      float stored, start = 0.0f;
+      if (c.bias) {
+        store_as(c.dtype, &start, 0, float(p.bias[v]));
+        acc += load_as(c.dtype, &start, 0);
+      }
+      store_as(c.dtype, &stored, 0, float(acc));
       double x = load_as(c.dtype, &stored, 0);
       z[r * V + v] = cap > 0 ? cap * std::tanh(x / cap) : x;
     }
