@@ -26,10 +26,12 @@
 // caller all-reduces it over the TP group, or reduce-scatters it along tokens (sequence
 // parallel). dweight and dbias are this rank's own shard, complete.
 //
-// The bias (LinearCrossEntropyOutputs::bias) is added to each chunk's logits after its GEMM,
-// before the cross-entropy reads them (the soft-cap sees the biased logit), and rounded once
-// into the chunk's dtype; its gradient dbias[v] = sum over the tokens of dlogits[:, v] sums
-// each chunk's dlogits in fp32 (one pass over the chunk each way, on the steps' stream).
+// The bias (LinearCrossEntropyOutputs::bias) starts each chunk's logits buffer, and the logits
+// GEMM adds hidden @ weight^T to it in fp32 (beta = 1): the biased logit is rounded once into
+// the chunk's dtype, as torch's addmm rounds it, before the cross-entropy reads it (the soft-cap
+// sees the biased logit). Its gradient dbias[v] = sum over the tokens of dlogits[:, v] sums
+// each chunk's dlogits in fp32 (one write of the chunk before its GEMM, one read after the
+// gradient step, on the steps' stream).
 //
 // Memory beside the caller's buffers: the chunk buffer(s) and on CUDA the cuBLASLt workspace
 // (workspace_bytes together), O(N) floats, and with vocab_block (recompute) fp32 [N, H] and
