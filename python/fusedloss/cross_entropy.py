@@ -93,8 +93,8 @@ def loss_outputs(rows, reduction, device):
 
 
 def _forward(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, formula: int,
-             scope: int, z_loss: float, reduction: int, softcap: float, group: str, check_agreement: bool,
-             inplace_backward: bool, grad_in_forward: bool,
+             scope: int, z_loss: float, reduction: int, softcap: float, group: str,
+             check_agreement: bool, inplace_backward: bool, grad_in_forward: bool,
              argmax: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """grad_in_forward (eager only, a sum/mean loss over logits whose memory is ours): the
     logits are overwritten with the loss's gradient for a unit upstream gradient."""
@@ -225,20 +225,17 @@ def _grads(ctx, grad_loss, kernels):
     return (kernels.bwd(grad_loss, logits, target, lse, count, *ctx.opts), *no_grads), None
 
 
+_KERNELS = {"bwd": (_backward, _backward_fake, ()),
+            "bwd_": (_backward_inplace, None, ("logits",)),  # eager only
+            "scale_": (_scale_inplace, None, ("logits",))}  # eager only
 _cross_entropy = FusedOp(
     "cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup, backward=_grads,
-    inplace_flag="inplace_backward",
-    kernels={"bwd": (_backward, _backward_fake, ()),
-             "bwd_": (_backward_inplace, None, ("logits",)),  # eager only
-             "scale_": (_scale_inplace, None, ("logits",))})  # eager only
+    inplace_flag="inplace_backward", kernels=_KERNELS)
 # return_z_loss: the same op with the merged lse as a second, non-differentiable output
 _cross_entropy_lse = FusedOp(
     "cross_entropy_lse", forward=_forward, forward_fake=_forward_fake, setup=_setup,
     backward=lambda ctx, grads, kernels: _grads(ctx, grads[0], kernels), n_outputs=2,
-    inplace_flag="inplace_backward",
-    kernels={"bwd": (_backward, _backward_fake, ()),
-             "bwd_": (_backward_inplace, None, ("logits",)),
-             "scale_": (_scale_inplace, None, ("logits",))})
+    inplace_flag="inplace_backward", kernels=_KERNELS)
 # eager calls without a tp_group: the same steps with the autograd node in C++
 _EAGER = _native.ops.cross_entropy_eager.default if _native.ops is not None else None
 

@@ -439,22 +439,17 @@ def _grads(ctx, grad_loss, kernels):
     return (dh, dw, None, db if bias_grad else None) + nones, None
 
 
+_CONSUMED = "scaled the gradients its forward saved in place (the inputs are untouched)"
+_KERNELS = {"bwd": (_backward, _backward_fake, ()),
+            "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))}
 _linear_cross_entropy = FusedOp(
     "linear_cross_entropy", forward=_forward, forward_fake=_forward_fake, setup=_setup,
-    backward=_grads, inplace_flag="inplace_backward",
-    consumed="scaled the gradients its forward saved in place (the inputs are untouched)",
-    kernels={"bwd": (_backward, _backward_fake, ()),
-             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))})
-
-
+    backward=_grads, inplace_flag="inplace_backward", consumed=_CONSUMED, kernels=_KERNELS)
 # return_z_loss: the same op with the merged lse as a second, non-differentiable output
 _linear_cross_entropy_lse = FusedOp(
     "linear_cross_entropy_lse", forward=_forward, forward_fake=_forward_fake, setup=_setup,
     backward=lambda ctx, grads, kernels: _grads(ctx, grads[0], kernels), n_outputs=2,
-    inplace_flag="inplace_backward",
-    consumed="scaled the gradients its forward saved in place (the inputs are untouched)",
-    kernels={"bwd": (_backward, _backward_fake, ()),
-             "scale_": (_scale_inplace, lambda *args: None, ("saved_dh", "saved_dw", "saved_db"))})
+    inplace_flag="inplace_backward", consumed=_CONSUMED, kernels=_KERNELS)
 
 
 # eager calls without a tp_group or an accumulator: the same steps with the node in C++
