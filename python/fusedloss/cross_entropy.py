@@ -396,15 +396,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                          z_loss=z_loss, inplace_backward=inplace_backward,
                          smoothing_scope=smoothing_scope, logit_softcap=logit_softcap,
                          softcap=softcap, **want._asdict()))
-        if not any(want):
-            return weighted_reduction(per_token, row_weight, kind)
-        # the z-loss weighted as the loss that includes it; the accuracy a plain fraction
-        return CrossEntropyOutput(
-            weighted_reduction(per_token.loss, row_weight, kind),
-            None if per_token.z_loss is None else weighted_reduction(per_token.z_loss, row_weight, kind),
-            per_token.token_accuracy if per_token.token_accuracy is None or kind == 0 else
-            _reduced(per_token.token_accuracy.reshape(-1), (target != ignore_index).reshape(-1), 2),
-            per_token.predicted_tokens)
+        return weighted_reduction(per_token, row_weight, kind, target != ignore_index)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
@@ -584,9 +576,19 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
     return per_token, row_weight, kind
 
 
-def weighted_reduction(per_token: Tensor, row_weight: Tensor, kind: int) -> Tensor:
+def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Optional[Tensor] = None):
     """The per-token losses weighted and reduced as F.cross_entropy(weight=...) does; 'mean'
-    over no weight is 0."""
+    over no weight is 0. A CrossEntropyOutput of per-token values: its z-loss weighted as the
+    loss that includes it, its accuracy a plain fraction of the `counted` rows (the targets that
+    are not ignore_index; Liger's accuracy is unweighted), its predicted tokens as they are."""
+    if isinstance(per_token, CrossEntropyOutput):
+        acc = per_token.token_accuracy
+        if acc is not None and kind:
+            acc = _reduced(acc.reshape(-1), counted.reshape(-1), 2)
+        return CrossEntropyOutput(
+            weighted_reduction(per_token.loss, row_weight, kind),
+            None if per_token.z_loss is None else weighted_reduction(per_token.z_loss, row_weight, kind),
+            acc, per_token.predicted_tokens)
     if kind == 0:
         return per_token * row_weight
     total = (per_token * row_weight).sum()

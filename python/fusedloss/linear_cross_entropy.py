@@ -144,7 +144,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
              label_smoothing: float, formula: int, scope: int, z_loss: float, reduction: int,
              softcap: float, workspace_bytes: int, lce_mode: int, tf32: bool, group: str,
              check_agreement: bool, dhidden_reduction: int, acc32: bool, inplace: bool,
-             bias_grad: bool, weight_grad_accumulator: Optional[Tensor]
+             bias_grad: bool, weight_grad_accumulator: Optional[Tensor], argmax: bool
              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     mode = _cpp_mode(lce_mode)  # ("mode" would clash with torch's functionalization of the ops)
     g = resolve_group(group)
@@ -196,7 +196,10 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
                           bias=bias is not None,
                           dtype=str(hidden.dtype), H=hidden.size(-1),
                           weight_grad_accumulator=_ACCUMULATOR_KINDS[accumulator],
-                          inplace_backward=scaled_in_place, target_shape=tuple(target.shape))
+                          inplace_backward=scaled_in_place, target_shape=tuple(target.shape),
+                          # the log-prob head's arg-max (and its collectives) follows on the
+                          # ranks that ask for it
+                          return_token_accuracy_or_predicted_tokens=argmax)
     # Everything that may fail on this rank alone (a copy, an allocation: the gradients, the
     # scratch, the staging) before the agreement.
     with rank_checks(g, check_agreement, _OP, options=options) as checks:
@@ -237,7 +240,7 @@ def _forward(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tens
 def _forward_fake(hidden, weight, target, bias, row_weight, ignore_index, label_smoothing, formula,
                   scope, z_loss, reduction, softcap, workspace_bytes, lce_mode, tf32, group,
                   check_agreement, dhidden_reduction, acc32, inplace, bias_grad,
-                  weight_grad_accumulator):
+                  weight_grad_accumulator, argmax):
     rows, H = target.numel(), hidden.size(-1)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     loss = hidden.new_empty(rows if reduction == _NONE else (), **f32)
@@ -372,7 +375,7 @@ def _backward_fake(grad_loss, hidden, weight, target, lse, count, bias, row_weig
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, bias, row_weight, *opts, accumulator = inputs
+    hidden, weight, target, bias, row_weight, *opts, accumulator, _argmax = inputs
     _, lse, count, dh, dw, db = output
     if accumulator is not None and ctx.traced:  # (refused before the call; a traced op still)
         raise RuntimeError(f"{_OP}: weight_grad_accumulator is not supported under torch.compile "
@@ -410,7 +413,8 @@ def _accumulator_at_backward(ctx, weight, hidden):
 
 def _grads(ctx, grad_loss, kernels):
     hidden, weight, target, lse, count, bias, row_weight, dh, dw, db = ctx.saved_tensors
-    nones = (None,) * (len(ctx.opts) + 2)  # the row weights, the options, the accumulator
+    # the row weights, the options, the accumulator, the arg-max flag
+    nones = (None,) * (len(ctx.opts) + 3)
     group, check = ctx.opts.group, ctx.opts.check
     g = resolve_group(group) if callable(ctx.accumulator) and check else None
     # A callable's buffer is known only now: at TP > 1 every rank takes part in one agreement,
@@ -738,8 +742,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     (a CrossEntropyOutput). The z-loss comes from the lse the op keeps; the argmax behind the
     other two is the log-prob head's (fusedloss.linear_log_probs with argmax=True, without a
     gradient): one more logits GEMM over the tokens, so a third more time. Not with a bias
-    (the log-prob head has none). At tp_group size > 1 every rank passes the same return_*
-    flags (the head's shard agreement then raises on every rank where they differ).
+    (the log-prob head has none). At tp_group size > 1 the shard agreement checks that every
+    rank asks for the arg-max, or none.
 
     use_token_scaling (Liger's option): each counted token's loss (and z-loss) is multiplied by
     the probability the model gives its target, p = exp(-(loss - z-loss)), taken as a constant
@@ -753,25 +757,29 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     if as_bool(use_token_scaling, "use_token_scaling"):
         return _token_scaled(hidden, weight, target, bias, locals())
     want = _wanted(return_z_loss, return_token_accuracy, return_predicted_tokens)
-    if want.return_token_accuracy or want.return_predicted_tokens:
-        return _with_argmax(hidden, weight, target, bias, want, locals())
+    argmax = want.return_token_accuracy or want.return_predicted_tokens
     if class_weight is not None:
         return _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group,
                                check_shard_agreement, reduction, label_smoothing,
                                ignore_index=ignore_index, smoothing_formula=smoothing_formula,
                                smoothing_scope=smoothing_scope, z_loss=z_loss,
                                logit_softcap=logit_softcap, softcap=softcap,
-                               return_z_loss=return_z_loss, workspace_bytes=workspace_bytes,
+                               workspace_bytes=workspace_bytes, **want._asdict(),
                                backward_mode=backward_mode, dhidden_reduction=dhidden_reduction,
                                dweight_accumulation=dweight_accumulation,
                                inplace_backward=inplace_backward,
                                weight_grad_accumulator=weight_grad_accumulator)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
+    given_hidden = hidden  # what the arg-max's head reads (before autocast and the gather)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
                      defer_when_compiling=True) as checks:
         if bad_flag is not None:
             raise bad_flag
+        if argmax and bias is not None:
+            raise ValueError("bias: got a tensor with return_token_accuracy or "
+                             "return_predicted_tokens, expected no bias (the arg-max comes from "
+                             "the log-prob head, which has none)")
         opts, mode, dh_red, accumulation, inplace = _option_args(
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
             logit_softcap, softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
@@ -828,7 +836,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     if want.return_z_loss:  # the same op, with the lse it keeps
         loss, lse = _linear_cross_entropy_lse(hidden, weight, target, bias, row_weight, *opts, mode,
                                               tf32, name, check, dh_red, acc32, inplace, bias_grad,
-                                              weight_grad_accumulator)
+                                              weight_grad_accumulator, argmax)
         lse = lse.detach()
     elif (_EAGER is not None and not name and weight_grad_accumulator is None and bias is None
             and not cast_inside and not through_custom_ops()):
@@ -836,39 +844,30 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     else:
         loss = _linear_cross_entropy(hidden, weight, target, bias, row_weight, *opts, mode, tf32,
                                      name, check, dh_red, acc32, inplace, bias_grad,
-                                     weight_grad_accumulator)
+                                     weight_grad_accumulator, argmax)
     loss = loss.view(target.shape) if opts.reduction == _NONE else loss
-    return _with_extras(loss, lse, None, target, opts, want) if want.return_z_loss else loss
+    if not any(want):
+        return loss
+    predicted = (_head_argmax(given_hidden, given_weight, target, opts.ignore_index, tp_group,
+                              check_shard_agreement, dhidden_reduction, workspace_bytes)
+                 if argmax else None)
+    return _with_extras(loss, lse, predicted, target, opts, want)
 
 
-def _with_argmax(hidden, weight, target, bias, want, arguments):
-    """linear_cross_entropy(**arguments) with token accuracy or predicted tokens: the loss
-    (and z-loss) as asked, then the arg-max of the log-prob head over the same tokens (its own
-    agreement at TP > 1), without a gradient."""
+def _head_argmax(hidden, weight, target, ignore_index, tp_group, check, dhidden_reduction,
+                 workspace_bytes):
+    """[N] arg-max of hidden @ weight^T over the (global) vocabulary: the log-prob head's,
+    without a gradient, after the loss (at TP > 1 the loss's agreement checked that every rank
+    asks for it)."""
     from .linear_log_probs import linear_log_probs
-    if bias is not None:
-        raise ValueError("bias: got a tensor with return_token_accuracy or return_predicted_tokens, "
-                         "expected no bias (the arg-max comes from the log-prob head, which has "
-                         "none)")
-    call = {k: v for k, v in arguments.items() if k not in ("hidden", "weight", "target", "want")}
-    call.update(return_token_accuracy=False, return_predicted_tokens=False)
-    out = linear_cross_entropy(hidden, weight, target, **call)
-    loss, z = (out.loss, out.z_loss) if want.return_z_loss else (out, None)
-    # the head refuses an ignore_index among the class ids (the loss allows it): its rows are
+    # the head refuses an ignore_index among the class ids (the loss allows it): those rows are
     # masked by _with_extras anyway, so an id outside the vocabulary stands for it there
-    ignore = as_int(arguments["ignore_index"], "ignore_index")
-    head_ignore = ignore if ignore < 0 else -1
     with torch.no_grad():
-        predicted = linear_log_probs(
+        return linear_log_probs(
             hidden.detach(), weight.detach(), target, entropy=False, argmax=True,
-            ignore_index=head_ignore, tp_group=arguments["tp_group"],
-            check_shard_agreement=arguments["check_shard_agreement"],
-            dhidden_reduction=arguments["dhidden_reduction"],
-            workspace_bytes=arguments["workspace_bytes"]).argmax.reshape(-1)
-    opts = _ExtrasOptions(ignore, _REDUCTIONS[arguments["reduction"]], 0.0)
-    extras = _with_extras(loss, None, predicted, target, opts,
-                          want._replace(return_z_loss=False))
-    return extras._replace(z_loss=z)
+            ignore_index=ignore_index if ignore_index < 0 else -1, tp_group=tp_group,
+            check_shard_agreement=check, dhidden_reduction=dhidden_reduction,
+            workspace_bytes=workspace_bytes).argmax.reshape(-1)
 
 
 def _token_scaled(hidden, weight, target, bias, arguments):
@@ -911,10 +910,6 @@ def _token_scaled(hidden, weight, target, bias, arguments):
     return CrossEntropyOutput(loss, z if want.return_z_loss else None, **extras)
 
 
-_ExtrasOptions = NamedTuple("_ExtrasOptions", [("ignore_index", int), ("reduction", int),
-                                               ("z_loss", float)])
-
-
 def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group, check,
                     reduction, label_smoothing, **options):
     """linear_cross_entropy with a per-class weight: the per-token losses weighted by
@@ -926,8 +921,4 @@ def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_gr
         v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
         conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
         op_name=_OP)
-    if not isinstance(per_token, CrossEntropyOutput):
-        return weighted_reduction(per_token, row_weight, kind)
-    # the z-loss weighted as the loss that includes it
-    return per_token._replace(loss=weighted_reduction(per_token.loss, row_weight, kind),
-                              z_loss=weighted_reduction(per_token.z_loss, row_weight, kind))
+    return weighted_reduction(per_token, row_weight, kind, target != options["ignore_index"])

@@ -460,3 +460,16 @@ def test_liger_linear_cases(device, B, T, H, V, dtype, atol, rtol, bias):
         # Liger's elementwise tolerances, on the gradient's scale (its entries span decades)
         torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=rtol,
                                    atol=atol * theirs.grad.abs().max().item())
+
+
+def _check_linear_tp_argmax_on_one_rank(rank, world):
+    from test_vocab_parallel import _same_error_everywhere
+    hidden, weight, target = _lce_problem("cpu", torch.float32, V=32 * world)
+    own = slice(rank * 32, (rank + 1) * 32)
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        hidden, weight[own], target, tp_group=dist.group.WORLD,
+        return_predicted_tokens=rank == 0), "return_token_accuracy_or_predicted_tokens")
+
+
+def test_linear_gloo_tp_argmax_on_one_rank_raises_everywhere():
+    run_world(2, _check_linear_tp_argmax_on_one_rank, timeout_s=30)
