@@ -481,25 +481,35 @@ def _reduced(per_row: Tensor, counted: Tensor, kind: int) -> Tensor:
     return torch.where(n > 0, total / n.clamp(min=1), 0.0)
 
 
+def reduced_output(per_row: CrossEntropyOutput, counted: Tensor, kind: int,
+                   reduce=None) -> CrossEntropyOutput:
+    """A CrossEntropyOutput of per-row values (`counted`: the rows whose target is not
+    ignore_index, the targets' shape) reduced for reduction `kind` (0 none, 1 sum, 2 mean): the
+    loss and z-loss by `reduce` (default: _reduced over the counted rows), the accuracy as a
+    fraction of the counted rows ('sum' too, as Liger's), the predicted tokens as they are.
+    Absent fields stay absent."""
+    reduce = reduce or (lambda t: _reduced(t, counted, kind))
+    loss, z, acc, tokens = per_row
+    return CrossEntropyOutput(None if loss is None else reduce(loss),
+                              None if z is None else reduce(z),
+                              acc if acc is None or kind == 0 else _reduced(acc, counted, 2),
+                              tokens)
+
+
 def _with_extras(loss, lse, predicted, target, opts, want) -> CrossEntropyOutput:
-    counted = (target != opts.ignore_index).reshape(-1)
+    """The reduced loss with the extras asked for, from the lse [rows] and the arg-max [rows]."""
+    counted = target != opts.ignore_index
     kind = {_REDUCTIONS["none"]: 0, _REDUCTIONS["sum"]: 1, _REDUCTIONS["mean"]: 2}[opts.reduction]
-    shape = target.shape
-
-    def rows(t):
-        return t.view(shape) if kind == 0 else t
-
-    z = acc = tokens = None
-    if want.return_z_loss:
-        z = rows(_reduced(torch.where(counted, opts.z_loss * lse * lse, 0.0), counted, kind))
+    z = (torch.where(counted, opts.z_loss * lse.view(target.shape) ** 2, 0.0)
+         if want.return_z_loss else None)
+    acc = tokens = None
     if predicted is not None:
-        hit = counted & (predicted == target.reshape(-1))
+        predicted = predicted.view(target.shape)
         if want.return_token_accuracy:
-            # a fraction of the counted rows even for 'sum', as Liger's
-            acc = rows(_reduced(hit.float(), counted, 2 if kind else 0))
+            acc = (counted & (predicted == target)).float()
         if want.return_predicted_tokens:
-            tokens = torch.where(counted, predicted, -1).view(shape)
-    return CrossEntropyOutput(loss, z, acc, tokens)
+            tokens = torch.where(counted, predicted, -1)
+    return reduced_output(CrossEntropyOutput(None, z, acc, tokens), counted, kind)._replace(loss=loss)
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -582,13 +592,8 @@ def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Option
     loss that includes it, its accuracy a plain fraction of the `counted` rows (the targets that
     are not ignore_index; Liger's accuracy is unweighted), its predicted tokens as they are."""
     if isinstance(per_token, CrossEntropyOutput):
-        acc = per_token.token_accuracy
-        if acc is not None and kind:
-            acc = _reduced(acc.reshape(-1), counted.reshape(-1), 2)
-        return CrossEntropyOutput(
-            weighted_reduction(per_token.loss, row_weight, kind),
-            None if per_token.z_loss is None else weighted_reduction(per_token.z_loss, row_weight, kind),
-            acc, per_token.predicted_tokens)
+        return reduced_output(per_token, counted, kind,
+                              lambda t: weighted_reduction(t, row_weight, kind))
     if kind == 0:
         return per_token * row_weight
     total = (per_token * row_weight).sum()

@@ -36,7 +36,7 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in,
                      vector)
-from .cross_entropy import (_REDUCTIONS, CrossEntropyOutput, as_softcap, check_targets_on_host,
+from .cross_entropy import (_REDUCTIONS, as_softcap, check_targets_on_host, reduced_output,
                             class_weighted, loss_outputs, _wanted, _with_extras,
                             make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
@@ -893,21 +893,10 @@ def _token_scaled(hidden, weight, target, bias, arguments):
     out = linear_cross_entropy(hidden, weight, target, bias, **call)
     counted = target != as_int(arguments["ignore_index"], "ignore_index")
     p = torch.where(counted, torch.exp(out.z_loss - out.loss.detach()), 0.0)
-    loss, z = out.loss * p, out.z_loss * p
-    if kind:
-        n = counted.sum().clamp(min=1) if kind == 2 else 1
-        loss, z = loss.sum() / n, z.sum() / n
+    scaled = reduced_output(out._replace(loss=out.loss * p, z_loss=out.z_loss * p), counted, kind)
     if not any(want):
-        return loss
-    extras = {}
-    if want.return_token_accuracy or want.return_predicted_tokens:
-        acc = out.token_accuracy
-        extras = dict(predicted_tokens=out.predicted_tokens,
-                      token_accuracy=None if acc is None or kind == 0 else
-                      acc.sum() / counted.sum().clamp(min=1))
-        if acc is not None and kind == 0:
-            extras["token_accuracy"] = acc
-    return CrossEntropyOutput(loss, z if want.return_z_loss else None, **extras)
+        return scaled.loss
+    return scaled if want.return_z_loss else scaled._replace(z_loss=None)
 
 
 def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_group, check,

@@ -2,8 +2,9 @@
 // share. Each row of a chunk's logits buffer starts as the bias, and the logits GEMM adds
 // hidden @ weight^T to it in its fp32 accumulator (beta = 1): the biased logit is rounded once
 // to the chunk's dtype, as torch's F.linear (addmm) rounds it, and every cross-entropy step,
-// the soft-cap first, sees it. Its gradient is the column sum of the chunk's dlogits (the gradient step's output,
-// in the chunk's dtype, as the weight-gradient GEMM reads it), summed in fp32 across chunks.
+// the soft-cap first, sees it. Its gradient is the column sum of the chunk's dlogits (the
+// gradient step's output, in the chunk's dtype, as the weight-gradient GEMM reads it), summed
+// in fp32 across chunks.
 #pragma once
 #include <cstdint>
 #include "core/numeric.h"

@@ -296,34 +296,42 @@ TEST_P(LinearCrossEntropy, LargerProblemManyChunks) {
   }
 }
 
+// linear_cross_entropy_local_stats (with c's bias, if any) + cross_entropy_merge (one part)
+// == the forward, row by row.
+void expect_split_form_matches_forward(Device dev, const LceCase& c, const LceProblem& p) {
+  const LceResult whole = run_lce(dev, c, p);
+  Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), bias(dev, c.V * 2),
+      target(dev, c.N * 8), stats(dev, c.N * sizeof(RowStats)), loss(dev, c.N * 4),
+      lse(dev, c.N * 4), count(dev, 4);
+  for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
+  for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
+  if (c.bias)
+    for (int64_t i = 0; i < c.V; ++i) store_as(c.dtype, bias.host(), i, p.bias[i]);
+  std::memcpy(target.host(), p.target.data(), c.N * 8);
+  hidden.upload(); weight.upload(); bias.upload(); target.upload();
+  MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
+  MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
+  IndexView tv{target.data(), c.N, IndexType::I64, dev};
+  const VectorView bv = c.bias ? VectorView{bias.data(), c.V, c.dtype, dev} : VectorView{};
+  linear_cross_entropy_local_stats(hv, wv, tv, c.ce, c.lo, stats.data_as<RowStats>(), nullptr,
+                                   nullptr, 0, bv);
+  cross_entropy_merge(stats.data_as<RowStats>(), 1, stats.data_as<RowStats>(), tv, c.ce, c.V,
+                      {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()});
+  loss.download(); lse.download();
+  for (int64_t r = 0; r < c.N; ++r) {
+    EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
+    EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
+  }
+}
+
 TEST_P(LinearCrossEntropy, SplitFormMatchesTheForward) {
-  // linear_cross_entropy_local_stats + cross_entropy_merge (one part) == the forward.
-  const Device dev = GetParam();
   for (float cap : {0.0f, 2.0f}) {
     LceCase c;
     c.dtype = DType::BF16;
     c.lo.logit_softcap = cap;
     c.ce.reduction = Reduction::None;
     c.ce.label_smoothing = 0.1f;
-    LceProblem p = make_lce_problem(c, rng());
-    const LceResult whole = run_lce(dev, c, p);
-    Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), target(dev, c.N * 8),
-        stats(dev, c.N * sizeof(RowStats)), loss(dev, c.N * 4), lse(dev, c.N * 4), count(dev, 4);
-    for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
-    for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
-    std::memcpy(target.host(), p.target.data(), c.N * 8);
-    hidden.upload(); weight.upload(); target.upload();
-    MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
-    MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
-    IndexView tv{target.data(), c.N, IndexType::I64, dev};
-    linear_cross_entropy_local_stats(hv, wv, tv, c.ce, c.lo, stats.data_as<RowStats>());
-    cross_entropy_merge(stats.data_as<RowStats>(), 1, stats.data_as<RowStats>(), tv, c.ce, c.V,
-                        {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()});
-    loss.download(); lse.download();
-    for (int64_t r = 0; r < c.N; ++r) {
-      EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
-      EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
-    }
+    expect_split_form_matches_forward(GetParam(), c, make_lce_problem(c, rng()));
   }
 }
 
@@ -410,36 +418,13 @@ TEST_P(LinearCrossEntropy, BiasZeroRows) {
 }
 
 TEST_P(LinearCrossEntropy, BiasSplitFormMatchesTheForward) {
-  // linear_cross_entropy_local_stats with the bias + cross_entropy_merge == the forward.
-  const Device dev = GetParam();
   LceCase c;
   c.dtype = DType::BF16;
   c.lo.logit_softcap = 2.0f;
   c.ce.reduction = Reduction::None;
   c.bias = 1;
   c.dbias = false;
-  LceProblem p = make_lce_problem(c, rng());
-  const LceResult whole = run_lce(dev, c, p);
-  Buffer hidden(dev, c.N * c.H * 2), weight(dev, c.V * c.H * 2), bias(dev, c.V * 2),
-      target(dev, c.N * 8), stats(dev, c.N * sizeof(RowStats)), loss(dev, c.N * 4),
-      lse(dev, c.N * 4), count(dev, 4);
-  for (int64_t i = 0; i < c.N * c.H; ++i) store_as(c.dtype, hidden.host(), i, p.hidden[i]);
-  for (int64_t i = 0; i < c.V * c.H; ++i) store_as(c.dtype, weight.host(), i, p.weight[i]);
-  for (int64_t i = 0; i < c.V; ++i) store_as(c.dtype, bias.host(), i, p.bias[i]);
-  std::memcpy(target.host(), p.target.data(), c.N * 8);
-  hidden.upload(); weight.upload(); bias.upload(); target.upload();
-  MatrixView hv{hidden.data(), c.N, c.H, c.H, c.dtype, dev};
-  MatrixView wv{weight.data(), c.V, c.H, c.H, c.dtype, dev};
-  IndexView tv{target.data(), c.N, IndexType::I64, dev};
-  linear_cross_entropy_local_stats(hv, wv, tv, c.ce, c.lo, stats.data_as<RowStats>(), nullptr,
-                                   nullptr, 0, VectorView{bias.data(), c.V, c.dtype, dev});
-  cross_entropy_merge(stats.data_as<RowStats>(), 1, stats.data_as<RowStats>(), tv, c.ce, c.V,
-                      {loss.data_as<float>(), lse.data_as<float>(), count.data_as<float>()});
-  loss.download(); lse.download();
-  for (int64_t r = 0; r < c.N; ++r) {
-    EXPECT_NEAR(loss.host_as<float>()[r], whole.loss[r], 1e-5 * (1 + std::fabs(whole.loss[r])));
-    EXPECT_NEAR(lse.host_as<float>()[r], whole.lse[r], 1e-5 * (1 + std::fabs(whole.lse[r])));
-  }
+  expect_split_form_matches_forward(GetParam(), c, make_lce_problem(c, rng()));
 }
 
 // Sets one environment variable for a scope (the FUSEDLOSS_LCE_* knobs of src/core/lce_tuning.h).
