@@ -227,3 +227,16 @@ def _check_tp_bias_on_one_rank(rank, world, mode):
 @pytest.mark.parametrize("mode", ["auto", "recompute"])
 def test_gloo_tp_bias_on_one_rank_raises_everywhere(mode):
     run_world(2, _check_tp_bias_on_one_rank, mode, timeout_s=30)
+
+
+def _check_tp_bad_bias_on_one_rank(rank, world):
+    from test_vocab_parallel import _same_error_everywhere
+    h, w, b, t = _problem("cpu", torch.float32, N=8, V=64 * world)
+    own = slice(rank * 64, (rank + 1) * 64)
+    bias = b[own] if rank == 0 else b[own][:-1]  # rank 1 alone passes a bias one short
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        h.clone().requires_grad_(), w[own], t, bias, tp_group=dist.group.WORLD), "bias")
+
+
+def test_gloo_tp_bad_bias_on_one_rank_raises_everywhere():
+    run_world(2, _check_tp_bad_bias_on_one_rank, timeout_s=30)

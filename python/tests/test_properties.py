@@ -75,19 +75,27 @@ def _close(actual, expected, tol, scale=1.0):
                                atol=tol * scale, equal_nan=True)
 
 
-def _ce_reference(x, t, ignore_index, ls, formula, reduction, z):
+def _ce_reference(x, t, ignore_index, ls, formula, reduction, z, softcap=None, parts=False):
+    """float64 loss (with parts: (loss, z-loss part)) of logits x, soft-capped first."""
     x2 = x.reshape(-1, x.size(-1))
+    if softcap:
+        x2 = softcap * torch.tanh(x2 / softcap)
     t2 = t.reshape(-1).long()
     if formula == "megatron" and ls > 0:
         ls = ls * x2.size(1) / (x2.size(1) - 1)
     per_row = F.cross_entropy(x2, t2, ignore_index=ignore_index, label_smoothing=ls, reduction="none")
     valid = t2 != ignore_index
-    per_row = per_row + z * torch.where(valid, torch.logsumexp(x2, -1) ** 2, 0.0)
-    if reduction == "none":
-        return per_row.view(t.shape)
-    if reduction == "sum":
-        return per_row.sum()
-    return per_row.sum() / valid.sum().clamp(min=1)  # no valid row: 0, not NaN
+    z_rows = z * torch.where(valid, torch.logsumexp(x2, -1) ** 2, 0.0)
+
+    def reduced(rows):
+        if reduction == "none":
+            return rows.view(t.shape)
+        if reduction == "sum":
+            return rows.sum()
+        return rows.sum() / valid.sum().clamp(min=1)  # no valid row: 0, not NaN
+
+    loss = reduced(per_row + z_rows)
+    return (loss, reduced(z_rows)) if parts else loss
 
 
 @st.composite
@@ -103,8 +111,11 @@ def _ce_case(draw):
     opts = dict(ignore_index=ignore, label_smoothing=ls,
                 smoothing_formula=draw(st.sampled_from(["pytorch", "megatron"])),
                 reduction=reduction, z_loss=draw(st.sampled_from([0.0, 1e-3])),
+                logit_softcap=draw(st.sampled_from([None, 2.5])),
                 inplace_backward=draw(st.booleans()),
-                grad_in_forward=reduction != "none" and draw(st.booleans()))
+                grad_in_forward=reduction != "none" and draw(st.booleans()),
+                # Liger's extra outputs: the z-loss and the predicted tokens beside the loss
+                return_z_loss=draw(st.booleans()), return_predicted_tokens=draw(st.booleans()))
     t = torch.randint(0, cols, shape[:-1], generator=gen)
     t[torch.rand(shape[:-1], generator=gen) < 0.2] = ignore
     t_layout = draw(st.sampled_from(["contiguous", "strided", "expanded"]))
@@ -123,11 +134,22 @@ def test_cross_entropy_any_layout(run):
         draw, shape, dtype, gen, opts, t = case
         base, x, base64, x64, layout = _input(draw, shape, dtype, gen, 3.0)
         before, t_before = base.detach().clone(), t.clone()
+        # the arg-max of the logits as passed (before grad_in_forward may overwrite them)
+        x_before = x.detach().float().clone()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # in-place refused for leaves / copied layouts
-            loss = fusedloss.cross_entropy(x, t, **opts)
-        ref = _ce_reference(x64, t.cpu().to(DEVICE), opts["ignore_index"], opts["label_smoothing"],
-                            opts["smoothing_formula"], opts["reduction"], opts["z_loss"])
+            out = fusedloss.cross_entropy(x, t, **opts)
+        ref, z_ref = _ce_reference(x64, t.cpu().to(DEVICE), opts["ignore_index"],
+                                   opts["label_smoothing"], opts["smoothing_formula"],
+                                   opts["reduction"], opts["z_loss"], opts["logit_softcap"], True)
+        extras = opts["return_z_loss"] or opts["return_predicted_tokens"]
+        loss = out.loss if extras else out
+        if opts["return_z_loss"]:
+            _close(out.z_loss, z_ref, 2e-5, max(1e-6, z_ref.abs().max().item() if z_ref.numel() else 0.0))
+        if opts["return_predicted_tokens"]:
+            counted = t != opts["ignore_index"]
+            want = torch.where(counted, x_before.argmax(-1), -1)
+            assert torch.equal(out.predicted_tokens, want.view(t.shape))
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
         up, up64 = _upstream(draw, loss, gen)
@@ -138,7 +160,8 @@ def test_cross_entropy_any_layout(run):
         gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
         # A row's gradient is g_r (p (1 + 2 z lse) - smoothed one-hot): terms of size g_r that
         # may cancel (one column: p = 1), so its error scales with g_r, not with the result.
-        terms = _ce_row_upstream(up64, t, opts) * (2.0 + 2.0 * opts["z_loss"] * _max_abs_lse(x64))
+        lse_max = _max_abs_lse(x64, opts["logit_softcap"])
+        terms = _ce_row_upstream(up64, t, opts) * (2.0 + 2.0 * opts["z_loss"] * lse_max)
         # (the row's math is fp32: that cancellation is fp32-sized, whatever the logits' dtype)
         _close(base.grad, base64.grad, TOL[dtype],
                (gmax + 2e-5 / TOL[dtype] * terms) * _multiplicity(layout, shape) + 1e-6)
@@ -157,8 +180,10 @@ def _ce_row_upstream(up64, t, opts):
     return g.abs().max().item() if g is not None and g.numel() else 0.0
 
 
-def _max_abs_lse(x64):
+def _max_abs_lse(x64, softcap=None):
     x2 = x64.detach().reshape(-1, x64.size(-1))
+    if softcap:
+        x2 = softcap * torch.tanh(x2 / softcap)
     return torch.logsumexp(x2, -1).abs().max().item() if x2.numel() else 0.0
 
 
@@ -475,7 +500,7 @@ def _mask_input(draw, shape, gen):
 
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_linear_cross_entropy_any_layout(run):
-    from test_linear_cross_entropy import reference
+    from test_linear_cross_entropy import reference_from_logits
 
     @RUNS[run]
     @given(_lce_case())
@@ -485,6 +510,12 @@ def test_linear_cross_entropy_any_layout(run):
             _head_inputs(draw, shape, V, dtype, gen)
         H = shape[-1]
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, t)]
+        # the LM head's bias: absent, or a leaf of the weight's dtype in a drawn layout (itself,
+        # a view of it, or through an intermediate), never written
+        bias = None
+        if draw(st.booleans()):
+            base_b, bias, base_b64, b64, layout_b = _weight_leaf(draw, V, dtype, gen)
+            owned.append((base_b, base_b.detach().clone()))
         if dtype == torch.float16 and opts["backward_mode"] == "in_forward":
             with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with torch.float16 inputs"):
                 fusedloss.linear_cross_entropy(h, w, t, **opts)
@@ -525,14 +556,26 @@ def test_linear_cross_entropy_any_layout(run):
             if dtype != torch.float16 and draw(st.booleans()):
                 opts = dict(opts, backward_mode="in_forward")
         no_grad = draw(st.sampled_from([False, False, False, True]))  # evaluation: forward alone
+        want_z = draw(st.booleans())  # Liger's z-loss apart
         # fp32 inputs under torch.autocast: the GEMMs in bf16, the gradients back in fp32
         autocast = dtype == torch.float32 and draw(st.booleans())
         with warnings.catch_warnings(), torch.no_grad() if no_grad else contextlib.nullcontext(), \
                 torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
             warnings.simplefilter("ignore")
-            loss = fusedloss.linear_cross_entropy(h, w, t, weight_grad_accumulator=acc,
-                                                  loss_mask=mask, **opts)
-        ref = reference(h64.cpu(), w64.cpu(), t.cpu(), **opts)
+            out = fusedloss.linear_cross_entropy(h, w, t, bias, weight_grad_accumulator=acc,
+                                                 loss_mask=mask, return_z_loss=want_z, **opts)
+        loss = out.loss if want_z else out
+        logits64 = F.linear(h64.cpu().reshape(-1, H), w64.cpu(),
+                            None if bias is None else b64.cpu())
+        ce = {k: opts[k] for k in ("label_smoothing", "smoothing_formula", "reduction", "z_loss",
+                                   "logit_softcap")}
+        logits64.retain_grad()  # its gradient's entries: the terms the bias's gradient sums
+        ref = reference_from_logits(logits64, t.cpu(), shape[:-1], **ce)
+        if want_z:  # the z-loss part alone, reduced as the loss
+            z_ref = _ce_reference(logits64, t.cpu(), -100, 0.0, "pytorch", opts["reduction"],
+                                  opts["z_loss"], opts["logit_softcap"], parts=True)[1]
+            _close(out.z_loss, z_ref, LCE_TOL[torch.bfloat16 if autocast else dtype],
+                   max(1e-6, z_ref.abs().max().item() if z_ref.numel() else 0.0))
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         tol = LCE_TOL[
             torch.bfloat16 if autocast else dtype]
@@ -562,6 +605,13 @@ def test_linear_cross_entropy_any_layout(run):
             scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
                         other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
             _close(base.grad, base64.grad, tol, scale * _multiplicity(layout, shp) * max(shp))
+        if bias is not None:  # the column sums of the logits' gradient, over every token
+            rows = max(1, math.prod(shape[:-1]))
+            # terms of opposite signs cancel (a row's sum over its columns is 0): the error
+            # scales with the terms, not with the sum
+            scale = max(logits64.grad.abs().max().item() if logits64.grad.numel() else 0.0, 1e-6)
+            assert base_b.grad.dtype == dtype
+            _close(base_b.grad, base_b64.grad, tol, scale * _multiplicity(layout_b, (V,)) * rows)
 
     check()
 
