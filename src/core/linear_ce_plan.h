@@ -22,7 +22,7 @@ constexpr T round_up(T v, T to) {
 // The GEMM library's workspace out of a call's workspace_bytes: an eighth of it, at most `cap`
 // (LceTuning::gemm_workspace_cap), in whole 256-byte blocks. The chunk buffers get the rest, so
 // workspace_bytes bounds everything a call allocates for its chunks (the CPU backend plans the
-// same chunks and allocates no GEMM workspace).
+// same chunks; its GEMMs stage 16-bit operands as fp32 in this share: lce_cpu_stage_bytes).
 constexpr size_t lce_gemm_workspace_bytes(size_t workspace_bytes, size_t cap) {
   const size_t eighth = workspace_bytes / 8 / 256 * 256;
   return eighth < cap ? eighth : cap;
@@ -47,8 +47,8 @@ struct LcePlan {
 };
 
 // The chunk loop's memory, one block the caller allocates: the chunk buffers (adjacent; the
-// CUDA loop fills tuning.buffers of them, the CPU loop one), then, on CUDA, the GEMM library's
-// workspace at a 256-byte boundary. None without rows.
+// CUDA loop fills tuning.buffers of them, the CPU loop one), then at a 256-byte boundary the
+// GEMM library's workspace (CUDA) or the CPU GEMMs' stage. None without rows.
 constexpr size_t kLceAlign = 256;
 inline size_t lce_buffer_bytes(const LcePlan& plan) {
   return size_t(plan.chunk) * size_t(plan.stride) * size_t(detail::element_size(plan.dtype));
@@ -56,10 +56,23 @@ inline size_t lce_buffer_bytes(const LcePlan& plan) {
 inline size_t lce_gemm_workspace_at(const LcePlan& plan) {
   return round_up(size_t(plan.tuning.buffers) * lce_buffer_bytes(plan), kLceAlign);
 }
+// On the CPU, the GEMMs' fp32 stage of 16-bit operands (src/cpu/gemm_blas.cpp) takes the GEMM
+// workspace's share, at least 1 MiB (tiles of 256 x 256 x 256): beyond workspace_bytes only
+// when that is under 8 MiB.
+inline size_t lce_cpu_stage_bytes(const LcePlan& plan) {
+  if (plan.dtype == DType::F32) return 0;  // BLAS reads fp32 operands in place
+  return std::max(plan.gemm_workspace, size_t(1) << 20);
+}
+inline size_t lce_cpu_stage_at(const LcePlan& plan) {
+  return round_up(lce_buffer_bytes(plan), kLceAlign);
+}
 inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
   if (plan.rows == 0) return 0;
-  return device == Device::CPU ? lce_buffer_bytes(plan)
-                               : lce_gemm_workspace_at(plan) + plan.gemm_workspace;
+  if (device == Device::CPU) {
+    const size_t stage = lce_cpu_stage_bytes(plan);
+    return stage ? lce_cpu_stage_at(plan) + stage : lce_buffer_bytes(plan);
+  }
+  return lce_gemm_workspace_at(plan) + plan.gemm_workspace;
 }
 
 // One step over the chunk of rows [row0, row0 + logits.rows) whose logits (stride plan.stride)

@@ -1,6 +1,5 @@
-// CPU backend of the linear cross-entropy: the chunk loop with plain-loop GEMMs (fp32 inputs
-// rounded as stored, double accumulation, one rounding into the output's dtype). For tests and
-// small shapes: correctness, not speed.
+// CPU backend of the linear cross-entropy: the chunk loop, its GEMMs through cpu/gemm_cpu.h
+// (BLAS where the build found one; inputs as stored, one rounding into the output's dtype).
 #pragma once
 #include "core/linear_ce_plan.h"
 
@@ -8,7 +7,7 @@ namespace fusedloss::cpu {
 
 // For each chunk: logits = hidden_c @ weight^T into a chunk buffer, steps.forward, then (when
 // steps.gradient is set) steps.gradient, dhidden_c = G @ weight, dweight (+)= G^T @ hidden_c.
-// `memory`: core::lce_loop_bytes(plan, Device::CPU), the chunk buffer.
+// `memory`: core::lce_loop_bytes(plan, Device::CPU), the chunk buffer and the GEMMs' stage.
 void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixView& weight,
              const core::LceSteps& steps, const core::LceGrads& grads, void* memory);
 
