@@ -19,6 +19,10 @@ if [ "${FUSEDLOSS_OFFLINE:-0}" != 1 ]; then
   "$PY" -m pip install -q jax || exit 1
   # transformers: fusedloss.huggingface's tests (tiny random-weight models of each family)
   "$PY" -m pip install -q transformers || exit 1
+  # trl: fusedloss.trl's tests (its GRPO trainer on a tiny model); verl without its trainer's
+  # dependencies (ray, ...): fusedloss.verl's tests read its torch-only modules
+  "$PY" -m pip install -q trl || exit 1
+  "$PY" -m pip install -q --no-deps verl || exit 1
 fi
 source launch/cuda_archs.sh
 "$PY" -m pip install -q --no-build-isolation --no-deps . || exit 1
