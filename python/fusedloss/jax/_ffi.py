@@ -163,3 +163,9 @@ def check_device_errors() -> None:
     """See fusedloss.jax.check_device_errors."""
     if "CUDA" in PLATFORMS:
         _checked(_lib.fusedloss_jax_check_device_errors, ctypes.c_void_p(None))
+
+
+def check_scratch_binding(nbytes: int) -> None:
+    """Drives the CUDA handlers' scratch binding on the host against a stand-in with the rules of
+    XLA's FFI allocator (ffi_handlers.cpp); raises ValueError with what went wrong."""
+    _checked(_lib.fusedloss_jax_check_scratch_binding, ctypes.c_size_t(nbytes))

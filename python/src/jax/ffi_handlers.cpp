@@ -5,7 +5,7 @@
 // options as named attributes, so a handler reads like the core call it makes. Each exists twice:
 // fusedloss_<op>_cpu (XLA's host platform: CPU views) and, in a build with CUDA,
 // fusedloss_<op>_cuda (CUDA views on the stream XLA hands the call; the core's scratch comes from
-// XLA's allocator for the call, see XlaScratch). fusedloss/jax/_ffi.py registers them.
+// XLA's allocator for the call, see BoundScratch). fusedloss/jax/_ffi.py registers them.
 //
 // jax.vmap: the Python side calls with vmap_method="expand_dims", so every buffer arrives with the
 // batch dims in front, of size 1 where that argument is not batched. Rows are independent: a
@@ -21,6 +21,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -43,43 +44,68 @@ struct Place {
   fl::Stream stream;
 };
 
-// ---- scratch from XLA's allocator (CUDA) ----
+// ---- scratch from XLA's allocator ----
 // The core takes the scratch of a CUDA call (the linear cross-entropy's chunk buffer, per-row and
 // per-block partial sums) from an installed fusedloss::ScratchAllocator. This library's copy of
 // the core has one that hands out the FFI ScratchAllocator of the handler running on this thread:
 // XLA's own device allocator, counted in its memory statistics, freed when the handler returns
 // (after the work it queued on XLA's stream, which is where the memory's next user runs).
-thread_local ffi::ScratchAllocator* t_xla_scratch = nullptr;
+//
+// XLA's allocator takes alignments up to 16 bytes: XLA_FFI_DeviceMemory_Allocate refuses a
+// larger one ("Unsupported alignment"), and the FFI's ScratchAllocator turns that refusal into
+// an empty optional. The core's scratch must be 256-byte aligned (its vector loads, cuBLASLt), so
+// the binding asks for 16 and 240 bytes more and hands out the first 256-byte boundary inside.
+constexpr size_t kXlaMaxAlignment = 16;
+constexpr size_t kCoreAlignment = 256;
+
+// Where the scratch of the handler running on this thread comes from: the FFI's allocator (CUDA
+// handlers), or the host stand-in of fusedloss_jax_check_scratch_binding (CPU tests), which
+// applies XLA's rules, so that a CPU run exercises this same binding.
+struct ScratchSource {
+  void* self = nullptr;
+  std::optional<void*> (*allocate)(void* self, size_t bytes, size_t alignment) = nullptr;
+};
+thread_local const ScratchSource* t_scratch_source = nullptr;
 
 void* xla_allocate(size_t bytes, fl::Stream, void*) {
-  if (t_xla_scratch == nullptr) return nullptr;
+  if (t_scratch_source == nullptr) return nullptr;
   try {
-    std::optional<void*> block = t_xla_scratch->Allocate(bytes, 256);
-    return block ? *block : nullptr;
+    const size_t padded = bytes + (kCoreAlignment - kXlaMaxAlignment);
+    std::optional<void*> block =
+        t_scratch_source->allocate(t_scratch_source->self, padded, kXlaMaxAlignment);
+    if (!block || *block == nullptr) return nullptr;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(*block);
+    if (p % kXlaMaxAlignment != 0) return *block;  // the core refuses it, naming the address
+    return reinterpret_cast<void*>((p + kCoreAlignment - 1) / kCoreAlignment * kCoreAlignment);
   } catch (...) {
     return nullptr;
   }
 }
 void xla_release(void*, fl::Stream, void*) {}  // XLA frees it when the handler returns
-bool xla_serves(fl::Stream, void*) { return t_xla_scratch != nullptr; }
+bool xla_serves(fl::Stream, void*) { return t_scratch_source != nullptr; }
 
-// Binds the handler's XLA allocator to this thread for the call.
-class XlaScratch {
+const fl::ScratchAllocator& xla_scratch_allocator() {
+  static const fl::ScratchAllocator a = [] {
+    fl::ScratchAllocator s;
+    s.allocate = xla_allocate;
+    s.release = xla_release;
+    s.serves = xla_serves;
+    return s;
+  }();
+  return a;
+}
+
+// Binds a scratch source to this thread for one handler call (and installs the allocator once).
+class BoundScratch {
  public:
-  explicit XlaScratch(ffi::ScratchAllocator* allocator) {
+  explicit BoundScratch(const ScratchSource* source) {
     static std::once_flag installed;
-    std::call_once(installed, [] {
-      fl::ScratchAllocator a;
-      a.allocate = [](size_t bytes, fl::Stream s, void* c) { return xla_allocate(bytes, s, c); };
-      a.release = [](void* p, fl::Stream s, void* c) { xla_release(p, s, c); };
-      a.serves = [](fl::Stream s, void* c) { return xla_serves(s, c); };
-      fl::set_scratch_allocator(&a);
-    });
-    t_xla_scratch = allocator;
+    std::call_once(installed, [] { fl::set_scratch_allocator(&xla_scratch_allocator()); });
+    t_scratch_source = source;
   }
-  ~XlaScratch() { t_xla_scratch = nullptr; }
-  XlaScratch(const XlaScratch&) = delete;
-  XlaScratch& operator=(const XlaScratch&) = delete;
+  ~BoundScratch() { t_scratch_source = nullptr; }
+  BoundScratch(const BoundScratch&) = delete;
+  BoundScratch& operator=(const BoundScratch&) = delete;
 };
 
 // ---- errors ----
@@ -536,7 +562,10 @@ template <Op op>
 ffi::Error on_cuda(void* stream, ffi::ScratchAllocator scratch, Args args, Rets rets,
                    Attrs attrs) {
   return guarded([&] {
-    XlaScratch bound(&scratch);
+    const ScratchSource source{&scratch, [](void* self, size_t bytes, size_t alignment) {
+      return static_cast<ffi::ScratchAllocator*>(self)->Allocate(bytes, alignment);
+    }};
+    BoundScratch bound(&source);
     op(Place{fl::Device::CUDA, stream}, args, rets, attrs);
   });
 }
@@ -664,6 +693,45 @@ int fusedloss_jax_validate_swiglu(float clamp_value, char* message, size_t capac
     o.clamp = true;
     o.clamp_value = clamp_value;
     fl::validate_swiglu_options(o);
+  });
+}
+
+// Drives the CUDA handlers' scratch binding on the host, as the core calls it (serves, then
+// allocate), over a stand-in for XLA's FFI allocator with its rules: an alignment that is a power
+// of two up to 16 bytes, or no memory; blocks 16 bytes past a 256-byte boundary (the worst case
+// for the core's 256-byte rule). 0 when `bytes` came back 256-byte aligned inside the block.
+int fusedloss_jax_check_scratch_binding(size_t bytes, char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    struct HostXla {
+      std::vector<unsigned char> arena;
+      unsigned char* block = nullptr;
+      size_t size = 0;
+    } xla;
+    const ScratchSource source{&xla, [](void* self, size_t size, size_t alignment) {
+      auto& x = *static_cast<HostXla*>(self);
+      if (alignment == 0 || (alignment & (alignment - 1)) || alignment > kXlaMaxAlignment)
+        return std::optional<void*>();  // XLA: "Unsupported alignment"
+      x.arena.assign(size + 2 * kCoreAlignment, 0);
+      const uintptr_t base = reinterpret_cast<uintptr_t>(x.arena.data());
+      const uintptr_t at = (base + kCoreAlignment - 1) / kCoreAlignment * kCoreAlignment + 16;
+      x.block = reinterpret_cast<unsigned char*>(at);
+      x.size = size;
+      return std::optional<void*>(x.block);
+    }};
+    BoundScratch bound(&source);
+    const fl::ScratchAllocator& a = xla_scratch_allocator();
+    if (!a.serves(nullptr, a.context))
+      throw std::runtime_error("the bound scratch allocator declines the handler's stream");
+    auto* p = static_cast<unsigned char*>(a.allocate(bytes, nullptr, a.context));
+    if (p == nullptr)
+      throw std::runtime_error("fusedloss scratch of " + std::to_string(bytes) +
+                               " bytes: the bound allocator has no memory for it");
+    if (reinterpret_cast<uintptr_t>(p) % kCoreAlignment != 0)
+      throw std::runtime_error("scratch at an address not 256-byte aligned");
+    if (p < xla.block || p + bytes > xla.block + xla.size)
+      throw std::runtime_error("scratch of " + std::to_string(bytes) +
+                               " bytes reaches past the allocator's block");
+    a.release(p, nullptr, a.context);
   });
 }
 
