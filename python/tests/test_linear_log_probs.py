@@ -4,6 +4,7 @@ layouts, no_grad, gloo TP 2 and 4 (vocab- and sequence-parallel), bad inputs."""
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import fusedloss
 from dist_util import run_world
@@ -68,6 +69,36 @@ def _check(device, dtype, shape=(37,), V=203, temperature=1.0, workspace_bytes=N
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_against_float64(device, dtype, temperature):
     _check(device, dtype, temperature=temperature)
+
+
+@pytest.mark.parametrize("H, V", [(1, 203), (7, 203), (257, 50257), (1023, 4099)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_odd_and_unaligned_hidden_sizes_as_exact_as_torch(device, H, V, dtype):
+    # rows of H elements off every 16-byte boundary (the GEMMs' operands and dhidden): each
+    # gradient against float64 within torch's own error in the same dtype on the same device
+    # (its linear, then log_softmax in fp32, as RL trainers compute log-probs), at temperature 0.7
+    n = 96 if device == "cuda" else 24
+    h, w, t = _problem(device, dtype, shape=(n,), H=H, V=V)
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+
+    def grads(fn):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = fn(hh, ww)
+        (a * lp + b * ent).sum().backward()
+        return hh.grad, ww.grad
+
+    def torchs(hh, ww):
+        logp = torch.log_softmax(F.linear(hh, ww).float() / 0.7, -1)
+        return logp.gather(1, t[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+    ours = grads(lambda hh, ww: fusedloss.linear_log_probs(hh, ww, t, temperature=0.7)[:2])
+    theirs = grads(torchs)
+    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    lp, ent, _ = reference(h64, w64, t.cpu(), 0.7)
+    (a.double().cpu() * lp + b.double().cpu() * ent).sum().backward()
+    for name, o, th, r in zip(("dhidden", "dweight"), ours, theirs, (h64.grad, w64.grad)):
+        err, torch_err = _rel(o.cpu(), r), _rel(th.cpu(), r)
+        assert err <= 1.5 * torch_err + _TOL[dtype] / 10, (name, err, torch_err)
 
 
 @pytest.mark.parametrize("shape", [(37,), (5, 3), (1,)])
@@ -151,10 +182,27 @@ def test_bad_inputs(device):
         fusedloss.linear_log_probs(h, w, t, dhidden_reduction="scatter")
     with pytest.raises(TypeError, match="entropy"):
         fusedloss.linear_log_probs(h, w, t, entropy="yes")
-    if device == "cpu":  # CUDA tokens are checked in flight: their rows are NaN
-        t[5] = 203
-        with pytest.raises(ValueError, match=r"tokens\[5\]: got 203, expected in \[0, 203\)"):
+
+
+@pytest.mark.parametrize("bad", [203, -7])
+def test_an_out_of_range_token_is_named_with_its_index_and_value(device, bad):
+    # the CPU raises at the call; CUDA checks tokens in flight (no host sync): the row's log-prob
+    # and entropy are NaN, the others right, and check_device_errors() names the token
+    h, w, t = _problem(device, torch.float32)
+    t[5] = bad
+    named = rf"tokens\[5\]: got {bad}, expected in \[0, "
+    if device == "cpu":
+        with pytest.raises(ValueError, match=named + r"203\)"):
             fusedloss.linear_log_probs(h, w, t)
+        return
+    fusedloss.check_device_errors()  # nothing pending from earlier tests
+    out = fusedloss.linear_log_probs(h, w, t, entropy=True)
+    with pytest.raises(ValueError, match=named + r"vocab_global\) or ignore_index.*log-prob head"):
+        fusedloss.check_device_errors()
+    fusedloss.check_device_errors()  # cleared once reported
+    assert out.log_probs[5].isnan() and out.entropy[5].isnan()
+    rest = torch.arange(t.numel(), device=device) != 5
+    assert out.log_probs[rest].isfinite().all() and out.entropy[rest].isfinite().all()
 
 
 def test_cpp_api_merges_shards_like_one_call():

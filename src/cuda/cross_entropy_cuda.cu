@@ -16,6 +16,7 @@
 #include "core/row_weight.h"
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_check.h"
+#define FUSEDLOSS_DEFINE_DEVICE_ERROR
 #include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
 #include "cuda/runtime.h"
@@ -1016,6 +1017,12 @@ void lce_row_weight_scale(const float* grad_loss, const float* row_weight, int64
   FL_CUDA_CHECK_LAUNCH();
 }
 
+DeviceError* device_error_word() {
+  void* word = nullptr;
+  FL_CUDA_CHECK(cudaGetSymbolAddress(&word, g_device_error));
+  return static_cast<DeviceError*>(word);
+}
+
 void check_device_errors(Stream stream) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
@@ -1041,6 +1048,10 @@ void check_device_errors(Stream stream) {
                  " (reported by the CUDA kernels; that backward's gradients are NaN), expected "
                  "c * row_weight", core::kNotRowWeightedWhy);
   }
+  if (host.flag == kBadToken)
+    detail::fail("tokens[", host.row, "]: got ", host.value,
+                 ", expected in [0, vocab_global) or ignore_index (reported by the CUDA kernels of "
+                 "the log-prob head; that row's log-prob and entropy are NaN)");
   detail::fail("target[", host.row, "]: got ", host.value,
                ", expected in [0, vocab_global) or ignore_index (reported by the CUDA kernels; "
                "that row's loss is NaN)");

@@ -15,23 +15,37 @@ enum DeviceErrorKind : int {
   kBadTarget = 1,           // row: the row, value: its target
   kNotRowWeighted = 2,      // row: the row, value: the bits of grad_loss[row] (low word) and
                             // row_weight[row] (high word)
+  kBadToken = 3,            // the log-prob head's tokens: row: the row, value: its token
 };
 
-// Defined here, so include this header from one translation unit only
-// (cross_entropy_cuda.cu, which reports into it and reads it in check_device_errors): without
-// relocatable device code, every .cu that included it would get a copy of its own.
+// The error word's address on the current device, for kernels of other translation units
+// (cross_entropy_cuda.cu defines it; no host synchronisation).
+DeviceError* device_error_word();
+
+__device__ __forceinline__ void report_device_error(DeviceError* word, DeviceErrorKind kind,
+                                                    int64_t row, int64_t value) {
+  if (atomicCAS(&word->flag, 0, int(kind)) == 0) {
+    word->row = row;
+    word->value = value;
+  }
+}
+
+#ifdef FUSEDLOSS_DEFINE_DEVICE_ERROR
+
+// Defined in one translation unit only (cross_entropy_cuda.cu, which defines
+// FUSEDLOSS_DEFINE_DEVICE_ERROR and reads it in check_device_errors): without relocatable device
+// code, every .cu that defined it would get a copy of its own; the others report through
+// device_error_word().
 __device__ DeviceError g_device_error = {0, 0, 0};
 
 __device__ __forceinline__ void report_device_error(DeviceErrorKind kind, int64_t row,
                                                     int64_t value) {
-  if (atomicCAS(&g_device_error.flag, 0, int(kind)) == 0) {
-    g_device_error.row = row;
-    g_device_error.value = value;
-  }
+  report_device_error(&g_device_error, kind, row, value);
 }
 
 __device__ __forceinline__ void report_bad_target(int64_t row, int64_t value) {
   report_device_error(kBadTarget, row, value);
 }
+#endif  // FUSEDLOSS_DEFINE_DEVICE_ERROR
 
 }  // namespace fusedloss::cuda

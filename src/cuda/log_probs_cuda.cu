@@ -3,6 +3,7 @@
 #include "core/dispatch.h"
 #include "core/log_probs_math.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
 #include "cuda/vector_io.cuh"
 
@@ -51,13 +52,15 @@ __global__ void __launch_bounds__(kThreads) local_stats_kernel(MatrixView x, con
 
 template <class Index>
 __global__ void merge_kernel(const LogProbStats* stats, int world, int64_t rows, const void* tokens,
-                             int64_t ignore_index, int64_t vocab_global, LinearLogProbsOutputs out) {
+                             int64_t ignore_index, int64_t vocab_global, LinearLogProbsOutputs out,
+                             DeviceError* error) {
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   LogProbStats s = stats[r];
   for (int k = 1; k < world; ++k) s = core::lp_combine(s, stats[int64_t(k) * rows + r]);
   const int64_t t = token_at<Index>(tokens, r);
   const bool ignored = t == ignore_index, valid = t >= 0 && t < vocab_global;
+  if (!ignored && !valid) report_device_error(error, kBadToken, r, t);
   const float lse = core::lp_lse(s);
   if (out.lse) out.lse[r] = lse;
   if (out.log_probs) out.log_probs[r] = ignored ? 0.0f : valid ? s.target - lse : NAN;
@@ -122,7 +125,7 @@ void lp_merge(const LogProbStats* stats, int world, int64_t rows, const IndexVie
   if (rows == 0) return;
   core::dispatch_index(tokens.type, [&](auto index) {
     merge_kernel<decltype(index)><<<unsigned((rows + 255) / 256), 256, 0, as_cuda(stream)>>>(
-        stats, world, rows, tokens.data, o.ignore_index, o.vocab_global, out);
+        stats, world, rows, tokens.data, o.ignore_index, o.vocab_global, out, device_error_word());
     FL_CUDA_CHECK_LAUNCH();
   });
 }
