@@ -184,6 +184,15 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
         ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c)));
     FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         ch.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c)));
+    // A 16-bit output is rounded once, from the fp32 sum: split-K partial sums reduced in the
+    // output type (the OUTPUT_TYPE and INPLACE schemes) round once per split. The heuristic picks
+    // such kernels for long inner dimensions under narrow or unaligned outputs (dhidden over a
+    // whole vocabulary at an odd H), where they cost several times torch's error.
+    if (C.dtype != DType::F32) {
+      const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      FL_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          ch.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof(schemes)));
+    }
     std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(heuristics));
     int found = 0;
     FL_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(h, plan.op, plan.a, plan.b, plan.c, plan.c,
