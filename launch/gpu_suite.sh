@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# On a GPU machine: the whole test suite in stages, each bounded (STAGE_TIMEOUT, default 570 s,
-# so that one stage fits a 10-minute command), its logs packed into $OUT/<stage>.tar.gz and its
-# wall time and status appended to $OUT/stage-times.txt:
+# On a GPU machine: the whole test suite in stages, each bounded (STAGE_TIMEOUT, default 480 s,
+# so that a stage and the packing of its logs fit an 8-minute command), its logs packed into
+# $OUT/<stage>.tar.gz, its wall time and status appended to $OUT/stage-times.txt and, for the
+# pytest stages, one line per test file (its pytest summary, or why it has none) to
+# $OUT/pytest-files.txt:
 #
 #   launch/gpu_suite.sh [STAGE ...]        (no stage: all of them, in this order)
 #
 #   build       build-gpu (tests, benchmarks, ptxas report) and pip install . of the package
 #   ctest       the C++ suites (CPU and CUDA backends)
-#   pytest      every Python test file but the two slow ones, one process per file at once
+#   pytest      every Python test file but the slow ones and JAX's, one process per file at once
 #   pytest-tp   test_vocab_parallel.py and test_linear_cross_entropy.py (gloo TP worlds)
+#   pytest-jax  test_jax.py alone (JAX in a process of its own: it would take most of the GPU's
+#               memory up front; XLA_PYTHON_CLIENT_PREALLOCATE=false all the same)
 #   properties  the property tests on CUDA tensors (PROPERTY_EXAMPLES examples, default 300)
 #   sanitizer   compute-sanitizer memcheck and racecheck over the CUDA C++ tests
 #   bench       the benchmarks (BENCH_KINDS; LCE_VARIANTS adds the linear CE's variants)
@@ -28,8 +32,9 @@ if [ -z "${PYTHON:-}${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python3 -c "import t
   export PYTHON=python3
 fi
 source launch/python_env.sh
-STAGES=(build ctest pytest pytest-tp properties sanitizer bench)
+STAGES=(build ctest pytest pytest-tp pytest-jax properties sanitizer bench)
 SLOW_FILES="test_vocab_parallel.py test_linear_cross_entropy.py"
+OWN_PROCESS_FILES="test_jax.py"
 
 stage_build() {
   BUILD_DIR=build-gpu launch/build.sh -DFUSEDLOSS_TESTS=ON -DFUSEDLOSS_BENCH=ON \
@@ -53,16 +58,24 @@ stage_ctest() {
 }
 
 # pytest over the given files, one process per file at once (a crash in one file keeps the
-# others' reports); a line per test in each file's log
+# others' reports); a line per test in each file's log, a line per file in pytest-files.txt
 pytest_files() {
   local pids=() rc=0 f
   for f in "$@"; do
-    (cd python/tests && "$PY" -m pytest -v -rs -p no:cacheprovider "$f") \
+    # each file bounded inside the stage's bound, so that a file cut off still gets its line
+    (cd python/tests && XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 \
+      timeout $((${STAGE_TIMEOUT:-480} - 40)) "$PY" -m pytest -v -rs -p no:cacheprovider "$f") \
       > "$LOGS/pytest-${f%.py}.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  grep -hE "^(FAILED|ERROR)|Fatal Python error|[0-9]+ (passed|failed)" "$LOGS"/pytest-*.log | tail -25
+  for f in "$@"; do
+    local log="$LOGS/pytest-${f%.py}.log" line
+    line=$(grep -E "^=+ .*[0-9]+ (passed|failed|error|skipped).* in [0-9.]+s" "$log" | tail -1 | tr -d '=')
+    echo "$f:${line:- no summary (crashed or cut off by the stage bound; last line: $(tail -1 "$log"))}" |
+      tee -a "$OUT/pytest-files.txt"
+  done
+  grep -hE "^(FAILED|ERROR)|Fatal Python error" "$LOGS"/pytest-*.log | tail -25
   return $rc
 }
 
@@ -70,7 +83,7 @@ stage_pytest() {
   local files=() f
   for f in python/tests/test_*.py; do
     f=$(basename "$f")
-    case " $SLOW_FILES " in *" $f "*) continue ;; esac
+    case " $SLOW_FILES $OWN_PROCESS_FILES " in *" $f "*) continue ;; esac
     files+=("$f")
   done
   pytest_files "${files[@]}"
@@ -79,6 +92,11 @@ stage_pytest() {
 stage_pytest_tp() {
   # shellcheck disable=SC2086
   pytest_files $SLOW_FILES
+}
+
+stage_pytest_jax() {
+  # shellcheck disable=SC2086
+  pytest_files $OWN_PROCESS_FILES
 }
 
 stage_properties() {
@@ -133,16 +151,17 @@ stage_bench() {
 
 run_stage() {
   local stage=$1 start=$SECONDS rc
+  STAGE_TIMEOUT=${STAGE_TIMEOUT:-480}
   LOGS="$OUT/$stage"
   mkdir -p "$LOGS"
   echo "== stage $stage"
   # a stage's own time bound: its processes are ended there, and the stage reports a timeout
   export -f "stage_${stage//-/_}" pytest_files
-  export LOGS PY SLOW_FILES OUT
-  timeout --kill-after=20 "${STAGE_TIMEOUT:-570}" bash -c "stage_${stage//-/_}"
+  export LOGS PY SLOW_FILES OWN_PROCESS_FILES OUT STAGE_TIMEOUT
+  timeout --kill-after=20 "${STAGE_TIMEOUT:-480}" bash -c "stage_${stage//-/_}"
   rc=$?
   local what=passed
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="timed out after ${STAGE_TIMEOUT:-570} s"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && what="timed out after ${STAGE_TIMEOUT:-480} s"
   [ $rc -ne 0 ] && [ "$what" = passed ] && what="failed"
   (cd "$OUT" && tar czf "$stage.tar.gz" "$stage" && rm -rf "$stage")
   echo "stage $stage: $((SECONDS - start)) s, $what" | tee -a "$OUT/stage-times.txt"

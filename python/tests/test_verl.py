@@ -25,7 +25,8 @@ _TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 def _verl_file(name, relpath):
     """A module of the installed verl, executed alone under its own name."""
     spec = importlib.util.find_spec("verl")
-    assert spec is not None, "verl is not installed (launch/python.sh: pip install --no-deps verl)"
+    if spec is None:  # CI installs it (launch/python.sh); a GPU machine without a package index may not
+        pytest.skip("verl is not installed (launch/python.sh: pip install --no-deps verl)")
     path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
