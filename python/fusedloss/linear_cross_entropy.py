@@ -40,6 +40,8 @@ from .cross_entropy import (_REDUCTIONS, as_softcap, check_targets_on_host, redu
                             class_weighted, loss_outputs, _wanted, _with_extras,
                             make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
+from ._head import as_workspace_bytes, validate_head_operands  # noqa: F401  (the heads' shared checks)
+from .linear_log_probs import linear_log_probs
 
 _NONE = _REDUCTIONS["none"]
 _IN_FORWARD, _RECOMPUTE = int(_C.LinearCeBackward.IN_FORWARD), int(_C.LinearCeBackward.RECOMPUTE)
@@ -93,16 +95,6 @@ def _options(ignore_index, label_smoothing, formula, scope, z_loss, reduction, s
     lo.vocab_block = vocab_block
     validated(_C.validate_linear_cross_entropy_options, o, lo, 1, v_local, hidden)
     return o, lo
-
-
-def as_workspace_bytes(value, name: str = "workspace_bytes") -> int:
-    """workspace_bytes as the op takes it: None (0: the core's default) or a positive int."""
-    if value is None:
-        return 0
-    v = as_int(value, name)
-    if v <= 0:
-        raise ValueError(f"{name}: got {v}, expected None or a positive number of bytes")
-    return v
 
 
 def chunk_rows(dtype: torch.dtype, rows: int, v_local: int, workspace_bytes: int = 0) -> int:
@@ -466,22 +458,6 @@ def _casts_weight_inside(hidden, weight) -> bool:
     return (isinstance(hidden, Tensor) and isinstance(weight, Tensor)
             and weight.dtype == torch.float32
             and autocast_dtype(weight, hidden) in (torch.bfloat16, torch.float16))
-
-
-def validate_head_operands(hidden, weight, fp32_weight_ok=False):
-    """An LM head's operands, as every op over them takes them: hidden [N, H] or [s, b, H] and
-    weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device."""
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
-    if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
-                         "[s, b, H] tensor with H >= 1")
-    if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
-    if weight.dtype != hidden.dtype and not (fp32_weight_ok and weight.dtype == torch.float32):
-        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
-    require_same_device(weight, "weight", hidden, "hidden")
 
 
 def validate_inputs(hidden, weight, target, token_slices: int = 1, fp32_weight_ok=False):
@@ -859,7 +835,6 @@ def _head_argmax(hidden, weight, target, ignore_index, tp_group, check, dhidden_
     """[N] arg-max of hidden @ weight^T over the (global) vocabulary: the log-prob head's,
     without a gradient, after the loss (at TP > 1 the loss's agreement checked that every rank
     asks for it)."""
-    from .linear_log_probs import linear_log_probs
     # the head refuses an ignore_index among the class ids (the loss allows it): those rows are
     # masked by _with_extras anyway, so an id outside the vocabulary stands for it there
     with torch.no_grad():

@@ -28,7 +28,7 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, choice_name, 
                      index, matrix, require_same_device, require_tensor,
                      rows_of, stream_of, validated, values_in)
 from .cross_entropy import check_targets_on_host
-from .linear_cross_entropy import as_workspace_bytes, validate_head_operands
+from ._head import as_workspace_bytes, validate_head_operands
 
 _OP = "fusedloss.linear_log_probs"
 _DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}

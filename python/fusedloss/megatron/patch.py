@@ -9,7 +9,7 @@ from typing import Optional
 
 import fusedloss
 from fusedloss._views import as_bool
-from fusedloss.linear_cross_entropy import as_workspace_bytes
+from fusedloss._head import as_workspace_bytes
 
 from . import lm_head, state
 

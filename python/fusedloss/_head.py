@@ -1,0 +1,31 @@
+"""What both LM heads (fusedloss.linear_cross_entropy and fusedloss.linear_log_probs) check of
+their arguments, below both modules."""
+import torch
+
+from ._views import as_int, require_same_device, require_values
+
+
+def as_workspace_bytes(value, name: str = "workspace_bytes") -> int:
+    """workspace_bytes as the op takes it: None (0: the core's default) or a positive int."""
+    if value is None:
+        return 0
+    v = as_int(value, name)
+    if v <= 0:
+        raise ValueError(f"{name}: got {v}, expected None or a positive number of bytes")
+    return v
+
+
+def validate_head_operands(hidden, weight, fp32_weight_ok=False):
+    """An LM head's operands, as every op over them takes them: hidden [N, H] or [s, b, H] and
+    weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device."""
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype and not (fp32_weight_ok and weight.dtype == torch.float32):
+        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
+    require_same_device(weight, "weight", hidden, "hidden")
