@@ -42,14 +42,8 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
     // the logits now hold their gradient: an earlier autograd reader fails its version check
     if (in_forward) logits.unsafeGetTensorImpl()->bump_version();
     ctx->save_for_backward({logits, target, lse, count});  // the caller's target: its version checked
-    ctx->saved_data["ignore_index"] = ignore_index;
-    ctx->saved_data["label_smoothing"] = label_smoothing;
-    ctx->saved_data["formula"] = formula;
-    ctx->saved_data["scope"] = scope;
-    ctx->saved_data["z_loss"] = z_loss;
-    ctx->saved_data["reduction"] = reduction;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["mode"] = int64_t(in_forward ? 2 : (inplace && ours) ? 1 : 0);
+    keep_ce_options(ctx, ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap);
+    keep(ctx, {{"mode", int64_t(in_forward ? 2 : (inplace && ours) ? 1 : 0)}});
     return loss;
   }
 
@@ -74,10 +68,7 @@ struct CrossEntropy : torch::autograd::Function<CrossEntropy> {
       core_call(&CoreTable::cross_entropy_scale_grad, matrix(x), gl.data_ptr<float>(), stream_of(x));
       grad = logits;
     } else {
-      auto& d = ctx->saved_data;
-      const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
-                                d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
-                                d["reduction"].toInt(), d["softcap"].toDouble());
+      const auto o = kept_ce_options(ctx);
       grad = into_logits ? logits : at::empty(logits.sizes(), logits.options());
       const at::Tensor out_rows = into_logits ? x : rows_of(grad);
       const at::Tensor tt = index_of(into_logits ? apart_from(saved[1], logits) : saved[1]);
@@ -108,8 +99,6 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& target, int
 }  // namespace
 }  // namespace fusedloss::torch_nodes
 
-// The eager entry point only: the traced path uses the Python custom op of the same name
-// without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("cross_entropy_eager(Tensor logits, Tensor target, int ignore_index, float label_smoothing, "
         "int smoothing_formula, int smoothing_scope, float z_loss, int reduction, "

@@ -95,21 +95,12 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     // after a recompute forward is no error
     ctx->save_for_backward({hidden, weight, target, lse, count, dh, dw,
                             mode == kInForward ? row_weight : at::Tensor()});
-    auto& d = ctx->saved_data;
-    d["ignore_index"] = ignore_index;
-    d["label_smoothing"] = label_smoothing;
-    d["formula"] = formula;
-    d["scope"] = scope;
-    d["z_loss"] = z_loss;
-    d["reduction"] = reduction;
-    d["softcap"] = softcap;
-    d["workspace_bytes"] = workspace_bytes;
-    d["mode"] = mode;
-    d["tf32"] = tf32;
-    d["acc32"] = acc32;
-    // scaled where they are only when they are already in the inputs' dtypes (owned here alone)
-    d["inplace"] = inplace && mode == kInForward && dh.scalar_type() == hidden.scalar_type() &&
-                   dw.scalar_type() == weight.scalar_type();
+    keep_ce_options(ctx, ignore_index, label_smoothing, formula, scope, z_loss, reduction, softcap);
+    keep(ctx, {{"workspace_bytes", workspace_bytes}, {"mode", mode}, {"tf32", tf32}, {"acc32", acc32},
+               // scaled where they are only when they are already in the inputs' dtypes (owned
+               // here alone)
+               {"inplace", inplace && mode == kInForward && dh.scalar_type() == hidden.scalar_type() &&
+                               dw.scalar_type() == weight.scalar_type()}});
     return loss;
   }
 
@@ -130,9 +121,8 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     // over all tokens in fp32 (linear_cross_entropy.py: _run_backward)
     const int64_t block = fusedloss::linear_cross_entropy_backward_vocab_block(
         core_mode(mode), d["acc32"].toBool(), dtype_of(weight), h.size(1));
-    const auto o = ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
-                              d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
-                              d["reduction"].toInt());
+    auto o = kept_ce_options(ctx);
+    o.logit_softcap = 0.0f;  // the cap travels in the linear options (lo), as in the forward
     const auto lo = lce_options(d["softcap"].toDouble(), d["workspace_bytes"].toInt(), mode,
                                 d["tf32"].toBool(), block);
     // may arrive expanded; the kernels read its data
@@ -187,8 +177,6 @@ at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weig
 }  // namespace
 }  // namespace fusedloss::torch_nodes
 
-// The eager entry point only: the traced path uses the Python custom op of the same name
-// without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("linear_cross_entropy_eager(Tensor hidden, Tensor weight, Tensor target, Tensor? row_weight, "
         "int ignore_index, float label_smoothing, int smoothing_formula, int smoothing_scope, "

@@ -164,6 +164,25 @@ fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smo
   return o;
 }
 
+void keep(AutogradContext* ctx, std::initializer_list<std::pair<const char*, c10::IValue>> options) {
+  for (const auto& [name, value] : options) ctx->saved_data[name] = value;
+}
+
+void keep_ce_options(AutogradContext* ctx, int64_t ignore_index, double label_smoothing,
+                     int64_t formula, int64_t scope, double z_loss, int64_t reduction,
+                     double logit_softcap) {
+  keep(ctx, {{"ignore_index", ignore_index}, {"label_smoothing", label_smoothing},
+             {"formula", formula}, {"scope", scope}, {"z_loss", z_loss},
+             {"reduction", reduction}, {"softcap", logit_softcap}});
+}
+
+fusedloss::CrossEntropyOptions kept_ce_options(AutogradContext* ctx) {
+  auto& d = ctx->saved_data;
+  return ce_options(d["ignore_index"].toInt(), d["label_smoothing"].toDouble(),
+                    d["formula"].toInt(), d["scope"].toInt(), d["z_loss"].toDouble(),
+                    d["reduction"].toInt(), d["softcap"].toDouble());
+}
+
 // ---- the double-backward guard (python/fusedloss/_op.py: _NoSecondOrder) ----
 
 namespace {

@@ -1,7 +1,9 @@
 // fusedloss's autograd nodes in C++ for eager PyTorch calls (libfusedloss_torch.so, loaded by
 // fusedloss/_native.py with torch.ops.load_library): what every op's node shares. One file an
 // op beside this one (rms_norm.cpp, swiglu.cpp, cross_entropy.cpp, linear_cross_entropy.cpp),
-// each with its node, its eager entry point and their registration.
+// each with its node, its eager entry point and their registration. Only the eager entry points
+// ("<op>_eager") are registered here: the traced path uses the Python custom ops of the same
+// names without the suffix.
 //
 // Why: every eager op pays the autograd engine's round trip, and a node written in Python adds
 // to it (bench/autograd_node_probe.py on an H200 host: an empty node costs 94 us forward +
@@ -17,7 +19,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <initializer_list>
 #include <optional>
+#include <utility>
 #include <string>
 
 #include "../core_table.h"
@@ -65,6 +69,16 @@ fusedloss::CrossEntropyOptions ce_options(int64_t ignore_index, double label_smo
                                           int64_t formula, int64_t scope, double z_loss,
                                           int64_t reduction,
                                           double logit_softcap = 0.0);
+
+// ---- options kept for the backward ----
+
+// A node's options by name in ctx->saved_data.
+void keep(AutogradContext* ctx, std::initializer_list<std::pair<const char*, c10::IValue>> options);
+// ce_options' arguments, as both losses' nodes keep them, and the options they make.
+void keep_ce_options(AutogradContext* ctx, int64_t ignore_index, double label_smoothing,
+                     int64_t formula, int64_t scope, double z_loss, int64_t reduction,
+                     double logit_softcap);
+fusedloss::CrossEntropyOptions kept_ce_options(AutogradContext* ctx);
 
 // ---- the core call ----
 

@@ -107,8 +107,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x, const 
 }  // namespace
 }  // namespace fusedloss::torch_nodes
 
-// The eager entry point only: the traced path uses the Python custom op of the same name
-// without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("rms_norm_eager(Tensor x, Tensor weight, float eps, bool zero_centered_gamma) -> Tensor");
   m.def("rms_norm_residual_eager(Tensor x, Tensor weight, Tensor residual, float eps, "

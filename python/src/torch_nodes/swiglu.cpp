@@ -33,6 +33,21 @@ fusedloss::SwigluOptions swiglu_options(bool clamp, double clamp_value, bool gat
   return o;
 }
 
+// swiglu_options' arguments, as both nodes keep them for the backward, and the options they make.
+void keep_swiglu_options(AutogradContext* ctx, bool clamp, double clamp_value, bool gate_at_bound,
+                         bool up_at_bound, double gate_multiplier, double down_multiplier) {
+  keep(ctx, {{"clamp", clamp}, {"clamp_value", clamp_value}, {"gate_at_bound", gate_at_bound},
+             {"up_at_bound", up_at_bound}, {"gate_multiplier", gate_multiplier},
+             {"down_multiplier", down_multiplier}});
+}
+
+fusedloss::SwigluOptions kept_swiglu_options(AutogradContext* ctx) {
+  auto& d = ctx->saved_data;
+  return swiglu_options(d["clamp"].toBool(), d["clamp_value"].toDouble(), d["gate_at_bound"].toBool(),
+                        d["up_at_bound"].toBool(), d["gate_multiplier"].toDouble(),
+                        d["down_multiplier"].toDouble());
+}
+
 struct Swiglu : torch::autograd::Function<Swiglu> {
   // options: clamp, clamp_value, the gate's and the up's gradient at the bound, the gate and
   // down multipliers (_options in swiglu.py); inplace: the backward writes y's gradient into y (the caller checked that y's
@@ -54,12 +69,8 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     core_call(&CoreTable::swiglu_forward, matrix(x), vector_or_absent(b), vector_or_absent(w), o,
               matrix(rows_of(out)), fusedloss::MatrixView{}, stream_of(x));
     ctx->save_for_backward({y, or_undefined(bias), or_undefined(weights)});
-    ctx->saved_data["clamp"] = clamp;
-    ctx->saved_data["clamp_value"] = clamp_value;
-    ctx->saved_data["gate_at_bound"] = gate_at_bound;
-    ctx->saved_data["up_at_bound"] = up_at_bound;
-    ctx->saved_data["gate_multiplier"] = gate_multiplier;
-    ctx->saved_data["down_multiplier"] = down_multiplier;
+    keep_swiglu_options(ctx, clamp, clamp_value, gate_at_bound, up_at_bound, gate_multiplier,
+                        down_multiplier);
     // (the Python caller has decided and warned, _views.inplace_refused; the op itself is
     // reachable as torch.ops.fusedloss.swiglu_eager, so a leaf's memory is never taken here)
     ctx->saved_data["inplace"] = inplace && storage_is_ours(y);
@@ -75,10 +86,7 @@ struct Swiglu : torch::autograd::Function<Swiglu> {
     const at::Tensor& y = saved[0];
     const at::Tensor &bias = saved[1], &weights = saved[2];
     c10::OptionalDeviceGuard device(y.device());
-    auto& d = ctx->saved_data;
-    const auto o = swiglu_options(d["clamp"].toBool(), d["clamp_value"].toDouble(),
-                                  d["gate_at_bound"].toBool(), d["up_at_bound"].toBool(),
-                                  d["gate_multiplier"].toDouble(), d["down_multiplier"].toDouble());
+    const auto o = kept_swiglu_options(ctx);
     at::Tensor grad = grads[0];
     // In place only into y's own rows: were they a copy now (y's layout changed since the
     // forward, e.g. through .data), the gradient goes to a new buffer instead.
@@ -136,16 +144,11 @@ struct SwigluGateUp : torch::autograd::Function<SwigluGateUp> {
     core_call(&CoreTable::swiglu_gate_up_forward, matrix(g), matrix(u), vector_or_absent(b),
               vector_or_absent(w), o, matrix(rows_of(out)), fusedloss::MatrixView{}, stream_of(g));
     ctx->save_for_backward({gate, up, or_undefined(bias), or_undefined(weights)});
-    auto& d = ctx->saved_data;
-    d["clamp"] = clamp;
-    d["clamp_value"] = clamp_value;
-    d["gate_at_bound"] = gate_at_bound;
-    d["up_at_bound"] = up_at_bound;
-    d["gate_multiplier"] = gate_multiplier;
-    d["down_multiplier"] = down_multiplier;
+    keep_swiglu_options(ctx, clamp, clamp_value, gate_at_bound, up_at_bound, gate_multiplier,
+                        down_multiplier);
     // (reachable as torch.ops.fusedloss.swiglu_gate_up_eager: a leaf's memory is never taken
     // here, and the core refuses gradients over shared elements)
-    d["inplace"] = inplace && storage_is_ours(gate) && storage_is_ours(up);
+    keep(ctx, {{"inplace", inplace && storage_is_ours(gate) && storage_is_ours(up)}});
     return out;
   }
 
@@ -158,10 +161,7 @@ struct SwigluGateUp : torch::autograd::Function<SwigluGateUp> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &gate = saved[0], &up = saved[1], &bias = saved[2], &weights = saved[3];
     c10::OptionalDeviceGuard device(gate.device());
-    auto& d = ctx->saved_data;
-    const auto o = swiglu_options(d["clamp"].toBool(), d["clamp_value"].toDouble(),
-                                  d["gate_at_bound"].toBool(), d["up_at_bound"].toBool(),
-                                  d["gate_multiplier"].toDouble(), d["down_multiplier"].toDouble());
+    const auto o = kept_swiglu_options(ctx);
     const at::Tensor& grad = grads[0];
     // in place only into gate's and up's own rows (a copy now: new buffers instead)
     const bool into = inplace && rows_view(gate).defined() && rows_view(up).defined();
@@ -209,8 +209,6 @@ at::Tensor swiglu_gate_up(const at::Tensor& gate, const at::Tensor& up,
 }  // namespace
 }  // namespace fusedloss::torch_nodes
 
-// The eager entry point only: the traced path uses the Python custom op of the same name
-// without the "_eager" suffix.
 TORCH_LIBRARY_FRAGMENT(fusedloss, m) {
   m.def("swiglu_eager(Tensor y, Tensor? bias, Tensor? weights, bool clamp, float clamp_value, "
         "bool clamp_gate_grad_at_bound, bool clamp_up_grad_at_bound, float gate_multiplier, "
