@@ -104,3 +104,42 @@ def test_distribution_metadata():
     megatron = [r for r in meta.get_all("Requires-Dist") if r.startswith("megatron-core")]
     # installable on Python 3.11, whose newest megatron-core is 0.16
     assert megatron and all(re.search(r">=0\.1[0-6]\b", r) for r in megatron), megatron
+
+
+def test_the_package_modules_import_no_circle():
+    """No module of the package imports one that imports it back, at the top or inside a
+    function (a circle only works for the import order that happens to run first)."""
+    import ast
+    import pathlib
+    root = pathlib.Path(fusedloss.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(p for p in parts if p != "__init__")
+        package = parts[:-1] if parts[-1] != "__init__" else parts
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = list(package[:len(package) - (node.level - 1)])
+                mod = ".".join(base + ([node.module] if node.module else []))
+                targets = [mod] if node.module else [".".join(base + [a.name]) for a in node.names]
+                edges.update(t.strip(".") for t in targets)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusedloss."):
+                edges.add(node.module[len("fusedloss."):])
+        graph[name] = edges
+    seen, stack = set(), []
+
+    def visit(n):
+        if n in stack:
+            raise AssertionError("import circle: " + " -> ".join(stack[stack.index(n):] + [n]))
+        if n in seen or n not in graph:
+            return
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if m != n and not n.startswith(m + "."):  # a package's own __init__ is no circle
+                visit(m)
+        stack.pop()
+        seen.add(n)
+
+    for n in sorted(graph):
+        visit(n)
