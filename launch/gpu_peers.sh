@@ -7,8 +7,10 @@
 # The wheels are fetched on a machine with PyPI, for the GPU machine's Python (3.12 there):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl liger-kernel cut-cross-entropy quack-kernels \
-#     nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-cu13 \
-#     apache-tvm-ffi torch-c-dlpack-ext
+#     nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
+#     nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
+# (the CUTLASS DSL at 4.8.1: libs-core holds the `cutlass` package itself, cutlass.cutlass_dsl
+# included, under nvidia_cutlass_dsl/dsl_packages; QuACK and Liger's CuTe kernels import it)
 # and a wheel over the transfer's size limit is split (split -b 46m X.whl X.whl.part.).
 mkdir -p /tmp/peer-wheels /tmp/site
 for dir in .whl .whl2; do

@@ -32,6 +32,9 @@ if [ -z "${PYTHON:-}${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" ] && python3 -c "import t
   export PYTHON=python3
 fi
 source launch/python_env.sh
+# The commit the benchmarks' CSVs name: a GPU machine's copy of the tree is no git checkout, so
+# the caller passes it (FUSEDLOSS_COMMIT=$(git rev-parse --short HEAD)); else git's, else unknown.
+export FUSEDLOSS_COMMIT=${FUSEDLOSS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 STAGES=(build ctest pytest pytest-tp pytest-jax properties sanitizer bench)
 SLOW_FILES="test_vocab_parallel.py test_linear_cross_entropy.py"
 OWN_PROCESS_FILES="test_jax.py"
