@@ -106,9 +106,20 @@ def collect(providers, candidates, *args):
     return providers
 
 
+def quack_ce(inplace_backward):
+    """QuACK's CuTe-DSL cross-entropy (quack.cross_entropy), per-token losses; with
+    inplace_backward its gradient overwrites the logits, as fusedloss's timed call does."""
+    def make():
+        from quack.cross_entropy import cross_entropy
+
+        return lambda x, t: cross_entropy(x, t, reduction="none", inplace_backward=inplace_backward)
+    return make
+
+
 def available():
     return collect({"torch": torch_ce}, {"liger": liger_ce, "liger-softcap": liger_ce_softcap,
-                                         "megatron": megatron_fused_ce})
+                                         "megatron": megatron_fused_ce,
+                                         "quack": quack_ce(False), "quack-inplace": quack_ce(True)})
 
 
 def time_provider(fn, pristine, target, iters=30, warmup=3):
@@ -296,9 +307,16 @@ def fusedloss_rms_norm(weight, eps=1e-5):
     return lambda x: fusedloss.rms_norm(x, weight, eps)
 
 
+def quack_rms_norm(weight, eps=1e-5):
+    from quack.rmsnorm import rmsnorm
+
+    return lambda x: rmsnorm(x, weight, eps=eps)
+
+
 def available_rms_norm(weight):
     return collect({"torch": torch_rms_norm(weight)},
-                   {"torch-compile": torch_compile_rms_norm, "liger": liger_rms_norm}, weight)
+                   {"torch-compile": torch_compile_rms_norm, "liger": liger_rms_norm,
+                    "quack": quack_rms_norm}, weight)
 
 
 # ---- results ----
