@@ -39,7 +39,9 @@ __all__ = ["cross_entropy", "CrossEntropyLoss", "CrossEntropyOutput", "linear_cr
 def build_info() -> dict:
     """What this build of the package has, as written by CMake when it was built: "version",
     "backends" ({"CPU": True, "CUDA": bool}), "cuda_version", "cuda_architectures" (the
-    CMAKE_CUDA_ARCHITECTURES the kernels were compiled for), "openmp", "communicators" ({"NCCL":
+    CMAKE_CUDA_ARCHITECTURES the kernels were compiled for), "openmp", "cpu_blas" (whether the
+    CPU backend's GEMMs run through a BLAS, else plain loops) and "blas_libraries" (the BLAS
+    linked, as CMake found it), "communicators" ({"NCCL":
     bool, "MPI": bool}: the C++ SDK's; the PyTorch ops run vocab-parallel over torch.distributed
     either way), "cpu_library" (whether the SDK has fusedloss::cpu, the CPU backend alone for
     consumers without the CUDA toolkit). `python -m fusedloss --info` prints it."""

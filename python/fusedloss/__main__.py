@@ -1,7 +1,8 @@
 """What this fusedloss build has, and where its C++ SDK lives, for C++ builds against the wheel:
 
-    python -m fusedloss --info                 backends (CPU, CUDA and its architectures),
-                                               communicators (NCCL, MPI), the SDK's paths
+    python -m fusedloss --info                 backends (CPU and its GEMMs' BLAS, CUDA and its
+                                               architectures), communicators (NCCL, MPI), the
+                                               SDK's paths
     cmake -DCMAKE_PREFIX_PATH=$(python -m fusedloss --cmake-prefix-path) ...   # then find_package(fusedloss)
     cmake -Dfusedloss_DIR=$(python -m fusedloss --cmake-dir) ...               # the same package
     python -m fusedloss --include-dir          -I for other build tools
@@ -33,12 +34,25 @@ def _yes(flag):
     return "yes" if flag else "no"
 
 
+def _cpu_gemms(info):
+    """The CPU backend's GEMMs: the BLAS linked (the file behind a distribution's alternatives
+    link too, which names its variant, e.g. openblas-openmp), or the plain loops."""
+    if not info.get("cpu_blas"):
+        return "plain loops (built without a BLAS)"
+    libs = []
+    for lib in info.get("blas_libraries", []):
+        real = os.path.realpath(lib)
+        libs.append(lib if real == lib else f"{lib} -> {real}")
+    return "BLAS: " + (", ".join(libs) or "the linker's default")
+
+
 def info_lines():
     info = read_build_info()
     cuda = info["backends"]["CUDA"]
     comms = info["communicators"]
     lines = [f"fusedloss {info['version']} ({_here})", "backends:"]
-    lines.append(f"  CPU   yes ({'OpenMP threads' if info.get('openmp') else 'one thread'})")
+    threads = "OpenMP threads" if info.get("openmp") else "one thread"
+    lines.append(f"  CPU   yes ({threads}; GEMMs through {_cpu_gemms(info)})")
     if cuda:
         archs = ", ".join(f"sm_{a}" if a[:1].isdigit() else a for a in info["cuda_architectures"])
         lines.append(f"  CUDA  yes (CUDA {info['cuda_version']}; kernels for {archs or 'the default architectures'})")

@@ -296,6 +296,25 @@ TEST_P(LinearCrossEntropy, LargerProblemManyChunks) {
   }
 }
 
+TEST_P(LinearCrossEntropy, GemmTilesLargerThanTheStage) {
+  // On the CPU with a BLAS, 16-bit operands are staged as fp32 tiles in at least 1 MiB: here
+  // no GEMM fits it whole, so the logits, dhidden and dweight GEMMs run in m x n tiles and
+  // k blocks (H > 256, V_local > 256, chunks > 256 tokens), 16-bit outputs among them.
+  for (DType d : {DType::BF16, DType::F16})
+    for (DType gd : {DType::F32, d}) {
+      LceCase c;
+      c.N = 300;
+      c.H = 300;
+      c.V = 1100;
+      c.dtype = d;
+      c.grad_dtype = gd;
+      c.lo.chunk_rows = 0;
+      c.lo.workspace_bytes = size_t(2) << 20;  // one chunk of 300 tokens; a stage of 1 MiB
+      c.accumulate_dweight = gd == DType::F32;  // Auto: InForward in bf16, Recompute in fp16
+      check(c);
+    }
+}
+
 // linear_cross_entropy_local_stats (with c's bias, if any) + cross_entropy_merge (one part)
 // == the forward, row by row.
 void expect_split_form_matches_forward(Device dev, const LceCase& c, const LceProblem& p) {
