@@ -260,6 +260,86 @@ def test_linear_cross_entropy_check_grads():
                     order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
+# ---- the log-prob head ----
+
+def ref_log_probs(h, w, t, temperature=1.0, ignore_index=-100):
+    """float64 (log_probs, entropy, argmax) per row; ignored rows give 0 and 0."""
+    y = (h.astype(jnp.float64) @ w.astype(jnp.float64).T) / temperature
+    logp = jax.nn.log_softmax(y, -1)
+    keep = t != ignore_index
+    lp = jnp.take_along_axis(logp, jnp.where(keep, t, 0)[..., None], -1)[..., 0]
+    ent = -(jnp.exp(logp) * logp).sum(-1)
+    return jnp.where(keep, lp, 0.0), jnp.where(keep, ent, 0.0), y.argmax(-1)
+
+
+def _lp_problem(i, shape=(37,), H=24, V=203, dtype=F32):
+    h = jax.random.normal(_key(i), (*shape, H), F32).astype(dtype)
+    w = (jax.random.normal(_key(i + 1), (V, H), F32) * 2.0 / H ** 0.5).astype(dtype)
+    return h, w, _targets(_key(i + 2), shape, V)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("shape", [(37,), (5, 3)])
+def test_linear_log_probs(dtype, temperature, shape):
+    h, w, t = _lp_problem(60, shape, dtype=dtype)
+    out = jax.jit(lambda h, w: fj.linear_log_probs(h, w, t, temperature=temperature,
+                                                   argmax=True))(h, w)
+    lp, ent, am = ref_log_probs(h, w, t, temperature)
+    assert out.log_probs.shape == out.entropy.shape == out.argmax.shape == t.shape
+    _close(out.log_probs, lp, dtype, "log_probs")
+    _close(out.entropy, ent, dtype, "entropy")
+    if dtype == F32:  # 16-bit logits may tie or swap near-equal maxima
+        assert np.array_equal(np.asarray(out.argmax), np.asarray(am))
+    a = jax.random.normal(_key(70), t.shape, F32)
+    b = jax.random.normal(_key(71), t.shape, F32)
+
+    def objective(fn):  # a clipped-ratio loss and an entropy bonus both differentiate through
+        return lambda h, w: (a * fn(h, w)[0] + b * fn(h, w)[1]).sum()
+    ours = jax.grad(objective(lambda h, w: fj.linear_log_probs(h, w, t, temperature=temperature)),
+                    (0, 1))(h, w)
+    refs = jax.grad(objective(lambda h, w: ref_log_probs(h, w, t, temperature)[:2]), (0, 1))(
+        h.astype(jnp.float64), w.astype(jnp.float64))
+    for got, want, name in zip(ours, refs, ("dhidden", "dweight")):
+        assert got.dtype == dtype
+        _close(got, want, dtype, name)
+
+
+def test_linear_log_probs_mask_and_options():
+    h, w, t = _lp_problem(80)
+    mask = jax.random.bernoulli(_key(83), 0.7, t.shape)
+    out = fj.linear_log_probs(h, w, t, loss_mask=mask, workspace_bytes=2 * 3 * 208 * 4)
+    lp, ent, _ = ref_log_probs(h, w, jnp.where(mask, t, -100))
+    _close(out.log_probs, lp, F32, "log_probs")
+    _close(out.entropy, ent, F32, "entropy")
+    assert out.argmax is None
+    assert fj.linear_log_probs(h, w, t, entropy=False).entropy is None
+    dh = jax.grad(lambda h: fj.linear_log_probs(h, w, t, loss_mask=mask).log_probs.sum())(h)
+    ignored = np.asarray(~mask | (t == -100))
+    assert not np.asarray(dh)[ignored].any()
+    # vmap: each element its own problem
+    hs = jnp.stack([h, h * 0.5])
+    got = jax.vmap(lambda h: fj.linear_log_probs(h, w, t).log_probs)(hs)
+    _close(got[1], ref_log_probs(h * 0.5, w, t)[0], F32, "vmapped log_probs")
+
+
+def test_linear_log_probs_bad_inputs():
+    h, w, t = _lp_problem(90)
+    for bad in (0.0, -1.0, float("inf")):
+        _raises("temperature: got", fj.linear_log_probs, h, w, t, temperature=bad)
+    _raises(r"weight: got shape \(203, 23\), expected \[V_local, 24\]", fj.linear_log_probs,
+            h, w[:, :23], t)
+    _raises("weight.dtype: got bfloat16, expected float32", fj.linear_log_probs, h,
+            w.astype(BF16), t)
+    _raises(r"tokens: got int\d+ \(36,\), expected integer ids of shape \(37,\)",
+            fj.linear_log_probs, h, w, t[:-1])
+    _raises("loss_mask: got shape", fj.linear_log_probs, h, w, t, loss_mask=t[:-1])
+    if jax.devices()[0].platform != "gpu":  # CUDA checks tokens in flight: the row is NaN
+        _raises(r"tokens\[5\]: got 203, expected in \[0, 203\)",
+                lambda: jax.block_until_ready(fj.linear_log_probs(h, w, t.at[5].set(203))),
+                error=Exception)
+
+
 # ---- RMSNorm ----
 
 @pytest.mark.parametrize("dtype,w_dtype", [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16),

@@ -15,8 +15,8 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
-        "lce_local_stats", "lce_backward", "rms_norm_forward", "rms_norm_backward",
-        "swiglu_forward", "swiglu_backward")
+        "lce_local_stats", "lce_backward", "lp_forward", "lp_backward", "rms_norm_forward",
+        "rms_norm_backward", "swiglu_forward", "swiglu_backward")
 
 
 def _load():
@@ -145,6 +145,12 @@ def resolve_linear_ce_backward(mode: int, reduction: int, dtype: int) -> int:
     _checked(_lib.fusedloss_jax_resolve_linear_ce_backward, _i32(mode), _i32(reduction),
              _i32(dtype), ctypes.byref(resolved))
     return resolved.value
+
+
+def validate_linear_log_probs(temperature: float, workspace_bytes: int, rows: int,
+                              vocab_local: int, hidden: int) -> None:
+    _checked(_lib.fusedloss_jax_validate_linear_log_probs, _f32(temperature),
+             _i64(workspace_bytes), _i64(rows), _i64(vocab_local), _i64(hidden))
 
 
 def validate_rms_norm(eps: float, zero_centered_gamma: bool) -> None:

@@ -437,6 +437,59 @@ void lce_backward(const Place& p, const Args& args, const Rets& rets, const Attr
   }
 }
 
+// ---- the log-prob head ----
+
+fl::LinearLogProbsOptions lp_options(const Attrs& a) {
+  fl::LinearLogProbsOptions o;
+  o.temperature = attr<float>(a, "temperature");
+  o.ignore_index = attr<int64_t>(a, "ignore_index");
+  const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
+  if (workspace > 0) o.workspace_bytes = size_t(workspace);
+  o.allow_tf32 = attr<bool>(a, "allow_tf32");
+  return o;
+}
+
+// hidden [.., N, H], weight [.., V, H], tokens [.., N] -> log_probs, entropy, lse [.., N] fp32,
+// argmax [.., N, 2] int32 (each an int64 id as two words: XLA without x64 has no int64 result)
+void lp_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearLogProbsOptions o = lp_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2);
+  const ffi::AnyBuffer lp = ret(rets, 0), ent = ret(rets, 1), lse = ret(rets, 2), am = ret(rets, 3);
+  const Batch b(lp, 1);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearLogProbsOutputs out;
+    out.log_probs = f32_at(lp, i * rows);
+    out.entropy = f32_at(ent, i * rows);
+    out.lse = f32_at(lse, i * rows);
+    out.argmax = reinterpret_cast<int64_t*>(at(am, i * rows * 2));
+    fl::linear_log_probs_forward(matrix(h, b.offset(h, 2, i), rows, hidden, p),
+                                 matrix(w, b.offset(w, 2, i), vocab, hidden, p),
+                                 index(t, b.offset(t, 1, i), rows, p), o, out, nullptr, p.stream);
+  }
+}
+
+// hidden, weight, tokens, lse, entropy, grad_log_probs, grad_entropy ([.., N] fp32 each) ->
+// dhidden [.., N, H], dweight [.., V, H]
+void lp_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearLogProbsOptions o = lp_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2), lse = arg(args, 3),
+                       ent = arg(args, 4), g = arg(args, 5), e = arg(args, 6);
+  const ffi::AnyBuffer dh = ret(rets, 0), dw = ret(rets, 1);
+  const Batch b(dh, 2);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearCrossEntropyGrads grads;
+    grads.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
+    grads.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+    fl::linear_log_probs_backward(
+        matrix(h, b.offset(h, 2, i), rows, hidden, p),
+        matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
+        f32_at(lse, b.offset(lse, 1, i)), f32_at(ent, b.offset(ent, 1, i)),
+        f32_at(g, b.offset(g, 1, i)), f32_at(e, b.offset(e, 1, i)), o, grads, p.stream);
+  }
+}
+
 // ---- RMSNorm ----
 
 // x [.., T, H], weight [.., H] (, residual [.., T, H]) -> y [.., T, H], rstd [.., T]
@@ -595,6 +648,8 @@ FL_HANDLER(ce_merge, ce_merge)
 FL_HANDLER(lce_forward, lce_forward)
 FL_HANDLER(lce_local_stats, lce_local_stats)
 FL_HANDLER(lce_backward, lce_backward)
+FL_HANDLER(lp_forward, lp_forward)
+FL_HANDLER(lp_backward, lp_backward)
 FL_HANDLER(rms_norm_forward, rms_norm_forward)
 FL_HANDLER(rms_norm_backward, rms_norm_backward)
 FL_HANDLER(swiglu_forward, swiglu_forward)
@@ -669,6 +724,17 @@ int fusedloss_jax_resolve_linear_ce_backward(int32_t mode, int32_t reduction, in
   return checked(message, capacity, [&] {
     *resolved = int32_t(fl::resolve_linear_ce_backward(fl::LinearCeBackward(mode),
                                                        fl::Reduction(reduction), fl::DType(dtype)));
+  });
+}
+
+int fusedloss_jax_validate_linear_log_probs(float temperature, int64_t workspace_bytes,
+                                           int64_t rows, int64_t vocab_local, int64_t hidden,
+                                           char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::LinearLogProbsOptions o;
+    o.temperature = temperature;
+    if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
+    fl::validate_linear_log_probs_options(o, rows, vocab_local, hidden);
   });
 }
 

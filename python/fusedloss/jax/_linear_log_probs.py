@@ -1,0 +1,134 @@
+"""fusedloss.jax.linear_log_probs: per-token log-probabilities at a temperature, entropy and
+arg-max from hidden states and the LM head's weight, without the [tokens, V] logits: the head RL
+post-training runs for the policy and the reference model, as fusedloss.linear_log_probs
+computes it (the same C++ core: include/fusedloss/linear_log_probs.h).
+
+A jax.custom_vjp over XLA FFI calls. The forward runs one GEMM a token chunk and keeps lse and
+entropy (8 B a token); the backward recomputes each chunk's logits for the upstream gradients of
+log_probs and entropy together (4 GEMMs in all). A call that is not differentiated runs the
+forward alone.
+"""
+from functools import partial
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from ._args import as_bool, as_float, as_int, index, require_array, require_values
+
+_F32 = jnp.float32
+
+
+class LogProbs(NamedTuple):
+    """The head's results per token, in tokens' shape: log_probs and entropy fp32 (0 where the
+    token is ignore_index or masked), argmax int32 global ids (ties: the smallest id), or None
+    where not asked for."""
+    log_probs: jax.Array
+    entropy: Optional[jax.Array]
+    argmax: Optional[jax.Array]
+
+
+class LpOptions(NamedTuple):
+    temperature: float
+    ignore_index: int
+    workspace_bytes: int  # 0: the core's default
+    tf32: bool
+
+    def attributes(self) -> dict:
+        return dict(temperature=self.temperature, ignore_index=self.ignore_index,
+                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32)
+
+
+def _forward(o: LpOptions, h, w, t):
+    n = h.shape[0]
+    lp, ent, lse, am = _ffi.call("lp_forward", [((n,), _F32)] * 3 + [((n, 2), jnp.int32)],
+                                 h, w, t, **o.attributes())
+    # each id an int64 in two int32 words, low word first: vocabularies fit the low word
+    return lp, ent, lse, am[:, 0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _log_probs(o, h, w, t):
+    lp, ent, _, am = _forward(o, h, w, t)
+    return lp, ent, am
+
+
+def _log_probs_fwd(o, h, w, t):
+    lp, ent, lse, am = _forward(o, h, w, t)
+    return (lp, ent, am), (h, w, t, lse, ent)
+
+
+def _log_probs_bwd(o, saved, grads):
+    h, w, t, lse, ent = saved
+    g_lp, g_ent, _ = grads  # the arg-max has no gradient
+    dh, dw = _ffi.call("lp_backward", [(h.shape, h.dtype), (w.shape, w.dtype)], h, w, t, lse, ent,
+                       g_lp.astype(_F32), g_ent.astype(_F32), **o.attributes())
+    return dh, dw, None
+
+
+_log_probs.defvjp(_log_probs_fwd, _log_probs_bwd)
+
+
+def _validate(hidden, weight, tokens, loss_mask):
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    require_array(tokens, "tokens")
+    if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
+                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
+    rows = tuple(hidden.shape[:-1])
+    if tuple(tokens.shape) != rows or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens: got {np.dtype(tokens.dtype).name} {tuple(tokens.shape)}, "
+                         f"expected integer ids of shape {rows} (hidden's shape without H)")
+    if loss_mask is not None:
+        require_array(loss_mask, "loss_mask")
+        if tuple(loss_mask.shape) != rows:
+            raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected {rows} "
+                             "(tokens' shape)")
+
+
+def _allows_tf32() -> bool:
+    precision = jax.config.jax_default_matmul_precision
+    return str(precision).lower() not in ("highest", "float32", "precision.highest")
+
+
+def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entropy: bool = True,
+                     argmax: bool = False, loss_mask=None, ignore_index: int = -100,
+                     workspace_bytes=None) -> LogProbs:
+    """log softmax(hidden @ weight.T / temperature) at each token, its entropy and arg-max,
+    without the [N, V] logits, as fusedloss.linear_log_probs computes them.
+
+    hidden [N, H] or [s, b, H] and weight [V, H] (float32/float16/bfloat16, one dtype); tokens:
+    integer ids of hidden's shape without H. Tokens equal to ignore_index, or where loss_mask is
+    zero (prompt tokens, padding), give log_prob = entropy = 0 and no gradient. Gradients flow
+    from log_probs and entropy together (jax.grad of any function of both); the arg-max has
+    none. workspace_bytes bounds the logits chunk buffer and the GEMM workspace together
+    (default 256 MiB). An out-of-range token raises at the call on the CPU; on CUDA its row is
+    NaN and fusedloss.jax.check_device_errors() names it.
+    """
+    temperature = as_float(temperature, "temperature")
+    want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
+    ignore_index = as_int(ignore_index, "ignore_index")
+    workspace = 0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes")
+    if workspace_bytes is not None and workspace <= 0:
+        raise ValueError(f"workspace_bytes: got {workspace}, expected None or a positive number "
+                         "of bytes")
+    _validate(hidden, weight, tokens, loss_mask)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    _ffi.validate_linear_log_probs(temperature, workspace, h.shape[0], weight.shape[0], h.shape[1])
+    t = index(tokens)
+    if loss_mask is not None:  # a masked token is an ignored one (the kernels skip its row)
+        t = jnp.where(loss_mask.reshape(-1) != 0, t, jnp.asarray(ignore_index, t.dtype))
+    o = LpOptions(temperature, ignore_index, workspace, _allows_tf32())
+    lp, ent, am = _log_probs(o, h, weight, t)
+    shape = tokens.shape
+    return LogProbs(lp.reshape(shape), ent.reshape(shape) if want_entropy else None,
+                    am.reshape(shape) if want_argmax else None)
