@@ -567,6 +567,38 @@ def test_vocab_parallel_linear_cross_entropy(tp, sequence_parallel, check_vma):
         _close(dw, dww, what=f"{reduction} dweight")
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_vocab_parallel_linear_log_probs(tp, check_vma):
+    mesh = _mesh(tp)
+    h = jax.random.normal(_key(95), (16, 12), F32)
+    w = jax.random.normal(_key(96), (64, 12), F32) * 0.5
+    t = _targets(_key(97), (16,), 64)
+    mask = jnp.arange(16) % 7 != 3
+    a = jax.random.normal(_key(98), (16,), F32)
+    b = jax.random.normal(_key(99), (16,), F32)
+    kw = dict(temperature=0.7, loss_mask=mask, workspace_bytes=5 * 64 * 4)
+
+    def step(h, w, op):
+        def objective(h, w):
+            out = op(h, w)
+            return (a * out.log_probs + b * out.entropy).sum(), out
+        (_, out), grads = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w)
+        return out.log_probs, out.entropy, out.argmax, *grads
+
+    body = lambda h, w, t: fj.linear_log_probs(h, w, t, argmax=True, axis_name="tp", **kw)  # noqa: E731
+    sharded = _shard_map(body, mesh, (P(), P("tp"), P()), P(), check_vma)
+    with _on(mesh):
+        got = jax.jit(lambda h, w, t: step(h, w, lambda h, w: sharded(h, w, t)))(
+            _put(mesh, h, P()), _put(mesh, w, P("tp")), _put(mesh, t, P()))
+    want = step(h, w, lambda h, w: fj.linear_log_probs(h, w, t, argmax=True, **kw))
+    for g, r, name in zip(got, want, ("log_probs", "entropy", "argmax", "dhidden", "dweight")):
+        if name == "argmax":
+            assert np.array_equal(np.asarray(g), np.asarray(r))
+        else:
+            _close(g, r, what=name)
+
+
 # ---- bad inputs ----
 
 def _raises(match, f, *args, error=ValueError, **kw):

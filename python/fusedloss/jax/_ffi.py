@@ -15,8 +15,8 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
-        "lce_local_stats", "lce_backward", "lp_forward", "lp_backward", "rms_norm_forward",
-        "rms_norm_backward", "swiglu_forward", "swiglu_backward")
+        "lce_local_stats", "lce_backward", "lp_forward", "lp_backward", "lp_local_stats",
+        "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward")
 
 
 def _load():

@@ -7,6 +7,12 @@ A jax.custom_vjp over XLA FFI calls. The forward runs one GEMM a token chunk and
 entropy (8 B a token); the backward recomputes each chunk's logits for the upstream gradients of
 log_probs and entropy together (4 GEMMs in all). A call that is not differentiated runs the
 forward alone.
+
+Vocab-parallel (axis_name, inside jax.shard_map): the weight is this device's shard of the
+vocabulary; this shard's per-token statistics (24 B: max, sum-exp, the entropy's sum, the
+token's logit, the arg-max), an all_gather over the axis, the merge: every device gets the same
+results. The backward gives this shard's dweight and its partial dhidden, which JAX sums over
+the axis (as the linear cross-entropy's, _vocab_parallel.py).
 """
 from functools import partial
 from typing import NamedTuple, Optional
@@ -17,6 +23,8 @@ import numpy as np
 
 from . import _ffi
 from ._args import as_bool, as_float, as_int, index, require_array, require_values
+from ._vocab_parallel import (all_gather_invariant, axis_place, axis_size, local_targets,
+                              replicated_cotangent, shard_options)
 
 _F32 = jnp.float32
 
@@ -36,16 +44,20 @@ class LpOptions(NamedTuple):
     workspace_bytes: int  # 0: the core's default
     tf32: bool
 
-    def attributes(self) -> dict:
+    def attributes(self, vocab_global: int = -1) -> dict:
         return dict(temperature=self.temperature, ignore_index=self.ignore_index,
-                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32)
+                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32,
+                    vocab_global=vocab_global)
+
+
+def _results(n):
+    """log_probs, entropy, lse [n] fp32 and the arg-max [n, 2]: each id an int64 in two int32
+    words, low word first (XLA without x64 has no int64 array; vocabularies fit the low word)."""
+    return [((n,), _F32)] * 3 + [((n, 2), jnp.int32)]
 
 
 def _forward(o: LpOptions, h, w, t):
-    n = h.shape[0]
-    lp, ent, lse, am = _ffi.call("lp_forward", [((n,), _F32)] * 3 + [((n, 2), jnp.int32)],
-                                 h, w, t, **o.attributes())
-    # each id an int64 in two int32 words, low word first: vocabularies fit the low word
+    lp, ent, lse, am = _ffi.call("lp_forward", _results(h.shape[0]), h, w, t, **o.attributes())
     return lp, ent, lse, am[:, 0]
 
 
@@ -69,6 +81,44 @@ def _log_probs_bwd(o, saved, grads):
 
 
 _log_probs.defvjp(_log_probs_fwd, _log_probs_bwd)
+
+
+# ---- vocab-parallel: w is this device's shard of the vocabulary along axis_name ----
+
+def _sharded_fwd(o: LpOptions, axis_name, h, w, t):
+    rank, parts = axis_place(axis_name)
+    rows, vocab_local = h.shape[0], w.shape[0]
+    vocab_global = parts * vocab_local
+    tl, shard = local_targets(t, o, rank, vocab_local, vocab_global)
+    (stats,) = _ffi.call("lp_local_stats", [((rows, 6), jnp.int32)], h, w, tl,
+                         **shard.attributes(vocab_global))
+    # the shard's arg-max (words 4-5: an int64, low word first) as a global id; a row with no
+    # finite logit keeps the core's "none" (its high word set)
+    offset = (rank * vocab_local).astype(jnp.int32)
+    stats = stats.at[:, 4].set(jnp.where(stats[:, 5] == 0, stats[:, 4] + offset, stats[:, 4]))
+    gathered = all_gather_invariant(stats, axis_name)  # [parts, N, 6]
+    lp, ent, lse, am = _ffi.call("lp_merge", _results(rows), gathered, t,
+                                 **o.attributes(vocab_global))
+    return (lp, ent, am[:, 0]), (h, w, tl, lse, ent)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_log_probs(o, axis_name, h, w, t):
+    return _sharded_fwd(o, axis_name, h, w, t)[0]
+
+
+def _sharded_bwd(o, axis_name, saved, grads):
+    h, w, tl, lse, ent = saved
+    g_lp, g_ent = (replicated_cotangent(g.astype(_F32), w, axis_name) for g in grads[:2])
+    vocab_global = axis_size(axis_name) * w.shape[0]
+    shard = shard_options(o, vocab_global)
+    # dhidden: this shard's partial sum, summed over the axis by JAX
+    dh, dw = _ffi.call("lp_backward", [(h.shape, h.dtype), (w.shape, w.dtype)], h, w, tl, lse, ent,
+                       g_lp, g_ent, **shard.attributes(vocab_global))
+    return dh, dw, None
+
+
+_sharded_log_probs.defvjp(_sharded_fwd, _sharded_bwd)
 
 
 def _validate(hidden, weight, tokens, loss_mask):
@@ -102,7 +152,7 @@ def _allows_tf32() -> bool:
 
 def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entropy: bool = True,
                      argmax: bool = False, loss_mask=None, ignore_index: int = -100,
-                     workspace_bytes=None) -> LogProbs:
+                     workspace_bytes=None, axis_name=None) -> LogProbs:
     """log softmax(hidden @ weight.T / temperature) at each token, its entropy and arg-max,
     without the [N, V] logits, as fusedloss.linear_log_probs computes them.
 
@@ -113,6 +163,11 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
     none. workspace_bytes bounds the logits chunk buffer and the GEMM workspace together
     (default 256 MiB). An out-of-range token raises at the call on the CPU; on CUDA its row is
     NaN and fusedloss.jax.check_device_errors() names it.
+
+    axis_name (inside jax.shard_map): weight is this device's contiguous shard of the vocabulary
+    along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local)); tokens are global
+    ids and hidden holds every token, the same on every device. The results are the same on
+    every device.
     """
     temperature = as_float(temperature, "temperature")
     want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
@@ -128,7 +183,14 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
     if loss_mask is not None:  # a masked token is an ignored one (the kernels skip its row)
         t = jnp.where(loss_mask.reshape(-1) != 0, t, jnp.asarray(ignore_index, t.dtype))
     o = LpOptions(temperature, ignore_index, workspace, _allows_tf32())
-    lp, ent, am = _log_probs(o, h, weight, t)
+    if axis_name is None:
+        lp, ent, am = _log_probs(o, h, weight, t)
+    else:
+        if axis_name in _ffi.varying_axes(weight):  # (check_vma: shard_map's types)
+            # varying over the axis like the weight shard: the transpose of that cast sums the
+            # partial dhidden of every shard
+            h = _ffi.varying(h, (axis_name,))
+        lp, ent, am = _sharded_log_probs(o, axis_name, h, weight, t)
     shape = tokens.shape
     return LogProbs(lp.reshape(shape), ent.reshape(shape) if want_entropy else None,
                     am.reshape(shape) if want_argmax else None)

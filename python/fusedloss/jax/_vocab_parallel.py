@@ -18,7 +18,7 @@ from . import _ffi
 from ._args import SCOPES, CeOptions, loss_results
 
 
-def _all_gather_invariant(x, axis_name):
+def all_gather_invariant(x, axis_name):
     """all_gather whose result shard_map's type system (check_vma) knows is the same on every
     device, so that the merged loss is too (out_specs=P()); older JAX has no such form."""
     if "to" in inspect.signature(jax.lax.all_gather).parameters:
@@ -80,7 +80,7 @@ def local_targets(t, o: CeOptions, rank, vocab_local: int, vocab_global: int):
 
 def merge(stats, t, o: CeOptions, axis_name, vocab_local: int, vocab_global: int, rows: int):
     """All-gather this shard's stats [N, 4] over the axis and merge them: (loss, lse, count)."""
-    gathered = _all_gather_invariant(stats, axis_name)  # [parts, N, 4]
+    gathered = all_gather_invariant(stats, axis_name)  # [parts, N, 4]
     # `local` is read for the partition scope alone (its loss is per shard by definition)
     local = stats if o.scope == SCOPES["partition"] else gathered[0]
     return _ffi.call("ce_merge", loss_results(rows, o.reduction), gathered, local, t,

@@ -446,7 +446,50 @@ fl::LinearLogProbsOptions lp_options(const Attrs& a) {
   const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
   if (workspace > 0) o.workspace_bytes = size_t(workspace);
   o.allow_tf32 = attr<bool>(a, "allow_tf32");
+  // Vocab-parallel (vocab_global > 0): this shard's tokens renumbered so that its columns start
+  // at 0, as the losses' (fusedloss/jax/_vocab_parallel.py)
+  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
+  if (vocab_global > 0) o.vocab_global = vocab_global;
   return o;
+}
+
+// LogProbStats in an int32 buffer of [.., N, 6] (24 bytes a row), from element `offset`.
+fl::LogProbStats* lp_stats_at(const ffi::AnyBuffer& b, int64_t offset) {
+  static_assert(sizeof(fl::LogProbStats) == 24, "LogProbStats: 6 words a row");
+  return reinterpret_cast<fl::LogProbStats*>(at(b, offset));
+}
+
+// Vocab-parallel pass 1: hidden, weight [.., V_local, H], tokens (renumbered) -> stats [.., N, 6]
+void lp_local_stats(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearLogProbsOptions o = lp_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2), s = ret(rets, 0);
+  const Batch b(s, 2);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::linear_log_probs_local_stats(matrix(h, b.offset(h, 2, i), rows, hidden, p),
+                                     matrix(w, b.offset(w, 2, i), vocab, hidden, p),
+                                     index(t, b.offset(t, 1, i), rows, p), o,
+                                     lp_stats_at(s, b.offset(s, 2, i)), p.stream);
+}
+
+// Vocab-parallel pass 2: stats [.., parts, N, 6] (all_gather'd; each shard's arg-max a global id),
+// tokens [.., N] (global ids) -> log_probs, entropy, lse, argmax as lp_forward's
+void lp_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearLogProbsOptions o = lp_options(attrs);
+  const ffi::AnyBuffer all = arg(args, 0), t = arg(args, 1);
+  const ffi::AnyBuffer lp = ret(rets, 0), ent = ret(rets, 1), lse = ret(rets, 2), am = ret(rets, 3);
+  const Batch b(lp, 1);
+  const int64_t rows = dim(t, 1);
+  const int parts = int(dim(all, 3));
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearLogProbsOutputs out;
+    out.log_probs = f32_at(lp, i * rows);
+    out.entropy = f32_at(ent, i * rows);
+    out.lse = f32_at(lse, i * rows);
+    out.argmax = reinterpret_cast<int64_t*>(at(am, i * rows * 2));
+    fl::log_probs_merge(lp_stats_at(all, b.offset(all, 3, i)), parts, rows,
+                        index(t, b.offset(t, 1, i), rows, p), o, out, p.device, p.stream);
+  }
 }
 
 // hidden [.., N, H], weight [.., V, H], tokens [.., N] -> log_probs, entropy, lse [.., N] fp32,
@@ -650,6 +693,8 @@ FL_HANDLER(lce_local_stats, lce_local_stats)
 FL_HANDLER(lce_backward, lce_backward)
 FL_HANDLER(lp_forward, lp_forward)
 FL_HANDLER(lp_backward, lp_backward)
+FL_HANDLER(lp_local_stats, lp_local_stats)
+FL_HANDLER(lp_merge, lp_merge)
 FL_HANDLER(rms_norm_forward, rms_norm_forward)
 FL_HANDLER(rms_norm_backward, rms_norm_backward)
 FL_HANDLER(swiglu_forward, swiglu_forward)
