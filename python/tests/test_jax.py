@@ -55,10 +55,10 @@ def _close(got, want, dtype=F32, what=""):
 # ---- float64 references ----
 
 def ref_cross_entropy(x, t, ignore_index=-100, label_smoothing=0.0, smoothing_formula="pytorch",
-                      reduction="mean", z_loss=0.0, softcap=0.0):
+                      reduction="mean", z_loss=0.0, logit_softcap=0.0):
     x = x.astype(jnp.float64)
-    if softcap:
-        x = softcap * jnp.tanh(x / softcap)
+    if logit_softcap:
+        x = logit_softcap * jnp.tanh(x / logit_softcap)
     v = x.shape[-1]
     alpha = label_smoothing * (v / (v - 1) if smoothing_formula == "megatron" else 1.0)
     lse = jax.nn.logsumexp(x, -1)
@@ -163,6 +163,23 @@ def test_cross_entropy(reduction, options):
     _close(dx, dwant, what="dlogits")
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}])
+def test_cross_entropy_soft_cap(reduction, options):
+    # c tanh(z / c) before everything else (Gemma 2's cap), in the same passes
+    x = jax.random.normal(_key(4), (24, 97), F32) * 6
+    t = _targets(_key(5), (24,), 97)
+    kw = dict(options, reduction=reduction)
+    loss, dx = _loss_and_grads(lambda x: fj.cross_entropy(x, t, logit_softcap=3.0, **kw), (x,),
+                               reduction, 0)
+    want, dwant = _loss_and_grads(lambda x: ref_cross_entropy(x, t, logit_softcap=3.0, **kw), (x,),
+                                  reduction, 0)
+    _close(loss, want, what="loss")
+    _close(dx, dwant, what="dlogits")
+    for bad in (-1.0, float("nan")):
+        _raises("logit_softcap: got", fj.cross_entropy, x, t, logit_softcap=bad)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_cross_entropy_16_bit(dtype):
     x = (jax.random.normal(_key(2), (2, 8, 300), F32) * 3).astype(dtype)  # [s, b, V]
@@ -227,7 +244,7 @@ def test_linear_cross_entropy(reduction, mode, options):
     f = lambda h, w: fj.linear_cross_entropy(h, w, t, backward_mode=mode,  # noqa: E731
                                              workspace_bytes=9 * 70 * 4, **kw)
     ref_kw = {k: v for k, v in kw.items() if k != "logit_softcap"}
-    ref = lambda h, w: ref_linear_cross_entropy(h, w, t, softcap=options.get("logit_softcap", 0.0),  # noqa: E731
+    ref = lambda h, w: ref_linear_cross_entropy(h, w, t, logit_softcap=options.get("logit_softcap", 0.0),  # noqa: E731
                                                 **ref_kw)
     loss, (dh, dw) = _loss_and_grads(f, (h, w), reduction, (0, 1))
     want, (dhw, dww) = _loss_and_grads(ref, (h, w), reduction, (0, 1))
@@ -501,6 +518,7 @@ def _put(mesh, x, spec):
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("options", [{"reduction": "mean"},
                                      {"reduction": "none", "label_smoothing": 0.1, "z_loss": 1e-3},
+                                     {"reduction": "mean", "logit_softcap": 2.5},
                                      {"reduction": "sum", "ignore_index": 0,
                                       "smoothing_formula": "megatron", "label_smoothing": 0.1}])
 def test_vocab_parallel_cross_entropy(tp, check_vma, options):

@@ -13,38 +13,44 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi
-from ._args import (NONE, CeOptions, loss_results, index, parse_ce_options, require_targets,
-                    require_values)
+from ._args import (NONE, CeOptions, as_float, loss_results, index, parse_ce_options,
+                    require_targets, require_values)
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
 
 
-def _backward(o: CeOptions, x, t, lse, count, g, vocab_global=-1):
+def _attrs(o: CeOptions, softcap: float, vocab_global: int = -1) -> dict:
+    """The handlers' attributes: the options and the soft cap (0: none) of the logits."""
+    return dict(o.attributes(vocab_global), logit_softcap=softcap)
+
+
+def _backward(o: CeOptions, softcap, x, t, lse, count, g, vocab_global=-1):
     (dx,) = _ffi.call("ce_backward", [(x.shape, x.dtype)], x, t, lse, g.astype(_F32), count,
-                      aliases={0: 0}, **o.attributes(vocab_global))
+                      aliases={0: 0}, **_attrs(o, softcap, vocab_global))
     return dx
 
 
 # ---- one device holds the whole vocabulary ----
 
-def _forward(o: CeOptions, x, t):
-    return _ffi.call("ce_forward", loss_results(x.shape[0], o.reduction), x, t, **o.attributes())
+def _forward(o: CeOptions, softcap, x, t):
+    return _ffi.call("ce_forward", loss_results(x.shape[0], o.reduction), x, t,
+                     **_attrs(o, softcap))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _cross_entropy(o, x, t):
-    return _forward(o, x, t)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cross_entropy(o, softcap, x, t):
+    return _forward(o, softcap, x, t)[0]
 
 
-def _cross_entropy_fwd(o, x, t):
-    loss, lse, count = _forward(o, x, t)
+def _cross_entropy_fwd(o, softcap, x, t):
+    loss, lse, count = _forward(o, softcap, x, t)
     return loss, (x, t, lse, count)
 
 
-def _cross_entropy_bwd(o, saved, g):
+def _cross_entropy_bwd(o, softcap, saved, g):
     x, t, lse, count = saved
-    return _backward(o, x, t, lse, count, g), None
+    return _backward(o, softcap, x, t, lse, count, g), None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -52,28 +58,29 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 # ---- vocab-parallel: x is this device's shard of the vocabulary along axis_name ----
 
-def _sharded_forward(o: CeOptions, axis_name, x, t):
+def _sharded_forward(o: CeOptions, softcap, axis_name, x, t):
     rank, parts = axis_place(axis_name)
     rows, vocab_local = x.shape
     vocab_global = parts * vocab_local
     tl, ol = local_targets(t, o, rank, vocab_local, vocab_global)
     (stats,) = _ffi.call("ce_local_stats", [((rows, 4), _F32)], x, tl,
-                         **ol.attributes(vocab_global))
+                         **_attrs(ol, softcap, vocab_global))
     loss, lse, count = merge(stats, t, o, axis_name, vocab_local, vocab_global, rows)
     return loss, (x, tl, lse, count)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sharded_cross_entropy(o, axis_name, x, t):
-    return _sharded_forward(o, axis_name, x, t)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _sharded_cross_entropy(o, softcap, axis_name, x, t):
+    return _sharded_forward(o, softcap, axis_name, x, t)[0]
 
 
-def _sharded_cross_entropy_bwd(o, axis_name, saved, g):
+def _sharded_cross_entropy_bwd(o, softcap, axis_name, saved, g):
     x, tl, lse, count = saved
     g = replicated_cotangent(g, x, axis_name)
     vocab_global = axis_size(axis_name) * x.shape[1]
     # each shard's gradient is its own: nothing is communicated in the backward
-    return _backward(shard_options(o, vocab_global), x, tl, lse, count, g, vocab_global), None
+    return _backward(shard_options(o, vocab_global), softcap, x, tl, lse, count, g,
+                     vocab_global), None
 
 
 _sharded_cross_entropy.defvjp(_sharded_forward, _sharded_cross_entropy_bwd)
@@ -89,13 +96,15 @@ def _validate(logits, target):
 
 def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
-                  reduction: str = "mean", z_loss: float = 0.0, axis_name=None):
+                  reduction: str = "mean", z_loss: float = 0.0, logit_softcap=None,
+                  axis_name=None):
     """Cross-entropy of logits [N, V] or [s, b, V] (float32/float16/bfloat16) against integer
     targets of the logits' shape without V, as fusedloss.cross_entropy computes it (the same C++
     core): no [N, V] softmax, the loss in float32 for every input dtype, and a 'mean' over no
     counted row is 0 with zero gradients (where a plain log-softmax gives NaN). `z_loss` adds
     z * lse^2 per row; `smoothing_formula='megatron'` and `smoothing_scope='partition'` are
-    Megatron's label smoothing. A differentiable function of the logits: jax.jit, jax.grad,
+    Megatron's label smoothing; logit_softcap=c applies c * tanh(z / c) to the logits first
+    (Gemma 2), inside the same passes. A differentiable function of the logits: jax.jit, jax.grad,
     jax.vmap (each batch element is its own problem: a 'mean' per element).
 
     axis_name (inside jax.shard_map): the logits are this device's contiguous shard of the
@@ -109,12 +118,16 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     """
     o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                          reduction, z_loss)
+    softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
+    if not softcap >= 0.0:  # (NaN too)
+        raise ValueError(f"logit_softcap: got {logit_softcap!r}, expected None (off) or a "
+                         "finite value > 0")
     _validate(logits, target)
     x = logits.reshape(-1, logits.shape[-1])
     _ffi.validate_cross_entropy(o, x.shape[0], x.shape[1])
     t = index(target)
     if axis_name is None:
-        loss = _cross_entropy(o, x, t)
+        loss = _cross_entropy(o, softcap, x, t)
     else:
-        loss = _sharded_cross_entropy(o, axis_name, x, t)
+        loss = _sharded_cross_entropy(o, softcap, axis_name, x, t)
     return loss.reshape(target.shape) if o.reduction == NONE else loss

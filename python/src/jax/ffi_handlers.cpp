@@ -252,6 +252,8 @@ fl::CrossEntropyOptions ce_options(const Attrs& a) {
   o.smoothing_scope = fl::SmoothingScope(attr<int64_t>(a, "smoothing_scope"));
   o.z_loss = attr<float>(a, "z_loss");
   o.reduction = fl::Reduction(attr<int64_t>(a, "reduction"));
+  // the cross-entropy's soft cap (the linear cross-entropy's comes in lce_options, equal)
+  if (auto softcap = a.get<float>("logit_softcap"); softcap.has_value()) o.logit_softcap = *softcap;
   // Vocab-parallel (vocab_global > 0): the Python side hands this shard's targets renumbered so
   // that its columns start at 0 (fusedloss/jax/_vocab_parallel.py): the shard's place is a
   // traced value there, and attributes are static.
