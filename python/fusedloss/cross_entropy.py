@@ -387,7 +387,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     """
     want = _wanted(return_z_loss, return_token_accuracy, return_predicted_tokens)
     if weight is not None:
-        per_token, row_weight, kind = class_weighted(
+        per_token, row_weight, kind, weighted = class_weighted(
             lambda **o: cross_entropy(logits, target, **o), weight, target, logits.size(-1)
             if isinstance(logits, Tensor) and logits.dim() >= 1 else -1, tp_group,
             check_shard_agreement, reduction, label_smoothing, ignore_index,
@@ -395,8 +395,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
             options=dict(ignore_index=ignore_index, smoothing_formula=smoothing_formula,
                          z_loss=z_loss, inplace_backward=inplace_backward,
                          smoothing_scope=smoothing_scope, logit_softcap=logit_softcap,
-                         softcap=softcap, **want._asdict()))
-        return weighted_reduction(per_token, row_weight, kind, target != ignore_index)
+                         softcap=softcap, **want._asdict()),
+            smoothing_term=lambda nll, t, counted, w: _weighted_smoothing(logits, nll, t, w))
+        return weighted_reduction(per_token, row_weight, kind, target != ignore_index, weighted)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
     with rank_checks(tp_group if name else None, check, _OP, only_on_error=True,
@@ -542,16 +543,31 @@ class CrossEntropyLoss(torch.nn.Module):
 _WEIGHTED_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
 
+def _weighted_smoothing(logits, nll, target, w):
+    """Per row sum_c w_c (lse - z_c) = W lse - z . w, with lse = nll + z_t: one more read of the
+    logits (z . w) and, in the backward, an [N, V] gradient term beside the op's."""
+    z = logits.reshape(-1, logits.size(-1))
+    zt = z.gather(1, target.reshape(-1, 1)).squeeze(1).float()
+    lse = nll.reshape(-1) + zt
+    return (w.sum() * lse - z.float() @ w).reshape(nll.shape)
+
+
 def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction, label_smoothing,
                    ignore_index, conflicts, options, row_weights_to_op=False, arg="class_weight",
-                   op_name=_OP):
+                   op_name=_OP, smoothing_term=None):
     """F.cross_entropy(weight=...)'s per-class weight for a fused loss `op` (called with keyword
     options, reduction='none'): (per-token losses, the row weights class_weight[target] (0 for
-    ignored rows), the reduction's kind for weighted_reduction). `arg`: the weight's name in the
-    op's signature, for the messages. The checks run inside the
-    agreement's reach, so a rank that fails them raises on every rank. row_weights_to_op: the
-    op takes the row weights as its loss_mask (the linear CE's 3-GEMM backward for sum/mean);
-    op_name: the op's name in an agreement error."""
+    ignored rows), the reduction's kind, whether the losses already carry the weights) for
+    weighted_reduction. `arg`: the weight's name in the op's signature, for the messages. The
+    checks run inside the agreement's reach, so a rank that fails them raises on every rank.
+    row_weights_to_op: the op takes the row weights as its loss_mask (the linear CE's 3-GEMM
+    backward for sum/mean); op_name: the op's name in an agreement error.
+
+    label_smoothing eps with a weight, as torch defines it: per row
+        (1 - eps) w[t] (lse - z_t) + eps / V sum_c w_c (lse - z_c),
+    and 'mean' divides the sum by sum w[t]. smoothing_term(nll, safe_target, counted, w) gives the
+    second sum, W lse - z . w, from the op's unsmoothed per-token loss nll = lse - z_t (each op
+    knows where its logits come from); its gradient is torch's own (autograd over the op)."""
     name = group_name(tp_group)
     with rank_checks(resolve_group(name) if name else None, as_bool(check, "check_shard_agreement"),
                      op_name, only_on_error=True):
@@ -563,9 +579,9 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
                 what = f"a {option}" if isinstance(value, Tensor) else f"{option}={value!r}"
                 raise ValueError(f"{arg}: got a tensor with {what}, expected no {option} (not "
                                  "supported with a per-class weight)")
-        if as_float(label_smoothing, "label_smoothing") != 0.0:
-            raise ValueError(f"{arg}: got a tensor with label_smoothing={label_smoothing!r}, "
-                             "expected label_smoothing=0 (a weighted smoothing term is not supported)")
+        eps = as_float(label_smoothing, "label_smoothing")
+        if eps != 0.0:
+            _check_weighted_smoothing(eps, arg, name and group_size(tp_group) > 1, options)
         v_global = v_local * (group_size(tp_group) if name else 1) if v_local > 0 else -1
         if (class_weight.dim() != 1 or class_weight.size(0) != v_global
                 or not class_weight.is_floating_point()):
@@ -580,23 +596,53 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
         # ignored rows weigh 0; an out-of-range target is the op's error (a 0-weight lookup here)
         safe = torch.where(counted & (target >= 0) & (target < v_global), target, 0).long()
         row_weight = torch.where(counted, class_weight.float()[safe], 0.0)
+    if eps != 0.0:  # the unsmoothed per-token losses, weighted and smoothed here
+        nll = op(reduction="none", tp_group=tp_group, check_shard_agreement=check, **options)
+        smooth = smoothing_term(nll, safe, counted, class_weight.float())
+        total = (1.0 - eps) * nll * row_weight + torch.where(counted, smooth, 0.0) * (eps / v_global)
+        return total, row_weight, kind, True
     extra = {"loss_mask": row_weight} if row_weights_to_op and kind else {}
     per_token = op(reduction="none", tp_group=tp_group, check_shard_agreement=check, **options,
                    **extra)
-    return per_token, row_weight, kind
+    return per_token, row_weight, kind, False
 
 
-def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Optional[Tensor] = None):
-    """The per-token losses weighted and reduced as F.cross_entropy(weight=...) does; 'mean'
-    over no weight is 0. A CrossEntropyOutput of per-token values: its z-loss weighted as the
+def _check_weighted_smoothing(eps, arg, sharded, options):
+    """What a per-class weight with label smoothing takes: torch's definition and nothing that
+    would change the plain per-token loss the weighted terms are built from."""
+    if not 0.0 < eps < 1.0:
+        raise ValueError(f"label_smoothing: got {eps}, expected in [0, 1)")
+    if sharded:
+        raise ValueError(f"{arg}: got a tensor with label_smoothing={eps} and a tp_group of more "
+                         "than one rank, expected label_smoothing=0 at TP > 1 (the weighted "
+                         "smoothing term is computed at TP = 1)")
+    refused = {"smoothing_formula": options.get("smoothing_formula", "pytorch") != "pytorch",
+               "z_loss": bool(options.get("z_loss")),
+               "logit_softcap": options.get("logit_softcap") is not None,
+               "softcap": options.get("softcap") is not None,
+               "return_z_loss": bool(options.get("return_z_loss")),
+               "return_token_accuracy": bool(options.get("return_token_accuracy")),
+               "return_predicted_tokens": bool(options.get("return_predicted_tokens"))}
+    for option, given in refused.items():
+        if given:
+            raise ValueError(f"{arg}: got a tensor with label_smoothing={eps} and {option}="
+                             f"{options.get(option)!r}, expected {option} at its default (torch's "
+                             "weighted label smoothing is defined for the plain loss)")
+
+
+def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Optional[Tensor] = None,
+                       weighted: bool = False):
+    """The per-token losses weighted (unless `weighted`: they carry the weights already) and
+    reduced as F.cross_entropy(weight=...) does; 'mean' over no weight is 0. A CrossEntropyOutput of per-token values: its z-loss weighted as the
     loss that includes it, its accuracy a plain fraction of the `counted` rows (the targets that
     are not ignore_index; Liger's accuracy is unweighted), its predicted tokens as they are."""
     if isinstance(per_token, CrossEntropyOutput):
         return reduced_output(per_token, counted, kind,
                               lambda t: weighted_reduction(t, row_weight, kind))
+    total = per_token if weighted else per_token * row_weight
     if kind == 0:
-        return per_token * row_weight
-    total = (per_token * row_weight).sum()
+        return total
+    total = total.sum()
     if kind == 1:
         return total
     norm = row_weight.sum()

@@ -880,9 +880,28 @@ def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_gr
     class_weight[target], as their row weights for sum and mean (the in-forward backward: 3
     GEMMs), reduced as F.cross_entropy(weight=...) reduces them."""
     v_local = weight.size(0) if isinstance(weight, Tensor) and weight.dim() == 2 else -1
-    per_token, row_weight, kind = class_weighted(
+    per_token, row_weight, kind, weighted = class_weighted(
         lambda **o: linear_cross_entropy(hidden, weight, target, bias, **o), class_weight, target,
         v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
         conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
-        op_name=_OP)
-    return weighted_reduction(per_token, row_weight, kind, target != options["ignore_index"])
+        op_name=_OP,
+        smoothing_term=lambda nll, t, counted, w: _weighted_smoothing(hidden, weight, bias, nll, t,
+                                                                      w))
+    return weighted_reduction(per_token, row_weight, kind, target != options["ignore_index"],
+                              weighted)
+
+
+def _weighted_smoothing(hidden, weight, bias, nll, target, w):
+    """Per row sum_c w_c (lse - z_c) = W lse - z . w without the logits: z . w = h . (weight^T w)
+    (+ bias . w), and lse = nll + z_t with z_t = h . weight[t] (+ bias[t]): a GEMV over the
+    weight and a gather of N of its rows."""
+    h = hidden.reshape(-1, hidden.size(-1)).float()
+    t = target.reshape(-1)
+    u = weight.t().float() @ w if weight.dtype == torch.float32 else (
+        weight.t() @ w.to(weight.dtype)).float()
+    zw = h @ u
+    zt = (h * weight[t].float()).sum(-1)
+    if bias is not None:
+        zw = zw + bias.float() @ w
+        zt = zt + bias[t].float()
+    return (w.sum() * (nll.reshape(-1) + zt) - zw).reshape(nll.shape)

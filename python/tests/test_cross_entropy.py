@@ -221,23 +221,29 @@ def test_module_checks_the_option_pair_at_construction():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_class_weight_matches_torch(device, reduction):
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_class_weight_matches_torch(device, reduction, label_smoothing):
     """weight is F.cross_entropy's per-class weight: rows scaled by their class's weight, 'mean'
-    over the counted rows' weights; the module keeps it as a buffer."""
+    over the counted rows' weights, and with label smoothing torch's weighted smoothing term;
+    the module keeps it as a buffer."""
     x = torch.randn(37, 50, device=device, dtype=torch.float64)
     t = torch.randint(0, 50, (37,), device=device)
     t[::4] = -100
     w = torch.rand(50, device=device) + 0.25
+    w[t[1]] = 0.0  # a class of weight 0: its rows keep their smoothing term
     xx = x.float().requires_grad_()
-    loss = fusedloss.cross_entropy(xx, t, weight=w, reduction=reduction)
+    loss = fusedloss.cross_entropy(xx, t, weight=w, reduction=reduction,
+                                   label_smoothing=label_smoothing)
     up = torch.rand_like(loss) + 0.5
     loss.backward(up)
     x64 = x.clone().requires_grad_()
-    ref = F.cross_entropy(x64, t, weight=w.double(), reduction=reduction)
+    ref = F.cross_entropy(x64, t, weight=w.double(), reduction=reduction,
+                          label_smoothing=label_smoothing)
     ref.backward(up.double())
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(xx.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
-    module = fusedloss.CrossEntropyLoss(weight=w, reduction=reduction)
+    module = fusedloss.CrossEntropyLoss(weight=w, reduction=reduction,
+                                        label_smoothing=label_smoothing)
     assert "weight" in dict(module.named_buffers())
     torch.testing.assert_close(module(x.float(), t), loss.detach())
 
@@ -247,8 +253,13 @@ def test_class_weight_bad_inputs(device):
     t = torch.randint(0, 8, (5,), device=device)
     with pytest.raises(ValueError, match=r"weight: got torch.float32 \(7,\), expected a floating-point \[8\]"):
         fusedloss.cross_entropy(x, t, weight=torch.ones(7, device=device))
-    with pytest.raises(ValueError, match="weight: got a tensor with label_smoothing=0.1"):
-        fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), label_smoothing=0.1)
+    for option in (dict(smoothing_formula="megatron"), dict(z_loss=1e-3), dict(softcap=30.0),
+                   dict(return_z_loss=True)):
+        name = next(iter(option))
+        with pytest.raises(ValueError, match=f"weight: got a tensor with label_smoothing=0.1 and "
+                                             f"{name}="):
+            fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), label_smoothing=0.1,
+                                    **option)
     with pytest.raises(ValueError, match="weight: got a tensor with grad_in_forward=True"):
         fusedloss.cross_entropy(x, t, weight=torch.ones(8, device=device), grad_in_forward=True)
 

@@ -1018,18 +1018,22 @@ def test_gloo_tp_token_slices_out_of_memory_in_backward():
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_class_weight_matches_torch(device, reduction, dtype):
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_class_weight_matches_torch(device, reduction, dtype, label_smoothing):
     """class_weight is F.cross_entropy's weight: each row scaled by its class's weight, 'mean'
-    over the counted rows' weights; gradients of hidden and weight against float64."""
+    over the counted rows' weights, with label smoothing torch's weighted smoothing term;
+    gradients of hidden and weight against float64."""
     h, w, t = _problem(device, dtype)
     t[::5] = -100
     cw = torch.rand(w.size(0), device=device) + 0.25
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction=reduction, class_weight=cw)
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction=reduction, class_weight=cw,
+                                          label_smoothing=label_smoothing)
     up = torch.rand_like(loss) + 0.5
     loss.backward(up)
     h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
-    ref = F.cross_entropy(F.linear(h64, w64), t.cpu(), weight=cw.double().cpu(), reduction=reduction)
+    ref = F.cross_entropy(F.linear(h64, w64), t.cpu(), weight=cw.double().cpu(), reduction=reduction,
+                          label_smoothing=label_smoothing)
     ref.backward(up.double().cpu())
     tol = _TOL[dtype]
     torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
@@ -1048,8 +1052,9 @@ def test_class_weight_bad_inputs(device):
     with pytest.raises(ValueError, match=r"class_weight: got torch.float32 \(202,\), expected a "
                                          r"floating-point \[203\]"):
         fusedloss.linear_cross_entropy(h, w, t, class_weight=cw[1:])
-    with pytest.raises(ValueError, match="class_weight: got a tensor with label_smoothing=0.1"):
-        fusedloss.linear_cross_entropy(h, w, t, class_weight=cw, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="class_weight: got a tensor with label_smoothing=0.1 and "
+                                         "z_loss="):
+        fusedloss.linear_cross_entropy(h, w, t, class_weight=cw, label_smoothing=0.1, z_loss=1e-3)
     with pytest.raises(ValueError, match="class_weight: got a tensor with a loss_mask"):
         fusedloss.linear_cross_entropy(h, w, t, reduction="none", class_weight=cw,
                                        loss_mask=torch.ones_like(t))
@@ -1076,6 +1081,11 @@ def _tp_class_weight(rank, world):
     bad = cw[:-1] if rank == 1 else cw
     with pytest.raises(ValueError, match=r"rank 1: class_weight: got torch.float32 \(191,\)"):
         fusedloss.linear_cross_entropy(h, shard, t, class_weight=bad, tp_group=dist.group.WORLD)
+    # the weighted smoothing term is computed at TP = 1: refused on every rank alike
+    with pytest.raises(ValueError, match=r"class_weight: got a tensor with label_smoothing=0.1 and "
+                                         r"a tp_group of more than one rank"):
+        fusedloss.linear_cross_entropy(h, shard, t, class_weight=cw, label_smoothing=0.1,
+                                       tp_group=dist.group.WORLD)
 
 
 def test_gloo_tp_class_weight():
