@@ -752,10 +752,6 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                      defer_when_compiling=True) as checks:
         if bad_flag is not None:
             raise bad_flag
-        if argmax and bias is not None:
-            raise ValueError("bias: got a tensor with return_token_accuracy or "
-                             "return_predicted_tokens, expected no bias (the arg-max comes from "
-                             "the log-prob head, which has none)")
         opts, mode, dh_red, accumulation, inplace = _option_args(
             ignore_index, label_smoothing, smoothing_formula, smoothing_scope, reduction, z_loss,
             logit_softcap, softcap, workspace_bytes, backward_mode, dhidden_reduction, dweight_accumulation,
@@ -824,9 +820,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     loss = loss.view(target.shape) if opts.reduction == _NONE else loss
     if not any(want):
         return loss
-    predicted = (_head_argmax(given_hidden, given_weight, target, opts.ignore_index, tp_group,
-                              check_shard_agreement, dhidden_reduction, workspace_bytes)
-                 if argmax else None)
+    if not argmax:
+        predicted = None
+    elif bias is None:
+        predicted = _head_argmax(given_hidden, given_weight, target, opts.ignore_index, tp_group,
+                                 check_shard_agreement, dhidden_reduction, workspace_bytes)
+    else:  # hidden: every token (gathered where it came in slices), in the GEMMs' dtype
+        predicted = _biased_argmax(hidden, weight, bias, name, workspace_bytes)
     return _with_extras(loss, lse, predicted, target, opts, want)
 
 
@@ -843,6 +843,37 @@ def _head_argmax(hidden, weight, target, ignore_index, tp_group, check, dhidden_
             ignore_index=ignore_index if ignore_index < 0 else -1, tp_group=tp_group,
             check_shard_agreement=check, dhidden_reduction=dhidden_reduction,
             workspace_bytes=workspace_bytes).argmax.reshape(-1)
+
+
+def _biased_argmax(hidden, weight, bias, group, workspace_bytes):
+    """[N] arg-max of hidden @ weight^T + bias over the (global) vocabulary, rounded as the op's
+    logits are (torch's addmm in the GEMMs' dtype), ties to the smallest id: token chunks of at
+    most workspace_bytes (default 256 MiB) of logits, no gradient. At TP > 1 each rank's best
+    (value, global id) are all-gathered (12 B a token) and the first rank of the largest value
+    wins, so every rank gets the same ids (the loss's agreement checked that all ask)."""
+    with torch.no_grad():
+        h = rows_of(hidden)
+        w = weight.detach().to(h.dtype)
+        b = bias.detach().to(h.dtype)
+        v_local = w.size(0)
+        budget = as_workspace_bytes(workspace_bytes) or (256 << 20)
+        chunk = max(1, budget // (v_local * h.element_size()))
+        best = torch.empty(h.size(0), dtype=torch.float32, device=h.device)
+        ids = torch.empty(h.size(0), dtype=torch.int64, device=h.device)
+        for r in range(0, h.size(0), chunk):
+            z = torch.addmm(b, h[r:r + chunk], w.t()).float()
+            best[r:r + chunk], ids[r:r + chunk] = z.max(-1)
+        if not group:
+            return ids
+        g = resolve_group(group)
+        rank, world = rank_and_size(g)
+        ids += rank * v_local
+        all_best = [torch.empty_like(best) for _ in range(world)]
+        all_ids = [torch.empty_like(ids) for _ in range(world)]
+        dist.all_gather(all_best, best, group=g)
+        dist.all_gather(all_ids, ids, group=g)
+        winner = torch.stack(all_best).argmax(0)  # the first rank of the largest: the smallest id
+        return torch.stack(all_ids).gather(0, winner[None]).squeeze(0)
 
 
 def _token_scaled(hidden, weight, target, bias, arguments):

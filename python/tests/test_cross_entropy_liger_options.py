@@ -273,15 +273,28 @@ def test_linear_every_extra(device, dtype, reduction):
     assert h.grad is not None and torch.isfinite(h.grad).all()
 
 
-def test_linear_extras_refuse_a_bias_and_name_it():
-    hidden, weight, target = _lce_problem("cpu", torch.float32)
-    with pytest.raises(ValueError, match=r"bias: got a tensor with return_token_accuracy"):
-        fusedloss.linear_cross_entropy(hidden, weight, target, torch.zeros(weight.size(0)),
-                                       return_predicted_tokens=True)
-    # the z-loss alone comes with a bias
-    out = fusedloss.linear_cross_entropy(hidden, weight, target, torch.zeros(weight.size(0)),
-                                         z_loss=1e-3, return_z_loss=True)
-    assert out.z_loss.item() > 0
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("workspace_bytes", [None, 133 * 4 * 7])  # one chunk, chunks of 7 tokens
+def test_linear_extras_with_a_bias(device, dtype, workspace_bytes):
+    """The arg-max of the biased logits (hidden @ weight^T + bias, as Liger's fused linear
+    cross-entropy takes them together), the accuracy from it, beside the loss and its z-loss."""
+    hidden, weight, target = _lce_problem(device, dtype)
+    bias = (torch.randn(weight.size(0), dtype=torch.float64) * 2).to(dtype).to(device)
+    logits = hidden.double() @ weight.double().T + bias.double()
+    acc_ref, pred_ref = _accuracy_reference(logits, target, -100, "none")
+    _, ref, z_ref = _reference(logits, target, z_loss=1e-3, reduction="none")
+    out = fusedloss.linear_cross_entropy(hidden, weight, target, bias, z_loss=1e-3,
+                                         reduction="none", return_z_loss=True,
+                                         return_token_accuracy=True, return_predicted_tokens=True,
+                                         workspace_bytes=workspace_bytes)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.z_loss.double(), z_ref.detach(), rtol=tol, atol=1e-9)
+    top2 = logits.topk(2, dim=-1).values  # where the rounding of the logits cannot swap them
+    clear = (top2[:, 0] - top2[:, 1]) > (1e-4 if dtype == torch.float32 else 0.2)
+    assert clear.sum() > 10
+    assert torch.equal(out.predicted_tokens[clear], pred_ref[clear])
+    assert torch.equal(out.token_accuracy[clear], acc_ref[clear])
 
 
 def test_linear_z_loss_with_class_weight(device):
@@ -485,3 +498,24 @@ def _check_linear_tp_argmax_on_one_rank(rank, world):
 
 def test_linear_gloo_tp_argmax_on_one_rank_raises_everywhere():
     run_world(2, _check_linear_tp_argmax_on_one_rank, timeout_s=30)
+
+
+def _check_linear_tp_biased_argmax(rank, world):
+    torch.manual_seed(3)
+    hidden, weight, target = _lce_problem("cpu", torch.float32, V=32 * world)
+    bias = torch.randn(weight.size(0)) * 2
+    bias[5] = bias[37] = 50.0  # a tie across the shards' boundary: the smaller id wins
+    weight[5] = weight[37] = 0.0
+    own = slice(rank * 32, (rank + 1) * 32)
+    out = fusedloss.linear_cross_entropy(hidden, weight[own], target, bias[own],
+                                         tp_group=dist.group.WORLD, reduction="none",
+                                         return_predicted_tokens=True)
+    ref = fusedloss.linear_cross_entropy(hidden, weight, target, bias, reduction="none",
+                                         return_predicted_tokens=True)
+    assert torch.equal(out.predicted_tokens, ref.predicted_tokens)
+    counted = target != -100
+    assert (out.predicted_tokens[counted] == 5).all()
+
+
+def test_linear_gloo_tp_biased_argmax():
+    run_world(2, _check_linear_tp_biased_argmax, timeout_s=30)
