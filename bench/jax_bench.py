@@ -27,17 +27,9 @@ import subprocess
 import sys
 import time
 
+from commit import git_commit
+
 SHAPES = [(8192, 4096, 128256), (16384, 4096, 151936)]
-
-
-def commit():
-    if os.environ.get("FUSEDLOSS_COMMIT"):
-        return os.environ["FUSEDLOSS_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def plain_loss():
@@ -151,7 +143,7 @@ def main():
                     print(f"[bench] {op} {provider} {shape} failed: {done.stderr[-400:]}")
                     continue
                 records.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    today, sha = datetime.date.today().isoformat(), commit()
+    today, sha = datetime.date.today().isoformat(), git_commit()
     print(f"fusedloss.jax on {records[0]['device'] if records else '?'}; bf16; commit {sha}")
     base = {(r["op"], r["N"], r["H"], r["V"]): r for r in records if r["provider"] != "fusedloss"}
     for r in records:

@@ -27,18 +27,9 @@ import subprocess
 import torch
 
 import peers
+from commit import git_commit
 
 ROWS = 8192  # S=2048, B=4
-
-
-def git_commit():
-    if os.environ.get("FUSEDLOSS_COMMIT"):
-        return os.environ["FUSEDLOSS_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 _TIMING = ["ms", "floor_ms", "x_floor", "peak_extra_mib", "host_ms", "copy_gbs", "gpu", "commit", "date"]

@@ -118,3 +118,26 @@ def loss_results(rows: int, reduction: int):
     """A forward's results: the loss ([rows] or a scalar), lse [rows] and the valid count, fp32."""
     return [((rows,) if reduction == NONE else (), jnp.float32), ((rows,), jnp.float32),
             ((), jnp.float32)]
+
+
+def validate_head_operands(hidden, weight):
+    """An LM head's operands, as the JAX heads take them: hidden [N, H] or [s, b, H] and weight
+    [V_local, H] in one float dtype."""
+    require_values(hidden, "hidden")
+    require_values(weight, "weight")
+    if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+                         "[s, b, H] tensor with H >= 1")
+    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
+                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
+
+
+def allows_tf32() -> bool:
+    """fp32 GEMMs on TF32 tensor cores where JAX's own matmuls may use them (its default
+    precision), not under jax.default_matmul_precision('highest' / 'float32')."""
+    precision = jax.config.jax_default_matmul_precision
+    return str(precision).lower() not in ("highest", "float32", "precision.highest")

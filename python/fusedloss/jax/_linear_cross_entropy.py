@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from ._args import (DTYPES, NONE, CeOptions, as_bool, as_choice, as_int, as_float, index,
-                    loss_results, parse_ce_options, require_array, require_targets,
-                    require_values)
+from ._args import (DTYPES, NONE, CeOptions, allows_tf32, as_bool, as_choice, as_int, as_float,
+                    index, loss_results, parse_ce_options, require_array, require_targets,
+                    validate_head_operands)
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
@@ -124,18 +124,8 @@ _sharded_linear_cross_entropy.defvjp(_sharded_forward, _sharded_linear_cross_ent
 # ---- the op ----
 
 def _validate(hidden, weight, target, token_slices: int):
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
+    validate_head_operands(hidden, weight)
     require_array(target, "target")
-    if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
-                         "[s, b, H] tensor with H >= 1")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
-                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
     if token_slices == 1:
         require_targets(target, hidden, "hidden's shape without the hidden dim")
     else:
@@ -157,13 +147,6 @@ def _mode(mode: int, reduction: int, dtype) -> int:
             "'recompute' or 'auto' (the in-forward gradient is stored in fp16 before the upstream "
             "gradient scales it, so the entries a loss scale would keep flush to zero)")
     return auto if mode == _AUTO else mode
-
-
-def _allows_tf32() -> bool:
-    """fp32 GEMMs on TF32 tensor cores where JAX's own matmuls may use them (its default
-    precision), not under jax.default_matmul_precision('highest' / 'float32')."""
-    precision = jax.config.jax_default_matmul_precision
-    return str(precision).lower() not in ("highest", "float32", "precision.highest")
 
 
 def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
@@ -216,7 +199,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     mode = _mode(mode, ce.reduction, hidden.dtype)
     _ffi.validate_linear_cross_entropy(ce, softcap, workspace, mode, h.shape[0], weight.shape[0],
                                        h.shape[1])
-    o = LceOptions(ce, softcap, workspace, _allows_tf32(), mode)
+    o = LceOptions(ce, softcap, workspace, allows_tf32(), mode)
     t = index(target)
     if axis_name is None:
         loss = _linear_cross_entropy(o, h, weight, t)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from ._args import as_bool, as_float, as_int, index, require_array, require_values
+from ._args import (allows_tf32, as_bool, as_float, as_int, index, require_array,
+                    validate_head_operands)
 from ._vocab_parallel import (all_gather_invariant, axis_place, axis_size, local_targets,
                               replicated_cotangent, shard_options)
 
@@ -122,18 +123,8 @@ _sharded_log_probs.defvjp(_sharded_fwd, _sharded_bwd)
 
 
 def _validate(hidden, weight, tokens, loss_mask):
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
+    validate_head_operands(hidden, weight)
     require_array(tokens, "tokens")
-    if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
-                         "[s, b, H] tensor with H >= 1")
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
-                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
     rows = tuple(hidden.shape[:-1])
     if tuple(tokens.shape) != rows or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens: got {np.dtype(tokens.dtype).name} {tuple(tokens.shape)}, "
@@ -143,11 +134,6 @@ def _validate(hidden, weight, tokens, loss_mask):
         if tuple(loss_mask.shape) != rows:
             raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected {rows} "
                              "(tokens' shape)")
-
-
-def _allows_tf32() -> bool:
-    precision = jax.config.jax_default_matmul_precision
-    return str(precision).lower() not in ("highest", "float32", "precision.highest")
 
 
 def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entropy: bool = True,
@@ -182,7 +168,7 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
     t = index(tokens)
     if loss_mask is not None:  # a masked token is an ignored one (the kernels skip its row)
         t = jnp.where(loss_mask.reshape(-1) != 0, t, jnp.asarray(ignore_index, t.dtype))
-    o = LpOptions(temperature, ignore_index, workspace, _allows_tf32())
+    o = LpOptions(temperature, ignore_index, workspace, allows_tf32())
     if axis_name is None:
         lp, ent, am = _log_probs(o, h, weight, t)
     else:

@@ -364,6 +364,16 @@ void ce_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& a
 
 // ---- linear cross-entropy ----
 
+// Batch item i's dhidden [.., N, H] and dweight [.., V, H], the linear heads' gradients.
+fl::LinearCrossEntropyGrads head_grads(const Batch& b, const ffi::AnyBuffer& dh,
+                                       const ffi::AnyBuffer& dw, int64_t i, int64_t rows,
+                                       int64_t vocab, int64_t hidden, const Place& p) {
+  fl::LinearCrossEntropyGrads grads;
+  grads.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
+  grads.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+  return grads;
+}
+
 // hidden [.., N, H], weight [.., V, H], target [.., N] -> loss, lse, count (as ce_forward's),
 // dhidden [.., N, H] and dweight [.., V, H] (in_forward: the gradients for a unit upstream
 // gradient; recompute: [.., 0] placeholders)
@@ -428,9 +438,7 @@ void lce_backward(const Place& p, const Args& args, const Rets& rets, const Attr
   const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
   const int g_core = ce.reduction == fl::Reduction::None ? 1 : 0;
   for (int64_t i = 0; i < b.size(); ++i) {
-    fl::LinearCrossEntropyGrads grads;
-    grads.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
-    grads.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+    const fl::LinearCrossEntropyGrads grads = head_grads(b, dh, dw, i, rows, vocab, hidden, p);
     fl::linear_cross_entropy_backward(
         matrix(h, b.offset(h, 2, i), rows, hidden, p),
         matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
@@ -453,6 +461,16 @@ fl::LinearLogProbsOptions lp_options(const Attrs& a) {
   const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
   if (vocab_global > 0) o.vocab_global = vocab_global;
   return o;
+}
+
+// Batch item i's log_probs, entropy, lse [.., N] and argmax [.., N, 2] (int64 as two int32 words).
+fl::LinearLogProbsOutputs lp_outputs(const Rets& rets, int64_t i, int64_t rows) {
+  fl::LinearLogProbsOutputs out;
+  out.log_probs = f32_at(ret(rets, 0), i * rows);
+  out.entropy = f32_at(ret(rets, 1), i * rows);
+  out.lse = f32_at(ret(rets, 2), i * rows);
+  out.argmax = reinterpret_cast<int64_t*>(at(ret(rets, 3), i * rows * 2));
+  return out;
 }
 
 // LogProbStats in an int32 buffer of [.., N, 6] (24 bytes a row), from element `offset`.
@@ -479,16 +497,11 @@ void lp_local_stats(const Place& p, const Args& args, const Rets& rets, const At
 void lp_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearLogProbsOptions o = lp_options(attrs);
   const ffi::AnyBuffer all = arg(args, 0), t = arg(args, 1);
-  const ffi::AnyBuffer lp = ret(rets, 0), ent = ret(rets, 1), lse = ret(rets, 2), am = ret(rets, 3);
-  const Batch b(lp, 1);
+  const Batch b(ret(rets, 0), 1);
   const int64_t rows = dim(t, 1);
   const int parts = int(dim(all, 3));
   for (int64_t i = 0; i < b.size(); ++i) {
-    fl::LinearLogProbsOutputs out;
-    out.log_probs = f32_at(lp, i * rows);
-    out.entropy = f32_at(ent, i * rows);
-    out.lse = f32_at(lse, i * rows);
-    out.argmax = reinterpret_cast<int64_t*>(at(am, i * rows * 2));
+    const fl::LinearLogProbsOutputs out = lp_outputs(rets, i, rows);
     fl::log_probs_merge(lp_stats_at(all, b.offset(all, 3, i)), parts, rows,
                         index(t, b.offset(t, 1, i), rows, p), o, out, p.device, p.stream);
   }
@@ -499,15 +512,10 @@ void lp_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& a
 void lp_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearLogProbsOptions o = lp_options(attrs);
   const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2);
-  const ffi::AnyBuffer lp = ret(rets, 0), ent = ret(rets, 1), lse = ret(rets, 2), am = ret(rets, 3);
-  const Batch b(lp, 1);
+  const Batch b(ret(rets, 0), 1);
   const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
   for (int64_t i = 0; i < b.size(); ++i) {
-    fl::LinearLogProbsOutputs out;
-    out.log_probs = f32_at(lp, i * rows);
-    out.entropy = f32_at(ent, i * rows);
-    out.lse = f32_at(lse, i * rows);
-    out.argmax = reinterpret_cast<int64_t*>(at(am, i * rows * 2));
+    const fl::LinearLogProbsOutputs out = lp_outputs(rets, i, rows);
     fl::linear_log_probs_forward(matrix(h, b.offset(h, 2, i), rows, hidden, p),
                                  matrix(w, b.offset(w, 2, i), vocab, hidden, p),
                                  index(t, b.offset(t, 1, i), rows, p), o, out, nullptr, p.stream);
@@ -524,9 +532,7 @@ void lp_backward(const Place& p, const Args& args, const Rets& rets, const Attrs
   const Batch b(dh, 2);
   const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
   for (int64_t i = 0; i < b.size(); ++i) {
-    fl::LinearCrossEntropyGrads grads;
-    grads.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
-    grads.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+    const fl::LinearCrossEntropyGrads grads = head_grads(b, dh, dw, i, rows, vocab, hidden, p);
     fl::linear_log_probs_backward(
         matrix(h, b.offset(h, 2, i), rows, hidden, p),
         matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
