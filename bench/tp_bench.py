@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import peers  # the timing conventions and git commit of the single-GPU benchmark
-from run_bench import git_commit
+from commit import git_commit
 
 
 def providers(group, device):
