@@ -357,6 +357,52 @@ def test_linear_log_probs_bad_inputs():
                 error=Exception)
 
 
+# ---- a per-class weight ----
+
+def ref_weighted_cross_entropy(x, t, w, label_smoothing=0.0, reduction="mean", ignore_index=-100):
+    """torch's F.cross_entropy(weight=w, label_smoothing=eps) in float64 jnp."""
+    x, w = x.astype(jnp.float64), w.astype(jnp.float64)
+    logp = jax.nn.log_softmax(x, -1)
+    valid = t != ignore_index
+    safe = jnp.where(valid, t, 0)
+    r = jnp.where(valid, w[safe], 0.0)
+    nll = -jnp.take_along_axis(logp, safe[..., None], -1)[..., 0] * r
+    smooth = jnp.where(valid, -(logp * w).sum(-1), 0.0)
+    loss = (1 - label_smoothing) * nll + label_smoothing / x.shape[-1] * smooth
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / r.sum()
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_class_weight(reduction, label_smoothing):
+    x = jax.random.normal(_key(110), (24, 97), F32) * 2
+    t = _targets(_key(111), (24,), 97)
+    w = jax.random.uniform(_key(112), (97,), F32, 0.25, 1.5).at[t[1]].set(0.0)
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing)
+    loss, dx = _loss_and_grads(lambda x: fj.cross_entropy(x, t, weight=w, **kw), (x,), reduction, 0)
+    want, dwant = _loss_and_grads(lambda x: ref_weighted_cross_entropy(x, t, w, **kw), (x,),
+                                  reduction, 0)
+    _close(loss, want, what="loss")
+    _close(dx, dwant, what="dlogits")
+    h = jax.random.normal(_key(113), (24, 16), F32)
+    hw = jax.random.normal(_key(114), (97, 16), F32) * 0.3
+    loss, (dh, dw) = _loss_and_grads(
+        lambda h, hw: fj.linear_cross_entropy(h, hw, t, class_weight=w, **kw), (h, hw), reduction,
+        (0, 1))
+    want, (dhw, dww) = _loss_and_grads(
+        lambda h, hw: ref_weighted_cross_entropy(h.astype(jnp.float64) @ hw.astype(jnp.float64).T,
+                                                 t, w, **kw), (h, hw), reduction, (0, 1))
+    _close(loss, want, what="linear loss")
+    _close(dh, dhw, what="dhidden")
+    _close(dw, dww, what="dweight")
+    _raises(r"weight: got float32 \(96,\), expected a floating-point \[97\]", fj.cross_entropy,
+            x, t, weight=w[1:])
+    _raises("class_weight: got an array with label_smoothing=0.1 and z_loss set",
+            fj.linear_cross_entropy, h, hw, t, class_weight=w, label_smoothing=0.1, z_loss=1e-3)
+
+
 # ---- RMSNorm ----
 
 @pytest.mark.parametrize("dtype,w_dtype", [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16),

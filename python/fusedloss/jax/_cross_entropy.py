@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from . import _ffi
 from ._args import (NONE, CeOptions, as_float, loss_results, index, parse_ce_options,
                     require_targets, require_values)
+from ._class_weight import check_class_weight, weighted
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
@@ -97,7 +98,7 @@ def _validate(logits, target):
 def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
                   reduction: str = "mean", z_loss: float = 0.0, logit_softcap=None,
-                  axis_name=None):
+                  weight=None, axis_name=None):
     """Cross-entropy of logits [N, V] or [s, b, V] (float32/float16/bfloat16) against integer
     targets of the logits' shape without V, as fusedloss.cross_entropy computes it (the same C++
     core): no [N, V] softmax, the loss in float32 for every input dtype, and a 'mean' over no
@@ -113,9 +114,16 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     jax.lax.all_gather of 16 B/row, and every device gets the same loss (a per-device loss with
     smoothing_scope='partition'); the gradient of each shard stays on its device.
 
+    weight: a per-class weight [V], as torch.nn.functional.cross_entropy's (with label smoothing
+    too: torch's weighted smoothing term, one more read of the logits), not with axis_name.
+
     A target outside [0, V) that is not ignore_index is an error of the call (on the CPU; on
     CUDA its row's loss is NaN and fusedloss.jax.check_device_errors() raises).
     """
+    if weight is not None:
+        return _class_weighted(logits, target, weight, ignore_index, label_smoothing,
+                               smoothing_formula, smoothing_scope, reduction, z_loss,
+                               logit_softcap, axis_name)
     o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                          reduction, z_loss)
     softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
@@ -131,3 +139,20 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     else:
         loss = _sharded_cross_entropy(o, softcap, axis_name, x, t)
     return loss.reshape(target.shape) if o.reduction == NONE else loss
+
+
+def _class_weighted(logits, target, weight, ignore_index, label_smoothing, smoothing_formula,
+                    smoothing_scope, reduction, z_loss, logit_softcap, axis_name):
+    o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                         reduction, z_loss)
+    _validate(logits, target)
+    check_class_weight(weight, "weight", logits.shape[-1], axis_name, o.label_smoothing,
+                       smoothing_formula, o.z_loss, logit_softcap)
+    nll = cross_entropy(logits, target, ignore_index=ignore_index, smoothing_formula=smoothing_formula,
+                        smoothing_scope=smoothing_scope, reduction="none", z_loss=z_loss,
+                        logit_softcap=logit_softcap)
+    x = logits.reshape(-1, logits.shape[-1]).astype(_F32)
+
+    def z_terms(safe):
+        return jnp.take_along_axis(x, safe[:, None], -1)[:, 0], x @ weight.astype(_F32)
+    return weighted(nll, weight, target, o.ignore_index, reduction, o.label_smoothing, z_terms)

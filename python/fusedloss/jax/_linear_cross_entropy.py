@@ -28,6 +28,7 @@ from . import _ffi
 from ._args import (DTYPES, NONE, CeOptions, allows_tf32, as_bool, as_choice, as_int, as_float,
                     index, loss_results, parse_ce_options, require_array, require_targets,
                     validate_head_operands)
+from ._class_weight import check_class_weight, weighted
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
@@ -153,7 +154,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, smoothing_formula: str = "pytorch",
                          smoothing_scope: str = "global", reduction: str = "mean",
                          z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
-                         backward_mode: str = "auto", axis_name=None,
+                         backward_mode: str = "auto", class_weight=None, axis_name=None,
                          sequence_parallel: bool = False):
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
     fusedloss.linear_cross_entropy computes it (the same C++ core).
@@ -172,7 +173,18 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     on every device; or with sequence_parallel=True, this device's slice of the tokens along
     dim 0 (target, and the loss of reduction 'none', cover every device's slice in axis order):
     the op all-gathers the slices, and their gradient comes back reduce-scattered.
+
+    class_weight: a per-class weight [V], as torch.nn.functional.cross_entropy's weight (with
+    label smoothing too: torch's weighted smoothing term, from a GEMV over the weight, no
+    logits), not with axis_name.
     """
+    if class_weight is not None:
+        return _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel,
+                               dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                    smoothing_formula=smoothing_formula,
+                                    smoothing_scope=smoothing_scope, reduction=reduction,
+                                    z_loss=z_loss, logit_softcap=logit_softcap,
+                                    workspace_bytes=workspace_bytes, backward_mode=backward_mode))
     ce = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                           reduction, z_loss)
     softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
@@ -210,3 +222,22 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
             h = _ffi.varying(h, (axis_name,))
         loss = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
     return loss.reshape(target.shape) if ce.reduction == NONE else loss
+
+
+def _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel, kw):
+    _validate(hidden, weight, target, 1)
+    eps = as_float(kw["label_smoothing"], "label_smoothing")
+    check_class_weight(class_weight, "class_weight", weight.shape[0], axis_name, eps,
+                       kw["smoothing_formula"], as_float(kw["z_loss"], "z_loss"),
+                       kw["logit_softcap"])
+    nll = linear_cross_entropy(hidden, weight, target, **dict(kw, reduction="none",
+                                                              label_smoothing=0.0))
+    h = hidden.reshape(-1, hidden.shape[-1]).astype(_F32)
+
+    def z_terms(safe):  # z_t = h . weight[t] and z . w = h . (weight^T w), without the logits
+        z_t = (h * weight[safe].astype(_F32)).sum(-1)
+        u = jnp.matmul(class_weight.astype(weight.dtype), weight,  # (no fp32 copy of weight)
+                       preferred_element_type=_F32)
+        return z_t, h @ u
+    ignore = as_int(kw["ignore_index"], "ignore_index")
+    return weighted(nll, class_weight, target, ignore, kw["reduction"], eps, z_terms)
