@@ -348,13 +348,55 @@ def test_linear_log_probs_bad_inputs():
             h, w[:, :23], t)
     _raises("weight.dtype: got bfloat16, expected float32", fj.linear_log_probs, h,
             w.astype(BF16), t)
-    _raises(r"tokens: got int\d+ \(36,\), expected integer ids of shape \(37,\)",
-            fj.linear_log_probs, h, w, t[:-1])
-    _raises("loss_mask: got shape", fj.linear_log_probs, h, w, t, loss_mask=t[:-1])
+    _raises(r"tokens: got shape \(36,\), expected \(37,\) \(hidden's shape without the hidden "
+            r"dim\)", fj.linear_log_probs, h, w, t[:-1])
+    _raises(r"tokens\.dtype: got float32, expected an integer dtype", fj.linear_log_probs, h, w,
+            t.astype(F32))
+    _raises(r"loss_mask: got shape \(36,\), expected tokens' shape \(37,\)", fj.linear_log_probs,
+            h, w, t, loss_mask=t[:-1])
+    _raises(r"loss_mask\.dtype: got complex64, expected a real dtype", fj.linear_log_probs, h, w,
+            t, loss_mask=t.astype(jnp.complex64))
+    _raises("sequence_parallel: got True without axis_name", fj.linear_log_probs, h, w, t,
+            sequence_parallel=True)
     if jax.devices()[0].platform != "gpu":  # CUDA checks tokens in flight: the row is NaN
         _raises(r"tokens\[5\]: got 203, expected in \[0, 203\)",
                 lambda: jax.block_until_ready(fj.linear_log_probs(h, w, t.at[5].set(203))),
                 error=Exception)
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_z_loss_apart(reduction, sharded):
+    # z_loss * lse^2 of the counted rows, reduced as the loss; detached; the loss unchanged
+    x = jax.random.normal(_key(120), (16, 64), F32) * 2
+    t = _targets(_key(121), (16,), 64)
+    h = jax.random.normal(_key(122), (16, 12), F32)
+    w = jax.random.normal(_key(123), (64, 12), F32) * 0.3
+    kw = dict(reduction=reduction, z_loss=1e-2, return_z_loss=True)
+    ops = {"cross_entropy": lambda x, w, **k: fj.cross_entropy(x, t, **k),  # (w unused)
+           "linear": lambda h, w, **k: fj.linear_cross_entropy(h, w, t, **k)}
+    lse = {"cross_entropy": jax.nn.logsumexp(x.astype(jnp.float64), -1),
+           "linear": jax.nn.logsumexp(h.astype(jnp.float64) @ w.astype(jnp.float64).T, -1)}
+    counted = t != -100
+    for name, op in ops.items():
+        arg = x if name == "cross_entropy" else h
+        if sharded:
+            mesh = _mesh(2)
+            spec = (P(None, "tp"), P()) if name == "cross_entropy" else (P(), P("tp"))
+            body = _shard_map(lambda a, w: tuple(op(a, w, axis_name="tp", **kw)), mesh, spec,
+                              (P(), P()))
+            with _on(mesh):
+                out = body(_put(mesh, arg, spec[0]), _put(mesh, w, spec[1]))
+        else:
+            out = tuple(op(arg, w, **kw))
+        part = np.where(np.asarray(counted), 1e-2 * np.asarray(lse[name]) ** 2, 0.0)
+        want = part if reduction == "none" else part.sum() if reduction == "sum" else \
+            part.sum() / np.asarray(counted).sum()
+        _close(out[1], want, what=f"{name} z_loss")
+        plain = op(arg, w, reduction=reduction, z_loss=1e-2)
+        _close(out[0], plain, what=f"{name} loss")
+    g = jax.grad(lambda x: fj.cross_entropy(x, t, z_loss=1e-2, return_z_loss=True).z_loss)(x)
+    assert not np.asarray(g).any()  # detached
 
 
 # ---- a per-class weight ----
@@ -632,11 +674,13 @@ def test_vocab_parallel_linear_cross_entropy(tp, sequence_parallel, check_vma):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("check_vma", [True, False])
-def test_vocab_parallel_linear_log_probs(tp, check_vma):
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_vocab_parallel_linear_log_probs(tp, sequence_parallel, check_vma, dtype):
     mesh = _mesh(tp)
-    h = jax.random.normal(_key(95), (16, 12), F32)
-    w = jax.random.normal(_key(96), (64, 12), F32) * 0.5
+    h = jax.random.normal(_key(95), (16, 12), F32).astype(dtype)
+    w = (jax.random.normal(_key(96), (64, 12), F32) * 0.5).astype(dtype)
     t = _targets(_key(97), (16,), 64)
     mask = jnp.arange(16) % 7 != 3
     a = jax.random.normal(_key(98), (16,), F32)
@@ -650,17 +694,50 @@ def test_vocab_parallel_linear_log_probs(tp, check_vma):
         (_, out), grads = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w)
         return out.log_probs, out.entropy, out.argmax, *grads
 
-    body = lambda h, w, t: fj.linear_log_probs(h, w, t, argmax=True, axis_name="tp", **kw)  # noqa: E731
-    sharded = _shard_map(body, mesh, (P(), P("tp"), P()), P(), check_vma)
+    body = lambda h, w, t: fj.linear_log_probs(  # noqa: E731
+        h, w, t, argmax=True, axis_name="tp", sequence_parallel=sequence_parallel, **kw)
+    h_spec = P("tp") if sequence_parallel else P()
+    sharded = _shard_map(body, mesh, (h_spec, P("tp"), P()), P(), check_vma)
     with _on(mesh):
         got = jax.jit(lambda h, w, t: step(h, w, lambda h, w: sharded(h, w, t)))(
-            _put(mesh, h, P()), _put(mesh, w, P("tp")), _put(mesh, t, P()))
+            _put(mesh, h, h_spec), _put(mesh, w, P("tp")), _put(mesh, t, P()))
     want = step(h, w, lambda h, w: fj.linear_log_probs(h, w, t, argmax=True, **kw))
     for g, r, name in zip(got, want, ("log_probs", "entropy", "argmax", "dhidden", "dweight")):
-        if name == "argmax":
+        if name == "argmax":  # (bf16: the same logits on every shard, so the same ties)
             assert np.array_equal(np.asarray(g), np.asarray(r))
         else:
-            _close(g, r, what=name)
+            _close(g, r, dtype, name)
+    # and against float64 (the upstream gradients a and b through both results)
+    lp, ent, _ = ref_log_probs(h, w, jnp.where(mask, t, -100), 0.7)
+    _close(got[0], lp, dtype, "log_probs against float64")
+    _close(got[1], ent, dtype, "entropy against float64")
+    refs = jax.grad(lambda h, w: (a * ref_log_probs(h, w, jnp.where(mask, t, -100), 0.7)[0] +
+                                  b * ref_log_probs(h, w, jnp.where(mask, t, -100), 0.7)[1]).sum(),
+                    (0, 1))(h.astype(jnp.float64), w.astype(jnp.float64))
+    _close(got[3], refs[0], dtype, "dhidden against float64")
+    _close(got[4], refs[1], dtype, "dweight against float64")
+
+
+def test_sequence_parallel_linear_log_probs_3d_and_bad_slices():
+    # [s, b, H] slices along s; tokens cover every slice; a wrong token count is named at trace
+    mesh = _mesh(2)
+    h, w, t = _lp_problem(100, (8, 3), H=16, V=64)
+    body = lambda h, w, t: tuple(fj.linear_log_probs(  # noqa: E731
+        h, w, t, axis_name="tp", sequence_parallel=True))[:2]
+    sharded = _shard_map(body, mesh, (P("tp"), P("tp"), P()), (P(), P()))
+    g = jax.random.normal(_key(104), t.shape, F32)
+    with _on(mesh):
+        hs, ws = _put(mesh, h, P("tp")), _put(mesh, w, P("tp"))
+        lp, ent = sharded(hs, ws, _put(mesh, t, P()))
+        dh = jax.grad(lambda h: (g * sharded(h, ws, t)[0]).sum())(hs)
+        with pytest.raises(ValueError, match=r"tokens: got shape \(7, 3\), expected \(8, 3\) "
+                                             r"\(the tokens of 2 ranks' slices of hidden along dim 0\)"):
+            sharded(hs, ws, t[:-1])
+    want_lp, want_ent, _ = ref_log_probs(h, w, t)
+    _close(lp, want_lp, F32, "log_probs")
+    _close(ent, want_ent, F32, "entropy")
+    dwant = jax.grad(lambda h: (g * ref_log_probs(h, w, t)[0]).sum())(h.astype(jnp.float64))
+    _close(dh, dwant, F32, "dhidden")
 
 
 # ---- bad inputs ----
@@ -728,6 +805,20 @@ def test_the_messages_are_the_pytorch_ops():
         with pytest.raises(ValueError) as from_torch:
             fusedloss.cross_entropy(torch.zeros(4, 9), torch.zeros(4, dtype=torch.long), **kw)
         assert str(from_jax.value) == str(from_torch.value)
+    h, w, t = jnp.zeros((6, 8), F32), jnp.zeros((10, 8), F32), jnp.zeros((6,), jnp.int32)
+    th, tw, tt = torch.zeros(6, 8), torch.zeros(10, 8), torch.zeros(6, dtype=torch.long)
+    for args, targs, kw in (((h, w, t), (th, tw, tt), {"temperature": 0.0}),
+                            ((h, w, t), (th, tw, tt), {"temperature": float("nan")}),
+                            ((h, w, t), (th, tw, tt), {"workspace_bytes": -1}),
+                            ((h, w[:, :7], t), (th, tw[:, :7], tt), {}),
+                            ((h, w, t[:5]), (th, tw, tt[:5]), {}),
+                            ((h, w, t), (th, tw, tt), {"loss_mask": t[:5]})):
+        with pytest.raises(ValueError) as from_jax:
+            fj.linear_log_probs(*args, **kw)
+        tkw = {k: (tt[:5] if k == "loss_mask" else v) for k, v in kw.items()}
+        with pytest.raises(ValueError) as from_torch:
+            fusedloss.linear_log_probs(*targs, **tkw)
+        assert str(from_jax.value) == str(from_torch.value)
 
 
 # ---- the example ----
@@ -769,4 +860,26 @@ def test_cuda_handlers_match_the_cpu():
     for a, b, name in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
                           ("loss", "dhidden", "dweight")):
         _close(a, b, BF16, name)
+    fj.check_device_errors()
+
+
+@_CUDA
+def test_cuda_log_probs_match_the_cpu():
+    gpu, cpu = _GPU[0], jax.devices("cpu")[0]
+    h, w, t = _lp_problem(110, (300,), H=64, V=1000, dtype=BF16)
+    a = jax.random.normal(_key(113), t.shape, F32)
+
+    def step(h, w):
+        out = fj.linear_log_probs(h, w, t, temperature=0.8, argmax=True)
+        return (a * out.log_probs + 0.01 * out.entropy).sum(), out
+    results = [jax.jit(jax.value_and_grad(step, (0, 1), has_aux=True))(jax.device_put(h, d),
+                                                                      jax.device_put(w, d))
+               for d in (gpu, cpu)]
+    (_, gpu_out), gpu_grads = results[0]
+    (_, cpu_out), cpu_grads = results[1]
+    for got, want, name in ((gpu_out.log_probs, cpu_out.log_probs, "log_probs"),
+                            (gpu_out.entropy, cpu_out.entropy, "entropy"),
+                            (gpu_grads[0], cpu_grads[0], "dhidden"),
+                            (gpu_grads[1], cpu_grads[1], "dweight")):
+        _close(got, want, BF16, name)
     fj.check_device_errors()

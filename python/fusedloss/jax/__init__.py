@@ -15,7 +15,7 @@ jax.lax.all_gather). XLA's host platform runs the CPU backend; a build with CUDA
 CUDA handlers too, which run on XLA's stream with scratch from XLA's allocator. Importing this
 package imports no torch.
 """
-from ._cross_entropy import cross_entropy
+from ._cross_entropy import CrossEntropyOutput, cross_entropy
 from ._ffi import PLATFORMS as platforms
 from ._ffi import check_device_errors as _check_device_errors
 from ._linear_cross_entropy import linear_cross_entropy
@@ -23,7 +23,7 @@ from ._linear_log_probs import LogProbs, linear_log_probs
 from ._rms_norm import rms_norm
 from ._swiglu import swiglu
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "linear_log_probs", "LogProbs", "rms_norm",
+__all__ = ["cross_entropy", "CrossEntropyOutput", "linear_cross_entropy", "linear_log_probs", "LogProbs", "rms_norm",
            "swiglu", "check_device_errors", "platforms"]
 
 

@@ -8,13 +8,14 @@ backward one pass that reads the logits and writes the gradient, into the logits
          reads them)
 """
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from . import _ffi
-from ._args import (NONE, CeOptions, as_float, loss_results, index, parse_ce_options,
-                    require_targets, require_values)
+from ._args import (NONE, REDUCTIONS, CeOptions, as_bool, as_float, index, loss_results,
+                    parse_ce_options, require_targets, require_values)
 from ._class_weight import check_class_weight, weighted
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
@@ -41,15 +42,16 @@ def _forward(o: CeOptions, softcap, x, t):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _cross_entropy(o, softcap, x, t):
-    return _forward(o, softcap, x, t)[0]
+    return _forward(o, softcap, x, t)[:2]
 
 
 def _cross_entropy_fwd(o, softcap, x, t):
     loss, lse, count = _forward(o, softcap, x, t)
-    return loss, (x, t, lse, count)
+    return (loss, lse), (x, t, lse, count)
 
 
-def _cross_entropy_bwd(o, softcap, saved, g):
+def _cross_entropy_bwd(o, softcap, saved, grads):
+    g = grads[0]  # lse is returned for the z-loss apart: detached
     x, t, lse, count = saved
     return _backward(o, softcap, x, t, lse, count, g), None
 
@@ -67,7 +69,7 @@ def _sharded_forward(o: CeOptions, softcap, axis_name, x, t):
     (stats,) = _ffi.call("ce_local_stats", [((rows, 4), _F32)], x, tl,
                          **_attrs(ol, softcap, vocab_global))
     loss, lse, count = merge(stats, t, o, axis_name, vocab_local, vocab_global, rows)
-    return loss, (x, tl, lse, count)
+    return (loss, lse), (x, tl, lse, count)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -75,7 +77,8 @@ def _sharded_cross_entropy(o, softcap, axis_name, x, t):
     return _sharded_forward(o, softcap, axis_name, x, t)[0]
 
 
-def _sharded_cross_entropy_bwd(o, softcap, axis_name, saved, g):
+def _sharded_cross_entropy_bwd(o, softcap, axis_name, saved, grads):
+    g = grads[0]  # lse: detached
     x, tl, lse, count = saved
     g = replicated_cotangent(g, x, axis_name)
     vocab_global = axis_size(axis_name) * x.shape[1]
@@ -98,7 +101,7 @@ def _validate(logits, target):
 def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
                   reduction: str = "mean", z_loss: float = 0.0, logit_softcap=None,
-                  weight=None, axis_name=None):
+                  weight=None, return_z_loss: bool = False, axis_name=None):
     """Cross-entropy of logits [N, V] or [s, b, V] (float32/float16/bfloat16) against integer
     targets of the logits' shape without V, as fusedloss.cross_entropy computes it (the same C++
     core): no [N, V] softmax, the loss in float32 for every input dtype, and a 'mean' over no
@@ -114,6 +117,9 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     jax.lax.all_gather of 16 B/row, and every device gets the same loss (a per-device loss with
     smoothing_scope='partition'); the gradient of each shard stays on its device.
 
+    return_z_loss=True returns CrossEntropyOutput(loss, z_loss): the z-loss part apart (see
+    there).
+
     weight: a per-class weight [V], as torch.nn.functional.cross_entropy's (with label smoothing
     too: torch's weighted smoothing term, one more read of the logits), not with axis_name.
 
@@ -121,6 +127,9 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     CUDA its row's loss is NaN and fusedloss.jax.check_device_errors() raises).
     """
     if weight is not None:
+        if as_bool(return_z_loss, "return_z_loss"):
+            raise ValueError("weight: got an array with return_z_loss=True, expected "
+                             "return_z_loss=False (not returned apart with a class weight)")
         return _class_weighted(logits, target, weight, ignore_index, label_smoothing,
                                smoothing_formula, smoothing_scope, reduction, z_loss,
                                logit_softcap, axis_name)
@@ -135,10 +144,34 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     _ffi.validate_cross_entropy(o, x.shape[0], x.shape[1])
     t = index(target)
     if axis_name is None:
-        loss = _cross_entropy(o, softcap, x, t)
+        loss, lse = _cross_entropy(o, softcap, x, t)
     else:
-        loss = _sharded_cross_entropy(o, softcap, axis_name, x, t)
-    return loss.reshape(target.shape) if o.reduction == NONE else loss
+        loss, lse = _sharded_cross_entropy(o, softcap, axis_name, x, t)
+    return with_z_loss(loss, lse, target, o, return_z_loss)
+
+
+class CrossEntropyOutput(NamedTuple):
+    """A loss with its z-loss part apart (return_z_loss=True): z_loss * lse^2 of the counted
+    rows, reduced as the loss, which includes it; detached (for logging)."""
+    loss: jax.Array
+    z_loss: jax.Array
+
+
+def with_z_loss(loss, lse, target, o: CeOptions, return_z_loss):
+    """The loss in target's shape (reduction 'none'), with its z-loss part apart when asked."""
+    loss = loss.reshape(target.shape) if o.reduction == NONE else loss
+    if not as_bool(return_z_loss, "return_z_loss"):
+        return loss
+    counted = target.reshape(-1) != o.ignore_index
+    part = jnp.where(counted, o.z_loss * jax.lax.stop_gradient(lse) ** 2, 0.0)
+    if o.reduction == NONE:
+        part = part.reshape(target.shape)
+    elif o.reduction == REDUCTIONS["sum"]:
+        part = part.sum()
+    else:  # 'mean' over the counted rows; over none, 0 (as the loss)
+        n = counted.sum()
+        part = jnp.where(n > 0, part.sum() / jnp.maximum(n, 1), 0.0)
+    return CrossEntropyOutput(loss, part)
 
 
 def _class_weighted(logits, target, weight, ignore_index, label_smoothing, smoothing_formula,

@@ -29,6 +29,7 @@ from ._args import (DTYPES, NONE, CeOptions, allows_tf32, as_bool, as_choice, as
                     index, loss_results, parse_ce_options, require_array, require_targets,
                     validate_head_operands)
 from ._class_weight import check_class_weight, weighted
+from ._cross_entropy import with_z_loss
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
@@ -73,15 +74,16 @@ def _forward(o: LceOptions, h, w, t, mode: int):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _linear_cross_entropy(o, h, w, t):
-    return _forward(o, h, w, t, _RECOMPUTE)[0]  # not differentiated: the forward alone
+    return _forward(o, h, w, t, _RECOMPUTE)[:2]  # not differentiated: the forward alone
 
 
 def _linear_cross_entropy_fwd(o, h, w, t):
     loss, lse, count, dh, dw = _forward(o, h, w, t, o.mode)
-    return loss, ((dh, dw) if o.mode == _IN_FORWARD else (h, w, t, lse, count))
+    return (loss, lse), ((dh, dw) if o.mode == _IN_FORWARD else (h, w, t, lse, count))
 
 
-def _linear_cross_entropy_bwd(o, saved, g):
+def _linear_cross_entropy_bwd(o, saved, grads):
+    g = grads[0]  # lse is returned for the z-loss apart: detached
     if o.mode == _IN_FORWARD:
         dh, dw = saved
         return _scaled(dh, g), _scaled(dw, g), None
@@ -102,7 +104,7 @@ def _sharded_forward(o: LceOptions, axis_name, h, w, t):
     (stats,) = _ffi.call("lce_local_stats", [((rows, 4), _F32)], h, w, tl,
                          **o._replace(ce=shard).attributes(_RECOMPUTE, vocab_global))
     loss, lse, count = merge(stats, t, o.ce, axis_name, vocab_local, vocab_global, rows)
-    return loss, (h, w, tl, lse, count)
+    return (loss, lse), (h, w, tl, lse, count)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -110,7 +112,8 @@ def _sharded_linear_cross_entropy(o, axis_name, h, w, t):
     return _sharded_forward(o, axis_name, h, w, t)[0]
 
 
-def _sharded_linear_cross_entropy_bwd(o, axis_name, saved, g):
+def _sharded_linear_cross_entropy_bwd(o, axis_name, saved, grads):
+    g = grads[0]  # lse: detached
     h, w, tl, lse, count = saved
     g = replicated_cotangent(g, w, axis_name)
     vocab_global = axis_size(axis_name) * w.shape[0]
@@ -154,7 +157,8 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, smoothing_formula: str = "pytorch",
                          smoothing_scope: str = "global", reduction: str = "mean",
                          z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
-                         backward_mode: str = "auto", class_weight=None, axis_name=None,
+                         backward_mode: str = "auto", class_weight=None,
+                         return_z_loss: bool = False, axis_name=None,
                          sequence_parallel: bool = False):
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
     fusedloss.linear_cross_entropy computes it (the same C++ core).
@@ -174,11 +178,17 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     dim 0 (target, and the loss of reduction 'none', cover every device's slice in axis order):
     the op all-gathers the slices, and their gradient comes back reduce-scattered.
 
+    return_z_loss=True returns CrossEntropyOutput(loss, z_loss): the z-loss part of the loss
+    (z_loss * lse^2 of the counted rows, reduced as the loss, which includes it), detached.
+
     class_weight: a per-class weight [V], as torch.nn.functional.cross_entropy's weight (with
     label smoothing too: torch's weighted smoothing term, from a GEMV over the weight, no
     logits), not with axis_name.
     """
     if class_weight is not None:
+        if as_bool(return_z_loss, "return_z_loss"):
+            raise ValueError("class_weight: got an array with return_z_loss=True, expected "
+                             "return_z_loss=False (not returned apart with a class weight)")
         return _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel,
                                dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                     smoothing_formula=smoothing_formula,
@@ -214,14 +224,14 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     o = LceOptions(ce, softcap, workspace, allows_tf32(), mode)
     t = index(target)
     if axis_name is None:
-        loss = _linear_cross_entropy(o, h, weight, t)
+        loss, lse = _linear_cross_entropy(o, h, weight, t)
     else:
         if axis_name in _ffi.varying_axes(weight):  # (check_vma: shard_map's types)
             # varying over the axis like the weight shard: the transpose of that cast sums the
             # partial dhidden of every shard (nothing to do for gathered slices, which vary)
             h = _ffi.varying(h, (axis_name,))
-        loss = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
-    return loss.reshape(target.shape) if ce.reduction == NONE else loss
+        loss, lse = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
+    return with_z_loss(loss, lse, target, ce, return_z_loss)
 
 
 def _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel, kw):
