@@ -12,7 +12,9 @@ Vocab-parallel (axis_name, inside jax.shard_map): the weight is this device's sh
 vocabulary; this shard's per-token statistics (24 B: max, sum-exp, the entropy's sum, the
 token's logit, the arg-max), an all_gather over the axis, the merge: every device gets the same
 results. The backward gives this shard's dweight and its partial dhidden, which JAX sums over
-the axis (as the linear cross-entropy's, _vocab_parallel.py).
+the axis (as the linear cross-entropy's, _vocab_parallel.py), or reduce-scatters with
+sequence_parallel (the op all-gathers the token slices: the transpose of that all_gather is a
+psum_scatter).
 """
 from functools import partial
 from typing import NamedTuple, Optional
@@ -122,23 +124,35 @@ def _sharded_bwd(o, axis_name, saved, grads):
 _sharded_log_probs.defvjp(_sharded_fwd, _sharded_bwd)
 
 
-def _validate(hidden, weight, tokens, loss_mask):
+def _validate(hidden, weight, tokens, loss_mask, slices: int):
+    """The operands, with fusedloss.linear_log_probs' messages; slices > 1: hidden is this
+    device's slice of the tokens along dim 0 (sequence_parallel) and tokens cover every slice."""
     validate_head_operands(hidden, weight)
     require_array(tokens, "tokens")
-    rows = tuple(hidden.shape[:-1])
-    if tuple(tokens.shape) != rows or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise ValueError(f"tokens: got {np.dtype(tokens.dtype).name} {tuple(tokens.shape)}, "
-                         f"expected integer ids of shape {rows} (hidden's shape without H)")
+    shape = tuple(hidden.shape[:-1])
+    what = "hidden's shape without the hidden dim"
+    if slices > 1:
+        shape = (shape[0] * slices, *shape[1:])
+        what = f"the tokens of {slices} ranks' slices of hidden along dim 0"
+    if tuple(tokens.shape) != shape:
+        raise ValueError(f"tokens: got shape {tuple(tokens.shape)}, expected {shape} ({what})")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens.dtype: got {np.dtype(tokens.dtype).name}, expected an integer "
+                         "dtype")
     if loss_mask is not None:
         require_array(loss_mask, "loss_mask")
-        if tuple(loss_mask.shape) != rows:
-            raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected {rows} "
-                             "(tokens' shape)")
+        if tuple(loss_mask.shape) != shape:
+            raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected tokens' "
+                             f"shape {shape}")
+        if jnp.issubdtype(loss_mask.dtype, jnp.complexfloating):
+            raise ValueError(f"loss_mask.dtype: got {np.dtype(loss_mask.dtype).name}, expected a "
+                             "real dtype (bool, integer or floating point)")
 
 
 def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entropy: bool = True,
                      argmax: bool = False, loss_mask=None, ignore_index: int = -100,
-                     workspace_bytes=None, axis_name=None) -> LogProbs:
+                     workspace_bytes=None, axis_name=None,
+                     sequence_parallel: bool = False) -> LogProbs:
     """log softmax(hidden @ weight.T / temperature) at each token, its entropy and arg-max,
     without the [N, V] logits, as fusedloss.linear_log_probs computes them.
 
@@ -152,8 +166,11 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
 
     axis_name (inside jax.shard_map): weight is this device's contiguous shard of the vocabulary
     along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local)); tokens are global
-    ids and hidden holds every token, the same on every device. The results are the same on
-    every device.
+    ids and hidden holds every token, the same on every device; or with sequence_parallel=True,
+    this device's slice of the tokens along dim 0 (tokens, loss_mask and the results cover every
+    device's slice in axis order: PyTorch's dhidden_reduction='reduce_scatter'): the op
+    all-gathers the slices, and their gradient comes back reduce-scattered. The results are the
+    same on every device.
     """
     temperature = as_float(temperature, "temperature")
     want_entropy, want_argmax = as_bool(entropy, "entropy"), as_bool(argmax, "argmax")
@@ -162,8 +179,14 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
     if workspace_bytes is not None and workspace <= 0:
         raise ValueError(f"workspace_bytes: got {workspace}, expected None or a positive number "
                          "of bytes")
-    _validate(hidden, weight, tokens, loss_mask)
+    sequence_parallel = as_bool(sequence_parallel, "sequence_parallel")
+    if sequence_parallel and axis_name is None:
+        raise ValueError("sequence_parallel: got True without axis_name, expected the mesh axis "
+                         "the token slices and the vocabulary are split over")
+    _validate(hidden, weight, tokens, loss_mask, axis_size(axis_name) if sequence_parallel else 1)
     h = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:  # its transpose reduce-scatters the slices' gradient
+        h = jax.lax.all_gather(h, axis_name, tiled=True)
     _ffi.validate_linear_log_probs(temperature, workspace, h.shape[0], weight.shape[0], h.shape[1])
     t = index(tokens)
     if loss_mask is not None:  # a masked token is an ignored one (the kernels skip its row)
@@ -174,7 +197,7 @@ def linear_log_probs(hidden, weight, tokens, *, temperature: float = 1.0, entrop
     else:
         if axis_name in _ffi.varying_axes(weight):  # (check_vma: shard_map's types)
             # varying over the axis like the weight shard: the transpose of that cast sums the
-            # partial dhidden of every shard
+            # partial dhidden of every shard (nothing to do for gathered slices, which vary)
             h = _ffi.varying(h, (axis_name,))
         lp, ent, am = _sharded_log_probs(o, axis_name, h, weight, t)
     shape = tokens.shape
