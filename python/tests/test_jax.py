@@ -83,6 +83,19 @@ def ref_rms_norm(x, w, eps=1e-5, zero_centered_gamma=False):
     return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
 
 
+def ref_swiglu_gate_up(gate, up, bias=None, scale=None, clamp=None, m=1.0, d=1.0):
+    """The two-tensor form with Falcon-H1's multipliers: silu(m (gate + b_g)) * (up + b_u) * d."""
+    a, b = gate.astype(jnp.float64), up.astype(jnp.float64)
+    if bias is not None:
+        n = a.shape[-1]
+        a, b = a + bias[:n].astype(jnp.float64), b + bias[n:].astype(jnp.float64)
+    a = m * a
+    if clamp is not None:
+        a, b = jnp.minimum(a, clamp), jnp.clip(b, -clamp, clamp)
+    out = jax.nn.silu(a) * b * d
+    return out if scale is None else out * scale.astype(jnp.float64)
+
+
 def ref_swiglu(y, bias=None, scale=None, clamp=None):
     y = y.astype(jnp.float64)
     if bias is not None:
@@ -522,6 +535,90 @@ def test_swiglu_check_grads():
                 modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("bias, scale", [(False, False), (True, True)])
+@pytest.mark.parametrize("clamp, multipliers", [(None, (1.0, 1.0)), (1.3, (1.0, 1.0)),
+                                                (None, (0.7, 1.8)), (0.9, (1.5, 0.5))])
+def test_swiglu_gate_up(dtype, bias, scale, clamp, multipliers):
+    gate = (jax.random.normal(_key(130), (2, 7, 12), F32) * 2).astype(dtype)
+    up = (jax.random.normal(_key(131), (2, 7, 12), F32) * 2).astype(dtype)
+    b = jax.random.normal(_key(132), (24,), F32) * 0.1 if bias else None
+    s = jax.random.uniform(_key(133), (2, 7, 1), F32, 0.5, 2.0) if scale else None
+    m, d = multipliers
+    f = lambda gate, up, b, s: fj.swiglu(  # noqa: E731
+        gate, up, bias=b, per_token_scale=s, clamp_value=clamp, gate_multiplier=m,
+        down_multiplier=d)
+    out = jax.jit(f)(gate, up, b, s)
+    assert out.dtype == dtype and out.shape == gate.shape
+    _close(out, ref_swiglu_gate_up(gate, up, b, s, clamp, m, d), dtype, "out")
+    g = jax.random.normal(_key(134), out.shape, F32)
+    got = jax.grad(lambda *a: jnp.sum(f(*a).astype(F32) * g), (0, 1, 2, 3))(gate, up, b, s)
+    want = jax.grad(lambda gate, up, b, s: jnp.sum(ref_swiglu_gate_up(gate, up, b, s, clamp, m, d)
+                                                   * g), (0, 1, 2, 3))(
+        *(None if a is None else a.astype(jnp.float64) for a in (gate, up, b, s)))
+    for gg, ww, name in zip(got, want, ("dgate", "dup", "dbias", "dscale")):
+        if ww is not None:
+            _close(gg, ww, dtype, name)
+    assert got[0].dtype == got[1].dtype == dtype
+    if multipliers == (1.0, 1.0) and clamp is None:  # the fused form's kernels, bit for bit
+        fused = fj.swiglu(jnp.concatenate([gate, up], -1), b, per_token_scale=s)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(fused))
+
+
+def test_swiglu_multipliers_in_the_fused_form():
+    y = jax.random.normal(_key(135), (9, 16), F32)
+    b = jax.random.normal(_key(136), (16,), F32) * 0.1
+    f = lambda y, b: fj.swiglu(y, b, gate_multiplier=0.6, down_multiplier=2.5,  # noqa: E731
+                               clamp_value=1.1)
+    ref = lambda y, b: ref_swiglu_gate_up(y[:, :8], y[:, 8:], b, None, 1.1, 0.6, 2.5)  # noqa: E731
+    _close(f(y, b), ref(y, b), F32, "out")
+    g = jax.random.normal(_key(137), (9, 8), F32)
+    got = jax.grad(lambda y, b: jnp.sum(f(y, b) * g), (0, 1))(y, b)
+    want = jax.grad(lambda y, b: jnp.sum(ref(y, b) * g), (0, 1))(y.astype(jnp.float64),
+                                                                  b.astype(jnp.float64))
+    _close(got[0], want[0], F32, "dy")
+    _close(got[1], want[1], F32, "dbias")
+
+
+def test_swiglu_gate_up_check_grads_and_vmap():
+    gate = jax.random.normal(_key(138), (5, 4), F32)
+    up = jax.random.normal(_key(139), (5, 4), F32)
+    b = jax.random.normal(_key(140), (8,), F32)
+    s = jax.random.uniform(_key(141), (5, 1), F32, 0.5, 2.0)
+    check_grads(lambda g, u, b, s: fj.swiglu(g, u, bias=b, per_token_scale=s), (gate, up, b, s),
+                order=1, modes=["rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
+    # vmap over gate alone (up shared) and over both: each element its own problem
+    gates = jnp.stack([gate, gate * 0.5, -gate])
+    got = jax.vmap(lambda g: fj.swiglu(g, up, bias=b))(gates)
+    both = jax.vmap(lambda g, u: fj.swiglu(g, u, bias=b))(gates, jnp.stack([up, up, up]))
+    for i in range(3):
+        _close(got[i], ref_swiglu_gate_up(gates[i], up, b), F32, f"vmapped {i}")
+        _close(both[i], got[i], F32, f"vmapped both {i}")
+    dgates = jax.vmap(jax.grad(lambda g: jnp.sum(fj.swiglu(g, up) ** 2)))(gates)
+    _close(dgates[1], jax.grad(lambda g: jnp.sum(ref_swiglu_gate_up(g, up) ** 2))(
+        gates[1].astype(jnp.float64)), F32, "vmapped dgate")
+
+
+def test_swiglu_forms_bad_inputs():
+    gate, up = jnp.zeros((4, 4), F32), jnp.zeros((4, 4), F32)
+    _raises(r"up: got shape \(4, 3\), expected gate's shape \(4, 4\) \(swiglu\(gate, up\)",
+            fj.swiglu, gate, up[:, :3])
+    _raises(r"a per-token scale \[T, 1\] goes by keyword", fj.swiglu, gate, up[:, :1])
+    _raises(r"got a first argument of shape \(8,\) and a second of shape \(4, 8\): swapped\?",
+            fj.swiglu, jnp.zeros(8), jnp.zeros((4, 8)))
+    _raises(r"bias given twice", fj.swiglu, gate, jnp.zeros(4), bias=jnp.zeros(4), error=TypeError)
+    _raises(r"second argument: got list, expected a jax\.Array", fj.swiglu, gate, [0.0],
+            error=TypeError)
+    _raises(r"up\.dtype: got bfloat16, expected gate's float32", fj.swiglu, gate, up.astype(BF16))
+    _raises(r"bias: got shape \(4,\), expected \(8,\) = \[2n\] \(the gate's bias in \[0, n\)",
+            fj.swiglu, gate, up, bias=jnp.zeros(4))
+    _raises(r"per_token_scale: got shape \(4,\), expected \(4, 1\) = \[T, 1\]", fj.swiglu,
+            gate, up, per_token_scale=jnp.ones(4))
+    _raises(r"^gate_multiplier: got inf", fj.swiglu, gate, up, gate_multiplier=float("inf"))
+    _raises(r"^down_multiplier: got nan", fj.swiglu, jnp.zeros((4, 8)), down_multiplier=float("nan"))
+    _raises(r"^clamp_value: got -1", fj.swiglu, gate, up, clamp_value=-1.0)
+
+
 # ---- composition: jit, grad, value_and_grad, vmap ----
 
 def test_jit_value_and_grad_match_eager():
@@ -805,6 +902,16 @@ def test_the_messages_are_the_pytorch_ops():
         with pytest.raises(ValueError) as from_torch:
             fusedloss.cross_entropy(torch.zeros(4, 9), torch.zeros(4, dtype=torch.long), **kw)
         assert str(from_jax.value) == str(from_torch.value)
+    # SwiGLU's two forms: the positional pair and the scalars
+    for shapes, kw in ((((4, 4), (4, 3)), {}), (((4, 4), (4, 1)), {}), (((8,), (4, 8)), {}),
+                       (((4, 4), (4, 4)), {"gate_multiplier": float("inf")}),
+                       (((4, 8),), {"down_multiplier": float("nan")}),
+                       (((4, 4), (4, 4)), {"clamp_value": -1.0})):
+        with pytest.raises(ValueError) as from_jax:
+            fj.swiglu(*(jnp.zeros(s, F32) for s in shapes), **kw)
+        with pytest.raises(ValueError) as from_torch:
+            fusedloss.swiglu(*(torch.zeros(s) for s in shapes), **kw)
+        assert str(from_jax.value) == str(from_torch.value)
     h, w, t = jnp.zeros((6, 8), F32), jnp.zeros((10, 8), F32), jnp.zeros((6,), jnp.int32)
     th, tw, tt = torch.zeros(6, 8), torch.zeros(10, 8), torch.zeros(6, dtype=torch.long)
     for args, targs, kw in (((h, w, t), (th, tw, tt), {"temperature": 0.0}),
@@ -882,4 +989,24 @@ def test_cuda_log_probs_match_the_cpu():
                             (gpu_grads[0], cpu_grads[0], "dhidden"),
                             (gpu_grads[1], cpu_grads[1], "dweight")):
         _close(got, want, BF16, name)
+    fj.check_device_errors()
+
+
+@_CUDA
+def test_cuda_swiglu_gate_up_matches_the_cpu():
+    gpu, cpu = _GPU[0], jax.devices("cpu")[0]
+    gate = jax.random.normal(_key(142), (3, 50, 64), F32).astype(BF16)
+    up = jax.random.normal(_key(143), (3, 50, 64), F32).astype(BF16)
+    b = jax.random.normal(_key(144), (128,), F32) * 0.1
+    s = jax.random.uniform(_key(145), (3, 50, 1), F32, 0.5, 2.0)
+
+    def step(gate, up, b, s):
+        out = fj.swiglu(gate, up, bias=b, per_token_scale=s, clamp_value=2.0, gate_multiplier=0.8,
+                        down_multiplier=1.5)
+        return jnp.sum(out.astype(F32) ** 2)
+    results = [jax.jit(jax.value_and_grad(step, (0, 1, 2, 3)))(
+        *(jax.device_put(a, d) for a in (gate, up, b, s))) for d in (gpu, cpu)]
+    for a, b_, name in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
+                           ("value", "dgate", "dup", "dbias", "dscale")):
+        _close(a, b_, BF16, name)
     fj.check_device_errors()

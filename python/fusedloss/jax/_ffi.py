@@ -16,7 +16,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
         "lce_local_stats", "lce_backward", "lp_forward", "lp_backward", "lp_local_stats",
-        "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward")
+        "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward",
+        "swiglu_gate_up_forward", "swiglu_gate_up_backward")
 
 
 def _load():
@@ -161,8 +162,10 @@ def rms_norm_reads_weight_as_is(x: int, weight: int) -> bool:
     return bool(_lib.fusedloss_jax_rms_norm_reads_weight_as_is(_i32(x), _i32(weight)))
 
 
-def validate_swiglu_clamp(clamp_value: float) -> None:
-    _checked(_lib.fusedloss_jax_validate_swiglu, _f32(clamp_value))
+def validate_swiglu(clamp_value, gate_multiplier: float, down_multiplier: float) -> None:
+    """clamp_value: None (no clamp) or the clamp."""
+    _checked(_lib.fusedloss_jax_validate_swiglu, _i32(clamp_value is not None),
+             _f32(clamp_value or 0.0), _f32(gate_multiplier), _f32(down_multiplier))
 
 
 def check_device_errors() -> None:

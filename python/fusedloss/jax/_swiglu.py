@@ -1,7 +1,12 @@
-"""fusedloss.jax.swiglu: SwiGLU over the fused gate-up layout y [..., 2n] = [gate | up]
-(Megatron's), as a jax.custom_vjp over XLA FFI calls: out = silu(gate + b_g) * (up + b_u) * s,
-math in fp32, one handler call per pass."""
+"""fusedloss.jax.swiglu: SwiGLU as jax.custom_vjps over XLA FFI calls, in the PyTorch op's two
+forms through the same kernels: Megatron's fused gate-up layout y [..., 2n] = [gate | up], or the
+separate gate and up projections (Hugging Face's and Liger's gate_proj(x), up_proj(x)).
+
+    out = silu(m (gate + b_g)) * (up + b_u) * s * d
+
+math in fp32, one handler call per pass; m and d are Falcon-H1's gate and down multipliers."""
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,77 +16,207 @@ from . import _ffi
 from ._args import as_float, require_float_aux, require_values
 
 _F32 = jnp.float32
+_OP = "fusedloss.swiglu"
+
+
+class SwOptions(NamedTuple):
+    """The static options (custom_vjp's nondiff argument)."""
+    clamp_value: float  # 0: no clamp
+    gate_multiplier: float
+    down_multiplier: float
 
 
 def _extras(bias, scale):
     return tuple(a for a in (bias, scale) if a is not None)
 
 
-def _attributes(clamp_value, bias, scale):
-    return dict(clamp_value=clamp_value, has_bias=bias is not None, has_scale=scale is not None)
+def _attributes(o: SwOptions, bias, scale):
+    return dict(clamp_value=o.clamp_value, gate_multiplier=o.gate_multiplier,
+                down_multiplier=o.down_multiplier, has_bias=bias is not None,
+                has_scale=scale is not None)
 
+
+def _aux_results(rows, two_n, bias, scale):
+    """The scale's and the bias' fp32 gradients, after the inputs' (the handlers' order)."""
+    return ([((rows,), _F32)] if scale is not None else []) + \
+        ([((two_n,), _F32)] if bias is not None else [])
+
+
+def _aux_grads(rest, bias, scale):
+    dscale = rest.pop(0) if scale is not None else None
+    dbias = rest.pop(0).astype(bias.dtype) if bias is not None else None
+    return dbias, dscale
+
+
+# ---- the fused form: y [T, 2n] ----
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _swiglu(clamp_value, y, bias, scale):
+def _swiglu(o, y, bias, scale):
     rows, cols = y.shape
     (out,) = _ffi.call("swiglu_forward", [((rows, cols // 2), y.dtype)], y, *_extras(bias, scale),
-                       **_attributes(clamp_value, bias, scale))
+                       **_attributes(o, bias, scale))
     return out
 
 
-def _swiglu_fwd(clamp_value, y, bias, scale):
-    return _swiglu(clamp_value, y, bias, scale), (y, bias, scale)
+def _swiglu_fwd(o, y, bias, scale):
+    return _swiglu(o, y, bias, scale), (y, bias, scale)
 
 
-def _swiglu_bwd(clamp_value, saved, g):
+def _swiglu_bwd(o, saved, g):
     y, bias, scale = saved
     rows, cols = y.shape
-    results = [(y.shape, y.dtype)]
-    results += [((rows,), _F32)] if scale is not None else []
-    results += [((cols,), _F32)] if bias is not None else []
-    dy, *rest = _ffi.call("swiglu_backward", results, g.astype(y.dtype), y, *_extras(bias, scale),
-                          **_attributes(clamp_value, bias, scale))
-    dscale = rest.pop(0) if scale is not None else None
-    dbias = rest.pop(0).astype(bias.dtype) if bias is not None else None
-    return dy, dbias, dscale
+    dy, *rest = _ffi.call("swiglu_backward", [(y.shape, y.dtype)] +
+                          _aux_results(rows, cols, bias, scale), g.astype(y.dtype), y,
+                          *_extras(bias, scale), **_attributes(o, bias, scale))
+    return (dy, *_aux_grads(rest, bias, scale))
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def swiglu(y, bias=None, *, per_token_scale=None, clamp_value=None):
-    """silu(gate) * up over y [..., 2n] = [gate | up] (float32/float16/bfloat16); returns
-    [..., n] in y's dtype, as fusedloss.swiglu computes it.
+# ---- the two-tensor form: gate [T, n] and up [T, n] ----
 
-    bias [2n] (any float dtype) is added before the activation; per_token_scale, one scale per
-    row of y ([T, 1], or y's shape with a last dim of 1; any float dtype), scales each row's
-    output (MoE). Gradients come back in each array's own dtype and shape. clamp_value c applies
-    Megatron's clamped SwiGLU (gate <= c, -c <= up <= c); the gradient is zero where a clamp is
-    active, on the bound too (torch 2.15's rule; jnp.clip's gradient on the bound differs).
-    """
-    require_values(y, "y")
-    if y.ndim < 2 or y.shape[-1] == 0 or y.shape[-1] % 2:
-        raise ValueError(f"y: got shape {tuple(y.shape)}, expected [..., 2n] with n >= 1 (gate "
-                         "columns [0, n), up columns [n, 2n))")
-    cols = y.shape[-1]
-    rows = int(np.prod(y.shape[:-1]))
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _swiglu_gate_up(o, gate, up, bias, scale):
+    (out,) = _ffi.call("swiglu_gate_up_forward", [(gate.shape, gate.dtype)], gate, up,
+                       *_extras(bias, scale), **_attributes(o, bias, scale))
+    return out
+
+
+def _swiglu_gate_up_fwd(o, gate, up, bias, scale):
+    return _swiglu_gate_up(o, gate, up, bias, scale), (gate, up, bias, scale)
+
+
+def _swiglu_gate_up_bwd(o, saved, g):
+    gate, up, bias, scale = saved
+    rows, n = gate.shape
+    dgate, dup, *rest = _ffi.call(
+        "swiglu_gate_up_backward", [(gate.shape, gate.dtype)] * 2 +
+        _aux_results(rows, 2 * n, bias, scale), g.astype(gate.dtype), gate, up,
+        *_extras(bias, scale), **_attributes(o, bias, scale))
+    return (dgate, dup, *_aux_grads(rest, bias, scale))
+
+
+_swiglu_gate_up.defvjp(_swiglu_gate_up_fwd, _swiglu_gate_up_bwd)
+
+
+# ---- arguments ----
+
+def _form(first, second, bias):
+    """(up, bias), as the PyTorch op reads its positional arguments: up None for the fused form
+    swiglu(y, bias), an array for the two-tensor form swiglu(gate, up). The second is up when it
+    has the first's shape, a bias when it is 1-D beside a first of 2 or more dims; anything else
+    is a mistake, named."""
+    if second is None:
+        return None, bias
+    arrays = (jax.Array, np.ndarray)
+    if not isinstance(second, arrays) or not isinstance(first, arrays):
+        what = second if not isinstance(second, arrays) else first
+        arg = "second" if what is second else "first"
+        raise TypeError(f"{_OP}: {arg} argument: got {type(what).__name__}, expected a jax.Array: "
+                        "swiglu(y, bias) with y [..., 2n] = [gate | up] and bias [2n], or swiglu(gate, "
+                        "up) with two arrays of one shape; the options go by keyword")
+    if second.shape == first.shape:
+        return second, bias
+    if second.ndim == 1 and first.ndim >= 2:
+        if bias is not None:
+            raise TypeError(f"{_OP}: bias given twice, as the second argument {tuple(second.shape)} "
+                            f"and as bias= {tuple(bias.shape)}")
+        return None, second
+    if first.ndim == 1 and second.ndim >= 2 and second.shape[-1] == first.shape[0]:
+        raise ValueError(f"{_OP}: got a first argument of shape {tuple(first.shape)} and a second of "
+                         f"shape {tuple(second.shape)}: swapped? The fused form is swiglu(y, bias), "
+                         "y [..., 2n] first, then its bias [2n]")
+    hint = (" (a per-token scale [T, 1] goes by keyword: per_token_scale=)"
+            if second.ndim >= 2 and second.shape[-1] == 1 and first.shape[-1] != 1 else "")
+    two_n = 2 * first.shape[-1] if first.ndim == 1 else first.shape[-1]
+    raise ValueError(f"up: got shape {tuple(second.shape)}, expected gate's shape "
+                     f"{tuple(first.shape)} (swiglu(gate, up): the separate gate and up "
+                     f"projections, one up value per gate value){hint}; the fused form's second "
+                     f"argument is a bias of shape ({two_n},) = [2n]")
+
+
+def _aux(bias, per_token_scale, ref, ref_name, two_n, rows, bias_note, dtype):
+    """bias and per_token_scale checked, as the kernels read them: (bias in the inputs' dtype
+    or fp32, the scale flat fp32)."""
     b = s = None
     if bias is not None:
         require_float_aux(bias, "bias")
-        if tuple(bias.shape) != (cols,):
-            raise ValueError(f"bias: got shape {tuple(bias.shape)}, expected ({cols},) = [2n]")
-        b = bias if bias.dtype == y.dtype else bias.astype(_F32)  # as the kernels read it
+        if tuple(bias.shape) != (two_n,):
+            raise ValueError(f"bias: got shape {tuple(bias.shape)}, expected ({two_n},) = [2n]"
+                             f"{bias_note}")
+        b = bias if bias.dtype == dtype else bias.astype(_F32)
     if per_token_scale is not None:
         require_float_aux(per_token_scale, "per_token_scale")
-        # [T, 1] or y's shape with a last dim of 1: the shapes whose flattening is y's row order
-        if tuple(per_token_scale.shape) not in ((rows, 1), (*y.shape[:-1], 1)):
+        # [T, 1] or the input's shape with a last dim of 1: the shapes whose flattening is its
+        # row order
+        if tuple(per_token_scale.shape) not in ((rows, 1), (*ref.shape[:-1], 1)):
             raise ValueError(f"per_token_scale: got shape {tuple(per_token_scale.shape)}, expected "
-                             f"({rows}, 1) = [T, 1] or {(*y.shape[:-1], 1)} (y's shape with a last "
-                             "dim of 1), one scale per row of y")
+                             f"({rows}, 1) = [T, 1] or {(*ref.shape[:-1], 1)} ({ref_name}'s shape "
+                             f"with a last dim of 1), one scale per row of {ref_name}")
         s = per_token_scale.reshape(-1).astype(_F32)
-    c = 0.0
-    if clamp_value is not None:
-        c = as_float(clamp_value, "clamp_value")
-        _ffi.validate_swiglu_clamp(c)
-    out = _swiglu(c, y.reshape(rows, cols), b, s)
+    return b, s
+
+
+def _options(clamp_value, gate_multiplier, down_multiplier) -> SwOptions:
+    c = None if clamp_value is None else as_float(clamp_value, "clamp_value")
+    m = as_float(gate_multiplier, "gate_multiplier")
+    d = as_float(down_multiplier, "down_multiplier")
+    _ffi.validate_swiglu(c, m, d)
+    return SwOptions(c or 0.0, m, d)
+
+
+def swiglu(y_or_gate, up_or_bias=None, /, *, bias=None, per_token_scale=None, clamp_value=None,
+           gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
+    """silu(gate) * up, as fusedloss.swiglu computes it, in its two forms (float32/float16/
+    bfloat16):
+
+    - swiglu(y, bias=None): Megatron's fused buffer y [..., 2n] = [gate | up]; returns
+      [..., n] in y's dtype.
+    - swiglu(gate, up): the separate gate and up projections (act_fn(gate_proj(x)) *
+      up_proj(x)), two arrays of one shape [..., n] and dtype; returns [..., n] with gradients
+      for both. The kernels read each as it is (no [..., 2n] concatenation).
+
+    The second positional argument is up when it has the first's shape, else the fused form's
+    bias ([2n], 1-D); a swapped or mismatched pair raises naming what each form expects.
+
+    bias [2n] (any float dtype) is added before the activation (two-tensor form: the gate's in
+    [0, n), the up's in [n, 2n)); per_token_scale, one scale per row ([T, 1], or the input's
+    shape with a last dim of 1; any float dtype), scales each row's output (MoE). Gradients come
+    back in each array's own dtype and shape. clamp_value c applies Megatron's clamped SwiGLU
+    (gate <= c, -c <= up <= c); the gradient is zero where a clamp is active, on the bound too
+    (torch 2.15's rule; jnp.clip's gradient on the bound differs). gate_multiplier m and
+    down_multiplier d are Falcon-H1's mlp_multipliers: silu(m (gate + b_g)) * (up + b_u) * d,
+    the clamp applying to m (gate + b_g); static numbers, no gradient.
+    """
+    up, bias = _form(y_or_gate, up_or_bias, bias)
+    o = _options(clamp_value, gate_multiplier, down_multiplier)
+    if up is not None:
+        return _two_tensors(y_or_gate, up, bias, per_token_scale, o)
+    y = y_or_gate
+    require_values(y, "y")
+    if y.ndim < 2 or y.shape[-1] == 0 or y.shape[-1] % 2:
+        raise ValueError(f"y: got shape {tuple(y.shape)}, expected [..., 2n] with n >= 1 (gate "
+                         "columns [0, n), up columns [n, 2n)); for separate gate and up arrays "
+                         "call swiglu(gate, up)")
+    cols = y.shape[-1]
+    rows = int(np.prod(y.shape[:-1]))
+    b, s = _aux(bias, per_token_scale, y, "y", cols, rows, "", y.dtype)
+    out = _swiglu(o, y.reshape(rows, cols), b, s)
     return out.reshape(*y.shape[:-1], cols // 2)
+
+
+def _two_tensors(gate, up, bias, per_token_scale, o: SwOptions):
+    require_values(gate, "gate")
+    require_values(up, "up")
+    if gate.ndim < 1 or gate.shape[-1] == 0:
+        raise ValueError(f"gate: got shape {tuple(gate.shape)}, expected [..., n] with n >= 1")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up.dtype: got {np.dtype(up.dtype).name}, expected gate's "
+                         f"{np.dtype(gate.dtype).name} (one dtype for both projections)")
+    n = gate.shape[-1]
+    rows = int(np.prod(gate.shape[:-1]))
+    b, s = _aux(bias, per_token_scale, gate, "gate", 2 * n, rows,
+                " (the gate's bias in [0, n), the up's in [n, 2n))", gate.dtype)
+    out = _swiglu_gate_up(o, gate.reshape(rows, n), up.reshape(rows, n), b, s)
+    return out.reshape(gate.shape)

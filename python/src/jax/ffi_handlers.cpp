@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -287,6 +288,8 @@ fl::SwigluOptions swiglu_options(const Attrs& a) {
   const float clamp_value = attr<float>(a, "clamp_value");
   o.clamp = clamp_value > 0.0f;
   o.clamp_value = clamp_value;
+  o.gate_multiplier = attr<float>(a, "gate_multiplier");
+  o.down_multiplier = attr<float>(a, "down_multiplier");
   return o;
 }
 
@@ -608,6 +611,42 @@ SwigluExtras swiglu_extras(const Args& args, size_t first, const Attrs& attrs) {
   return e;
 }
 
+// Batch item i's bias [2n] and scale [rows] views (empty where absent); `merged`: the one call
+// over every item's rows, whose shared bias and batched scale start at 0.
+struct SwigluAux {
+  fl::VectorView bias, scale;
+};
+SwigluAux swiglu_aux(const SwigluExtras& e, const Batch& b, int64_t i, bool merged, int64_t rows,
+                     int64_t two_n, const Place& p) {
+  SwigluAux a;
+  if (e.bias) a.bias = vector(*e.bias, merged ? 0 : b.offset(*e.bias, 1, i), two_n, p);
+  if (e.scale) a.scale = vector(*e.scale, merged ? 0 : b.offset(*e.scale, 1, i), rows, p);
+  return a;
+}
+
+// Whether one core call can take every batch item's rows: the row inputs all batched, the
+// bias shared, the scale batched (see the top of the file).
+bool swiglu_merged(const Batch& b, std::initializer_list<ffi::AnyBuffer> row_inputs,
+                   const SwigluExtras& e) {
+  for (const ffi::AnyBuffer& x : row_inputs)
+    if (!b.batched(x, 2)) return false;
+  return (!e.bias || b.shared(*e.bias, 1)) && (!e.scale || b.batched(*e.scale, 1));
+}
+
+// SwiGLU's gradients of the per-token scale and the bias (results after the input gradients).
+struct SwigluAuxGrads {
+  std::optional<ffi::AnyBuffer> scale, bias;
+  float* scale_at(int64_t elements) const { return scale ? f32_at(*scale, elements) : nullptr; }
+  float* bias_at(int64_t elements) const { return bias ? f32_at(*bias, elements) : nullptr; }
+};
+SwigluAuxGrads swiglu_aux_grads(const Rets& rets, size_t first, const SwigluExtras& e) {
+  SwigluAuxGrads d;
+  size_t next = first;
+  if (e.scale) d.scale = ret(rets, next++);
+  if (e.bias) d.bias = ret(rets, next++);
+  return d;
+}
+
 // y [.., T, 2n] (, bias, scale) -> out [.., T, n]
 void swiglu_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::SwigluOptions o = swiglu_options(attrs);
@@ -616,15 +655,12 @@ void swiglu_forward(const Place& p, const Args& args, const Rets& rets, const At
   const Batch b(out, 2);
   int64_t rows = dim(y, 2), items = b.size();
   const int64_t cols = dim(y, 1);
-  const bool merged = b.batched(y, 2) && (!e.bias || b.shared(*e.bias, 1)) &&
-                      (!e.scale || b.batched(*e.scale, 1));
+  const bool merged = swiglu_merged(b, {y}, e);
   if (merged) rows *= items, items = 1;  // one call over every item's rows
   for (int64_t i = 0; i < items; ++i) {
-    fl::VectorView bias, scale;
-    if (e.bias) bias = vector(*e.bias, merged ? 0 : b.offset(*e.bias, 1, i), cols, p);
-    if (e.scale) scale = vector(*e.scale, merged ? 0 : b.offset(*e.scale, 1, i), rows, p);
-    fl::swiglu_forward(matrix(y, merged ? 0 : b.offset(y, 2, i), rows, cols, p), bias, scale, o,
-                       matrix(out, i * rows * cols / 2, rows, cols / 2, p), {}, p.stream);
+    const SwigluAux a = swiglu_aux(e, b, i, merged, rows, cols, p);
+    fl::swiglu_forward(matrix(y, merged ? 0 : b.offset(y, 2, i), rows, cols, p), a.bias, a.scale,
+                       o, matrix(out, i * rows * cols / 2, rows, cols / 2, p), {}, p.stream);
   }
 }
 
@@ -634,21 +670,56 @@ void swiglu_backward(const Place& p, const Args& args, const Rets& rets, const A
   const fl::SwigluOptions o = swiglu_options(attrs);
   const ffi::AnyBuffer g = arg(args, 0), y = arg(args, 1), dy = ret(rets, 0);
   const SwigluExtras e = swiglu_extras(args, 2, attrs);
-  std::optional<ffi::AnyBuffer> dscale, dbias;
-  size_t next = 1;
-  if (e.scale) dscale = ret(rets, next++);
-  if (e.bias) dbias = ret(rets, next++);
+  const SwigluAuxGrads d = swiglu_aux_grads(rets, 1, e);
   const Batch b(dy, 2);
   const int64_t rows = dim(y, 2), cols = dim(y, 1);
   for (int64_t i = 0; i < b.size(); ++i) {
-    fl::VectorView bias, scale;
-    if (e.bias) bias = vector(*e.bias, b.offset(*e.bias, 1, i), cols, p);
-    if (e.scale) scale = vector(*e.scale, b.offset(*e.scale, 1, i), rows, p);
+    const SwigluAux a = swiglu_aux(e, b, i, false, rows, cols, p);
     fl::swiglu_backward(matrix(g, b.offset(g, 2, i), rows, cols / 2, p),
-                        matrix(y, b.offset(y, 2, i), rows, cols, p), bias, scale, o,
-                        matrix(dy, b.offset(dy, 2, i), rows, cols, p),
-                        dscale ? f32_at(*dscale, i * rows) : nullptr,
-                        dbias ? f32_at(*dbias, i * cols) : nullptr, p.stream);
+                        matrix(y, b.offset(y, 2, i), rows, cols, p), a.bias, a.scale, o,
+                        matrix(dy, b.offset(dy, 2, i), rows, cols, p), d.scale_at(i * rows),
+                        d.bias_at(i * cols), p.stream);
+  }
+}
+
+// The two-tensor form: gate [.., T, n], up [.., T, n] (, bias [.., 2n], scale) -> out [.., T, n]
+void swiglu_gate_up_forward(const Place& p, const Args& args, const Rets& rets,
+                            const Attrs& attrs) {
+  const fl::SwigluOptions o = swiglu_options(attrs);
+  const ffi::AnyBuffer gate = arg(args, 0), up = arg(args, 1), out = ret(rets, 0);
+  const SwigluExtras e = swiglu_extras(args, 2, attrs);
+  const Batch b(out, 2);
+  int64_t rows = dim(gate, 2), items = b.size();
+  const int64_t n = dim(gate, 1);
+  const bool merged = swiglu_merged(b, {gate, up}, e);
+  if (merged) rows *= items, items = 1;  // one call over every item's rows
+  for (int64_t i = 0; i < items; ++i) {
+    const SwigluAux a = swiglu_aux(e, b, i, merged, rows, 2 * n, p);
+    fl::swiglu_gate_up_forward(matrix(gate, merged ? 0 : b.offset(gate, 2, i), rows, n, p),
+                               matrix(up, merged ? 0 : b.offset(up, 2, i), rows, n, p), a.bias,
+                               a.scale, o, matrix(out, i * rows * n, rows, n, p), {}, p.stream);
+  }
+}
+
+// grad_out [.., T, n], gate, up [.., T, n] (, bias, scale) -> grad_gate, grad_up [.., T, n]
+// (, grad_scale [.., T] fp32 with a scale) (, grad_bias [.., 2n] fp32 with a bias)
+void swiglu_gate_up_backward(const Place& p, const Args& args, const Rets& rets,
+                             const Attrs& attrs) {
+  const fl::SwigluOptions o = swiglu_options(attrs);
+  const ffi::AnyBuffer g = arg(args, 0), gate = arg(args, 1), up = arg(args, 2);
+  const ffi::AnyBuffer dgate = ret(rets, 0), dup = ret(rets, 1);
+  const SwigluExtras e = swiglu_extras(args, 3, attrs);
+  const SwigluAuxGrads d = swiglu_aux_grads(rets, 2, e);
+  const Batch b(dgate, 2);
+  const int64_t rows = dim(gate, 2), n = dim(gate, 1);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const SwigluAux a = swiglu_aux(e, b, i, false, rows, 2 * n, p);
+    fl::swiglu_gate_up_backward(matrix(g, b.offset(g, 2, i), rows, n, p),
+                                matrix(gate, b.offset(gate, 2, i), rows, n, p),
+                                matrix(up, b.offset(up, 2, i), rows, n, p), a.bias, a.scale, o,
+                                matrix(dgate, b.offset(dgate, 2, i), rows, n, p),
+                                matrix(dup, b.offset(dup, 2, i), rows, n, p),
+                                d.scale_at(i * rows), d.bias_at(i * 2 * n), p.stream);
   }
 }
 
@@ -707,6 +778,8 @@ FL_HANDLER(rms_norm_forward, rms_norm_forward)
 FL_HANDLER(rms_norm_backward, rms_norm_backward)
 FL_HANDLER(swiglu_forward, swiglu_forward)
 FL_HANDLER(swiglu_backward, swiglu_backward)
+FL_HANDLER(swiglu_gate_up_forward, swiglu_gate_up_forward)
+FL_HANDLER(swiglu_gate_up_backward, swiglu_gate_up_backward)
 
 // ---- trace-time checks for fusedloss/jax (ctypes): the core's validators and rules ----
 // Each returns 0, or 1 with the core's message in `message` (NUL-terminated, cut to `capacity`).
@@ -806,11 +879,15 @@ int fusedloss_jax_rms_norm_reads_weight_as_is(int32_t x, int32_t weight) {
   return fl::rms_norm_reads_weight_as_is(fl::DType(x), fl::DType(weight)) ? 1 : 0;
 }
 
-int fusedloss_jax_validate_swiglu(float clamp_value, char* message, size_t capacity) {
+// clamp: whether clamp_value applies (no clamp: clamp_value=None on the Python side).
+int fusedloss_jax_validate_swiglu(int32_t clamp, float clamp_value, float gate_multiplier,
+                                  float down_multiplier, char* message, size_t capacity) {
   return checked(message, capacity, [&] {
     fl::SwigluOptions o;
-    o.clamp = true;
+    o.clamp = clamp != 0;
     o.clamp_value = clamp_value;
+    o.gate_multiplier = gate_multiplier;
+    o.down_multiplier = down_multiplier;
     fl::validate_swiglu_options(o);
   });
 }
