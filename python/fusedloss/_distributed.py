@@ -437,3 +437,70 @@ def deferred_rejection(args, reduction, target, group: str, op: str, message: st
         like = torch.empty(0)
     shape = list(target.shape) if reduction == "none" and isinstance(target, torch.Tensor) else []
     return _rejection(like, shape, group, op, message)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Each rank's partial values summed over the group. The loss they enter is the same on
+    every rank and each rank differentiates its own copy, so each part takes the upstream
+    gradient as it is (Megatron's reduce from the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, part, group):
+        total = part.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradSummedOverGroup(torch.autograd.Function):
+    """The identity, whose gradient is summed over the group: for a tensor every rank holds
+    whole (the hidden states) and differentiates through its own shard, when the caller asked
+    for the summed gradient rather than this rank's partial one."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatheredRows(torch.autograd.Function):
+    """Every rank's slice of rows, in rank order along dim 0; the gradient of this rank's slice
+    is its rows of the gradient summed over the group (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.world = group, dist.get_world_size(group)
+        out = x.new_empty((ctx.world * x.size(0), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        mine = grad.new_empty((grad.size(0) // ctx.world, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
+        return mine, None
+
+
+def sum_over_group(part, group):
+    """Partial values summed over `group` (None: as they are); the gradient passes unchanged."""
+    return part if group is None else _SumOverGroup.apply(part, group)
+
+
+def grad_summed_over_group(x, group):
+    """x itself, its gradient summed over `group` (None: x, its gradient as it is)."""
+    return x if group is None else _GradSummedOverGroup.apply(x, group)
+
+
+def gathered_rows(x, group):
+    """Every rank's x along dim 0, its gradient reduce-scattered back to each rank's slice."""
+    return _GatheredRows.apply(x, group)

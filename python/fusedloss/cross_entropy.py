@@ -16,7 +16,8 @@ from torch import Tensor
 
 from . import _C, _native
 from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, merge_buffers,
-                           merge_over_group, rank_and_size, rank_checks, resolve_group)
+                           merge_over_group, rank_and_size, rank_checks, resolve_group,
+                           sum_over_group)
 from ._args import CeOptions
 from ._args import parse_ce_options as _parse_ce_options
 from ._op import FusedOp, through_custom_ops
@@ -369,7 +370,13 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     weight: F.cross_entropy's per-class weight [V_global] (any float dtype, no gradient, the
     same on every rank at TP > 1): row i's loss is scaled by weight[target_i], and 'mean'
     divides by the sum of those weights over the counted rows (0 where no row counts). Not with
-    label_smoothing (torch weights each smoothing term by its own class) or grad_in_forward.
+    grad_in_forward. With label_smoothing eps, torch's weighted smoothing term too: row i costs
+    (1 - eps) w[t] (lse - z_t) + eps / V sum_c w_c (lse - z_c), 'mean' still over sum w[t]
+    (smoothing_formula='megatron': its label distribution, 1 - eps on the target and
+    eps / (V - 1) on each other class, weighted alike). It costs one more read of the logits
+    (logits @ weight in fp32 row chunks) and, in the backward, an [N, V_local] gradient term in
+    the logits' dtype beside the op's; at TP > 1 one all-reduce of N floats. Not with z_loss or
+    a soft cap, nor smoothing_scope='partition' at TP > 1.
 
     logit_softcap=c (Gemma 2's final logit soft-capping; `softcap` is Liger's name for it):
     the loss sees c * tanh(x / c) for every logit x, and the gradient is taken through it.
@@ -396,7 +403,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                          z_loss=z_loss, inplace_backward=inplace_backward,
                          smoothing_scope=smoothing_scope, logit_softcap=logit_softcap,
                          softcap=softcap, **want._asdict()),
-            smoothing_term=lambda nll, t, counted, w: _weighted_smoothing(logits, nll, t, w))
+            smoothing_term=lambda *a: _weighted_logit_sums(logits, *a))
         return weighted_reduction(per_token, row_weight, kind, target != ignore_index, weighted)
     name = group_name(tp_group)
     check, bad_flag = agreement_flag(check_shard_agreement)
@@ -543,13 +550,45 @@ class CrossEntropyLoss(torch.nn.Module):
 _WEIGHTED_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 
 
-def _weighted_smoothing(logits, nll, target, w):
-    """Per row sum_c w_c (lse - z_c) = W lse - z . w, with lse = nll + z_t: one more read of the
-    logits (z . w) and, in the backward, an [N, V] gradient term beside the op's."""
+class _WeightedLogitSums(torch.autograd.Function):
+    """Per row W z_t (on the rank that holds the target) - sum_c w_c z_c of logits z [N, V]:
+    the fp32 sums over row chunks of at most 64 MiB of fp32 logits (no fp32 copy of the whole),
+    and a backward that writes its [N, V] gradient once, in the logits' dtype (without the
+    logits: the function is linear)."""
+
+    @staticmethod
+    def forward(ctx, z, t_local, owned, w, weight_sum):
+        ctx.save_for_backward(t_local, owned, w, weight_sum)
+        ctx.dtype = z.dtype
+        sums = torch.empty(z.size(0), dtype=torch.float32, device=z.device)
+        for r, n in _row_chunks(z.size(0), z.size(1)):
+            sums[r:r + n] = z[r:r + n].float() @ w
+        zt = z.gather(1, t_local[:, None]).squeeze(1).float()
+        return torch.where(owned, weight_sum * zt, 0.0) - sums
+
+    @staticmethod
+    def backward(ctx, grad):
+        t_local, owned, w, weight_sum = ctx.saved_tensors
+        out = torch.empty(grad.size(0), w.size(0), dtype=ctx.dtype, device=grad.device)
+        for r, n in _row_chunks(out.size(0), out.size(1)):
+            out[r:r + n] = torch.outer(-grad[r:r + n], w)
+        # the target's column in fp32 before its one rounding: g (W - w_t), or -g w_t
+        at_target = grad * (torch.where(owned, weight_sum, 0.0) - w[t_local])
+        out.scatter_(1, t_local[:, None], at_target.to(ctx.dtype)[:, None])
+        return out, None, None, None, None
+
+
+def _row_chunks(rows, cols, budget=64 << 20):
+    """(first row, rows) of chunks of at most `budget` bytes of fp32 [rows, cols]."""
+    n = max(1, budget // (4 * max(cols, 1)))
+    return ((r, min(n, rows - r)) for r in range(0, rows, n))
+
+
+def _weighted_logit_sums(logits, t_local, owned, w, weight_sum):
+    """_WeightedLogitSums of this rank's logits [..., V_local]: one more read of them, and in
+    the backward an [N, V_local] gradient term (the logits' dtype) beside the op's."""
     z = logits.reshape(-1, logits.size(-1))
-    zt = z.gather(1, target.reshape(-1, 1)).squeeze(1).float()
-    lse = nll.reshape(-1) + zt
-    return (w.sum() * lse - z.float() @ w).reshape(nll.shape)
+    return _WeightedLogitSums.apply(z, t_local, owned, w, weight_sum)
 
 
 def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction, label_smoothing,
@@ -563,12 +602,10 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
     row_weights_to_op: the op takes the row weights as its loss_mask (the linear CE's 3-GEMM
     backward for sum/mean); op_name: the op's name in an agreement error.
 
-    label_smoothing eps with a weight, as torch defines it: per row
-        (1 - eps) w[t] (lse - z_t) + eps / V sum_c w_c (lse - z_c),
-    and 'mean' divides the sum by sum w[t]. smoothing_term(nll, safe_target, counted, w) gives the
-    second sum, W lse - z . w, from the op's unsmoothed per-token loss nll = lse - z_t (each op
-    knows where its logits come from); its gradient is torch's own (autograd over the op)."""
+    label_smoothing: see _smoothed; smoothing_term(t_local, owned, w_local, W) gives this rank's
+    part of W z_t - sum_c w_c z_c per row (each op knows where its logits come from)."""
     name = group_name(tp_group)
+    sharded = bool(name) and group_size(tp_group) > 1
     with rank_checks(resolve_group(name) if name else None, as_bool(check, "check_shard_agreement"),
                      op_name, only_on_error=True):
         kind = as_choice(reduction, "reduction", _WEIGHTED_REDUCTIONS)
@@ -580,9 +617,9 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
                 raise ValueError(f"{arg}: got a tensor with {what}, expected no {option} (not "
                                  "supported with a per-class weight)")
         eps = as_float(label_smoothing, "label_smoothing")
-        if eps != 0.0:
-            _check_weighted_smoothing(eps, arg, name and group_size(tp_group) > 1, options)
         v_global = v_local * (group_size(tp_group) if name else 1) if v_local > 0 else -1
+        if eps != 0.0:
+            _check_weighted_smoothing(eps, arg, sharded, v_global, options)
         if (class_weight.dim() != 1 or class_weight.size(0) != v_global
                 or not class_weight.is_floating_point()):
             raise ValueError(f"{arg}: got {class_weight.dtype} {tuple(class_weight.shape)}, "
@@ -596,38 +633,79 @@ def class_weighted(op, class_weight, target, v_local, tp_group, check, reduction
         # ignored rows weigh 0; an out-of-range target is the op's error (a 0-weight lookup here)
         safe = torch.where(counted & (target >= 0) & (target < v_global), target, 0).long()
         row_weight = torch.where(counted, class_weight.float()[safe], 0.0)
-    if eps != 0.0:  # the unsmoothed per-token losses, weighted and smoothed here
-        nll = op(reduction="none", tp_group=tp_group, check_shard_agreement=check, **options)
-        smooth = smoothing_term(nll, safe, counted, class_weight.float())
-        total = (1.0 - eps) * nll * row_weight + torch.where(counted, smooth, 0.0) * (eps / v_global)
+    call = dict(tp_group=tp_group, check_shard_agreement=check, **options)
+    if eps != 0.0:
+        megatron = options.get("smoothing_formula") == "megatron"
+        total = _smoothed(lambda **o: op(**call, **o), class_weight.float(), safe, counted,
+                          row_weight, kind, eps, megatron, name, v_local, row_weights_to_op,
+                          smoothing_term)
         return total, row_weight, kind, True
     extra = {"loss_mask": row_weight} if row_weights_to_op and kind else {}
-    per_token = op(reduction="none", tp_group=tp_group, check_shard_agreement=check, **options,
-                   **extra)
-    return per_token, row_weight, kind, False
+    return op(reduction="none", **call, **extra), row_weight, kind, False
 
 
-def _check_weighted_smoothing(eps, arg, sharded, options):
-    """What a per-class weight with label smoothing takes: torch's definition and nothing that
-    would change the plain per-token loss the weighted terms are built from."""
+def _smoothed(op, w, safe, counted, row_weight, kind, eps, megatron, group, v_local,
+              row_weights_to_op, smoothing_term):
+    """Per-token losses with a per-class weight w [V] and label smoothing eps, torch's
+    definition for the PyTorch formula (a = eps) and the same label distribution's weighting
+    for Megatron's (a = eps V / (V - 1): 1 - eps on the target, eps / (V - 1) on each other
+    class): sum_c q_c w_c (lse - z_c) with q = (1 - a) [c = t] + a / V, that is
+
+        (1 - a) w_t nll + a / V (W lse - z . w) = coef nll + a / V (W z_t - z . w)
+
+    with nll = lse - z_t (the op's plain per-token loss), W = sum_c w_c and
+    coef = (1 - a) w_t + a W / V. The op's loss carries its gradient, taking coef as its row
+    weights where it can (row_weights_to_op, sum/mean); the second term is linear in the logits
+    (smoothing_term: this rank's part of it, summed over the group at TP > 1). 'mean' divides
+    by sum w_t, as torch's. A CrossEntropyOutput of the op (the extra outputs) keeps its
+    fields, its loss replaced."""
+    g = resolve_group(group) if group else None
+    rank, _ = rank_and_size(g)
+    v = w.numel()
+    a = eps * v / (v - 1) if megatron else eps
+    weight_sum = w.sum()
+    coef = torch.where(counted, (1.0 - a) * row_weight + a * weight_sum / v, 0.0)
+    out = op(reduction="none", **({"loss_mask": coef} if row_weights_to_op and kind else {}))
+    nll = out.loss if isinstance(out, CrossEntropyOutput) else out
+    t_local = safe.reshape(-1) - rank * v_local
+    owned = (t_local >= 0) & (t_local < v_local)
+    part = smoothing_term(torch.where(owned, t_local, 0), owned,
+                          w[rank * v_local:(rank + 1) * v_local], weight_sum)
+    linear = sum_over_group(part, g).view(nll.shape)
+    total = coef * nll + torch.where(counted, linear, 0.0) * (a / v)
+    return out._replace(loss=total) if isinstance(out, CrossEntropyOutput) else total
+
+
+def _check_weighted_smoothing(eps, arg, sharded, v_global, options):
+    """What a per-class weight with label smoothing takes: the plain per-token loss the weighted
+    terms are built from (no z-loss or soft cap inside it), a vocabulary the Megatron formula
+    can spread over, and the global smoothing scope at TP > 1."""
     if not 0.0 < eps < 1.0:
         raise ValueError(f"label_smoothing: got {eps}, expected in [0, 1)")
-    if sharded:
-        raise ValueError(f"{arg}: got a tensor with label_smoothing={eps} and a tp_group of more "
-                         "than one rank, expected label_smoothing=0 at TP > 1 (the weighted "
-                         "smoothing term is computed at TP = 1)")
-    refused = {"smoothing_formula": options.get("smoothing_formula", "pytorch") != "pytorch",
-               "z_loss": bool(options.get("z_loss")),
-               "logit_softcap": options.get("logit_softcap") is not None,
-               "softcap": options.get("softcap") is not None,
-               "return_z_loss": bool(options.get("return_z_loss")),
-               "return_token_accuracy": bool(options.get("return_token_accuracy")),
-               "return_predicted_tokens": bool(options.get("return_predicted_tokens"))}
-    for option, given in refused.items():
+    if options.get("smoothing_formula") == "megatron" and 0 <= v_global < 2:
+        raise ValueError(f"label_smoothing: got {eps} with smoothing_formula='megatron' and a "
+                         f"vocabulary of {v_global}, expected V >= 2 (the formula's eps V / (V - 1))")
+    if sharded and options.get("smoothing_scope") == "partition":
+        raise ValueError(f"{arg}: got a tensor with label_smoothing={eps} and smoothing_scope="
+                         "'partition' at a tp_group of more than one rank, expected "
+                         "smoothing_scope='global' (each rank's smoothing term over its own "
+                         "shard would weigh the classes of that shard alone, and the ranks' "
+                         "losses would differ)")
+    built_from_the_plain_loss = ("the weighted smoothing term is built from the plain loss and "
+                                 "the logits as they are")
+    refused = {"z_loss": (bool(options.get("z_loss")), built_from_the_plain_loss),
+               "logit_softcap": (options.get("logit_softcap") is not None,
+                                 built_from_the_plain_loss),
+               "softcap": (options.get("softcap") is not None, built_from_the_plain_loss),
+               # the term's weight gradient goes where autograd puts it, not into the accumulator
+               "weight_grad_accumulator": (options.get("weight_grad_accumulator") is not None,
+                                           "the smoothing term's weight gradient is autograd's")}
+    for option, (given, why) in refused.items():
         if given:
+            value = options.get(option)
+            shown = "a tensor" if isinstance(value, Tensor) else repr(value)
             raise ValueError(f"{arg}: got a tensor with label_smoothing={eps} and {option}="
-                             f"{options.get(option)!r}, expected {option} at its default (torch's "
-                             "weighted label smoothing is defined for the plain loss)")
+                             f"{shown}, expected {option} at its default ({why})")
 
 
 def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Optional[Tensor] = None,
@@ -636,9 +714,11 @@ def weighted_reduction(per_token, row_weight: Tensor, kind: int, counted: Option
     reduced as F.cross_entropy(weight=...) does; 'mean' over no weight is 0. A CrossEntropyOutput of per-token values: its z-loss weighted as the
     loss that includes it, its accuracy a plain fraction of the `counted` rows (the targets that
     are not ignore_index; Liger's accuracy is unweighted), its predicted tokens as they are."""
-    if isinstance(per_token, CrossEntropyOutput):
-        return reduced_output(per_token, counted, kind,
-                              lambda t: weighted_reduction(t, row_weight, kind))
+    if isinstance(per_token, CrossEntropyOutput):  # (its z-loss never carries the weights)
+        extras = reduced_output(per_token._replace(loss=None), counted, kind,
+                                lambda t: weighted_reduction(t, row_weight, kind))
+        return extras._replace(loss=weighted_reduction(per_token.loss, row_weight, kind,
+                                                       weighted=weighted))
     total = per_token if weighted else per_token * row_weight
     if kind == 0:
         return total

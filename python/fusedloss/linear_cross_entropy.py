@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C, _native
-from ._distributed import (callback_communicator, deferred_rejection, fingerprint, group_name,
-                           group_size, merge_buffers, merge_over_group, rank_and_size, rank_checks,
-                           resolve_group)
+from ._distributed import (callback_communicator, deferred_rejection, fingerprint, gathered_rows,
+                           grad_summed_over_group, group_name, group_size, merge_buffers,
+                           merge_over_group, rank_and_size, rank_checks, resolve_group)
 from ._op import FusedOp, through_custom_ops
 from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
 from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autocast_dtype,
@@ -36,8 +36,8 @@ from ._views import (agreement_flag, as_bool, as_choice, as_float, as_int, autoc
                      require_same_device, require_targets, require_tensor, require_values,
                      rows_of, _rows_view, shares_memory, stream_of, validated, values_in,
                      vector)
-from .cross_entropy import (_REDUCTIONS, as_softcap, check_targets_on_host, reduced_output,
-                            class_weighted, loss_outputs, _wanted, _with_extras,
+from .cross_entropy import (_REDUCTIONS, _row_chunks, as_softcap, check_targets_on_host,
+                            reduced_output, class_weighted, loss_outputs, _wanted, _with_extras,
                             make_options, option_names, parse_options, weighted_reduction)
 from .cross_entropy import _Options as CeOptions
 from ._head import as_workspace_bytes, validate_head_operands  # noqa: F401  (the heads' shared checks)
@@ -711,14 +711,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     cross-entropy; any float dtype, no gradient, the same on every rank at TP > 1): row i's loss
     is scaled by class_weight[target_i], and "mean" divides by the sum of those weights over the
     counted rows, as F.cross_entropy(weight=...) does (0 where no row counts). Through the
-    row-weighted in-forward backward (3 GEMMs) for "sum" and "mean". Not with label_smoothing
-    (torch weights each smoothing term by its own class) or a loss_mask.
+    row-weighted in-forward backward (3 GEMMs) for "sum" and "mean". Not with a loss_mask.
+    With label_smoothing eps, torch's weighted smoothing term too: row i costs
+    (1 - eps) w[t] (lse - z_t) + eps / V sum_c w_c (lse - z_c) (smoothing_formula='megatron':
+    its label distribution weighted alike), from the op's plain per-token losses (row weights
+    (1 - eps) w[t] + eps W / V, W = sum_c w_c) and the term W z_t - z . w, which needs no
+    logits: z . w = hidden . (weight^T w) (+ bias . w), a GEMV over the weight in fp32 row
+    chunks, and z_t from N rows of the weight; its gradient adds a [V_local, H] and an [N, H]
+    term. At TP > 1 one all-reduce of N floats, hidden's gradient as dhidden_reduction says.
+    Not with z_loss, a soft cap or a weight_grad_accumulator, nor smoothing_scope='partition'
+    at TP > 1.
 
     return_z_loss, return_token_accuracy, return_predicted_tokens: as fusedloss.cross_entropy's
     (a CrossEntropyOutput). The z-loss comes from the lse the op keeps; the argmax behind the
     other two is the log-prob head's (fusedloss.linear_log_probs with argmax=True, without a
-    gradient): one more logits GEMM over the tokens, so a third more time. Not with a bias
-    (the log-prob head has none). At tp_group size > 1 the shard agreement checks that every
+    gradient): one more logits GEMM over the tokens, so a third more time; with a bias, the
+    arg-max of the biased logits, torch's addmm over token chunks of at most workspace_bytes of
+    logits (at TP > 1 an all-gather of 12 B a token). At tp_group size > 1 the shard agreement checks that every
     rank asks for the arg-max, or none.
 
     use_token_scaling (Liger's option): each counted token's loss (and z-loss) is multiplied by
@@ -909,30 +918,61 @@ def _class_weighted(hidden, weight, target, bias, class_weight, loss_mask, tp_gr
                     reduction, label_smoothing, **options):
     """linear_cross_entropy with a per-class weight: the per-token losses weighted by
     class_weight[target], as their row weights for sum and mean (the in-forward backward: 3
-    GEMMs), reduced as F.cross_entropy(weight=...) reduces them."""
+    GEMMs), reduced as F.cross_entropy(weight=...) reduces them; with label smoothing, the
+    weighted smoothing term from a GEMV over the weight (_head_weighted_sums)."""
     v_local = weight.size(0) if isinstance(weight, Tensor) and weight.dim() == 2 else -1
+    dh_reduction = options["dhidden_reduction"]
     per_token, row_weight, kind, weighted = class_weighted(
         lambda **o: linear_cross_entropy(hidden, weight, target, bias, **o), class_weight, target,
         v_local, tp_group, check, reduction, label_smoothing, options["ignore_index"],
         conflicts={"loss_mask": loss_mask}, options=options, row_weights_to_op=True,
         op_name=_OP,
-        smoothing_term=lambda nll, t, counted, w: _weighted_smoothing(hidden, weight, bias, nll, t,
-                                                                      w))
+        smoothing_term=lambda *a: _head_weighted_sums(hidden, weight, bias, tp_group,
+                                                      dh_reduction, *a))
     return weighted_reduction(per_token, row_weight, kind, target != options["ignore_index"],
                               weighted)
 
 
-def _weighted_smoothing(hidden, weight, bias, nll, target, w):
-    """Per row sum_c w_c (lse - z_c) = W lse - z . w without the logits: z . w = h . (weight^T w)
-    (+ bias . w), and lse = nll + z_t with z_t = h . weight[t] (+ bias[t]): a GEMV over the
-    weight and a gather of N of its rows."""
+def _head_weighted_sums(hidden, weight, bias, tp_group, dhidden_reduction, t_local, owned, w,
+                        weight_sum):
+    """Per row W z_t (where this rank holds the target) - z . w of this rank's logits
+    z = hidden weight^T (+ bias), without them: z . w = h . (weight^T w) (+ bias . w) and
+    z_t = h . weight[t] (+ bias[t]), a GEMV over the weight and a gather of N of its rows. At TP
+    > 1 hidden's gradient follows dhidden_reduction as the op's does (this rank's partial sum,
+    summed over the group, or summed into each rank's slice of the tokens)."""
+    name = group_name(tp_group)
+    g = resolve_group(name) if name else None
+    if g is not None and dhidden_reduction == "all_reduce":
+        hidden = grad_summed_over_group(hidden, g)
+    elif g is not None and dhidden_reduction == "reduce_scatter":
+        hidden = gathered_rows(hidden, g)
     h = hidden.reshape(-1, hidden.size(-1)).float()
-    t = target.reshape(-1)
-    u = weight.t().float() @ w if weight.dtype == torch.float32 else (
-        weight.t() @ w.to(weight.dtype)).float()
-    zw = h @ u
-    zt = (h * weight[t].float()).sum(-1)
+    zw = h @ _WeightedRows.apply(weight, w)
+    zt = (h * weight[t_local].float()).sum(-1)
     if bias is not None:
         zw = zw + bias.float() @ w
-        zt = zt + bias[t].float()
-    return (w.sum() * (nll.reshape(-1) + zt) - zw).reshape(nll.shape)
+        zt = zt + bias[t_local].float()
+    return torch.where(owned, weight_sum * zt, 0.0) - zw
+
+
+class _WeightedRows(torch.autograd.Function):
+    """weight^T w [H] of weight [V, H] (any float dtype) and fp32 w [V], summed in fp32 over
+    row chunks of at most 64 MiB of fp32 rows (no fp32 copy of the whole weight); the backward
+    writes weight's gradient, w outer the upstream [H], once in weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, weight, w):
+        ctx.save_for_backward(w)
+        ctx.dtype = weight.dtype
+        u = torch.zeros(weight.size(1), dtype=torch.float32, device=weight.device)
+        for r, n in _row_chunks(weight.size(0), weight.size(1)):
+            u += w[r:r + n] @ weight[r:r + n].float()
+        return u
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        out = torch.empty(w.size(0), grad.size(0), dtype=ctx.dtype, device=grad.device)
+        for r, n in _row_chunks(out.size(0), out.size(1)):
+            out[r:r + n] = torch.outer(w[r:r + n], grad)
+        return out, None

@@ -297,6 +297,43 @@ def test_linear_extras_with_a_bias(device, dtype, workspace_bytes):
     assert torch.equal(out.token_accuracy[clear], acc_ref[clear])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_linear_liger_options_together(device, dtype, reduction):
+    """Liger's fused linear cross-entropy takes a class weight (ce_weight) with label smoothing
+    and the arg-max outputs with a bias in one call: the loss and its gradients as
+    F.cross_entropy(F.linear(...), weight=..., label_smoothing=...) in float64, the arg-max of
+    the biased logits."""
+    hidden, weight, target = _lce_problem(device, dtype)
+    bias = (torch.randn(weight.size(0), dtype=torch.float64) * 2).to(dtype).to(device)
+    cw = torch.rand(weight.size(0), device=device) + 0.25
+    leaves = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    out = fusedloss.linear_cross_entropy(*leaves[:2], target, leaves[2], class_weight=cw,
+                                         label_smoothing=0.1, reduction=reduction,
+                                         return_token_accuracy=True, return_predicted_tokens=True)
+    refs = [x.double().requires_grad_(True) for x in (hidden, weight, bias)]
+    logits = F.linear(*refs)
+    ref = F.cross_entropy(logits, target, weight=cw.double(), label_smoothing=0.1,
+                          reduction=reduction)
+    acc_ref, pred_ref = _accuracy_reference(logits.detach(), target, -100, reduction)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=tol, atol=tol)
+    up = torch.rand_like(ref) + 0.5
+    out.loss.backward(up.to(out.loss.dtype))
+    ref.backward(up)
+    for ours, theirs in zip(leaves, refs):
+        err = (ours.grad.double() - theirs.grad).norm() / theirs.grad.norm()
+        assert err <= tol, (ours.shape, err)
+    top2 = logits.detach().topk(2, dim=-1).values  # where rounding cannot swap the two largest
+    clear = (top2[:, 0] - top2[:, 1]) > (1e-4 if dtype == torch.float32 else 0.2)
+    assert clear.sum() > 10
+    assert torch.equal(out.predicted_tokens[clear], pred_ref[clear])
+    if reduction == "none":
+        assert torch.equal(out.token_accuracy[clear], acc_ref.float()[clear])
+    else:
+        torch.testing.assert_close(out.token_accuracy.double(), acc_ref, rtol=0, atol=0.05)
+
+
 def test_linear_z_loss_with_class_weight(device):
     hidden, weight, target = _lce_problem(device, torch.float32)
     cw = torch.rand(weight.size(0), device=device) + 0.5

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import fusedloss
 from dist_util import run_world
+from test_cross_entropy import weighted_reference
 
 
 def reference(h, w, t, *, smoothing_scope="global", workspace_bytes=None, backward_mode=None,
@@ -1018,23 +1019,30 @@ def test_gloo_tp_token_slices_out_of_memory_in_backward():
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_class_weight_matches_torch(device, reduction, dtype, label_smoothing):
+@pytest.mark.parametrize("label_smoothing, formula, bias", [
+    (0.0, "pytorch", False), (0.1, "pytorch", False), (0.1, "pytorch", True),
+    (0.2, "megatron", True)])
+def test_class_weight_matches_torch(device, reduction, dtype, label_smoothing, formula, bias):
     """class_weight is F.cross_entropy's weight: each row scaled by its class's weight, 'mean'
-    over the counted rows' weights, with label smoothing torch's weighted smoothing term;
-    gradients of hidden and weight against float64."""
-    h, w, t = _problem(device, dtype)
+    over the counted rows' weights, with label smoothing torch's weighted smoothing term (for
+    Megatron's formula its label distribution weighted alike), a bias included; gradients of
+    hidden, weight and bias against float64."""
+    h, w, t = _problem(device, dtype, seed=int(torch.randint(1 << 30, ())))
     t[::5] = -100
     cw = torch.rand(w.size(0), device=device) + 0.25
-    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = fusedloss.linear_cross_entropy(hh, ww, t, reduction=reduction, class_weight=cw,
-                                          label_smoothing=label_smoothing)
+    b = (torch.randn(w.size(0)) if bias else torch.zeros(w.size(0))).to(device, dtype)
+    hh, ww, bb = (x.clone().requires_grad_() for x in (h, w, b))
+    loss = fusedloss.linear_cross_entropy(hh, ww, t, bb if bias else None, reduction=reduction,
+                                          class_weight=cw, label_smoothing=label_smoothing,
+                                          smoothing_formula=formula)
     up = torch.rand_like(loss) + 0.5
     loss.backward(up)
-    h64, w64 = h.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
-    ref = F.cross_entropy(F.linear(h64, w64), t.cpu(), weight=cw.double().cpu(), reduction=reduction,
-                          label_smoothing=label_smoothing)
+    h64, w64, b64 = (x.double().cpu().requires_grad_() for x in (h, w, b))
+    ref = weighted_reference(F.linear(h64, w64, b64), t.cpu(), cw.double().cpu(), label_smoothing,
+                             reduction, formula)
     ref.backward(up.double().cpu())
+    if bias:
+        assert _rel(bb.grad.cpu(), b64.grad) <= _TOL[dtype]
     tol = _TOL[dtype]
     torch.testing.assert_close(loss.double().cpu(), ref.detach(), rtol=tol, atol=tol)
     assert _rel(hh.grad.cpu(), h64.grad) <= tol and _rel(ww.grad.cpu(), w64.grad) <= tol
@@ -1058,6 +1066,11 @@ def test_class_weight_bad_inputs(device):
     with pytest.raises(ValueError, match="class_weight: got a tensor with a loss_mask"):
         fusedloss.linear_cross_entropy(h, w, t, reduction="none", class_weight=cw,
                                        loss_mask=torch.ones_like(t))
+    with pytest.raises(ValueError, match="class_weight: got a tensor with label_smoothing=0.1 and "
+                                         "weight_grad_accumulator=a tensor"):
+        fusedloss.linear_cross_entropy(h, w.clone().requires_grad_(), t, class_weight=cw,
+                                       label_smoothing=0.1,
+                                       weight_grad_accumulator=torch.zeros(w.shape, device=device))
     with pytest.raises(ValueError, match="class_weight: got a tensor that requires grad"):
         fusedloss.linear_cross_entropy(h, w, t, class_weight=cw.clone().requires_grad_())
 
@@ -1081,12 +1094,58 @@ def _tp_class_weight(rank, world):
     bad = cw[:-1] if rank == 1 else cw
     with pytest.raises(ValueError, match=r"rank 1: class_weight: got torch.float32 \(191,\)"):
         fusedloss.linear_cross_entropy(h, shard, t, class_weight=bad, tp_group=dist.group.WORLD)
-    # the weighted smoothing term is computed at TP = 1: refused on every rank alike
-    with pytest.raises(ValueError, match=r"class_weight: got a tensor with label_smoothing=0.1 and "
-                                         r"a tp_group of more than one rank"):
-        fusedloss.linear_cross_entropy(h, shard, t, class_weight=cw, label_smoothing=0.1,
-                                       tp_group=dist.group.WORLD)
+    # Megatron's per-shard smoothing scope has no weighted form across ranks: refused on every
+    # rank alike, naming both arguments
+    from test_vocab_parallel import _same_error_everywhere
+    _same_error_everywhere(lambda: fusedloss.linear_cross_entropy(
+        h, shard, t, class_weight=cw, label_smoothing=0.1, smoothing_scope="partition",
+        tp_group=dist.group.WORLD), "class_weight: got a tensor with label_smoothing=0.1 and "
+        "smoothing_scope='partition' at a tp_group of more than one rank")
 
 
 def test_gloo_tp_class_weight():
     run_world(2, _tp_class_weight)
+
+
+def _tp_class_weight_with_smoothing(rank, world, seed, dtype, formula):
+    """TP 2 against TP 1 and float64: the weighted smoothing term's shard parts summed over the
+    group, hidden's gradient as each dhidden_reduction asks, every reduction, a bias."""
+    h, w, t = _problem("cpu", dtype, shape=(12,), V=96, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    cw = torch.rand(96, generator=g) + 0.25
+    b = torch.randn(96, generator=g).to(dtype)
+    own = slice(rank * 48, (rank + 1) * 48)
+    options = dict(class_weight=cw, label_smoothing=0.1, smoothing_formula=formula)
+    tol = _TOL[dtype]
+    for reduction in ("mean", "sum", "none"):
+        for dh in ("partial", "all_reduce", "reduce_scatter"):
+            mine = slice(rank * 6, (rank + 1) * 6) if dh == "reduce_scatter" else slice(None)
+            hh = h[mine].clone().requires_grad_()
+            ww, bb = w[own].clone().requires_grad_(), b[own].clone().requires_grad_()
+            loss = fusedloss.linear_cross_entropy(hh, ww, t, bb, reduction=reduction,
+                                                  tp_group=dist.group.WORLD,
+                                                  dhidden_reduction=dh, **options)
+            up = torch.rand(loss.shape, generator=g) + 0.5
+            loss.backward(up)
+            one = [x.clone().requires_grad_() for x in (h, w, b)]
+            single = fusedloss.linear_cross_entropy(*one[:2], t, one[2], reduction=reduction,
+                                                    **options)
+            single.backward(up)
+            r64 = [x.double().requires_grad_() for x in (h, w, b)]
+            ref = weighted_reference(F.linear(*r64), t, cw.double(), 0.1, reduction, formula)
+            ref.backward(up.double())
+            torch.testing.assert_close(loss, single, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss.double(), ref.detach(), rtol=tol, atol=tol)
+            dh_full = hh.grad if dh != "partial" else hh.grad.clone()
+            if dh == "partial":  # this rank's partial sum: the group's sum is the gradient
+                dist.all_reduce(dh_full)
+            assert _rel(dh_full, r64[0].grad[mine]) <= tol, (reduction, dh)
+            assert _rel(ww.grad, r64[1].grad[own]) <= tol, (reduction, dh)
+            assert _rel(bb.grad, r64[2].grad[own]) <= tol, (reduction, dh)
+            assert _rel(ww.grad, one[1].grad[own]) <= tol and _rel(dh_full, one[0].grad[mine]) <= tol
+
+
+@pytest.mark.parametrize("dtype, formula", [(torch.float32, "pytorch"), (torch.bfloat16, "pytorch"),
+                                            (torch.float32, "megatron")])
+def test_gloo_tp_class_weight_with_smoothing(dtype, formula):
+    run_world(2, _tp_class_weight_with_smoothing, int(torch.randint(1 << 30, ())), dtype, formula)

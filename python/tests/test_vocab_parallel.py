@@ -356,3 +356,47 @@ def test_a_differing_option_is_named_and_so_is_a_different_call():
                             ["ignore_index=-100", "label_smoothing=0.0", "H=8"], 1)
     assert msg.startswith("rank 1 compared the options (ignore_index, smoothing_formula) where "
                           "rank 0 compared (ignore_index, label_smoothing, H): another call")
+
+
+def _check_class_weight_with_smoothing(rank, world, seed, dtype, formula):
+    """A per-class weight with label smoothing at TP 2: the loss of TP 1 and of float64, the
+    shard's gradient, for every reduction; the partition scope refused on every rank alike."""
+    from test_cross_entropy import weighted_reference
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(20, 64, generator=g) * 2).to(dtype)
+    t = torch.randint(0, 64, (20,), generator=g)
+    t[::4] = -100
+    w = torch.rand(64, generator=g) + 0.25
+    own = slice(rank * 32, (rank + 1) * 32)
+    options = dict(weight=w, label_smoothing=0.1, smoothing_formula=formula)
+    for reduction in ("mean", "sum", "none"):
+        shard = x[:, own].clone().requires_grad_()
+        loss = fusedloss.cross_entropy(shard, t, tp_group=dist.group.WORLD, reduction=reduction,
+                                       **options)
+        up = torch.rand(loss.shape, generator=g) + 0.5
+        loss.backward(up)
+        whole = x.clone().requires_grad_()
+        single = fusedloss.cross_entropy(whole, t, reduction=reduction, **options)
+        single.backward(up)
+        x64 = x.double().requires_grad_()
+        ref = weighted_reference(x64, t, w.double(), 0.1, reduction, formula)
+        ref.backward(up.double())
+        torch.testing.assert_close(loss, single, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+        # bf16: the op's gradient and the smoothing term's, each rounded once, then added
+        atol = 1e-6 if dtype == torch.float32 else 2 ** -8 * x64.grad.abs().max().item()
+        torch.testing.assert_close(shard.grad.double(), whole.grad[:, own].double(),
+                                   rtol=1e-5, atol=min(atol, 1e-7) if dtype == torch.float32
+                                   else atol)
+        torch.testing.assert_close(shard.grad.double(), x64.grad[:, own],
+                                   rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=atol)
+    _same_error_everywhere(lambda: fusedloss.cross_entropy(
+        x[:, own], t, tp_group=dist.group.WORLD, smoothing_scope="partition", **options),
+        "weight: got a tensor with label_smoothing=0.1 and smoothing_scope='partition'")
+
+
+@pytest.mark.parametrize("dtype, formula", [(torch.float32, "pytorch"), (torch.bfloat16, "pytorch"),
+                                            (torch.float32, "megatron")])
+def test_gloo_class_weight_with_smoothing(dtype, formula):
+    run_world(2, _check_class_weight_with_smoothing, int(torch.randint(1 << 30, ())), dtype,
+              formula)
