@@ -281,6 +281,56 @@ def test_linear_cross_entropy_16_bit_3d(dtype):
     _close(dw, dww, dtype, "dweight")
 
 
+@pytest.mark.parametrize("mode, reduction", [("in_forward", "mean"), ("recompute", "mean"),
+                                             ("recompute", "none")])
+def test_linear_cross_entropy_dweight_accumulation(mode, reduction):
+    # bf16, 24 token chunks: an fp32 sum is the float64 gradient rounded once to bf16; the
+    # weight-dtype sum rounds once per pair of chunks
+    h = jax.random.normal(_key(150), (192, 32), F32).astype(BF16)
+    w = (jax.random.normal(_key(151), (80, 32), F32) * 0.2).astype(BF16)
+    t = _targets(_key(152), (192,), 80)
+    kw = dict(reduction=reduction, backward_mode=mode, workspace_bytes=8 * 80 * 4 * 2)
+    want = jax.grad(lambda w: jnp.sum(ref_linear_cross_entropy(h, w, t, reduction=reduction) *
+                                      (1.0 if reduction == "mean" else 0.01)))(w.astype(jnp.float64))
+    errors = {}
+    for accumulation in ("fp32", "weight_dtype", "auto"):
+        dw = jax.jit(jax.grad(lambda w: jnp.sum(fj.linear_cross_entropy(
+            h, w, t, dweight_accumulation=accumulation, **kw) *
+            (1.0 if reduction == "mean" else 0.01))))(w)
+        assert dw.dtype == BF16
+        errors[accumulation] = float(np.abs(np.asarray(dw, np.float64) - np.asarray(want)).max())
+        if accumulation == "fp32":  # one rounding: half a bf16 ulp of the largest entry
+            _close(dw, want, BF16, "fp32 dweight")
+            scale = float(np.abs(np.asarray(want)).max())
+            assert errors["fp32"] <= scale * 2.0 ** -8, (errors, scale)
+        if accumulation == "auto":  # a 16-bit weight: its own dtype, as the PyTorch op's
+            np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw_wd))
+        dw_wd = dw
+    assert errors["fp32"] <= errors["weight_dtype"], errors
+
+
+def test_dweight_accumulation_fp32_weight_and_vocab_parallel():
+    h = jax.random.normal(_key(153), (16, 12), F32)
+    w = jax.random.normal(_key(154), (64, 12), F32) * 0.3
+    t = _targets(_key(155), (16,), 64)
+    grads = [jax.grad(lambda w: fj.linear_cross_entropy(h, w, t, dweight_accumulation=a))(w)
+             for a in ("auto", "fp32", "weight_dtype")]  # an fp32 weight sums in fp32 anyway
+    for g in grads[1:]:
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(grads[0]))
+    mesh = _mesh(2)
+    hb, wb = h.astype(BF16), w.astype(BF16)
+    body = lambda h, w, t: fj.linear_cross_entropy(  # noqa: E731
+        h, w, t, axis_name="tp", dweight_accumulation="fp32", workspace_bytes=4 * 32 * 4)
+    sharded = _shard_map(body, mesh, (P(), P("tp"), P()), P())
+    with _on(mesh):
+        dh, dw = jax.jit(jax.grad(lambda h, w: sharded(h, w, t), (0, 1)))(
+            _put(mesh, hb, P()), _put(mesh, wb, P("tp")))
+    want = jax.grad(lambda h, w: ref_linear_cross_entropy(h, w, t), (0, 1))(
+        hb.astype(jnp.float64), wb.astype(jnp.float64))
+    _close(dh, want[0], BF16, "dhidden")
+    _close(dw, want[1], BF16, "dweight")
+
+
 def test_linear_cross_entropy_check_grads():
     h = jax.random.normal(_key(13), (5, 4), F32)
     w = jax.random.normal(_key(14), (7, 4), F32)
@@ -878,6 +928,8 @@ def test_bad_inputs_name_the_argument_the_value_and_what_was_expected():
             fj.linear_cross_entropy, h, w.astype(BF16), t, workspace_bytes=0)
     _raises(r"sequence_parallel: got True without axis_name", fj.linear_cross_entropy, h,
             w.astype(BF16), t, sequence_parallel=True)
+    _raises(r"dweight_accumulation: got 'bf16', expected one of", fj.linear_cross_entropy, h,
+            w.astype(BF16), t, dweight_accumulation="bf16")
     _raises(r"weight: got shape \(7,\), expected \(8,\) = \[H\]", fj.rms_norm, h, jnp.ones(7))
     _raises(r"^eps: got 0", fj.rms_norm, h, jnp.ones(8), eps=0.0)
     _raises(r"residual: got shape \(4, 8\) float32, expected x's \(4, 8\) bfloat16", fj.rms_norm,
@@ -912,6 +964,13 @@ def test_the_messages_are_the_pytorch_ops():
         with pytest.raises(ValueError) as from_torch:
             fusedloss.swiglu(*(torch.zeros(s) for s in shapes), **kw)
         assert str(from_jax.value) == str(from_torch.value)
+    with pytest.raises(ValueError) as from_jax:
+        fj.linear_cross_entropy(jnp.zeros((6, 8)), jnp.zeros((10, 8)), jnp.zeros(6, jnp.int32),
+                                dweight_accumulation="bf16")
+    with pytest.raises(ValueError) as from_torch:
+        fusedloss.linear_cross_entropy(torch.zeros(6, 8), torch.zeros(10, 8),
+                                       torch.zeros(6, dtype=torch.long), dweight_accumulation="bf16")
+    assert str(from_jax.value) == str(from_torch.value)
     h, w, t = jnp.zeros((6, 8), F32), jnp.zeros((10, 8), F32), jnp.zeros((6,), jnp.int32)
     th, tw, tt = torch.zeros(6, 8), torch.zeros(10, 8), torch.zeros(6, dtype=torch.long)
     for args, targs, kw in (((h, w, t), (th, tw, tt), {"temperature": 0.0}),

@@ -148,6 +148,14 @@ def resolve_linear_ce_backward(mode: int, reduction: int, dtype: int) -> int:
     return resolved.value
 
 
+def backward_vocab_block(mode: int, fp32_accumulation: bool, dtype: int, hidden: int) -> int:
+    """The core's vocab_block for a backward of the resolved mode into a dweight of `dtype`: > 0
+    where a recompute backward into a 16-bit dweight sums it exactly in fp32 blocks."""
+    fn = _lib.fusedloss_jax_backward_vocab_block
+    fn.restype = ctypes.c_int64
+    return int(fn(_i32(mode), _i32(int(fp32_accumulation)), _i32(dtype), _i64(hidden)))
+
+
 def validate_linear_log_probs(temperature: float, workspace_bytes: int, rows: int,
                               vocab_local: int, hidden: int) -> None:
     _checked(_lib.fusedloss_jax_validate_linear_log_probs, _f32(temperature),

@@ -36,6 +36,8 @@ _F32 = jnp.float32
 # fusedloss::LinearCeBackward
 _AUTO, _IN_FORWARD, _RECOMPUTE = 0, 1, 2
 _MODES = {"auto": _AUTO, "in_forward": _IN_FORWARD, "recompute": _RECOMPUTE}
+# How the weight gradient sums over token chunks (the PyTorch op's dweight_accumulation)
+_ACCUMULATION = {"auto": -1, "weight_dtype": 0, "fp32": 1}
 
 
 class LceOptions(NamedTuple):
@@ -44,19 +46,29 @@ class LceOptions(NamedTuple):
     workspace_bytes: int  # 0: the core's default
     tf32: bool
     mode: int  # what a differentiated call runs: _IN_FORWARD or _RECOMPUTE
+    fp32_dweight: bool  # the weight gradient sums over token chunks in fp32
+    weight_dtype: np.dtype  # its gradient's (an fp32 in-forward sum is rounded to it once)
+    vocab_block: int  # > 0: the recompute backward's fp32 blocks of a 16-bit dweight
 
     def attributes(self, mode: int, vocab_global: int = -1) -> dict:
         return dict(self.ce.attributes(vocab_global), logit_softcap=self.softcap,
-                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32, backward_mode=mode)
+                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32, backward_mode=mode,
+                    vocab_block=self.vocab_block if mode == _RECOMPUTE else 0)
 
 
 def _grads_like(h, w):
     return [(h.shape, h.dtype), (w.shape, w.dtype)]
 
 
-def _scaled(unit_grad, g):
+def _kept_like(o: LceOptions, h, w):
+    """The in-forward gradients' buffers: dweight fp32 where it sums in fp32 (rounded once, in
+    the backward), else in the weight's dtype."""
+    return [(h.shape, h.dtype), (w.shape, _F32 if o.fp32_dweight else w.dtype)]
+
+
+def _scaled(unit_grad, g, dtype):
     """A gradient kept for an upstream gradient of 1, for the upstream gradient g (a scalar)."""
-    return (unit_grad.astype(_F32) * g.astype(_F32)).astype(unit_grad.dtype)
+    return (unit_grad.astype(_F32) * g.astype(_F32)).astype(dtype)
 
 
 def _recompute_backward(o: LceOptions, h, w, t, lse, count, g, vocab_global=-1):
@@ -67,7 +79,7 @@ def _recompute_backward(o: LceOptions, h, w, t, lse, count, g, vocab_global=-1):
 # ---- one device holds the whole vocabulary ----
 
 def _forward(o: LceOptions, h, w, t, mode: int):
-    kept = _grads_like(h, w) if mode == _IN_FORWARD else [((0,), _F32), ((0,), _F32)]
+    kept = _kept_like(o, h, w) if mode == _IN_FORWARD else [((0,), _F32), ((0,), _F32)]
     return _ffi.call("lce_forward", loss_results(h.shape[0], o.ce.reduction) + kept, h, w, t,
                      **o.attributes(mode))
 
@@ -86,7 +98,7 @@ def _linear_cross_entropy_bwd(o, saved, grads):
     g = grads[0]  # lse is returned for the z-loss apart: detached
     if o.mode == _IN_FORWARD:
         dh, dw = saved
-        return _scaled(dh, g), _scaled(dw, g), None
+        return _scaled(dh, g, dh.dtype), _scaled(dw, g, o.weight_dtype), None
     h, w, t, lse, count = saved
     return (*_recompute_backward(o, h, w, t, lse, count, g), None)
 
@@ -153,12 +165,21 @@ def _mode(mode: int, reduction: int, dtype) -> int:
     return auto if mode == _AUTO else mode
 
 
+def _options(ce, softcap, workspace, mode, weight, accumulation) -> LceOptions:
+    """The handlers' options; the weight gradient's sum in fp32 where asked, or ('auto') where it
+    is fp32 anyway (a float32 weight: JAX has no fp32 accumulator beside a 16-bit weight)."""
+    dtype = np.dtype(weight.dtype)
+    fp32 = bool(accumulation) if accumulation != _ACCUMULATION["auto"] else dtype == np.float32
+    block = _ffi.backward_vocab_block(_RECOMPUTE, fp32, DTYPES[dtype], weight.shape[1])
+    return LceOptions(ce, softcap, workspace, allows_tf32(), mode, fp32, dtype, block)
+
+
 def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                          label_smoothing: float = 0.0, smoothing_formula: str = "pytorch",
                          smoothing_scope: str = "global", reduction: str = "mean",
                          z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
-                         backward_mode: str = "auto", class_weight=None,
-                         return_z_loss: bool = False, axis_name=None,
+                         backward_mode: str = "auto", dweight_accumulation: str = "auto",
+                         class_weight=None, return_z_loss: bool = False, axis_name=None,
                          sequence_parallel: bool = False):
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
     fusedloss.linear_cross_entropy computes it (the same C++ core).
@@ -170,6 +191,13 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     (default 256 MiB). float32 inputs may use TF32 GEMMs on GPUs unless
     jax.default_matmul_precision is 'highest' / 'float32'. backward_mode: 'auto' (in_forward for
     sum/mean, recompute for none and float16), 'in_forward' or 'recompute' (see the module).
+
+    dweight_accumulation: how the weight gradient sums over token chunks, as the PyTorch op's.
+    'auto': in fp32 for a float32 weight, else in the weight's dtype. 'weight_dtype': chunk pair
+    by chunk pair in the weight's dtype (no fp32 [V, H] copy). 'fp32': as exact as one GEMM over
+    all tokens, for a 16-bit weight too: in_forward keeps an fp32 [V, H] between forward and
+    backward (rounded once there); recompute loops over vocabulary blocks outside the token
+    chunks (fp32 scratch: [N, H] plus a 128 MiB block).
 
     axis_name (inside jax.shard_map): weight is this device's contiguous shard of the
     vocabulary along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local));
@@ -194,7 +222,8 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                                     smoothing_formula=smoothing_formula,
                                     smoothing_scope=smoothing_scope, reduction=reduction,
                                     z_loss=z_loss, logit_softcap=logit_softcap,
-                                    workspace_bytes=workspace_bytes, backward_mode=backward_mode))
+                                    workspace_bytes=workspace_bytes, backward_mode=backward_mode,
+                                    dweight_accumulation=dweight_accumulation))
     ce = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                           reduction, z_loss)
     softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
@@ -203,6 +232,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
         raise ValueError(f"workspace_bytes: got {workspace}, expected None or a positive number "
                          "of bytes")
     mode = as_choice(backward_mode, "backward_mode", _MODES)
+    accumulation = as_choice(dweight_accumulation, "dweight_accumulation", _ACCUMULATION)
     sequence_parallel = as_bool(sequence_parallel, "sequence_parallel")
     if sequence_parallel and axis_name is None:
         raise ValueError("sequence_parallel: got True without axis_name, expected the mesh axis "
@@ -221,7 +251,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     mode = _mode(mode, ce.reduction, hidden.dtype)
     _ffi.validate_linear_cross_entropy(ce, softcap, workspace, mode, h.shape[0], weight.shape[0],
                                        h.shape[1])
-    o = LceOptions(ce, softcap, workspace, allows_tf32(), mode)
+    o = _options(ce, softcap, workspace, mode, weight, accumulation)
     t = index(target)
     if axis_name is None:
         loss, lse = _linear_cross_entropy(o, h, weight, t)

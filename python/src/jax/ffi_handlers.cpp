@@ -273,6 +273,9 @@ fl::LinearCrossEntropyOptions lce_options(const Attrs& a) {
   if (workspace > 0) o.workspace_bytes = size_t(workspace);
   o.allow_tf32 = attr<bool>(a, "allow_tf32");
   o.backward_mode = fl::LinearCeBackward(attr<int64_t>(a, "backward_mode"));
+  // > 0: the recompute backward's exact fp32 sum of a 16-bit dweight (dweight_accumulation
+  // "fp32"), the block fusedloss_jax_backward_vocab_block gives
+  o.vocab_block = attr<int64_t>(a, "vocab_block");
   return o;
 }
 
@@ -872,6 +875,15 @@ int fusedloss_jax_validate_rms_norm(float eps, int32_t zero_centered_gamma, char
     o.zero_centered_gamma = zero_centered_gamma != 0;
     fl::validate_rms_norm_options(o);
   });
+}
+
+// The vocab_block of a linear cross-entropy backward of the resolved `mode` (LinearCeBackward)
+// into a dweight of `dtype` (DType) with an fp32 (1) or weight-dtype (0) accumulation.
+int64_t fusedloss_jax_backward_vocab_block(int32_t mode, int32_t fp32_accumulation, int32_t dtype,
+                                           int64_t hidden) {
+  return fl::linear_cross_entropy_backward_vocab_block(fl::LinearCeBackward(mode),
+                                                       fp32_accumulation != 0, fl::DType(dtype),
+                                                       hidden);
 }
 
 // Whether the RMSNorm kernels read a weight of dtype `weight` beside x of dtype `x` as it is.
