@@ -331,6 +331,87 @@ def test_dweight_accumulation_fp32_weight_and_vocab_parallel():
     _close(dw, want[1], BF16, "dweight")
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("shape", [(40,), (8, 5)])
+def test_linear_cross_entropy_loss_mask(dtype, shape):
+    # Megatron's loss_func: c * sum(mask * loss), the in-forward backward finding c
+    h = jax.random.normal(_key(160), (*shape, 16), F32).astype(dtype)
+    w = (jax.random.normal(_key(161), (48, 16), F32) * 0.4).astype(dtype)
+    t = _targets(_key(162), shape, 48)
+    mask = jax.random.bernoulli(_key(163), 0.6, shape).astype(jnp.int32)
+    c = 1.0 / 37
+
+    def loss_func(op):
+        return lambda h, w: c * jnp.sum(mask * op(h, w))
+    masked = lambda h, w: fj.linear_cross_entropy(  # noqa: E731
+        h, w, t, reduction="none", loss_mask=mask, workspace_bytes=3 * 48 * 4 * 2)
+    loss, grads = jax.jit(jax.value_and_grad(loss_func(masked), (0, 1)))(h, w)
+    want, wgrads = jax.value_and_grad(loss_func(
+        lambda h, w: ref_linear_cross_entropy(h, w, t, reduction="none")), (0, 1))(
+        h.astype(jnp.float64), w.astype(jnp.float64))
+    _close(loss, want, dtype, "loss")
+    for got, ref, name in zip(grads, wgrads, ("dhidden", "dweight")):
+        assert got.dtype == dtype
+        _close(got, ref, dtype, name)
+    # the returned loss is not masked; recompute takes the mask's place for any upstream gradient
+    per_token = masked(h, w)
+    _close(per_token, ref_linear_cross_entropy(h, w, t, reduction="none"), dtype, "per-token loss")
+    recomputed = jax.grad(loss_func(lambda h, w: fj.linear_cross_entropy(
+        h, w, t, reduction="none", loss_mask=mask, backward_mode="recompute")), (0, 1))(h, w)
+    for got, ref, name in zip(recomputed, wgrads, ("dhidden", "dweight")):
+        _close(got, ref, dtype, f"recompute {name}")
+    # vmap: each element its own c
+    hs = jnp.stack([h, h * 0.5])
+    dhs = jax.vmap(jax.grad(loss_func(masked)))(hs, jnp.stack([w, w]))
+    _close(dhs[1], jax.grad(loss_func(lambda h, w: ref_linear_cross_entropy(
+        h, w, t, reduction="none")))(h.astype(jnp.float64) * 0.5, w.astype(jnp.float64)),
+        dtype, "vmapped dhidden")
+
+
+def test_linear_cross_entropy_loss_mask_needs_a_proportional_upstream_gradient():
+    h = jax.random.normal(_key(164), (12, 8), F32)
+    w = jax.random.normal(_key(165), (20, 8), F32)
+    t = _targets(_key(166), (12,), 20)
+    mask = jnp.arange(12) % 3 != 0
+    g = jax.random.normal(_key(167), (12,), F32)  # not c * mask
+    f = lambda h: jnp.sum(g * fj.linear_cross_entropy(h, w, t, reduction="none",  # noqa: E731
+                                                      loss_mask=mask))
+    if jax.devices()[0].platform == "gpu":  # CUDA: NaN gradients, named by check_device_errors
+        assert np.isnan(np.asarray(jax.grad(f)(h))).all()
+        _raises("", fj.check_device_errors)
+    else:
+        _raises(r"grad_loss\[0\]: got .* expected c \* row_weight", lambda: jax.block_until_ready(
+            jax.grad(f)(h)), error=Exception)
+    # a 'sum' or 'mean' takes no mask; nor does a class weight
+    _raises(r"loss_mask: got an array with reduction='mean', expected reduction='none'",
+            fj.linear_cross_entropy, h, w, t, loss_mask=mask)
+    _raises(r"loss_mask: got shape \(11,\), expected target's shape \(12,\)",
+            fj.linear_cross_entropy, h, w, t, reduction="none", loss_mask=mask[:-1])
+    _raises(r"loss_mask\.dtype: got complex64, expected a real dtype", fj.linear_cross_entropy,
+            h, w, t, reduction="none", loss_mask=mask.astype(jnp.complex64))
+    _raises(r"loss_mask: got an array with class_weight", fj.linear_cross_entropy, h, w, t,
+            reduction="none", loss_mask=mask, class_weight=jnp.ones(20))
+
+
+def test_vocab_parallel_loss_mask_recomputes():
+    mesh = _mesh(2)
+    h = jax.random.normal(_key(168), (16, 12), F32)
+    w = jax.random.normal(_key(169), (64, 12), F32) * 0.3
+    t = _targets(_key(170), (16,), 64)
+    mask = jnp.arange(16) % 4 != 1
+    body = lambda h, w, t, m: fj.linear_cross_entropy(  # noqa: E731
+        h, w, t, reduction="none", loss_mask=m, axis_name="tp")
+    sharded = _shard_map(body, mesh, (P(), P("tp"), P(), P()), P())
+    step = lambda f: jax.grad(lambda h, w: jnp.sum(mask * f(h, w)) / 9, (0, 1))  # noqa: E731
+    with _on(mesh):
+        got = jax.jit(step(lambda h, w: sharded(h, w, t, mask)))(
+            _put(mesh, h, P()), _put(mesh, w, P("tp")))
+    want = step(lambda h, w: ref_linear_cross_entropy(h, w, t, reduction="none"))(
+        h.astype(jnp.float64), w.astype(jnp.float64))
+    _close(got[0], want[0], F32, "dhidden")
+    _close(got[1], want[1], F32, "dweight")
+
+
 def test_linear_cross_entropy_check_grads():
     h = jax.random.normal(_key(13), (5, 4), F32)
     w = jax.random.normal(_key(14), (7, 4), F32)
@@ -919,7 +1000,8 @@ def test_bad_inputs_name_the_argument_the_value_and_what_was_expected():
             fj.linear_cross_entropy, h, w, t)
     _raises(r"weight: got shape \(10, 7\), expected \[V_local, 8\]", fj.linear_cross_entropy,
             h, jnp.zeros((10, 7), BF16), t)
-    _raises(r"backward_mode: got 'in_forward' with reduction='none', expected 'recompute' or 'auto'",
+    _raises(r"backward_mode: got 'in_forward' with reduction='none' and no loss_mask, expected "
+            r"'recompute' or 'auto'",
             fj.linear_cross_entropy, h, w.astype(BF16), t, reduction="none", backward_mode="in_forward")
     _raises(r"backward_mode: got 'in_forward' with float16 inputs", fj.linear_cross_entropy,
             h.astype(F16), w.astype(F16), t, backward_mode="in_forward")

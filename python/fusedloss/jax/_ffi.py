@@ -15,9 +15,9 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
-        "lce_local_stats", "lce_backward", "lp_forward", "lp_backward", "lp_local_stats",
-        "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward", "swiglu_backward",
-        "swiglu_gate_up_forward", "swiglu_gate_up_backward")
+        "lce_local_stats", "lce_backward", "lce_scale_rows", "lp_forward", "lp_backward",
+        "lp_local_stats", "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
+        "swiglu_backward", "swiglu_gate_up_forward", "swiglu_gate_up_backward")
 
 
 def _load():
@@ -140,11 +140,13 @@ def validate_linear_cross_entropy(o, softcap: float, workspace_bytes: int, mode:
              _i64(vocab_local), _i64(hidden))
 
 
-def resolve_linear_ce_backward(mode: int, reduction: int, dtype: int) -> int:
-    """The core's rule for backward_mode "auto" (and its check of an explicit one)."""
+def resolve_linear_ce_backward(mode: int, reduction: int, dtype: int,
+                               row_weighted: bool = False) -> int:
+    """The core's rule for backward_mode "auto" (and its check of an explicit one);
+    row_weighted: reduction 'none' with a loss_mask."""
     resolved = _i32(0)
     _checked(_lib.fusedloss_jax_resolve_linear_ce_backward, _i32(mode), _i32(reduction),
-             _i32(dtype), ctypes.byref(resolved))
+             _i32(dtype), _i32(int(row_weighted)), ctypes.byref(resolved))
     return resolved.value
 
 

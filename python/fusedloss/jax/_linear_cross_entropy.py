@@ -78,29 +78,39 @@ def _recompute_backward(o: LceOptions, h, w, t, lse, count, g, vocab_global=-1):
 
 # ---- one device holds the whole vocabulary ----
 
-def _forward(o: LceOptions, h, w, t, mode: int):
-    kept = _kept_like(o, h, w) if mode == _IN_FORWARD else [((0,), _F32), ((0,), _F32)]
+def _forward(o: LceOptions, h, w, t, m, mode: int):
+    """m: the loss_mask's row weights [N] fp32 (reduction 'none'), read by in_forward alone."""
+    in_forward = mode == _IN_FORWARD
+    kept = _kept_like(o, h, w) if in_forward else [((0,), _F32), ((0,), _F32)]
+    weighted = in_forward and m is not None
     return _ffi.call("lce_forward", loss_results(h.shape[0], o.ce.reduction) + kept, h, w, t,
-                     **o.attributes(mode))
+                     *((m,) if weighted else ()), has_row_weight=weighted, **o.attributes(mode))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _linear_cross_entropy(o, h, w, t):
-    return _forward(o, h, w, t, _RECOMPUTE)[:2]  # not differentiated: the forward alone
+def _linear_cross_entropy(o, h, w, t, m):
+    return _forward(o, h, w, t, m, _RECOMPUTE)[:2]  # not differentiated: the forward alone
 
 
-def _linear_cross_entropy_fwd(o, h, w, t):
-    loss, lse, count, dh, dw = _forward(o, h, w, t, o.mode)
-    return (loss, lse), ((dh, dw) if o.mode == _IN_FORWARD else (h, w, t, lse, count))
+def _linear_cross_entropy_fwd(o, h, w, t, m):
+    loss, lse, count, dh, dw = _forward(o, h, w, t, m, o.mode)
+    if o.mode != _IN_FORWARD:
+        return (loss, lse), (h, w, t, lse, count)
+    # with a loss_mask the backward finds the upstream gradient's c (= c * m) in the core
+    return (loss, lse), ((dh, dw) if m is None else (h, w, t, m, dh, dw))
 
 
 def _linear_cross_entropy_bwd(o, saved, grads):
     g = grads[0]  # lse is returned for the z-loss apart: detached
-    if o.mode == _IN_FORWARD:
+    if o.mode == _IN_FORWARD and len(saved) == 2:
         dh, dw = saved
-        return _scaled(dh, g, dh.dtype), _scaled(dw, g, o.weight_dtype), None
+        return _scaled(dh, g, dh.dtype), _scaled(dw, g, o.weight_dtype), None, None
+    if o.mode == _IN_FORWARD:
+        h, w, t, m, dh, dw = saved
+        return (*_ffi.call("lce_scale_rows", _grads_like(h, w), h, w, t, dh, dw, m,
+                           g.astype(_F32), **o.attributes(_IN_FORWARD)), None, None)
     h, w, t, lse, count = saved
-    return (*_recompute_backward(o, h, w, t, lse, count, g), None)
+    return (*_recompute_backward(o, h, w, t, lse, count, g), None, None)
 
 
 _linear_cross_entropy.defvjp(_linear_cross_entropy_fwd, _linear_cross_entropy_bwd)
@@ -150,14 +160,16 @@ def _validate(hidden, weight, target, token_slices: int):
                         "along dim 0, without the hidden dim: sequence_parallel=True", shape=shape)
 
 
-def _mode(mode: int, reduction: int, dtype) -> int:
-    """backward_mode "auto": in_forward for sum/mean, recompute for none and for fp16 inputs (the
-    core's rule); an explicit in_forward where auto would not take it is refused."""
-    auto = _ffi.resolve_linear_ce_backward(_AUTO, reduction, DTYPES[np.dtype(dtype)])
+def _mode(mode: int, reduction: int, dtype, masked: bool) -> int:
+    """backward_mode "auto": in_forward for sum/mean and for none with a loss_mask (masked),
+    recompute for none without one and for fp16 inputs (the core's rule); an explicit
+    in_forward where auto would not take it is refused."""
+    auto = _ffi.resolve_linear_ce_backward(_AUTO, reduction, DTYPES[np.dtype(dtype)], masked)
     if mode == _IN_FORWARD and auto != _IN_FORWARD:
         raise ValueError(
-            "backward_mode: got 'in_forward' with reduction='none', expected 'recompute' or "
-            "'auto' (per-row losses have per-row upstream gradients, known only in the backward)"
+            "backward_mode: got 'in_forward' with reduction='none' and no loss_mask, expected "
+            "'recompute' or 'auto' (per-row losses have per-row upstream gradients, known only "
+            "in the backward), or a loss_mask the upstream gradient is proportional to"
             if reduction == NONE else
             f"backward_mode: got 'in_forward' with {np.dtype(dtype).name} inputs, expected "
             "'recompute' or 'auto' (the in-forward gradient is stored in fp16 before the upstream "
@@ -179,7 +191,8 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                          smoothing_scope: str = "global", reduction: str = "mean",
                          z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
                          backward_mode: str = "auto", dweight_accumulation: str = "auto",
-                         class_weight=None, return_z_loss: bool = False, axis_name=None,
+                         loss_mask=None, class_weight=None, return_z_loss: bool = False,
+                         axis_name=None,
                          sequence_parallel: bool = False):
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
     fusedloss.linear_cross_entropy computes it (the same C++ core).
@@ -199,6 +212,15 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     backward (rounded once there); recompute loops over vocabulary blocks outside the token
     chunks (fp32 scratch: [N, H] plus a 128 MiB block).
 
+    loss_mask (reduction='none'): an array of target's shape (any real dtype, no gradient) the
+    caller reduces the per-token loss with, loss = c * sum(loss_mask * loss) for one scalar c
+    (Megatron's loss_func). 'auto' then takes in_forward (3 GEMMs, not 4): the forward computes
+    the gradients of sum(loss_mask * loss), and the backward finds c from the upstream gradient,
+    which must be c * loss_mask (on the CPU another one raises at the call; on CUDA its
+    gradients are NaN and fusedloss.jax.check_device_errors() raises). The returned loss is not
+    masked. backward_mode='recompute' (and float16, and axis_name) takes any upstream gradient
+    and does not read the mask.
+
     axis_name (inside jax.shard_map): weight is this device's contiguous shard of the
     vocabulary along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local));
     targets are global ids. The backward is recompute there. hidden holds every token, the same
@@ -214,6 +236,9 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     logits), not with axis_name.
     """
     if class_weight is not None:
+        if loss_mask is not None:
+            raise ValueError("loss_mask: got an array with class_weight, expected None (a class "
+                             "weight weighs the rows itself: scale them with reduction='none')")
         if as_bool(return_z_loss, "return_z_loss"):
             raise ValueError("class_weight: got an array with return_z_loss=True, expected "
                              "return_z_loss=False (not returned apart with a class weight)")
@@ -248,13 +273,14 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
             raise ValueError("backward_mode: got 'in_forward' with axis_name, expected 'recompute' "
                              "or 'auto' (the in-forward gradients need the merged statistics of "
                              "every chunk inside the GEMM loop, where XLA runs no collective)")
-    mode = _mode(mode, ce.reduction, hidden.dtype)
+    m = None if loss_mask is None else _row_weights(loss_mask, target, reduction)
+    mode = _mode(mode, ce.reduction, hidden.dtype, m is not None and axis_name is None)
     _ffi.validate_linear_cross_entropy(ce, softcap, workspace, mode, h.shape[0], weight.shape[0],
                                        h.shape[1])
     o = _options(ce, softcap, workspace, mode, weight, accumulation)
     t = index(target)
     if axis_name is None:
-        loss, lse = _linear_cross_entropy(o, h, weight, t)
+        loss, lse = _linear_cross_entropy(o, h, weight, t, m)
     else:
         if axis_name in _ffi.varying_axes(weight):  # (check_vma: shard_map's types)
             # varying over the axis like the weight shard: the transpose of that cast sums the
@@ -262,6 +288,23 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
             h = _ffi.varying(h, (axis_name,))
         loss, lse = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
     return with_z_loss(loss, lse, target, ce, return_z_loss)
+
+
+def _row_weights(loss_mask, target, reduction):
+    """The loss_mask as the in-forward backward's row weights: flat fp32, no gradient; checked
+    with the PyTorch op's messages."""
+    require_array(loss_mask, "loss_mask")
+    if reduction != "none":
+        raise ValueError(f"loss_mask: got an array with reduction={reduction!r}, expected "
+                         "reduction='none' (it weights the per-token losses; a sum or mean "
+                         "takes the in-forward backward without one)")
+    if tuple(loss_mask.shape) != tuple(target.shape):
+        raise ValueError(f"loss_mask: got shape {tuple(loss_mask.shape)}, expected target's "
+                         f"shape {tuple(target.shape)}")
+    if jnp.issubdtype(loss_mask.dtype, jnp.complexfloating):
+        raise ValueError(f"loss_mask.dtype: got {np.dtype(loss_mask.dtype).name}, expected a real "
+                         "dtype (bool, integer or floating point)")
+    return jax.lax.stop_gradient(loss_mask.reshape(-1).astype(_F32))
 
 
 def _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel, kw):

@@ -380,13 +380,17 @@ fl::LinearCrossEntropyGrads head_grads(const Batch& b, const ffi::AnyBuffer& dh,
   return grads;
 }
 
-// hidden [.., N, H], weight [.., V, H], target [.., N] -> loss, lse, count (as ce_forward's),
-// dhidden [.., N, H] and dweight [.., V, H] (in_forward: the gradients for a unit upstream
-// gradient; recompute: [.., 0] placeholders)
+// hidden [.., N, H], weight [.., V, H], target [.., N] (, row weights [.., N] fp32: in_forward
+// of reduction 'none' with a loss_mask, attribute has_row_weight) -> loss, lse, count (as
+// ce_forward's), dhidden [.., N, H] and dweight [.., V, H] (in_forward: the gradients for a
+// unit upstream gradient, or of sum(row_weight * loss); recompute: [.., 0] placeholders)
 void lce_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::CrossEntropyOptions ce = ce_options(attrs);
   const fl::LinearCrossEntropyOptions o = lce_options(attrs);
   const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2);
+  std::optional<ffi::AnyBuffer> row_weight;
+  if (auto has = attrs.get<bool>("has_row_weight"); has.has_value() && *has)
+    row_weight = arg(args, 3);
   const ffi::AnyBuffer dh = ret(rets, 3), dw = ret(rets, 4);
   const Batch b(ret(rets, 1), 1);
   const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
@@ -401,6 +405,7 @@ void lce_forward(const Place& p, const Args& args, const Rets& rets, const Attrs
     if (in_forward) {
       out.dhidden = matrix(dh, b.offset(dh, 2, i), rows, hidden, p);
       out.dweight = matrix(dw, b.offset(dw, 2, i), vocab, hidden, p);
+      if (row_weight) out.row_weight = f32_at(*row_weight, b.offset(*row_weight, 1, i));
     }
     fl::linear_cross_entropy_forward(matrix(h, b.offset(h, 2, i), rows, hidden, p),
                                      matrix(w, b.offset(w, 2, i), vocab, hidden, p),
@@ -450,6 +455,31 @@ void lce_backward(const Place& p, const Args& args, const Rets& rets, const Attr
         matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
         f32_at(lse, b.offset(lse, 1, i)), f32_at(g, b.offset(g, g_core, i)),
         f32_at(count, b.offset(count, 0, i)), ce, o, {}, grads, p.stream);
+  }
+}
+
+// The in-forward backward of reduction 'none' with row weights: hidden, weight, target, the
+// forward's dhidden [.., N, H] and dweight [.., V, H] (for sum(row_weight * loss)), row weights
+// [.., N] fp32, grad_loss [.., N] = c * row_weight -> dhidden, dweight (c times the saved ones;
+// c found where grad_loss lives; another grad_loss has no c: an error on the CPU, NaN on CUDA)
+void lce_scale_rows(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::CrossEntropyOptions ce = ce_options(attrs);
+  const fl::LinearCrossEntropyOptions o = lce_options(attrs);
+  const ffi::AnyBuffer h = arg(args, 0), w = arg(args, 1), t = arg(args, 2),
+                       sdh = arg(args, 3), sdw = arg(args, 4), rw = arg(args, 5), g = arg(args, 6);
+  const ffi::AnyBuffer dh = ret(rets, 0), dw = ret(rets, 1);
+  const Batch b(dh, 2);
+  const int64_t rows = dim(h, 2), hidden = dim(h, 1), vocab = dim(w, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    fl::LinearCrossEntropyOutputs saved;
+    saved.dhidden = matrix(sdh, b.offset(sdh, 2, i), rows, hidden, p);
+    saved.dweight = matrix(sdw, b.offset(sdw, 2, i), vocab, hidden, p);
+    saved.row_weight = f32_at(rw, b.offset(rw, 1, i));
+    fl::linear_cross_entropy_backward(
+        matrix(h, b.offset(h, 2, i), rows, hidden, p),
+        matrix(w, b.offset(w, 2, i), vocab, hidden, p), index(t, b.offset(t, 1, i), rows, p),
+        nullptr, f32_at(g, b.offset(g, 1, i)), nullptr, ce, o, saved,
+        head_grads(b, dh, dw, i, rows, vocab, hidden, p), p.stream);
   }
 }
 
@@ -773,6 +803,7 @@ FL_HANDLER(ce_merge, ce_merge)
 FL_HANDLER(lce_forward, lce_forward)
 FL_HANDLER(lce_local_stats, lce_local_stats)
 FL_HANDLER(lce_backward, lce_backward)
+FL_HANDLER(lce_scale_rows, lce_scale_rows)
 FL_HANDLER(lp_forward, lp_forward)
 FL_HANDLER(lp_backward, lp_backward)
 FL_HANDLER(lp_local_stats, lp_local_stats)
@@ -848,11 +879,14 @@ int fusedloss_jax_validate_linear_cross_entropy(int64_t ignore_index, float labe
 }
 
 // The backward mode `mode` (Auto, InForward, Recompute) resolves to for these inputs.
+// row_weighted: a reduction 'none' with a loss_mask (the row weights of the in-forward backward).
 int fusedloss_jax_resolve_linear_ce_backward(int32_t mode, int32_t reduction, int32_t dtype,
-                                             int32_t* resolved, char* message, size_t capacity) {
+                                             int32_t row_weighted, int32_t* resolved,
+                                             char* message, size_t capacity) {
   return checked(message, capacity, [&] {
     *resolved = int32_t(fl::resolve_linear_ce_backward(fl::LinearCeBackward(mode),
-                                                       fl::Reduction(reduction), fl::DType(dtype)));
+                                                       fl::Reduction(reduction), fl::DType(dtype),
+                                                       row_weighted != 0));
   });
 }
 
