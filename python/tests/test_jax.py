@@ -730,6 +730,38 @@ def test_swiglu_gate_up_check_grads_and_vmap():
         gates[1].astype(jnp.float64)), F32, "vmapped dgate")
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("form", ["fused", "gate_up"])
+def test_swiglu_fp8_input_store(dtype, form):
+    # the output from the input; the gradients from its e4m3 copy (as JAX's cast rounds it, NaN
+    # past e4m3's range: one entry at 1000)
+    y = (jax.random.normal(_key(180), (6, 5, 16), F32) * 2).at[1, 2, 3].set(1000.0).astype(dtype)
+    b = jax.random.normal(_key(181), (16,), F32) * 0.1
+    s = jax.random.uniform(_key(182), (6, 5, 1), F32, 0.5, 2.0)
+    g = jax.random.normal(_key(183), (6, 5, 8), F32)
+    kw = dict(bias=b, per_token_scale=s, gate_multiplier=1.2)
+    if form == "fused":
+        op = lambda y, fp8: fj.swiglu(y, fp8_input_store=fp8, **kw)  # noqa: E731
+    else:
+        op = lambda y, fp8: fj.swiglu(y[..., :8], y[..., 8:], fp8_input_store=fp8, **kw)  # noqa: E731
+    ref = lambda y, b, s: ref_swiglu_gate_up(y[..., :8], y[..., 8:], b, s, None, 1.2)  # noqa: E731
+    out, pull = jax.vjp(lambda y: op(y, True), y)
+    (dy,) = pull(g.astype(dtype))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(lambda y: op(y, False))(y)))
+    y8 = y.astype(jnp.float8_e4m3fn).astype(jnp.float64)
+    want = jax.grad(lambda y: jnp.sum(ref(y, b, s) * g.astype(dtype)))(y8)
+    got = np.asarray(dy, np.float64)
+    nan = np.isnan(np.asarray(want))
+    assert nan.any() and np.array_equal(np.isnan(got), nan)  # the row with 1000 in its copy
+    _close(np.where(nan, 0.0, got), np.where(nan, 0.0, want), dtype, "dy from the e4m3 copy")
+    assert dy.dtype == dtype
+    # the other gradients (bias, scale) from the copy too, and the jaxpr keeps e4m3, not y
+    residuals = jax.vjp(lambda y: op(y, True), y)[1]
+    kept = {str(np.dtype(leaf.dtype)) for leaf in jax.tree.leaves(residuals)
+            if hasattr(leaf, "dtype") and leaf.ndim == 2}  # (bias and scale: 1-D)
+    assert kept == {"float8_e4m3fn"}, kept
+
+
 def test_swiglu_forms_bad_inputs():
     gate, up = jnp.zeros((4, 4), F32), jnp.zeros((4, 4), F32)
     _raises(r"up: got shape \(4, 3\), expected gate's shape \(4, 4\) \(swiglu\(gate, up\)",
@@ -748,6 +780,8 @@ def test_swiglu_forms_bad_inputs():
     _raises(r"^gate_multiplier: got inf", fj.swiglu, gate, up, gate_multiplier=float("inf"))
     _raises(r"^down_multiplier: got nan", fj.swiglu, jnp.zeros((4, 8)), down_multiplier=float("nan"))
     _raises(r"^clamp_value: got -1", fj.swiglu, gate, up, clamp_value=-1.0)
+    _raises(r"fp8_input_store: got 'yes' \(str\), expected True or False", fj.swiglu, gate, up,
+            fp8_input_store="yes", error=TypeError)
 
 
 # ---- composition: jit, grad, value_and_grad, vmap ----
@@ -1141,13 +1175,14 @@ def test_cuda_swiglu_gate_up_matches_the_cpu():
     b = jax.random.normal(_key(144), (128,), F32) * 0.1
     s = jax.random.uniform(_key(145), (3, 50, 1), F32, 0.5, 2.0)
 
-    def step(gate, up, b, s):
-        out = fj.swiglu(gate, up, bias=b, per_token_scale=s, clamp_value=2.0, gate_multiplier=0.8,
-                        down_multiplier=1.5)
-        return jnp.sum(out.astype(F32) ** 2)
-    results = [jax.jit(jax.value_and_grad(step, (0, 1, 2, 3)))(
-        *(jax.device_put(a, d) for a in (gate, up, b, s))) for d in (gpu, cpu)]
-    for a, b_, name in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
-                           ("value", "dgate", "dup", "dbias", "dscale")):
-        _close(a, b_, BF16, name)
+    for fp8 in (False, True):  # the fp8 input store too
+        def step(gate, up, b, s):
+            out = fj.swiglu(gate, up, bias=b, per_token_scale=s, clamp_value=2.0,
+                            gate_multiplier=0.8, down_multiplier=1.5, fp8_input_store=fp8)
+            return jnp.sum(out.astype(F32) ** 2)
+        results = [jax.jit(jax.value_and_grad(step, (0, 1, 2, 3)))(
+            *(jax.device_put(a, d) for a in (gate, up, b, s))) for d in (gpu, cpu)]
+        for a, b_, name in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
+                               ("value", "dgate", "dup", "dbias", "dscale")):
+            _close(a, b_, BF16, f"{name} (fp8 store {fp8})")
     fj.check_device_errors()

@@ -5,6 +5,7 @@ separate gate and up projections (Hugging Face's and Liger's gate_proj(x), up_pr
     out = silu(m (gate + b_g)) * (up + b_u) * s * d
 
 math in fp32, one handler call per pass; m and d are Falcon-H1's gate and down multipliers."""
+import functools
 from functools import partial
 from typing import NamedTuple
 
@@ -13,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from ._args import as_float, require_float_aux, require_values
+from ._args import as_bool, as_float, require_float_aux, require_values
 
 _F32 = jnp.float32
+_E4M3 = jnp.float8_e4m3fn
 _OP = "fusedloss.swiglu"
 
 
@@ -24,16 +26,33 @@ class SwOptions(NamedTuple):
     clamp_value: float  # 0: no clamp
     gate_multiplier: float
     down_multiplier: float
+    fp8_store: bool  # the backward reads an e4m3 copy of the input, kept instead of it
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_e4m3_saturates() -> bool:
+    """Whether the running JAX's float8_e4m3fn cast gives +-448 past e4m3's range (else NaN):
+    the fp8 input store rounds as the framework's own cast, as the PyTorch op follows torch's."""
+    with jax.ensure_compile_time_eval():  # (asked while a caller's function is traced)
+        cast = jnp.asarray(1e4, _F32).astype(_E4M3).astype(_F32)
+    return bool(np.isfinite(np.asarray(cast)))
 
 
 def _extras(bias, scale):
     return tuple(a for a in (bias, scale) if a is not None)
 
 
-def _attributes(o: SwOptions, bias, scale):
+def _attributes(o: SwOptions, bias, scale, stored: bool = False):
+    """stored: the call writes (forward) or reads (backward) the e4m3 copy."""
     return dict(clamp_value=o.clamp_value, gate_multiplier=o.gate_multiplier,
                 down_multiplier=o.down_multiplier, has_bias=bias is not None,
-                has_scale=scale is not None)
+                has_scale=scale is not None, fp8_store=stored,
+                fp8_saturate=_jax_e4m3_saturates() if stored else True)
+
+
+def _stored(o: SwOptions, rows, two_n):
+    """The forward's e4m3 result where the input is stored so."""
+    return [((rows, two_n), _E4M3)] if o.fp8_store else []
 
 
 def _aux_results(rows, two_n, bias, scale):
@@ -50,24 +69,29 @@ def _aux_grads(rest, bias, scale):
 
 # ---- the fused form: y [T, 2n] ----
 
+def _fused_forward(o, y, bias, scale, stored):
+    rows, cols = y.shape
+    results = [((rows, cols // 2), y.dtype)] + (_stored(o, rows, cols) if stored else [])
+    return _ffi.call("swiglu_forward", results, y, *_extras(bias, scale),
+                     **_attributes(o, bias, scale, stored))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _swiglu(o, y, bias, scale):
-    rows, cols = y.shape
-    (out,) = _ffi.call("swiglu_forward", [((rows, cols // 2), y.dtype)], y, *_extras(bias, scale),
-                       **_attributes(o, bias, scale))
-    return out
+    return _fused_forward(o, y, bias, scale, False)[0]
 
 
 def _swiglu_fwd(o, y, bias, scale):
-    return _swiglu(o, y, bias, scale), (y, bias, scale)
+    out, *y8 = _fused_forward(o, y, bias, scale, o.fp8_store)
+    return out, ((y8[0] if y8 else y), bias, scale)
 
 
 def _swiglu_bwd(o, saved, g):
-    y, bias, scale = saved
+    y, bias, scale = saved  # y: the input, or its e4m3 copy (the fp8 store)
     rows, cols = y.shape
-    dy, *rest = _ffi.call("swiglu_backward", [(y.shape, y.dtype)] +
-                          _aux_results(rows, cols, bias, scale), g.astype(y.dtype), y,
-                          *_extras(bias, scale), **_attributes(o, bias, scale))
+    dy, *rest = _ffi.call("swiglu_backward", [(y.shape, g.dtype)] +
+                          _aux_results(rows, cols, bias, scale), g, y, *_extras(bias, scale),
+                          **_attributes(o, bias, scale, o.fp8_store))
     return (dy, *_aux_grads(rest, bias, scale))
 
 
@@ -76,24 +100,31 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 # ---- the two-tensor form: gate [T, n] and up [T, n] ----
 
+def _gate_up_forward(o, gate, up, bias, scale, stored):
+    rows, n = gate.shape
+    results = [(gate.shape, gate.dtype)] + (_stored(o, rows, 2 * n) if stored else [])
+    return _ffi.call("swiglu_gate_up_forward", results, gate, up, *_extras(bias, scale),
+                     **_attributes(o, bias, scale, stored))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _swiglu_gate_up(o, gate, up, bias, scale):
-    (out,) = _ffi.call("swiglu_gate_up_forward", [(gate.shape, gate.dtype)], gate, up,
-                       *_extras(bias, scale), **_attributes(o, bias, scale))
-    return out
+    return _gate_up_forward(o, gate, up, bias, scale, False)[0]
 
 
 def _swiglu_gate_up_fwd(o, gate, up, bias, scale):
-    return _swiglu_gate_up(o, gate, up, bias, scale), (gate, up, bias, scale)
+    out, *in8 = _gate_up_forward(o, gate, up, bias, scale, o.fp8_store)
+    # the fp8 store: [gate | up] in e4m3, one array, in place of both
+    return out, ((in8[0],) if in8 else (gate, up), bias, scale)
 
 
 def _swiglu_gate_up_bwd(o, saved, g):
-    gate, up, bias, scale = saved
-    rows, n = gate.shape
+    inputs, bias, scale = saved
+    rows, n = g.shape
     dgate, dup, *rest = _ffi.call(
-        "swiglu_gate_up_backward", [(gate.shape, gate.dtype)] * 2 +
-        _aux_results(rows, 2 * n, bias, scale), g.astype(gate.dtype), gate, up,
-        *_extras(bias, scale), **_attributes(o, bias, scale))
+        "swiglu_gate_up_backward", [(g.shape, g.dtype)] * 2 +
+        _aux_results(rows, 2 * n, bias, scale), g, *inputs, *_extras(bias, scale),
+        **_attributes(o, bias, scale, o.fp8_store))
     return (dgate, dup, *_aux_grads(rest, bias, scale))
 
 
@@ -158,16 +189,17 @@ def _aux(bias, per_token_scale, ref, ref_name, two_n, rows, bias_note, dtype):
     return b, s
 
 
-def _options(clamp_value, gate_multiplier, down_multiplier) -> SwOptions:
+def _options(clamp_value, gate_multiplier, down_multiplier, fp8_input_store) -> SwOptions:
     c = None if clamp_value is None else as_float(clamp_value, "clamp_value")
     m = as_float(gate_multiplier, "gate_multiplier")
     d = as_float(down_multiplier, "down_multiplier")
     _ffi.validate_swiglu(c, m, d)
-    return SwOptions(c or 0.0, m, d)
+    return SwOptions(c or 0.0, m, d, as_bool(fp8_input_store, "fp8_input_store"))
 
 
 def swiglu(y_or_gate, up_or_bias=None, /, *, bias=None, per_token_scale=None, clamp_value=None,
-           gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
+           gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
+           fp8_input_store: bool = False):
     """silu(gate) * up, as fusedloss.swiglu computes it, in its two forms (float32/float16/
     bfloat16):
 
@@ -188,9 +220,13 @@ def swiglu(y_or_gate, up_or_bias=None, /, *, bias=None, per_token_scale=None, cl
     (torch 2.15's rule; jnp.clip's gradient on the bound differs). gate_multiplier m and
     down_multiplier d are Falcon-H1's mlp_multipliers: silu(m (gate + b_g)) * (up + b_u) * d,
     the clamp applying to m (gate + b_g); static numbers, no gradient.
+
+    fp8_input_store (Megatron's): the forward keeps an e4m3 copy of the input ([..., 2n]: y, or
+    [gate | up]) for the backward instead of the input, which then computes from the rounded
+    values; values past e4m3's range round as JAX's float8_e4m3fn cast gives them.
     """
     up, bias = _form(y_or_gate, up_or_bias, bias)
-    o = _options(clamp_value, gate_multiplier, down_multiplier)
+    o = _options(clamp_value, gate_multiplier, down_multiplier, fp8_input_store)
     if up is not None:
         return _two_tensors(y_or_gate, up, bias, per_token_scale, o)
     y = y_or_gate

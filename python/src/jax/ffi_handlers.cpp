@@ -157,6 +157,7 @@ fl::DType value_dtype(ffi::DataType t) {
     case ffi::DataType::F32: return fl::DType::F32;
     case ffi::DataType::F16: return fl::DType::F16;
     case ffi::DataType::BF16: return fl::DType::BF16;
+    case ffi::DataType::F8E4M3FN: return fl::DType::FP8_E4M3;  // SwiGLU's fp8 input store
     default: internal("a value buffer of XLA type " + std::to_string(int(t)));
   }
 }
@@ -293,6 +294,8 @@ fl::SwigluOptions swiglu_options(const Attrs& a) {
   o.clamp_value = clamp_value;
   o.gate_multiplier = attr<float>(a, "gate_multiplier");
   o.down_multiplier = attr<float>(a, "down_multiplier");
+  // the fp8 input store's values past e4m3's range: as the running JAX's cast gives them
+  o.fp8_saturate = attr<bool>(a, "fp8_saturate");
   return o;
 }
 
@@ -680,7 +683,21 @@ SwigluAuxGrads swiglu_aux_grads(const Rets& rets, size_t first, const SwigluExtr
   return d;
 }
 
-// y [.., T, 2n] (, bias, scale) -> out [.., T, n]
+// The fp8 input store's e4m3 copy [.., T, 2n] of a SwiGLU forward (its second result, attribute
+// fp8_store), or none.
+std::optional<ffi::AnyBuffer> fp8_store(const Rets& rets, const Attrs& attrs) {
+  if (!attr<bool>(attrs, "fp8_store")) return std::nullopt;
+  return ret(rets, 1);
+}
+
+// Row view of [T, 2n] `b`'s columns [first, first + n) (the gate's or the up's half).
+fl::MatrixView half(const ffi::AnyBuffer& b, int64_t offset, int64_t rows, int64_t n,
+                    int64_t first, const Place& place) {
+  return fl::MatrixView{at(b, offset + first), rows, n, 2 * n, value_dtype(b.element_type()),
+                        place.device};
+}
+
+// y [.., T, 2n] (, bias, scale) -> out [.., T, n] (, its e4m3 copy [.., T, 2n]: fp8_store)
 void swiglu_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::SwigluOptions o = swiglu_options(attrs);
   const ffi::AnyBuffer y = arg(args, 0), out = ret(rets, 0);
@@ -688,12 +705,15 @@ void swiglu_forward(const Place& p, const Args& args, const Rets& rets, const At
   const Batch b(out, 2);
   int64_t rows = dim(y, 2), items = b.size();
   const int64_t cols = dim(y, 1);
+  const std::optional<ffi::AnyBuffer> y8 = fp8_store(rets, attrs);
   const bool merged = swiglu_merged(b, {y}, e);
   if (merged) rows *= items, items = 1;  // one call over every item's rows
   for (int64_t i = 0; i < items; ++i) {
     const SwigluAux a = swiglu_aux(e, b, i, merged, rows, cols, p);
     fl::swiglu_forward(matrix(y, merged ? 0 : b.offset(y, 2, i), rows, cols, p), a.bias, a.scale,
-                       o, matrix(out, i * rows * cols / 2, rows, cols / 2, p), {}, p.stream);
+                       o, matrix(out, i * rows * cols / 2, rows, cols / 2, p),
+                       y8 ? matrix(*y8, i * rows * cols, rows, cols, p) : fl::MatrixView{},
+                       p.stream);
   }
 }
 
@@ -716,6 +736,7 @@ void swiglu_backward(const Place& p, const Args& args, const Rets& rets, const A
 }
 
 // The two-tensor form: gate [.., T, n], up [.., T, n] (, bias [.., 2n], scale) -> out [.., T, n]
+// (, the e4m3 copy [.., T, 2n] of [gate | up]: fp8_store)
 void swiglu_gate_up_forward(const Place& p, const Args& args, const Rets& rets,
                             const Attrs& attrs) {
   const fl::SwigluOptions o = swiglu_options(attrs);
@@ -724,32 +745,41 @@ void swiglu_gate_up_forward(const Place& p, const Args& args, const Rets& rets,
   const Batch b(out, 2);
   int64_t rows = dim(gate, 2), items = b.size();
   const int64_t n = dim(gate, 1);
+  const std::optional<ffi::AnyBuffer> in8 = fp8_store(rets, attrs);
   const bool merged = swiglu_merged(b, {gate, up}, e);
   if (merged) rows *= items, items = 1;  // one call over every item's rows
   for (int64_t i = 0; i < items; ++i) {
     const SwigluAux a = swiglu_aux(e, b, i, merged, rows, 2 * n, p);
     fl::swiglu_gate_up_forward(matrix(gate, merged ? 0 : b.offset(gate, 2, i), rows, n, p),
                                matrix(up, merged ? 0 : b.offset(up, 2, i), rows, n, p), a.bias,
-                               a.scale, o, matrix(out, i * rows * n, rows, n, p), {}, p.stream);
+                               a.scale, o, matrix(out, i * rows * n, rows, n, p),
+                               in8 ? matrix(*in8, i * rows * 2 * n, rows, 2 * n, p)
+                                   : fl::MatrixView{},
+                               p.stream);
   }
 }
 
-// grad_out [.., T, n], gate, up [.., T, n] (, bias, scale) -> grad_gate, grad_up [.., T, n]
-// (, grad_scale [.., T] fp32 with a scale) (, grad_bias [.., 2n] fp32 with a bias)
+// grad_out [.., T, n], gate, up [.., T, n] (fp8_store: the forward's e4m3 copy [.., T, 2n] in
+// their place, one argument) (, bias, scale) -> grad_gate, grad_up [.., T, n] (, grad_scale
+// [.., T] fp32 with a scale) (, grad_bias [.., 2n] fp32 with a bias)
 void swiglu_gate_up_backward(const Place& p, const Args& args, const Rets& rets,
                              const Attrs& attrs) {
   const fl::SwigluOptions o = swiglu_options(attrs);
-  const ffi::AnyBuffer g = arg(args, 0), gate = arg(args, 1), up = arg(args, 2);
+  const bool stored = attr<bool>(attrs, "fp8_store");
+  const ffi::AnyBuffer g = arg(args, 0), gate = arg(args, 1), up = arg(args, stored ? 1 : 2);
   const ffi::AnyBuffer dgate = ret(rets, 0), dup = ret(rets, 1);
-  const SwigluExtras e = swiglu_extras(args, 3, attrs);
+  const SwigluExtras e = swiglu_extras(args, stored ? 2 : 3, attrs);
   const SwigluAuxGrads d = swiglu_aux_grads(rets, 2, e);
   const Batch b(dgate, 2);
-  const int64_t rows = dim(gate, 2), n = dim(gate, 1);
+  const int64_t rows = dim(dgate, 2), n = dim(dgate, 1);
   for (int64_t i = 0; i < b.size(); ++i) {
     const SwigluAux a = swiglu_aux(e, b, i, false, rows, 2 * n, p);
+    const int64_t at_gate = b.offset(gate, 2, i), at_up = b.offset(up, 2, i);
     fl::swiglu_gate_up_backward(matrix(g, b.offset(g, 2, i), rows, n, p),
-                                matrix(gate, b.offset(gate, 2, i), rows, n, p),
-                                matrix(up, b.offset(up, 2, i), rows, n, p), a.bias, a.scale, o,
+                                stored ? half(gate, at_gate, rows, n, 0, p)
+                                       : matrix(gate, at_gate, rows, n, p),
+                                stored ? half(up, at_up, rows, n, n, p)
+                                       : matrix(up, at_up, rows, n, p), a.bias, a.scale, o,
                                 matrix(dgate, b.offset(dgate, 2, i), rows, n, p),
                                 matrix(dup, b.offset(dup, 2, i), rows, n, p),
                                 d.scale_at(i * rows), d.bias_at(i * 2 * n), p.stream);
