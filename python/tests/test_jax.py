@@ -527,12 +527,12 @@ def test_z_loss_apart(reduction, sharded):
         if sharded:
             mesh = _mesh(2)
             spec = (P(None, "tp"), P()) if name == "cross_entropy" else (P(), P("tp"))
-            body = _shard_map(lambda a, w: tuple(op(a, w, axis_name="tp", **kw)), mesh, spec,
+            body = _shard_map(lambda a, w: tuple(op(a, w, axis_name="tp", **kw))[:2], mesh, spec,
                               (P(), P()))
             with _on(mesh):
                 out = body(_put(mesh, arg, spec[0]), _put(mesh, w, spec[1]))
         else:
-            out = tuple(op(arg, w, **kw))
+            out = tuple(op(arg, w, **kw))[:2]
         part = np.where(np.asarray(counted), 1e-2 * np.asarray(lse[name]) ** 2, 0.0)
         want = part if reduction == "none" else part.sum() if reduction == "sum" else \
             part.sum() / np.asarray(counted).sum()
@@ -541,6 +541,69 @@ def test_z_loss_apart(reduction, sharded):
         _close(out[0], plain, what=f"{name} loss")
     g = jax.grad(lambda x: fj.cross_entropy(x, t, z_loss=1e-2, return_z_loss=True).z_loss)(x)
     assert not np.asarray(g).any()  # detached
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, False), (4, False), (2, True)])
+def test_token_accuracy_and_predicted_tokens(reduction, tp, sequence_parallel):
+    # the arg-max of float64 logits (a tie across shards: the smallest id), the accuracy reduced
+    # as the loss, -1 and 0 on ignored rows; the loss unchanged
+    x = jax.random.normal(_key(190), (16, 64), F32) * 2
+    x = x.at[3, 5].set(9.0).at[3, 37].set(9.0)  # a tie in shard 0 and shard 1 (and 2 of 4)
+    h = jax.random.normal(_key(192), (16, 12), F32)
+    w = jax.random.normal(_key(193), (64, 12), F32) * 0.4
+    t = _targets(_key(191), (16,), 64).at[2].set(int(jnp.argmax(x[2]))).at[7].set(
+        int(jnp.argmax(h[7].astype(jnp.float64) @ w.astype(jnp.float64).T)))  # a hit for each
+    kw = dict(reduction=reduction, return_token_accuracy=True, return_predicted_tokens=True,
+              logit_softcap=3.0)
+    ops = {"cross_entropy": (x, lambda a, w, **k: fj.cross_entropy(a, t, **k)),
+           "linear": (h, lambda a, w, **k: fj.linear_cross_entropy(a, w, t, **k))}
+    for name, (arg, op) in ops.items():
+        if name == "cross_entropy" and sequence_parallel:
+            continue  # (the linear head's option)
+        if tp == 1:
+            out = op(arg, w, **kw)
+        else:
+            mesh = _mesh(tp)
+            extra = dict(sequence_parallel=True) if sequence_parallel else {}
+            spec = (P(None, "tp"), P()) if name == "cross_entropy" else \
+                (P("tp") if sequence_parallel else P(), P("tp"))
+            body = _shard_map(lambda a, w: tuple(op(a, w, axis_name="tp", **extra, **kw)), mesh,
+                              spec, (P(),) * 4)
+            with _on(mesh):
+                out = fj.CrossEntropyOutput(*body(_put(mesh, arg, spec[0]), _put(mesh, w, spec[1])))
+        logits = x.astype(jnp.float64) if name == "cross_entropy" else \
+            h.astype(jnp.float64) @ w.astype(jnp.float64).T
+        counted = np.asarray(t != -100)
+        predicted = np.asarray(jnp.argmax(logits, -1))
+        if name == "cross_entropy":
+            assert predicted[3] == 5
+        np.testing.assert_array_equal(np.asarray(out.predicted_tokens),
+                                      np.where(counted, predicted, -1), err_msg=name)
+        hits = (counted & (predicted == np.asarray(t))).astype(np.float64)
+        assert hits.sum() >= 1
+        want = hits if reduction == "none" else hits.sum() if reduction == "sum" else \
+            hits.sum() / counted.sum()
+        _close(out.token_accuracy, want, what=f"{name} token_accuracy")
+        assert out.z_loss is None
+        plain = op(arg, w, reduction=reduction, logit_softcap=3.0)
+        _close(out.loss, plain, what=f"{name} loss")
+
+
+def test_token_extras_options_and_shapes():
+    x = jax.random.normal(_key(194), (4, 3, 20), F32)
+    t = _targets(_key(195), (4, 3), 20)
+    out = jax.jit(lambda x: fj.cross_entropy(x, t, return_predicted_tokens=True))(x)
+    assert out.predicted_tokens.shape == t.shape and out.token_accuracy is None
+    g = jax.grad(lambda x: fj.cross_entropy(x, t, return_token_accuracy=True).loss)(x)
+    _close(g, jax.grad(lambda x: fj.cross_entropy(x, t))(x), what="dlogits")
+    _raises(r"return_token_accuracy: got 'yes' \(str\), expected True or False",
+            fj.cross_entropy, x, t, return_token_accuracy="yes", error=TypeError)
+    _raises(r"weight: got an array with return_token_accuracy or return_predicted_tokens",
+            fj.cross_entropy, x, t, weight=jnp.ones(20), return_predicted_tokens=True)
+    h, w = jnp.ones((4, 3, 8)), jnp.ones((20, 8))
+    _raises(r"class_weight: got an array with return_token_accuracy",
+            fj.linear_cross_entropy, h, w, t, class_weight=jnp.ones(20), return_token_accuracy=True)
 
 
 # ---- a per-class weight ----

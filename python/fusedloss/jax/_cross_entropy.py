@@ -8,7 +8,7 @@ backward one pass that reads the logits and writes the gradient, into the logits
          reads them)
 """
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,8 @@ from . import _ffi
 from ._args import (NONE, REDUCTIONS, CeOptions, as_bool, as_float, index, loss_results,
                     parse_ce_options, require_targets, require_values)
 from ._class_weight import check_class_weight, weighted
-from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
+from ._vocab_parallel import (axis_place, axis_size, local_targets, merge, replicated_cotangent,
+                              shard_options, sharded_argmax)
 
 _F32 = jnp.float32
 
@@ -101,7 +102,8 @@ def _validate(logits, target):
 def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   smoothing_formula: str = "pytorch", smoothing_scope: str = "global",
                   reduction: str = "mean", z_loss: float = 0.0, logit_softcap=None,
-                  weight=None, return_z_loss: bool = False, axis_name=None):
+                  weight=None, return_z_loss: bool = False, return_token_accuracy: bool = False,
+                  return_predicted_tokens: bool = False, axis_name=None):
     """Cross-entropy of logits [N, V] or [s, b, V] (float32/float16/bfloat16) against integer
     targets of the logits' shape without V, as fusedloss.cross_entropy computes it (the same C++
     core): no [N, V] softmax, the loss in float32 for every input dtype, and a 'mean' over no
@@ -117,8 +119,10 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     jax.lax.all_gather of 16 B/row, and every device gets the same loss (a per-device loss with
     smoothing_scope='partition'); the gradient of each shard stays on its device.
 
-    return_z_loss=True returns CrossEntropyOutput(loss, z_loss): the z-loss part apart (see
-    there).
+    return_z_loss, return_token_accuracy, return_predicted_tokens (Liger's options): a
+    CrossEntropyOutput(loss, z_loss, token_accuracy, predicted_tokens) instead of the loss, with
+    the fields asked for (see there); the arg-max under axis_name is the whole vocabulary's (each
+    shard's best, one all_gather).
 
     weight: a per-class weight [V], as torch.nn.functional.cross_entropy's (with label smoothing
     too: torch's weighted smoothing term, one more read of the logits), not with axis_name.
@@ -126,10 +130,15 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     A target outside [0, V) that is not ignore_index is an error of the call (on the CPU; on
     CUDA its row's loss is NaN and fusedloss.jax.check_device_errors() raises).
     """
+    want = Extras.of(return_z_loss, return_token_accuracy, return_predicted_tokens)
     if weight is not None:
-        if as_bool(return_z_loss, "return_z_loss"):
+        if want.z_loss:
             raise ValueError("weight: got an array with return_z_loss=True, expected "
                              "return_z_loss=False (not returned apart with a class weight)")
+        if want.argmax:
+            raise ValueError("weight: got an array with return_token_accuracy or "
+                             "return_predicted_tokens, expected neither (not returned with a "
+                             "class weight)")
         return _class_weighted(logits, target, weight, ignore_index, label_smoothing,
                                smoothing_formula, smoothing_scope, reduction, z_loss,
                                logit_softcap, axis_name)
@@ -147,31 +156,79 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
         loss, lse = _cross_entropy(o, softcap, x, t)
     else:
         loss, lse = _sharded_cross_entropy(o, softcap, axis_name, x, t)
-    return with_z_loss(loss, lse, target, o, return_z_loss)
+    def argmax():  # of the logits (the soft cap, monotonic, keeps it); no gradient
+        xs = jax.lax.stop_gradient(x)
+        return jnp.argmax(xs, -1) if axis_name is None else sharded_argmax(xs, axis_name)
+    return with_extras(loss, lse, target, o, want, argmax)
 
 
 class CrossEntropyOutput(NamedTuple):
-    """A loss with its z-loss part apart (return_z_loss=True): z_loss * lse^2 of the counted
-    rows, reduced as the loss, which includes it; detached (for logging)."""
+    """What cross_entropy() and linear_cross_entropy() return when a return_* option asks for
+    more than the loss (Liger's fields, as fusedloss.CrossEntropyOutput's; those not asked for
+    are None). All but the loss are detached (for logging).
+
+    loss              the loss, as without the options (it includes the z-loss)
+    z_loss            z_loss * lse^2 of the counted rows, reduced as the loss (per row for
+                      reduction='none', 0 on ignored rows)
+    token_accuracy    whether argmax == target: per row (0.0 on ignored rows) for 'none', else
+                      the fraction over the counted rows (0 where none counts)
+    predicted_tokens  the arg-max of each row's logits in target's shape (the smallest id of a
+                      tie; -1 on ignored rows), whatever the reduction
+    """
     loss: jax.Array
-    z_loss: jax.Array
+    z_loss: Optional[jax.Array] = None
+    token_accuracy: Optional[jax.Array] = None
+    predicted_tokens: Optional[jax.Array] = None
 
 
-def with_z_loss(loss, lse, target, o: CeOptions, return_z_loss):
-    """The loss in target's shape (reduction 'none'), with its z-loss part apart when asked."""
+class Extras(NamedTuple):
+    """The return_* options asked for."""
+    z_loss: bool
+    token_accuracy: bool
+    predicted_tokens: bool
+
+    @staticmethod
+    def of(return_z_loss, return_token_accuracy, return_predicted_tokens) -> "Extras":
+        return Extras(as_bool(return_z_loss, "return_z_loss"),
+                      as_bool(return_token_accuracy, "return_token_accuracy"),
+                      as_bool(return_predicted_tokens, "return_predicted_tokens"))
+
+    @property
+    def argmax(self) -> bool:
+        return self.token_accuracy or self.predicted_tokens
+
+
+def _reduced(part, counted, target, reduction: int):
+    """A per-row extra reduced as the loss: per row in target's shape ('none'), summed, or the
+    mean over the counted rows (0 over none, as the loss)."""
+    if reduction == NONE:
+        return part.reshape(target.shape)
+    if reduction == REDUCTIONS["sum"]:
+        return part.sum()
+    n = counted.sum()
+    return jnp.where(n > 0, part.sum() / jnp.maximum(n, 1), 0.0)
+
+
+def with_extras(loss, lse, target, o: CeOptions, want: Extras, argmax):
+    """The loss in target's shape (reduction 'none'), with the extras asked for; argmax: a
+    callable giving each row's arg-max [rows], called only where one is asked for."""
     loss = loss.reshape(target.shape) if o.reduction == NONE else loss
-    if not as_bool(return_z_loss, "return_z_loss"):
+    if not any(want):
         return loss
-    counted = target.reshape(-1) != o.ignore_index
-    part = jnp.where(counted, o.z_loss * jax.lax.stop_gradient(lse) ** 2, 0.0)
-    if o.reduction == NONE:
-        part = part.reshape(target.shape)
-    elif o.reduction == REDUCTIONS["sum"]:
-        part = part.sum()
-    else:  # 'mean' over the counted rows; over none, 0 (as the loss)
-        n = counted.sum()
-        part = jnp.where(n > 0, part.sum() / jnp.maximum(n, 1), 0.0)
-    return CrossEntropyOutput(loss, part)
+    t = target.reshape(-1)
+    counted = t != o.ignore_index
+    z = acc = tokens = None
+    if want.z_loss:
+        part = jnp.where(counted, o.z_loss * jax.lax.stop_gradient(lse) ** 2, 0.0)
+        z = _reduced(part, counted, target, o.reduction)
+    if want.argmax:
+        predicted = argmax().astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+        if want.token_accuracy:
+            hits = (counted & (predicted == t)).astype(jnp.float32)
+            acc = _reduced(hits, counted, target, o.reduction)
+        if want.predicted_tokens:
+            tokens = jnp.where(counted, predicted, -1).reshape(target.shape)
+    return CrossEntropyOutput(loss, z, acc, tokens)
 
 
 def _class_weighted(logits, target, weight, ignore_index, label_smoothing, smoothing_formula,

@@ -29,7 +29,8 @@ from ._args import (DTYPES, NONE, CeOptions, allows_tf32, as_bool, as_choice, as
                     index, loss_results, parse_ce_options, require_array, require_targets,
                     validate_head_operands)
 from ._class_weight import check_class_weight, weighted
-from ._cross_entropy import with_z_loss
+from ._cross_entropy import Extras, with_extras
+from ._linear_log_probs import linear_log_probs
 from ._vocab_parallel import axis_place, axis_size, local_targets, merge, replicated_cotangent, shard_options
 
 _F32 = jnp.float32
@@ -192,7 +193,8 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
                          z_loss: float = 0.0, logit_softcap=None, workspace_bytes=None,
                          backward_mode: str = "auto", dweight_accumulation: str = "auto",
                          loss_mask=None, class_weight=None, return_z_loss: bool = False,
-                         axis_name=None,
+                         return_token_accuracy: bool = False,
+                         return_predicted_tokens: bool = False, axis_name=None,
                          sequence_parallel: bool = False):
     """cross_entropy(hidden @ weight.T, target) without the [N, V] logits, as
     fusedloss.linear_cross_entropy computes it (the same C++ core).
@@ -228,20 +230,27 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
     dim 0 (target, and the loss of reduction 'none', cover every device's slice in axis order):
     the op all-gathers the slices, and their gradient comes back reduce-scattered.
 
-    return_z_loss=True returns CrossEntropyOutput(loss, z_loss): the z-loss part of the loss
-    (z_loss * lse^2 of the counted rows, reduced as the loss, which includes it), detached.
+    return_z_loss, return_token_accuracy, return_predicted_tokens: a CrossEntropyOutput, as
+    fusedloss.jax.cross_entropy's. The arg-max behind the last two is the log-prob head's
+    (fusedloss.jax.linear_log_probs with argmax=True, no gradient): one more logits GEMM over the
+    tokens; vocab- and sequence-parallel as the loss.
 
     class_weight: a per-class weight [V], as torch.nn.functional.cross_entropy's weight (with
     label smoothing too: torch's weighted smoothing term, from a GEMV over the weight, no
     logits), not with axis_name.
     """
+    want = Extras.of(return_z_loss, return_token_accuracy, return_predicted_tokens)
     if class_weight is not None:
         if loss_mask is not None:
             raise ValueError("loss_mask: got an array with class_weight, expected None (a class "
                              "weight weighs the rows itself: scale them with reduction='none')")
-        if as_bool(return_z_loss, "return_z_loss"):
+        if want.z_loss:
             raise ValueError("class_weight: got an array with return_z_loss=True, expected "
                              "return_z_loss=False (not returned apart with a class weight)")
+        if want.argmax:
+            raise ValueError("class_weight: got an array with return_token_accuracy or "
+                             "return_predicted_tokens, expected neither (not returned with a "
+                             "class weight)")
         return _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel,
                                dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                     smoothing_formula=smoothing_formula,
@@ -287,7 +296,13 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
             # partial dhidden of every shard (nothing to do for gathered slices, which vary)
             h = _ffi.varying(h, (axis_name,))
         loss, lse = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
-    return with_z_loss(loss, lse, target, ce, return_z_loss)
+    def argmax():  # the log-prob head's (one more logits GEMM), no gradient; the soft cap,
+        # monotonic, keeps it
+        return linear_log_probs(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
+                                target, entropy=False, argmax=True, ignore_index=ignore_index,
+                                workspace_bytes=workspace_bytes, axis_name=axis_name,
+                                sequence_parallel=sequence_parallel).argmax.reshape(-1)
+    return with_extras(loss, lse, target, ce, want, argmax)
 
 
 def _row_weights(loss_mask, target, reduction):

@@ -86,3 +86,14 @@ def merge(stats, t, o: CeOptions, axis_name, vocab_local: int, vocab_global: int
     return _ffi.call("ce_merge", loss_results(rows, o.reduction), gathered, local, t,
                      vocab_local=vocab_local, **o.attributes(vocab_global))
 
+
+def sharded_argmax(x, axis_name):
+    """The arg-max over the whole vocabulary of x [N, V_local], this device's shard: each
+    shard's best value and its global id, one all_gather, the first shard holding the best
+    (shards are in id order, so a tie gives the smallest id)."""
+    rank, _ = axis_place(axis_name)
+    best = jnp.max(x, -1)
+    ids = jnp.argmax(x, -1).astype(jnp.int32) + (rank * x.shape[-1]).astype(jnp.int32)
+    values = all_gather_invariant(best, axis_name)  # [parts, N]
+    owner = jnp.argmax(values, 0)
+    return jnp.take_along_axis(all_gather_invariant(ids, axis_name), owner[None], 0)[0]
