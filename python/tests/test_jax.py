@@ -544,8 +544,10 @@ def test_z_loss_apart(reduction, sharded):
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-@pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, False), (4, False), (2, True)])
-def test_token_accuracy_and_predicted_tokens(reduction, tp, sequence_parallel):
+@pytest.mark.parametrize("tp, sequence_parallel, check_vma", [
+    (1, False, True), (2, False, True), (2, False, False), (4, False, True), (2, True, True),
+    (2, True, False)])
+def test_token_accuracy_and_predicted_tokens(reduction, tp, sequence_parallel, check_vma):
     # the arg-max of float64 logits (a tie across shards: the smallest id), the accuracy reduced
     # as the loss, -1 and 0 on ignored rows; the loss unchanged
     x = jax.random.normal(_key(190), (16, 64), F32) * 2
@@ -569,7 +571,7 @@ def test_token_accuracy_and_predicted_tokens(reduction, tp, sequence_parallel):
             spec = (P(None, "tp"), P()) if name == "cross_entropy" else \
                 (P("tp") if sequence_parallel else P(), P("tp"))
             body = _shard_map(lambda a, w: tuple(op(a, w, axis_name="tp", **extra, **kw)), mesh,
-                              spec, (P(),) * 4)
+                              spec, (P(),) * 4, check_vma)
             with _on(mesh):
                 out = fj.CrossEntropyOutput(*body(_put(mesh, arg, spec[0]), _put(mesh, w, spec[1])))
         logits = x.astype(jnp.float64) if name == "cross_entropy" else \
