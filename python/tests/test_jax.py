@@ -601,11 +601,25 @@ def test_token_extras_options_and_shapes():
     _close(g, jax.grad(lambda x: fj.cross_entropy(x, t))(x), what="dlogits")
     _raises(r"return_token_accuracy: got 'yes' \(str\), expected True or False",
             fj.cross_entropy, x, t, return_token_accuracy="yes", error=TypeError)
-    _raises(r"weight: got an array with return_token_accuracy or return_predicted_tokens",
-            fj.cross_entropy, x, t, weight=jnp.ones(20), return_predicted_tokens=True)
-    h, w = jnp.ones((4, 3, 8)), jnp.ones((20, 8))
-    _raises(r"class_weight: got an array with return_token_accuracy",
-            fj.linear_cross_entropy, h, w, t, class_weight=jnp.ones(20), return_token_accuracy=True)
+    # with a class weight: the weighted loss, the accuracy unweighted (as the PyTorch op's)
+    cw = jax.random.uniform(_key(196), (20,), F32, 0.5, 2.0)
+    h = jax.random.normal(_key(197), (4, 3, 8), F32)
+    w = jax.random.normal(_key(198), (20, 8), F32)
+    for logits, out in ((x, fj.cross_entropy(x, t, weight=cw, label_smoothing=0.1,
+                                             return_token_accuracy=True,
+                                             return_predicted_tokens=True)),
+                        (h @ w.T, fj.linear_cross_entropy(h, w, t, class_weight=cw,
+                                                          label_smoothing=0.1,
+                                                          return_token_accuracy=True,
+                                                          return_predicted_tokens=True))):
+        counted = np.asarray(t != -100)
+        predicted = np.asarray(jnp.argmax(logits.astype(jnp.float64), -1))
+        np.testing.assert_array_equal(np.asarray(out.predicted_tokens),
+                                      np.where(counted, predicted, -1))
+        hits = counted & (predicted == np.asarray(t))
+        _close(out.token_accuracy, hits.sum() / counted.sum(), what="token_accuracy")
+        _close(out.loss, ref_weighted_cross_entropy(logits, t, cw, label_smoothing=0.1),
+               what="weighted loss")
 
 
 # ---- a per-class weight ----

@@ -122,7 +122,8 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
     return_z_loss, return_token_accuracy, return_predicted_tokens (Liger's options): a
     CrossEntropyOutput(loss, z_loss, token_accuracy, predicted_tokens) instead of the loss, with
     the fields asked for (see there); the arg-max under axis_name is the whole vocabulary's (each
-    shard's best, one all_gather).
+    shard's best, one all_gather). With a class weight the accuracy is unweighted, as the
+    PyTorch op's.
 
     weight: a per-class weight [V], as torch.nn.functional.cross_entropy's (with label smoothing
     too: torch's weighted smoothing term, one more read of the logits), not with axis_name.
@@ -135,13 +136,13 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
         if want.z_loss:
             raise ValueError("weight: got an array with return_z_loss=True, expected "
                              "return_z_loss=False (not returned apart with a class weight)")
-        if want.argmax:
-            raise ValueError("weight: got an array with return_token_accuracy or "
-                             "return_predicted_tokens, expected neither (not returned with a "
-                             "class weight)")
-        return _class_weighted(logits, target, weight, ignore_index, label_smoothing,
+        loss = _class_weighted(logits, target, weight, ignore_index, label_smoothing,
                                smoothing_formula, smoothing_scope, reduction, z_loss,
                                logit_softcap, axis_name)
+        o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                             reduction, z_loss)
+        x = logits.reshape(-1, logits.shape[-1])
+        return with_extras(loss, None, target, o, want, lambda: _argmax(x, None))
     o = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                          reduction, z_loss)
     softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
@@ -156,10 +157,14 @@ def cross_entropy(logits, target, *, ignore_index: int = -100, label_smoothing: 
         loss, lse = _cross_entropy(o, softcap, x, t)
     else:
         loss, lse = _sharded_cross_entropy(o, softcap, axis_name, x, t)
-    def argmax():  # of the logits (the soft cap, monotonic, keeps it); no gradient
-        xs = jax.lax.stop_gradient(x)
-        return jnp.argmax(xs, -1) if axis_name is None else sharded_argmax(xs, axis_name)
-    return with_extras(loss, lse, target, o, want, argmax)
+    return with_extras(loss, lse, target, o, want, lambda: _argmax(x, axis_name))
+
+
+def _argmax(x, axis_name):
+    """Each row's arg-max of the logits x [N, V_local] (the soft cap, monotonic, keeps it), the
+    whole vocabulary's under axis_name; no gradient."""
+    x = jax.lax.stop_gradient(x)
+    return jnp.argmax(x, -1) if axis_name is None else sharded_argmax(x, axis_name)
 
 
 class CrossEntropyOutput(NamedTuple):

@@ -247,17 +247,17 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
         if want.z_loss:
             raise ValueError("class_weight: got an array with return_z_loss=True, expected "
                              "return_z_loss=False (not returned apart with a class weight)")
-        if want.argmax:
-            raise ValueError("class_weight: got an array with return_token_accuracy or "
-                             "return_predicted_tokens, expected neither (not returned with a "
-                             "class weight)")
-        return _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel,
+        loss = _class_weighted(hidden, weight, target, class_weight, axis_name, sequence_parallel,
                                dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                                     smoothing_formula=smoothing_formula,
                                     smoothing_scope=smoothing_scope, reduction=reduction,
                                     z_loss=z_loss, logit_softcap=logit_softcap,
                                     workspace_bytes=workspace_bytes, backward_mode=backward_mode,
                                     dweight_accumulation=dweight_accumulation))
+        ce = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
+                              reduction, z_loss)
+        return with_extras(loss, None, target, ce, want, lambda: _head_argmax(
+            hidden, weight, target, ignore_index, workspace_bytes, None, False))
     ce = parse_ce_options(ignore_index, label_smoothing, smoothing_formula, smoothing_scope,
                           reduction, z_loss)
     softcap = 0.0 if logit_softcap is None else as_float(logit_softcap, "logit_softcap")
@@ -296,13 +296,18 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100,
             # partial dhidden of every shard (nothing to do for gathered slices, which vary)
             h = _ffi.varying(h, (axis_name,))
         loss, lse = _sharded_linear_cross_entropy(o, axis_name, h, weight, t)
-    def argmax():  # the log-prob head's (one more logits GEMM), no gradient; the soft cap,
-        # monotonic, keeps it
-        return linear_log_probs(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight),
-                                target, entropy=False, argmax=True, ignore_index=ignore_index,
-                                workspace_bytes=workspace_bytes, axis_name=axis_name,
-                                sequence_parallel=sequence_parallel).argmax.reshape(-1)
-    return with_extras(loss, lse, target, ce, want, argmax)
+    return with_extras(loss, lse, target, ce, want, lambda: _head_argmax(
+        hidden, weight, target, ignore_index, workspace_bytes, axis_name, sequence_parallel))
+
+
+def _head_argmax(hidden, weight, target, ignore_index, workspace_bytes, axis_name,
+                 sequence_parallel):
+    """Each row's arg-max of the logits [rows]: the log-prob head's (one more logits GEMM), no
+    gradient; the soft cap, monotonic, keeps it."""
+    return linear_log_probs(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(weight), target,
+                            entropy=False, argmax=True, ignore_index=ignore_index,
+                            workspace_bytes=workspace_bytes, axis_name=axis_name,
+                            sequence_parallel=sequence_parallel).argmax.reshape(-1)
 
 
 def _row_weights(loss_mask, target, reduction):
