@@ -77,3 +77,38 @@ def parse_ce_options(as_float, choices, ignore_index, label_smoothing, smoothing
                 as_choice(smoothing_formula, "smoothing_formula", formulas),
                 as_choice(smoothing_scope, "smoothing_scope", scopes),
                 as_float(z_loss, "z_loss"), as_choice(reduction, "reduction", reductions))
+
+
+def swiglu_form(first, second, bias, arrays, array_name, op):
+    """SwiGLU's positional arguments, as every adapter reads them: (up, bias), up None for the
+    fused form swiglu(y, bias), an array for the two-tensor form swiglu(gate, up). The second is
+    up when it has the first's shape, a bias when it is 1-D beside a first of 2 or more dims (a
+    1-D y is no fused input); anything else is a mistake, named. arrays: the framework's array
+    types; array_name: how its messages name one ("a torch.Tensor", "a jax.Array")."""
+    if second is None:
+        return None, bias
+    if not isinstance(second, arrays) or not isinstance(first, arrays):
+        what = second if not isinstance(second, arrays) else first
+        arg = "second" if what is second else "first"
+        plural = "tensors" if "Tensor" in array_name else "arrays"
+        raise TypeError(f"{op}: {arg} argument: got {type(what).__name__}, expected {array_name}: "
+                        "swiglu(y, bias) with y [..., 2n] = [gate | up] and bias [2n], or swiglu(gate, "
+                        f"up) with two {plural} of one shape; the options go by keyword")
+    a, b = tuple(first.shape), tuple(second.shape)
+    if a == b:
+        return second, bias
+    if len(b) == 1 and len(a) >= 2:
+        if bias is not None:
+            raise TypeError(f"{op}: bias given twice, as the second argument {b} and as "
+                            f"bias= {tuple(bias.shape)}")
+        return None, second
+    if len(a) == 1 and len(b) >= 2 and b[-1] == a[0]:
+        raise ValueError(f"{op}: got a first argument of shape {a} and a second of shape {b}: "
+                         "swapped? The fused form is swiglu(y, bias), y [..., 2n] first, then its "
+                         "bias [2n]")
+    hint = (" (a per-token scale [T, 1] goes by keyword: per_token_scale=)"
+            if len(b) >= 2 and b[-1] == 1 and a[-1] != 1 else "")
+    raise ValueError(f"up: got shape {b}, expected gate's shape {a} (swiglu(gate, up): the "
+                     f"separate gate and up projections, one up value per gate value){hint}; the "
+                     f"fused form's second argument is a bias of shape "
+                     f"({2 * a[-1] if len(a) == 1 else a[-1]},) = [2n]")

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _native
+from ._args import swiglu_form
 from ._op import FusedOp, through_custom_ops
 from ._views import (EAGER_CALL, _caller_stacklevel, _rows_view, apart_from, as_bool, as_dtype, as_float,
                      inplace_refused, matrix, require_float_aux, require_same_device, require_values, rows_of,
@@ -388,35 +389,8 @@ def _shape(t) -> tuple:
 
 
 def _form(first, second, bias):
-    """(up, bias): up None for the fused form swiglu(y, bias), a tensor for the two-tensor form
-    swiglu(gate, up). The second positional argument is up when it has the first's shape, a
-    bias when it is 1-D beside a y of 2 or more dims (a 1-D y is no fused input); anything else
-    is a mistake, named."""
-    if second is None:
-        return None, bias
-    if not isinstance(second, Tensor) or not isinstance(first, Tensor):
-        what = second if not isinstance(second, Tensor) else first
-        arg = "second" if what is second else "first"
-        raise TypeError(f"{_OP}: {arg} argument: got {type(what).__name__}, expected a torch.Tensor: "
-                        "swiglu(y, bias) with y [..., 2n] = [gate | up] and bias [2n], or swiglu(gate, "
-                        "up) with two tensors of one shape; the options go by keyword")
-    if second.shape == first.shape:
-        return second, bias
-    if second.dim() == 1 and first.dim() >= 2:
-        if bias is not None:
-            raise TypeError(f"{_OP}: bias given twice, as the second argument {_shape(second)} and as "
-                            f"bias= {_shape(bias)}")
-        return None, second
-    if first.dim() == 1 and second.dim() >= 2 and second.size(-1) == first.size(0):
-        raise ValueError(f"{_OP}: got a first argument of shape {_shape(first)} and a second of shape "
-                         f"{_shape(second)}: swapped? The fused form is swiglu(y, bias), y [..., 2n] "
-                         "first, then its bias [2n]")
-    hint = (" (a per-token scale [T, 1] goes by keyword: per_token_scale=)"
-            if second.dim() >= 2 and second.size(-1) == 1 and first.size(-1) != 1 else "")
-    raise ValueError(f"up: got shape {_shape(second)}, expected gate's shape {_shape(first)} "
-                     "(swiglu(gate, up): the separate gate and up projections, one up value per "
-                     f"gate value){hint}; the fused form's second argument is a bias of shape "
-                     f"({2 * first.size(-1) if first.dim() == 1 else first.size(-1)},) = [2n]")
+    """(up, bias) from the positional arguments: fusedloss._args.swiglu_form."""
+    return swiglu_form(first, second, bias, (Tensor,), "a torch.Tensor", _OP)
 
 
 def _check_aux(bias, per_token_scale, ref, ref_name, two_n, rows, bias_note):

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import _ffi
 from ._args import as_bool, as_float, require_float_aux, require_values
+from .._args import swiglu_form
 
 _F32 = jnp.float32
 _E4M3 = jnp.float8_e4m3fn
@@ -134,37 +135,8 @@ _swiglu_gate_up.defvjp(_swiglu_gate_up_fwd, _swiglu_gate_up_bwd)
 # ---- arguments ----
 
 def _form(first, second, bias):
-    """(up, bias), as the PyTorch op reads its positional arguments: up None for the fused form
-    swiglu(y, bias), an array for the two-tensor form swiglu(gate, up). The second is up when it
-    has the first's shape, a bias when it is 1-D beside a first of 2 or more dims; anything else
-    is a mistake, named."""
-    if second is None:
-        return None, bias
-    arrays = (jax.Array, np.ndarray)
-    if not isinstance(second, arrays) or not isinstance(first, arrays):
-        what = second if not isinstance(second, arrays) else first
-        arg = "second" if what is second else "first"
-        raise TypeError(f"{_OP}: {arg} argument: got {type(what).__name__}, expected a jax.Array: "
-                        "swiglu(y, bias) with y [..., 2n] = [gate | up] and bias [2n], or swiglu(gate, "
-                        "up) with two arrays of one shape; the options go by keyword")
-    if second.shape == first.shape:
-        return second, bias
-    if second.ndim == 1 and first.ndim >= 2:
-        if bias is not None:
-            raise TypeError(f"{_OP}: bias given twice, as the second argument {tuple(second.shape)} "
-                            f"and as bias= {tuple(bias.shape)}")
-        return None, second
-    if first.ndim == 1 and second.ndim >= 2 and second.shape[-1] == first.shape[0]:
-        raise ValueError(f"{_OP}: got a first argument of shape {tuple(first.shape)} and a second of "
-                         f"shape {tuple(second.shape)}: swapped? The fused form is swiglu(y, bias), "
-                         "y [..., 2n] first, then its bias [2n]")
-    hint = (" (a per-token scale [T, 1] goes by keyword: per_token_scale=)"
-            if second.ndim >= 2 and second.shape[-1] == 1 and first.shape[-1] != 1 else "")
-    two_n = 2 * first.shape[-1] if first.ndim == 1 else first.shape[-1]
-    raise ValueError(f"up: got shape {tuple(second.shape)}, expected gate's shape "
-                     f"{tuple(first.shape)} (swiglu(gate, up): the separate gate and up "
-                     f"projections, one up value per gate value){hint}; the fused form's second "
-                     f"argument is a bias of shape ({two_n},) = [2n]")
+    """(up, bias) from the positional arguments: fusedloss._args.swiglu_form."""
+    return swiglu_form(first, second, bias, (jax.Array, np.ndarray), "a jax.Array", _OP)
 
 
 def _aux(bias, per_token_scale, ref, ref_name, two_n, rows, bias_note, dtype):
