@@ -75,6 +75,31 @@ def test_options_see_the_biased_logits(device, reduction, options):
     _check(device, torch.float32, reduction, mode="recompute", **options)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_biased_logit_is_rounded_once(device, dtype):
+    # Large positive logits (Liger's init: torch.rand weight and bias, |z| ~ 10): a logit
+    # rounded twice (h @ W^T to the dtype, then + bias to the dtype again) is 1 ulp off, which
+    # moves the per-row losses by ~5e-2 and dhidden by 10x torch's own error; rounded once, as
+    # F.linear rounds it, the losses equal those of float64 over the once-rounded logits.
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ())))
+    N, H, V = 8, 512, 512
+    w = torch.rand(V, H, generator=g).to(dtype)
+    b = torch.rand(V, generator=g).to(dtype)
+    h = torch.randn(N, H, generator=g).to(dtype)
+    t = torch.randint(0, V, (N,), generator=g)
+    got = fusedloss.linear_cross_entropy(h.to(device), w.to(device), t.to(device), b.to(device),
+                                         reduction="none")
+    z = F.linear(h.double(), w.double(), b.double()).to(dtype).double()  # rounded once
+    want = F.cross_entropy(z, t, reduction="none")
+    twice = F.cross_entropy((F.linear(h.double(), w.double()).to(dtype).double() + b.double())
+                            .to(dtype).double(), t, reduction="none")
+    err = (got.double().cpu() - want).abs()
+    # the GEMM's fp32 sum may round a logit that sits within an fp32 ulp of a tie the other way
+    # from float64's: a few such logits, never the 1-ulp shift of every one
+    assert err.mean().item() <= 1e-2 * (twice - want).abs().mean().item() + 1e-5, (
+        err.mean().item(), (twice - want).abs().mean().item())
+
+
 def test_loss_mask_and_one_chunk(device):
     # the row-weighted in-forward gradients (loss_mask), and one chunk of every token
     h, w, b, t = _problem(device, torch.float32)

@@ -133,15 +133,9 @@ VectorView bias_columns(const VectorView& b, int64_t col0, int64_t cols) {
   return v;
 }
 
-// The step that starts each chunk's logits buffer as the bias's columns [col0, ...), for the
-// logits GEMM to add to (null without a bias).
-core::LceStep bias_step(const VectorView& bias, int64_t col0 = 0) {
-  if (bias.data == nullptr) return {};
-  return [=](const MatrixView& logits, int64_t, [[maybe_unused]] Stream s) {
-    const VectorView b = bias_columns(bias, col0, logits.cols);
-    FL_DISPATCH(logits.device, "linear_cross_entropy", cpu::lce_fill_bias(logits, b),
-                cuda::lce_fill_bias(logits, b, s));
-  };
+// The bias's columns of a vocabulary slice of V_local columns from col0 (none without a bias).
+VectorView bias_of(const VectorView& bias, int64_t col0, int64_t cols) {
+  return bias.data == nullptr ? VectorView{} : bias_columns(bias, col0, cols);
 }
 
 // `gradient`, then the chunk's dlogits summed into dbias32 (fp32, a float per column; null:
@@ -414,7 +408,7 @@ void linear_cross_entropy_forward(const MatrixView& hidden, const MatrixView& we
   char* exchange = mem + layout.exchange_at;
 
   core::LceSteps steps;
-  steps.prefill = bias_step(out.bias);
+  steps.bias = bias_of(out.bias, 0, weight.rows);
   steps.forward = [&, parallel](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     core::CeParams pc = chunk_params(p, logits.rows);
     pc.reduction = Reduction::None;  // per-row losses; reduced once after the loop
@@ -485,7 +479,7 @@ void linear_cross_entropy_local_stats(const MatrixView& hidden, const MatrixView
                                            "linear_cross_entropy_local_stats_scratch_bytes")
                          : nullptr;
   core::LceSteps steps;
-  steps.prefill = bias_step(bias);
+  steps.bias = bias_of(bias, 0, weight.rows);
   steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
     const core::CeParams pc = chunk_params(p, logits.rows);
     const IndexView tc = target_rows(target, row0, logits.rows);
@@ -611,7 +605,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
       scale_vector(dev, dbias32, grads.dbias, grads.dbias_dtype, V, dbias32 + V, stream);
   };
   core::LceSteps steps;
-  steps.prefill = bias_step(saved.bias);
+  steps.bias = bias_of(saved.bias, 0, weight.rows);
   if (options.vocab_block == 0) {
     steps.gradient = with_column_sums(gradient_step(target, p, lse, grad_loss, valid_count),
                                       dbias32);
@@ -659,7 +653,7 @@ void linear_cross_entropy_backward(const MatrixView& hidden, const MatrixView& w
     const bool direct = all_direct || plan.chunk >= N;
     detail::require(direct || block_floats > 0, kFn, ": internal: a vocabulary block of ", nb,
                     " rows needs the fp32 block that was not allocated");
-    steps.prefill = bias_step(saved.bias, b0);
+    steps.bias = bias_of(saved.bias, b0, nb);
     steps.gradient = with_column_sums(gradient_step(target, pb, lse, grad_loss, valid_count),
                                       dbias32 ? dbias32 + b0 : nullptr);
     run_loop(dev, kFn, plan, hidden, wb, steps,

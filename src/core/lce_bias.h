@@ -1,10 +1,14 @@
 // The linear heads' LM-head bias (logits = hidden @ weight^T + bias), the math both backends
-// share. Each row of a chunk's logits buffer starts as the bias, and the logits GEMM adds
-// hidden @ weight^T to it in its fp32 accumulator (beta = 1): the biased logit is rounded once
-// to the chunk's dtype, as torch's F.linear (addmm) rounds it, and every cross-entropy step,
-// the soft-cap first, sees it. Its gradient is the column sum of the chunk's dlogits (the
-// gradient step's output, in the chunk's dtype, as the weight-gradient GEMM reads it), summed
-// in fp32 across chunks.
+// share. The bias, in the logits' dtype (exact for a bias of that dtype; an fp32 bias beside
+// 16-bit logits is rounded to theirs first), is added to the logits GEMM's fp32 sum, and the
+// biased logit is rounded once to the chunk's dtype, as torch's F.linear rounds it; every
+// cross-entropy step, the soft-cap first, sees it. The CPU backend starts each row of a chunk's
+// buffer as the bias and its GEMM adds hidden @ weight^T in an fp32 tile (beta = 1); the CUDA
+// backend gives cuBLASLt the bias for its bias epilogue (CUBLASLT_EPILOGUE_BIAS). Not beta = 1
+// there: cuBLASLt's 16-bit kernels round the product to the output type before adding C, two
+// roundings (a 1-ulp logit error, 10x torch's dhidden error on bf16 logits of magnitude 10).
+// The bias's gradient is the column sum of the chunk's dlogits (the gradient step's output, in
+// the chunk's dtype, as the weight-gradient GEMM reads it), summed in fp32 across chunks.
 #pragma once
 #include <cstdint>
 #include "core/numeric.h"

@@ -48,7 +48,9 @@ struct LcePlan {
 
 // The chunk loop's memory, one block the caller allocates: the chunk buffers (adjacent; the
 // CUDA loop fills tuning.buffers of them, the CPU loop one), then at a 256-byte boundary the
-// GEMM library's workspace (CUDA) or the CPU GEMMs' stage. None without rows.
+// GEMM library's workspace (CUDA) or the CPU GEMMs' stage, then on CUDA at a 256-byte boundary
+// the bias in the logits' dtype (V_local elements, whether or not a call has a bias: the size
+// must not depend on it). None without rows.
 constexpr size_t kLceAlign = 256;
 inline size_t lce_buffer_bytes(const LcePlan& plan) {
   return size_t(plan.chunk) * size_t(plan.stride) * size_t(detail::element_size(plan.dtype));
@@ -66,13 +68,20 @@ inline size_t lce_cpu_stage_bytes(const LcePlan& plan) {
 inline size_t lce_cpu_stage_at(const LcePlan& plan) {
   return round_up(lce_buffer_bytes(plan), kLceAlign);
 }
+// CUDA: the bias's copy in the logits' dtype (what cuBLASLt's bias epilogue reads).
+inline size_t lce_bias_at(const LcePlan& plan) {
+  return round_up(lce_gemm_workspace_at(plan) + plan.gemm_workspace, kLceAlign);
+}
+inline size_t lce_bias_bytes(const LcePlan& plan) {
+  return round_up(size_t(plan.vocab_local) * size_t(detail::element_size(plan.dtype)), kLceAlign);
+}
 inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
   if (plan.rows == 0) return 0;
   if (device == Device::CPU) {
     const size_t stage = lce_cpu_stage_bytes(plan);
     return stage ? lce_cpu_stage_at(plan) + stage : lce_buffer_bytes(plan);
   }
-  return lce_gemm_workspace_at(plan) + plan.gemm_workspace;
+  return lce_bias_at(plan) + lce_bias_bytes(plan);
 }
 
 // One step over the chunk of rows [row0, row0 + logits.rows) whose logits (stride plan.stride)
@@ -80,10 +89,10 @@ inline size_t lce_loop_bytes(const LcePlan& plan, Device device) {
 using LceStep = std::function<void(const MatrixView& logits, int64_t row0, Stream stream)>;
 
 struct LceSteps {
-  // Before each chunk's logits GEMM, on the GEMM's stream: writes the buffer's start (the bias
-  // in each row), to which the GEMM then adds hidden @ weight^T (beta = 1); null: the GEMM
-  // overwrites the buffer.
-  LceStep prefill;
+  // The LM head's bias over the logits' columns (V_local elements of the inputs' dtype or fp32;
+  // data null: none), added to every row of the logits before their one rounding
+  // (core/lce_bias.h says how each backend adds it).
+  VectorView bias;
   LceStep forward;   // stats -> hook -> merge: writes the chunk's lse and row losses (or null)
   LceStep gradient;  // writes the chunk's dloss/dlogits over the logits (or null: no gradients)
 };

@@ -26,8 +26,9 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
     const int64_t n = std::min(plan.chunk, plan.rows - row0);
     const MatrixView h = rows_of(hidden, row0, n);
     const MatrixView logits{memory, n, plan.vocab_local, plan.stride, plan.dtype, Device::CPU};
-    if (steps.prefill) steps.prefill(logits, row0, nullptr);
-    gemm(h, false, weight, true, logits, bool(steps.prefill), stage);  // [n, V] (+)= h @ W^T
+    const bool biased = steps.bias.data != nullptr;
+    if (biased) lce_fill_bias(logits, steps.bias);  // the GEMM adds to it in its fp32 tile
+    gemm(h, false, weight, true, logits, biased, stage);  // [n, V] (+)= h @ W^T
     core::lce_run_steps(plan, steps, logits, row0, nullptr);
     if (!with_grads) continue;
     gemm(logits, false, weight, false, rows_of(grads.dhidden, row0, n),

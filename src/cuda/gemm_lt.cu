@@ -67,7 +67,7 @@ cublasLtHandle_t handle_for(int device) {
 }
 
 // Everything the algorithm choice depends on, and how it was chosen.
-using Key = std::array<int64_t, 18>;
+using Key = std::array<int64_t, 19>;
 
 // The descriptors and algorithm of one shape, built once and kept for the process (a per-call
 // setup of five descriptors would cost host time on every chunk).
@@ -82,6 +82,36 @@ struct Plan {
     if (op) cublasLtMatmulDescDestroy(op);
   }
 };
+
+// An operation descriptor: fp32 accumulation and scale, the transposes, and with a bias the
+// bias epilogue reading `bias` (in `bias_type`, one element per row of cuBLASLt's D: per
+// column of the row-major C).
+cublasLtMatmulDesc_t make_op(cublasComputeType_t compute, cublasOperation_t op1,
+                             cublasOperation_t op2, const void* bias, cudaDataType_t bias_type) {
+  cublasLtMatmulDesc_t d = nullptr;
+  FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d, compute, CUDA_R_32F));
+  struct Guard {  // destroys d if an attribute fails
+    cublasLtMatmulDesc_t* d;
+    ~Guard() {
+      if (*d) cublasLtMatmulDescDestroy(*d);
+    }
+  } guard{&d};
+  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &op1, sizeof(op1)));
+  FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &op2, sizeof(op2)));
+  if (bias) {
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const int32_t type = bias_type;
+    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                   sizeof(epilogue)));
+    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                                   sizeof(bias)));
+    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type,
+                                                   sizeof(type)));
+  }
+  cublasLtMatmulDesc_t out = d;
+  d = nullptr;
+  return out;
+}
 
 // Destroys a plan's descriptors on scope exit unless the cache took them (error paths too).
 struct PlanOwner {
@@ -115,11 +145,13 @@ void gemm_prepare() {
 
 void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const MatrixView& C,
           bool accumulate, bool tf32, void* workspace, size_t workspace_bytes, Stream stream,
-          int candidates) {
+          int candidates, const void* bias) {
   const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
   detail::require((tb ? B.cols : B.rows) == k && (ta ? A.cols : A.rows) == m &&
                       (tb ? B.rows : B.cols) == n,
                   "gemm: inner shapes disagree (internal)");
+  detail::require(!bias || (!accumulate && reinterpret_cast<uintptr_t>(bias) % 256 == 0),
+                  "gemm: a bias needs an overwritten C and a 256-byte aligned address (internal)");
   if (m == 0 || n == 0) return;
   const bool fp32_in = A.dtype == DType::F32;
   const cublasComputeType_t compute =
@@ -147,7 +179,7 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   const int heuristics = most_waves ? 8 : asked;
   const Key key{device, m, n, k, ld(A), ld(B), ld(C), int64_t(op1), int64_t(op2),
                 int64_t(A.dtype), int64_t(C.dtype), int64_t(compute), al_a, al_b, al_c,
-                accumulate, asked, int64_t(workspace_bytes)};
+                accumulate, asked, int64_t(workspace_bytes), bias != nullptr};
   static std::mutex mu;
   static std::map<Key, Plan> plans;
   Plan plan;
@@ -160,11 +192,9 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
   PlanOwner owner;  // holds this call's own descriptors until the cache takes them
   if (!cached) {
     owner.plan = &plan;
-    FL_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, compute, CUDA_R_32F));
-    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &op1,
-                                                   sizeof(op1)));
-    FL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &op2,
-                                                   sizeof(op2)));
+    // With a bias: this call's bias address, every later one 256-byte aligned as well (the
+    // heuristic reads the address for its alignment); each call sets its own (below).
+    plan.op = make_op(compute, op1, op2, bias, cuda_type(C.dtype));
     FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, cuda_type(B.dtype), uint64_t(B.cols),
                                                uint64_t(B.rows), ld(B)));
     FL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, cuda_type(A.dtype), uint64_t(A.cols),
@@ -242,9 +272,17 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
     std::lock_guard<std::mutex> lock(mu);
     if (asked == std::max(candidates, 1) && plans.emplace(key, plan).second) owner.plan = nullptr;
   }
-  FL_CUBLAS_CHECK(cublasLtMatmul(h, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C.data,
-                                 plan.c, C.data, plan.c, &plan.algo, workspace,
-                                 workspace_bytes, s));
+  // A cached descriptor is shared by every thread: a bias address is set on a copy of its own.
+  struct CallOp {
+    cublasLtMatmulDesc_t d = nullptr;
+    ~CallOp() {
+      if (d) cublasLtMatmulDescDestroy(d);
+    }
+  } call;
+  if (bias) call.d = make_op(compute, op1, op2, bias, cuda_type(C.dtype));
+  FL_CUBLAS_CHECK(cublasLtMatmul(h, bias ? call.d : plan.op, &alpha, B.data, plan.a, A.data,
+                                 plan.b, &beta, C.data, plan.c, C.data, plan.c, &plan.algo,
+                                 workspace, workspace_bytes, s));
 }
 
 }  // namespace fusedloss::cuda

@@ -91,16 +91,11 @@ __global__ void scale_kernel(const typename core::Storage<KS>::type* src, int64_
   }
 }
 
-// Rows over blockIdx.y, columns over x, as scale_kernel.
 template <core::StorageKind KL, core::StorageKind KB>
-__global__ void fill_bias_kernel(core::Elem<KL>* logits, int64_t stride, int64_t rows,
-                                 int64_t cols, const core::Elem<KB>* bias) {
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    core::Elem<KL>* row = logits + r * stride;
-    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
-         c += int64_t(gridDim.x) * blockDim.x)
-      row[c] = core::lce_bias_start<KL, KB>(bias[c]);
-  }
+__global__ void copy_bias_kernel(core::Elem<KL>* out, const core::Elem<KB>* bias, int64_t n) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < n;
+       c += int64_t(gridDim.x) * blockDim.x)
+    out[c] = core::lce_bias_start<KL, KB>(bias[c]);
 }
 
 // One thread per column, down the rows: a warp reads consecutive columns of a row (coalesced),
@@ -137,14 +132,14 @@ void lce_fill(float* ptr, float value, int64_t n, Stream stream) {
   FL_CUDA_CHECK_LAUNCH();
 }
 
-void lce_fill_bias(const MatrixView& logits, const VectorView& bias, Stream stream) {
-  if (logits.rows == 0 || logits.cols == 0) return;
-  core::dispatch_dtype(logits.dtype, [&](auto kl) {
+void lce_copy_bias(void* out, DType dtype, const VectorView& bias, Stream stream) {
+  if (bias.size == 0) return;
+  core::dispatch_dtype(dtype, [&](auto kl) {
     core::dispatch_dtype(bias.dtype, [&](auto kb) {
       constexpr core::StorageKind KL = decltype(kl)::value, KB = decltype(kb)::value;
-      fill_bias_kernel<KL, KB><<<rows_grid(logits.rows, logits.cols), 256, 0, as_cuda(stream)>>>(
-          static_cast<core::Elem<KL>*>(logits.data), logits.row_stride, logits.rows, logits.cols,
-          static_cast<const core::Elem<KB>*>(bias.data));
+      copy_bias_kernel<KL, KB><<<grid_for(bias.size, 256), 256, 0, as_cuda(stream)>>>(
+          static_cast<core::Elem<KL>*>(out), static_cast<const core::Elem<KB>*>(bias.data),
+          bias.size);
       FL_CUDA_CHECK_LAUNCH();
     });
   });
@@ -264,19 +259,24 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
                       plan.dtype, Device::CUDA};
   };
   auto gemm_ = [&](const MatrixView& a, bool ta, const MatrixView& b, bool tb,
-                   const MatrixView& c, bool accumulate) {
+                   const MatrixView& c, bool accumulate, const void* bias = nullptr) {
     gemm(a, ta, b, tb, c, accumulate, plan.tf32, workspace, plan.gemm_workspace, stream,
-         tune.gemm_algos);
+         tune.gemm_algos, bias);
   };
+  // The bias, once per call, in the logits' dtype at a 256-byte boundary: what the logits
+  // GEMM's bias epilogue reads (core/lce_bias.h).
+  void* bias = nullptr;
+  if (steps.bias.data) {
+    bias = base + core::lce_bias_at(plan);
+    lce_copy_bias(bias, plan.dtype, steps.bias, S);
+  }
   PhaseClock clock(tune.timing && !capturing(S));
   // L(i) on S, then CE(i) on X.
   auto logits_and_steps = [&](int64_t i) {
     const MatrixView buf = buffer(i);
     if (i >= B) FL_CUDA_CHECK(cudaStreamWaitEvent(S, pl.steps_done[i % B], 0));
     const size_t tl = clock.begin(PhaseClock::kLogits, S);
-    if (steps.prefill) steps.prefill(buf, i * plan.chunk, S);  // the bias, for beta = 1
-    gemm_(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf,
-          bool(steps.prefill));
+    gemm_(rows_of(hidden, i * plan.chunk, buf.rows), false, weight, true, buf, false, bias);
     clock.end(tl, S);
     FL_CUDA_CHECK(cudaEventRecord(pl.logits_ready, S));
     FL_CUDA_CHECK(cudaStreamWaitEvent(X, pl.logits_ready, 0));

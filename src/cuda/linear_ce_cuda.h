@@ -17,8 +17,10 @@ void lce_run(const core::LcePlan& plan, const MatrixView& hidden, const MatrixVi
 // cuBLASLt handle), so that a vocab-parallel caller can do it before its agreement.
 void lce_prepare(Stream stream);
 
-// As cpu::lce_fill_bias / cpu::lce_add_column_sums (core/lce_bias.h), enqueued on `stream`.
-void lce_fill_bias(const MatrixView& logits, const VectorView& bias, Stream stream);
+// out[0 .. bias.size) = the bias in `dtype` (core::lce_bias_start), enqueued on `stream`: the
+// copy the logits GEMM's bias epilogue reads.
+void lce_copy_bias(void* out, DType dtype, const VectorView& bias, Stream stream);
+// As cpu::lce_add_column_sums (core/lce_bias.h), enqueued on `stream`.
 void lce_add_column_sums(const MatrixView& g, float* acc, Stream stream);
 
 // dst = scale[0] * src, or dst += scale[0] * src; scale is read on the device.
