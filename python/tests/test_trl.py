@@ -8,7 +8,7 @@ kernel calls the patch takes, and those it hands back to TRL's own kernel, again
 import pytest
 import torch
 
-import trl  # (launch/python.sh installs it)
+trl = pytest.importorskip("trl", reason="trl is not installed (launch/python.sh installs it)")
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 
 import fusedloss.trl
