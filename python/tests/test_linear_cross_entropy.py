@@ -475,22 +475,25 @@ def test_autocast_runs_the_gemms_in_its_dtype(device, autocast_dtype, hidden_dty
         return loss, hidden.grad, weight.grad
 
     loss, dh, dw = run(h.to(hidden_dtype), w, True)
-    assert loss.dtype == torch.float32 and dh.dtype == hidden_dtype and dw.dtype == torch.float32
+    assert (loss.dtype, dh.dtype, dw.dtype) == (torch.float32, hidden_dtype, torch.float32)
     cast_loss, cast_dh, cast_dw = run(h.to(autocast_dtype), w.to(autocast_dtype), False,
                                       dweight_accumulation="fp32")
-    assert torch.equal(loss, cast_loss) and torch.equal(dh, cast_dh.to(dh.dtype))
+    assert torch.equal(loss, cast_loss), (loss.item(), cast_loss.item())
+    assert torch.equal(dh, cast_dh.to(dh.dtype)), (dh.float() - cast_dh.float()).abs().max().item()
     # the fp32 sum itself: not representable in the autocast dtype, and closer to float64 than
     # its rounding (the cast call's gradient, where both sum alike: bf16 runs in_forward)
-    assert not torch.equal(dw.to(autocast_dtype).float(), dw)
+    assert not torch.equal(dw.to(autocast_dtype).float(), dw), "dweight was rounded"
     h64 = h.to(autocast_dtype).double().cpu().requires_grad_()
     w64 = w.to(autocast_dtype).double().cpu().requires_grad_()
     reference(h64, w64, t.cpu()).backward()
-    assert _rel(dw.cpu(), w64.grad) < _rel(cast_dw.cpu(), w64.grad)
+    assert _rel(dw.cpu(), w64.grad) < _rel(cast_dw.cpu(), w64.grad), (
+        _rel(dw.cpu(), w64.grad), _rel(cast_dw.cpu(), w64.grad))
     if autocast_dtype == torch.bfloat16:
-        assert torch.equal(dw.to(autocast_dtype), cast_dw)
+        assert torch.equal(dw.to(autocast_dtype), cast_dw), (
+            (dw.to(autocast_dtype).float() - cast_dw.float()).abs().max().item())
     with torch.autocast(h.device.type, dtype=autocast_dtype):  # the unfused ops agree
         ref = F.cross_entropy(F.linear(h.to(hidden_dtype), w), t)
-    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item()), (loss.item(), ref.item())
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced", "offset", "expanded", "overlapping"])
