@@ -73,6 +73,20 @@ def test_clamp(device, clamp):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamp_keeps_nan_as_torch(device, dtype):
+    # torch.clamp keeps a NaN; fminf / fmaxf would have turned it into the bound
+    y = torch.randn(6, 2 * 8, device=device, dtype=dtype)
+    y[0, 1] = y[1, 9] = y[2, 3] = y[2, 11] = float("nan")  # gate, up, both of one column
+    y[3, 2] = y[4, 10] = float("inf")
+    y[5, 4] = y[5, 12] = -float("inf")
+    got = fusedloss.swiglu(y, clamp_value=2.0)
+    want, *_ = reference(y, clamp=2.0)
+    assert torch.equal(got.isnan().cpu(), want.isnan()), (got, want)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype],
+                               equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_input_store(device, dtype):
     run(device, dtype, fp8=True)
 

@@ -43,7 +43,9 @@ FL_HD GateUp gate_up(float gate, float up, const SwigluClamp& k, float gate_mult
   // (and differs between clamp(max=) and clamp(min=, max=)), so it is a setting.
   const bool gate_live = gate < c || (k.gate_grad_at_bound && gate == c);
   const bool up_live = (up > -c && up < c) || (k.up_grad_at_bound && (up == c || up == -c));
-  return GateUp{fminf(gate, c), fminf(fmaxf(up, -c), c), gate_live, up_live};
+  // A NaN stays NaN, as torch.clamp keeps it (fminf / fmaxf would return the bound).
+  return GateUp{gate != gate ? gate : fminf(gate, c), up != up ? up : fminf(fmaxf(up, -c), c),
+                gate_live, up_live};
 }
 
 FL_HD float swiglu_value(const GateUp& v) { return v.a * sigmoid(v.a) * v.b; }
