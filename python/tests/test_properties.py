@@ -169,6 +169,74 @@ def test_cross_entropy_any_layout(run):
     check()
 
 
+def _class_weight(draw, cols, gen):
+    """(weight as the op gets it, its float64 values): positive, some classes at 0, in a
+    layout drawn like the logits' (contiguous, strided, expanded, a slice of a longer vector,
+    a view of a leaf that needs no grad) and any float dtype."""
+    dtype = draw(st.sampled_from(DTYPES))
+    values = (torch.rand(cols, generator=gen, dtype=torch.float64) + 0.25).to(dtype)
+    values[torch.rand(cols, generator=gen) < 0.1] = 0.0
+    layout = draw(st.sampled_from(["contiguous", "strided", "expanded", "sliced", "view"]))
+    if layout == "strided":
+        w = torch.stack([values, torch.full_like(values, 7.0)], -1)[:, 0]
+    elif layout == "expanded":
+        values = values[:1].expand(cols)
+        w = values
+    elif layout == "sliced":
+        w = torch.cat([torch.full((3,), 5.0, dtype=dtype), values])[3:]
+    elif layout == "view":
+        w = values.clone().view(1, cols)[0]
+    else:
+        w = values.clone()
+    return w.to(DEVICE), values.double()
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_cross_entropy_class_weight_any_layout(run):
+    """F.cross_entropy's per-class weight (and its weighted smoothing, either formula) with the
+    logits, the targets and the weight each in any layout and dtype; the weight never
+    written."""
+    from test_cross_entropy import weighted_reference
+
+    @RUNS[run]
+    @given(_ce_case())
+    def check(case):
+        draw, shape, dtype, gen, opts, t = case
+        cols = shape[-1]
+        w, w64 = _class_weight(draw, cols, gen)
+        ls = opts["label_smoothing"] if cols > 1 else 0.0
+        options = dict(ignore_index=opts["ignore_index"], label_smoothing=ls,
+                       smoothing_formula=opts["smoothing_formula"], reduction=opts["reduction"],
+                       inplace_backward=opts["inplace_backward"])
+        base, x, base64, x64, layout = _input(draw, shape, dtype, gen, 3.0)
+        before, t_before, w_before = base.detach().clone(), t.clone(), w.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # in-place refused for leaves / copied layouts
+            loss = fusedloss.cross_entropy(x, t, weight=w, **options)
+        t2 = t.reshape(-1).long().cpu().to(DEVICE)
+        formula = options["smoothing_formula"] if ls > 0 else "pytorch"  # the same without smoothing
+        ref = weighted_reference(x64.reshape(-1, cols), t2, w64.to(DEVICE), ls, options["reduction"],
+                                 formula, options["ignore_index"])
+        if options["reduction"] == "none":
+            ref = ref.view(t.shape)
+        elif options["reduction"] == "mean" and not (w64[t2[t2 != options["ignore_index"]].cpu()]
+                                                    .sum() > 0):
+            return  # no weight among the counted rows: torch's 0/0 (NaN), the op's 0
+        assert loss.dtype == torch.float32 and loss.shape == ref.shape
+        _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        up, up64 = _upstream(draw, loss, gen)
+        up(loss).backward()
+        up64(ref).backward()
+        assert torch.equal(base.detach(), before), "the caller's tensor was written"
+        assert torch.equal(t, t_before), "the targets were written"
+        assert torch.equal(w, w_before), "the class weight was written"
+        gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
+        _close(base.grad, base64.grad, TOL[dtype],
+               (2 * gmax + 1e-4) * _multiplicity(layout, shape) + 1e-6)
+
+    check()
+
+
 def _ce_row_upstream(up64, t, opts):
     """max |d loss / d per-row loss|: the upstream gradient each row's terms are scaled by."""
     rows = torch.ones(t.numel(), dtype=torch.float64, requires_grad=True)
