@@ -625,14 +625,16 @@ def test_linear_cross_entropy_any_layout(run):
                 opts = dict(opts, backward_mode="in_forward")
         no_grad = draw(st.sampled_from([False, False, False, True]))  # evaluation: forward alone
         want_z = draw(st.booleans())  # Liger's z-loss apart
+        want_pred = draw(st.booleans())  # Liger's predicted tokens: the (biased) logits' arg-max
         # fp32 inputs under torch.autocast: the GEMMs in bf16, the gradients back in fp32
         autocast = dtype == torch.float32 and draw(st.booleans())
         with warnings.catch_warnings(), torch.no_grad() if no_grad else contextlib.nullcontext(), \
                 torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16, enabled=autocast):
             warnings.simplefilter("ignore")
             out = fusedloss.linear_cross_entropy(h, w, t, bias, weight_grad_accumulator=acc,
-                                                 loss_mask=mask, return_z_loss=want_z, **opts)
-        loss = out.loss if want_z else out
+                                                 loss_mask=mask, return_z_loss=want_z,
+                                                 return_predicted_tokens=want_pred, **opts)
+        loss = out.loss if want_z or want_pred else out
         logits64 = F.linear(h64.cpu().reshape(-1, H), w64.cpu(),
                             None if bias is None else b64.cpu())
         ce = {k: opts[k] for k in ("label_smoothing", "smoothing_formula", "reduction", "z_loss",
@@ -647,6 +649,16 @@ def test_linear_cross_entropy_any_layout(run):
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
         tol = LCE_TOL[
             torch.bfloat16 if autocast else dtype]
+        if want_pred:  # an arg-max of the logits as the GEMM rounds them: within its rounding
+            pred = out.predicted_tokens.reshape(-1).cpu()
+            counted = t.reshape(-1).cpu() != -100
+            assert torch.equal(pred[~counted], torch.full_like(pred[~counted], -1))
+            z = logits64.detach()[counted]
+            if z.numel():
+                picked = z.gather(1, pred[counted].long().clamp(0, V - 1)[:, None])[:, 0]
+                top = z.max(-1).values
+                assert (pred[counted] >= 0).all() and (pred[counted] < V).all()
+                assert (picked >= top - 2 * tol * top.abs().clamp(min=1.0)).all(), (picked, top)
         _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
         if no_grad:  # nothing to differentiate, nothing written
             assert not loss.requires_grad
