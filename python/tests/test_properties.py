@@ -126,6 +126,20 @@ def _ce_case(draw):
     return draw, shape, dtype, gen, opts, t.to(tdtype).to(DEVICE)
 
 
+def _loss_then_backward(draw, gen, loss, ref, *owned):
+    """The cross-entropy's loss against float64, then a backward from both under a drawn
+    upstream gradient (returned: float64's form); each (tensor, copy before the call) of the
+    caller's still unwritten."""
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape
+    _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+    up, up64 = _upstream(draw, loss, gen)
+    up(loss).backward()
+    up64(ref).backward()
+    for x, before in owned:
+        assert torch.equal(x.detach(), before), "a tensor of the caller's was written"
+    return up64
+
+
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_cross_entropy_any_layout(run):
     @RUNS[run]
@@ -150,13 +164,7 @@ def test_cross_entropy_any_layout(run):
             counted = t != opts["ignore_index"]
             want = torch.where(counted, x_before.argmax(-1), -1)
             assert torch.equal(out.predicted_tokens, want.view(t.shape))
-        assert loss.dtype == torch.float32 and loss.shape == ref.shape
-        _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
-        up, up64 = _upstream(draw, loss, gen)
-        up(loss).backward()
-        up64(ref).backward()
-        assert torch.equal(base.detach(), before), "the caller's tensor was written"
-        assert torch.equal(t, t_before), "the targets were written"
+        up64 = _loss_then_backward(draw, gen, loss, ref, (base, before), (t, t_before))
         gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
         # A row's gradient is g_r (p (1 + 2 z lse) - smoothed one-hot): terms of size g_r that
         # may cancel (one column: p = 1), so its error scales with g_r, not with the result.
@@ -222,14 +230,7 @@ def test_cross_entropy_class_weight_any_layout(run):
         elif options["reduction"] == "mean" and not (w64[t2[t2 != options["ignore_index"]].cpu()]
                                                     .sum() > 0):
             return  # no weight among the counted rows: torch's 0/0 (NaN), the op's 0
-        assert loss.dtype == torch.float32 and loss.shape == ref.shape
-        _close(loss, ref, 2e-5, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
-        up, up64 = _upstream(draw, loss, gen)
-        up(loss).backward()
-        up64(ref).backward()
-        assert torch.equal(base.detach(), before), "the caller's tensor was written"
-        assert torch.equal(t, t_before), "the targets were written"
-        assert torch.equal(w, w_before), "the class weight was written"
+        _loss_then_backward(draw, gen, loss, ref, (base, before), (t, t_before), (w, w_before))
         gmax = base64.grad.abs().max().item() if base64.grad.numel() else 1.0
         _close(base.grad, base64.grad, TOL[dtype],
                (2 * gmax + 1e-4) * _multiplicity(layout, shape) + 1e-6)
