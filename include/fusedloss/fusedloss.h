@@ -4,6 +4,7 @@
 #include "fusedloss/communicator.h"
 #include "fusedloss/cross_entropy.h"
 #include "fusedloss/linear_cross_entropy.h"
+#include "fusedloss/linear_distillation.h"
 #include "fusedloss/linear_log_probs.h"
 #include "fusedloss/options.h"
 #include "fusedloss/rms_norm.h"

@@ -84,6 +84,28 @@ void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const Matri
               cuda::lce_run(plan, hidden, weight, steps, grads, memory, stream));
 }
 
+void check_grads(const LinearCrossEntropyGrads& grads, const MatrixView& hidden,
+                 const MatrixView& weight, std::initializer_list<detail::Span> reads) {
+  const int64_t H = hidden.cols;
+  for (auto [g, name] : {std::pair{&grads.dhidden, "grads.dhidden"}, {&grads.dweight, "grads.dweight"}}) {
+    const int64_t rows = g == &grads.dhidden ? hidden.rows : weight.rows;
+    require(g->data != nullptr || rows == 0, name, ": got none, expected a [", rows, ", ", H,
+            "] buffer");
+    detail::check_matrix(*g, name);
+    require(g->rows == rows && g->cols == H, name, ": got shape [", g->rows, ", ", g->cols,
+            "], expected [", rows, ", ", H, "]");
+    require(g->dtype == DType::F32 || g->dtype == hidden.dtype, name, ".dtype: got ",
+            to_string(g->dtype), ", expected fp32 or ", to_string(hidden.dtype));
+    require(g->device == hidden.device, name, ".device: got ", to_string(g->device), ", expected ",
+            to_string(hidden.device), " (the inputs' device)");
+    require(!detail::overlaps(*g, hidden) && !detail::overlaps(*g, weight), name,
+            ": overlaps hidden or weight, expected a separate buffer");
+    detail::require_read_apart(detail::span_of(*g, name), reads);
+  }
+  detail::require_disjoint({detail::span_of(grads.dhidden, "grads.dhidden"),
+                            detail::span_of(grads.dweight, "grads.dweight")});
+}
+
 // A caller's scratch block: at least `needed` bytes, aligned for the backend (the GEMM
 // workspace and the kernels' vector loads on CUDA; the host loop's floats and RowStats).
 char* callers_scratch(void* scratch, size_t bytes, size_t needed, Device dev, const char* name,

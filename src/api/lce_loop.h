@@ -3,7 +3,9 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include "core/lce_tuning.h"
+#include "api/check.h"
 #include "core/linear_ce_plan.h"
 #include "fusedloss/linear_cross_entropy.h"
 
@@ -30,6 +32,12 @@ IndexView target_rows(const IndexView& t, int64_t row0, int64_t rows);
 void run_loop(Device dev, const char* fn, const core::LcePlan& plan, const MatrixView& hidden,
               const MatrixView& weight, const core::LceSteps& steps, const core::LceGrads& grads,
               Stream stream, void* memory = nullptr);
+
+// The gradient buffers of a linear head's backward over hidden [N, H] and weight [V_local, H]:
+// grads.dhidden [N, H] and grads.dweight [V_local, H], each fp32 or the inputs' dtype, on their
+// device, apart from hidden, weight, each other and what the backward reads (`reads`).
+void check_grads(const LinearCrossEntropyGrads& grads, const MatrixView& hidden,
+                 const MatrixView& weight, std::initializer_list<detail::Span> reads);
 
 // A caller's scratch block: at least `needed` bytes, aligned for the backend; throws Error
 // naming `name` and the size function `size_fn` otherwise.

@@ -170,31 +170,14 @@ void linear_log_probs_backward(const MatrixView& hidden, const MatrixView& weigh
                                const LinearCrossEntropyGrads& grads, Stream stream) {
   constexpr const char* kFn = "linear_log_probs_backward";
   const LinearLogProbsOptions o = check_inputs(hidden, weight, tokens, options);
-  const int64_t n = hidden.rows, H = hidden.cols;
+  const int64_t n = hidden.rows;
   require(lse != nullptr || n == 0, "lse: got null, expected the forward's lse");
   require(entropy != nullptr || grad_entropy == nullptr || n == 0,
           "entropy: got null with a grad_entropy, expected the forward's entropy");
-  for (auto [g, name] : {std::pair{&grads.dhidden, "grads.dhidden"}, {&grads.dweight, "grads.dweight"}}) {
-    const int64_t rows = g == &grads.dhidden ? n : weight.rows;
-    require(g->data != nullptr || rows == 0, name, ": got none, expected a [", rows, ", ", H,
-            "] buffer");
-    detail::check_matrix(*g, name);
-    require(g->rows == rows && g->cols == H, name, ": got shape [", g->rows, ", ", g->cols,
-            "], expected [", rows, ", ", H, "]");
-    require(g->dtype == DType::F32 || g->dtype == hidden.dtype, name, ".dtype: got ",
-            to_string(g->dtype), ", expected fp32 or ", to_string(hidden.dtype));
-    require(g->device == hidden.device, name, ".device: got ", to_string(g->device), ", expected ",
-            to_string(hidden.device), " (the inputs' device)");
-    require(!detail::overlaps(*g, hidden) && !detail::overlaps(*g, weight), name,
-            ": overlaps hidden or weight, expected a separate buffer");
-    detail::require_read_apart(detail::span_of(*g, name),
-                               {{lse, n * 4, "lse"}, {entropy, n * 4, "entropy"},
-                                {grad_log_probs, n * 4, "grad_log_probs"},
-                                {grad_entropy, n * 4, "grad_entropy"},
-                                detail::span_of(tokens, "tokens")});
-  }
-  detail::require_disjoint({detail::span_of(grads.dhidden, "grads.dhidden"),
-                            detail::span_of(grads.dweight, "grads.dweight")});
+  lce::check_grads(grads, hidden, weight,
+                   {{lse, n * 4, "lse"}, {entropy, n * 4, "entropy"},
+                    {grad_log_probs, n * 4, "grad_log_probs"}, {grad_entropy, n * 4, "grad_entropy"},
+                    detail::span_of(tokens, "tokens")});
   check_tokens_on_host(tokens, o);
   const float inv_t = 1.0f / o.temperature;
   core::LceSteps steps;
