@@ -5,6 +5,8 @@ torch.compile), a C++ API and a Megatron-core patch.
     fusedloss.cross_entropy(logits, target, ...)   loss without a [N, V] softmax or grad buffer
     fusedloss.linear_cross_entropy(hidden, weight, target, ...)   LM head + loss, no [N, V] logits
     fusedloss.linear_log_probs(hidden, weight, tokens, ...)   RL head: log-probs, entropy, arg-max
+    fusedloss.linear_distillation_loss(student_hidden, student_weight, teacher_hidden,
+                                       teacher_weight, target=None, ...)   KD without logits
     fusedloss.swiglu(y, bias=None, ...)            SwiGLU over Megatron's fused gate-up layout
     fusedloss.swiglu(gate, up, ...)                the same over separate gate and up projections
     fusedloss.rms_norm(x, weight, eps=1e-5, ...)   RMSNorm (+ fused residual add), deterministic dw
@@ -32,7 +34,7 @@ __version__ = _C.__version__
 cmake_prefix_path = _path.dirname(_path.abspath(__file__))
 cmake_dir = _path.join(cmake_prefix_path, "lib", "cmake", "fusedloss")
 __all__ = ["cross_entropy", "CrossEntropyLoss", "CrossEntropyOutput", "linear_cross_entropy", "swiglu", "SwiGLU", "rms_norm", "RMSNorm",
-           "linear_log_probs", "LogProbs",
+           "linear_log_probs", "LogProbs", "linear_distillation_loss",
            "check_device_errors", "set_scratch_allocator", "build_info"]
 
 
@@ -86,6 +88,7 @@ def check_device_errors(device=None):
 _TORCH_API = {"cross_entropy": ("CrossEntropyLoss", "CrossEntropyOutput", "cross_entropy"),
               "linear_cross_entropy": ("linear_cross_entropy",),
               "linear_log_probs": ("LogProbs", "linear_log_probs"),
+              "linear_distillation": ("linear_distillation_loss",),
               "rms_norm": ("RMSNorm", "rms_norm"),
               "swiglu": ("SwiGLU", "swiglu")}
 _NOT_TORCH = frozenset(("jax",))  # subpackages that must not pull torch in when asked for

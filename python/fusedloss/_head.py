@@ -1,5 +1,5 @@
-"""What both LM heads (fusedloss.linear_cross_entropy and fusedloss.linear_log_probs) check of
-their arguments, below both modules."""
+"""What the LM heads (fusedloss.linear_cross_entropy, fusedloss.linear_log_probs and the
+distillation loss's two heads) check of their arguments, below those modules."""
 import torch
 
 from ._views import as_int, require_same_device, require_values
@@ -15,17 +15,19 @@ def as_workspace_bytes(value, name: str = "workspace_bytes") -> int:
     return v
 
 
-def validate_head_operands(hidden, weight, fp32_weight_ok=False):
+def validate_head_operands(hidden, weight, fp32_weight_ok=False, names=("hidden", "weight")):
     """An LM head's operands, as every op over them takes them: hidden [N, H] or [s, b, H] and
-    weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device."""
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
+    weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device;
+    `names`: the arguments' names in the messages."""
+    h, w = names
+    require_values(hidden, h)
+    require_values(weight, w)
     if hidden.dim() not in (2, 3) or hidden.size(-1) == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+        raise ValueError(f"{h}: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
                          "[s, b, H] tensor with H >= 1")
     if weight.dim() != 2 or weight.size(1) != hidden.size(-1) or weight.size(0) == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.size(-1)}] (V_local >= 1, H = hidden.shape[-1])")
+        raise ValueError(f"{w}: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.size(-1)}] (V_local >= 1, H = {h}.shape[-1])")
     if weight.dtype != hidden.dtype and not (fp32_weight_ok and weight.dtype == torch.float32):
-        raise ValueError(f"weight.dtype: got {weight.dtype}, expected {hidden.dtype} (hidden's dtype)")
-    require_same_device(weight, "weight", hidden, "hidden")
+        raise ValueError(f"{w}.dtype: got {weight.dtype}, expected {hidden.dtype} ({h}'s dtype)")
+    require_same_device(weight, w, hidden, h)

@@ -539,6 +539,58 @@ void bind_linear_log_probs(py::module_& m) {
         py::arg("dhidden"), py::arg("dweight"), py::arg("accumulate_dweight"), py::arg("stream"));
 }
 
+// The linear distillation loss (fusedloss/linear_distillation.h): pointers as integers.
+void bind_linear_distillation(py::module_& m) {
+  py::enum_<Divergence>(m, "Divergence")
+      .value("ForwardKL", Divergence::ForwardKL)
+      .value("ReverseKL", Divergence::ReverseKL)
+      .value("JSD", Divergence::JSD);
+  py::class_<LinearDistillationOptions>(m, "LinearDistillationOptions")
+      .def(py::init<>())
+      .def_readwrite("divergence", &LinearDistillationOptions::divergence)
+      .def_readwrite("beta", &LinearDistillationOptions::beta)
+      .def_readwrite("temperature", &LinearDistillationOptions::temperature)
+      .def_readwrite("hard_label_weight", &LinearDistillationOptions::hard_label_weight)
+      .def_readwrite("ignore_index", &LinearDistillationOptions::ignore_index)
+      .def_readwrite("workspace_bytes", &LinearDistillationOptions::workspace_bytes)
+      .def_readwrite("chunk_rows", &LinearDistillationOptions::chunk_rows)
+      .def_readwrite("allow_tf32", &LinearDistillationOptions::allow_tf32);
+  m.attr("DISTILL_ROW_STATS_BYTES") = int(sizeof(DistillRowStats));
+  m.def("validate_linear_distillation_options",
+        [](const LinearDistillationOptions& o, int64_t rows, int64_t vocab, bool has_target) {
+          guarded([&] { validate_linear_distillation_options(o, rows, vocab, has_target); });
+        },
+        py::arg("options"), py::arg("rows"), py::arg("vocab"), py::arg("has_target"));
+  m.def("linear_distillation_forward",
+        [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
+           const IndexView& t, const LinearDistillationOptions& o, uintptr_t loss, uintptr_t stats,
+           uintptr_t stream) {
+          guarded([&] {
+            linear_distillation_forward(sh, sw, th, tw, t, o, fptr(loss),
+                                        static_cast<DistillRowStats*>(ptr(stats)), ptr(stream));
+          });
+        },
+        py::arg("student_hidden"), py::arg("student_weight"), py::arg("teacher_hidden"),
+        py::arg("teacher_weight"), py::arg("target"), py::arg("options"), py::arg("loss"),
+        py::arg("stats"), py::arg("stream"));
+  m.def("linear_distillation_backward",
+        [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
+           const IndexView& t, uintptr_t stats, uintptr_t grad_loss,
+           const LinearDistillationOptions& o, const MatrixView& dh, const MatrixView& dw,
+           bool accumulate_dweight, uintptr_t stream) {
+          guarded([&] {
+            linear_distillation_backward(sh, sw, th, tw, t,
+                                         static_cast<const DistillRowStats*>(ptr(stats)),
+                                         fptr(grad_loss), o, {dh, dw, accumulate_dweight},
+                                         ptr(stream));
+          });
+        },
+        py::arg("student_hidden"), py::arg("student_weight"), py::arg("teacher_hidden"),
+        py::arg("teacher_weight"), py::arg("target"), py::arg("stats"), py::arg("grad_loss"),
+        py::arg("options"), py::arg("dhidden"), py::arg("dweight"), py::arg("accumulate_dweight"),
+        py::arg("stream"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -552,6 +604,7 @@ PYBIND11_MODULE(_C, m) {
   bind_rms_norm(m);
   bind_linear_cross_entropy(m);
   bind_linear_log_probs(m);
+  bind_linear_distillation(m);
 
   m.def("check_device_errors",
         [](uintptr_t stream) { guarded([&] { check_device_errors(ptr(stream)); }); });
