@@ -985,3 +985,63 @@ def test_linear_log_probs_any_layout(run):
                    / opts["temperature"])
 
     check()
+
+
+@st.composite
+def _distill_case(draw):
+    H = draw(st.integers(1, 20))
+    shape = _shape(draw, H)
+    V = draw(st.integers(1, 40))
+    dtype = draw(st.sampled_from(DTYPES))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    with_target = draw(st.booleans())
+    opts = dict(divergence=draw(st.sampled_from(["forward_kl", "reverse_kl", "jsd"])),
+                beta=draw(st.sampled_from([0.5, 0.2])),
+                temperature=draw(st.sampled_from([1.0, 0.6, 1.7])),
+                hard_label_weight=draw(st.sampled_from([0.0, 0.3])) if with_target else 0.0,
+                reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])))
+    return draw, shape, V, dtype, gen, with_target, opts
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_linear_distillation_any_layout(run):
+    """linear_distillation_loss with the student's hidden states and weight in every layout and
+    dtype, the teacher's (another width) in its own, targets or none, every divergence, option
+    and chunking: the loss and the student's gradients against float64, nothing written."""
+    from test_linear_distillation import reference
+
+    @RUNS[run]
+    @given(_distill_case())
+    def check(case):
+        draw, shape, V, dtype, gen, with_target, opts = case
+        (base_h, h, base_h64, h64, layout_h), (base_w, w, base_w64, w64, layout_w), t = \
+            _head_inputs(draw, shape, V, dtype, gen)
+        Ht = draw(st.integers(1, 12))
+        t_dtype = draw(st.sampled_from(DTYPES))
+        _, th, *_ = _input(draw, (*shape[:-1], Ht), t_dtype, gen, 1.0)
+        _, tw, *_ = _input(draw, (V, Ht), t_dtype, gen, 2.0 / Ht ** 0.5)
+        th, tw = th.detach(), tw.detach()
+        t = t if with_target else None
+        owned = [(x, x.detach().clone()) for x in (base_h, base_w, th, tw) + ((t,) if with_target else ())]
+        loss = fusedloss.linear_distillation_loss(h, w, th, tw, t, **opts)
+        ref_opts = {k: v for k, v in opts.items() if k != "workspace_bytes"}
+        t_ref = None if t is None else t.cpu().long()
+        ref = reference(h64.cpu(), w64.cpu(), dtype, th.cpu(), tw.cpu(), t_ref, **ref_opts)
+        assert loss.dtype == torch.float32 and loss.shape == ref.shape
+        tol = LCE_TOL[dtype]
+        _close(loss, ref, tol, max(1.0, ref.abs().max().item() if ref.numel() else 1.0))
+        up, up64 = _upstream(draw, loss, gen)
+        up(loss).backward()
+        up64(ref).backward()
+        for x, before in owned:
+            assert torch.equal(x.detach(), before), "a tensor of the caller's was written"
+        for base, base64, layout, shp, other in ((base_h, base_h64, layout_h, shape, w64),
+                                                 (base_w, base_w64, layout_w, (V, shape[-1]), h64)):
+            assert base.grad.dtype == dtype and base.grad.shape == base.shape
+            scale = max(base64.grad.abs().max().item() if base64.grad.numel() else 0.0,
+                        other.detach().abs().max().item() if other.numel() else 0.0, 1e-6)
+            _close(base.grad, base64.grad, tol * 2, scale * _multiplicity(layout, shp) * max(shp)
+                   / min(opts["temperature"], 1.0))
+
+    check()

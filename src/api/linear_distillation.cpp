@@ -54,7 +54,8 @@ void check_inputs(const MatrixView& sh, const MatrixView& sw, const MatrixView& 
   require(tw.dtype == th.dtype, "teacher_weight.dtype: got ", to_string(tw.dtype), ", expected ",
           to_string(th.dtype), " (teacher_hidden's dtype)");
   if (target.data) detail::check_index(target, "target", sh.rows, sh.device, "student_hidden");
-  validate_linear_distillation_options(o, sh.rows, sw.rows, target.data != nullptr);
+  // (no rows: an empty target may have no address; nothing needs one)
+  validate_linear_distillation_options(o, sh.rows, sw.rows, target.data != nullptr || sh.rows == 0);
   if (target.data) {
     core::CeParams p;
     p.rows = target.size;
