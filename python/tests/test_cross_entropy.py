@@ -305,6 +305,26 @@ def test_class_weight_with_smoothing_and_the_extra_outputs(device):
     assert out.z_loss.item() == 0.0
 
 
+@pytest.mark.parametrize("formula", ["pytorch", "megatron"])
+def test_class_weight_with_smoothing_compiled(device, formula):
+    """The weighted smoothing term (its gather and the op beside it) in a fullgraph
+    torch.compile: the loss and the logits' gradient as eager, against float64."""
+    x = torch.randn(23, 40, device=device, dtype=torch.float64).float()
+    t = torch.randint(0, 40, (23,), device=device)
+    t[::4] = -100
+    w = torch.rand(40, device=device) + 0.25
+    options = dict(weight=w, label_smoothing=0.1, smoothing_formula=formula)
+    compiled = torch.compile(fusedloss.cross_entropy, fullgraph=True)
+    xx = x.clone().requires_grad_()
+    loss = compiled(xx, t, **options)
+    loss.backward()
+    x64 = x.double().requires_grad_()
+    ref = weighted_reference(x64, t, w.double(), 0.1, "mean", formula)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xx.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["sliced", "expanded", "non-contiguous view of a leaf"])
 @pytest.mark.parametrize("wdtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_class_weight_any_layout_and_dtype(device, layout, wdtype):
