@@ -668,6 +668,86 @@ def test_class_weight(reduction, label_smoothing):
             fj.linear_cross_entropy, h, hw, t, class_weight=w, label_smoothing=0.1, z_loss=1e-3)
 
 
+# ---- the distillation loss ----
+
+def ref_distillation(sh, sw, th, tw, t, dtype, divergence="forward_kl", beta=0.5,
+                     temperature=1.0, hard_label_weight=0.0, reduction="mean", ignore_index=-100):
+    """float64 from the definitions; the student's logits rounded to `dtype` (a straight-through
+    gradient), the teacher's to its own dtype, as the chunk buffers hold them."""
+    f64 = jnp.float64
+    z = sh.astype(f64) @ sw.astype(f64).T
+    z = z + jax.lax.stop_gradient(z.astype(dtype).astype(f64) - z)
+    zt = (th.astype(f64) @ tw.astype(f64).T).astype(th.dtype).astype(f64)
+    lq, lp = jax.nn.log_softmax(z / temperature, -1), jax.nn.log_softmax(zt / temperature, -1)
+    q, p = jnp.exp(lq), jnp.exp(lp)
+    if divergence == "forward_kl":
+        soft = (p * (lp - lq)).sum(-1)
+    elif divergence == "reverse_kl":
+        soft = (q * (lq - lp)).sum(-1)
+    else:
+        lm = jnp.log(beta * p + (1 - beta) * q)
+        soft = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
+    loss = (1 - hard_label_weight) * soft
+    counted = jnp.ones(soft.shape, bool) if t is None else t != ignore_index
+    if hard_label_weight:
+        lz = jax.nn.log_softmax(z, -1)
+        loss = loss - hard_label_weight * jnp.take_along_axis(
+            lz, jnp.where(counted, t, 0)[..., None], -1)[..., 0]
+    loss = jnp.where(counted, loss, 0.0)
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / jnp.maximum(counted.sum(), 1)
+
+
+def _distill_problem(i, shape=(23,), Hs=16, Ht=12, V=41, dtype=F32, teacher_dtype=F32):
+    sh = jax.random.normal(_key(i), (*shape, Hs), F32).astype(dtype)
+    sw = (jax.random.normal(_key(i + 1), (V, Hs), F32) * 0.5).astype(dtype)
+    th = jax.random.normal(_key(i + 2), (*shape, Ht), F32).astype(teacher_dtype)
+    tw = (jax.random.normal(_key(i + 3), (V, Ht), F32) * 0.5).astype(teacher_dtype)
+    return sh, sw, th, tw, _targets(_key(i + 4), shape, V)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_distillation_loss(divergence, dtype, reduction):
+    sh, sw, th, tw, t = _distill_problem(300, dtype=dtype)
+    opts = dict(divergence=divergence, beta=0.3, temperature=1.5, hard_label_weight=0.2,
+                reduction=reduction)
+    up = jax.random.uniform(_key(310), t.shape, F32) + 0.5
+
+    def objective(fn):
+        return lambda a, b: (fn(a, b) * (up if reduction == "none" else 1.0)).sum()
+    ours = jax.jit(jax.value_and_grad(objective(
+        lambda a, b: fj.linear_distillation_loss(a, b, th, tw, t, **opts)), (0, 1)))(sh, sw)
+    refs = jax.value_and_grad(objective(
+        lambda a, b: ref_distillation(a, b, th, tw, t, dtype, **opts)), (0, 1))(
+        sh.astype(jnp.float64), sw.astype(jnp.float64))
+    _close(ours[0], refs[0], dtype, "loss")
+    for got, want, name in zip(ours[1], refs[1], ("dhidden", "dweight")):
+        assert got.dtype == dtype
+        _close(got, want, dtype, name)
+
+
+def test_linear_distillation_loss_without_target_and_the_teacher_constant():
+    sh, sw, th, tw, _ = _distill_problem(320, shape=(3, 5), teacher_dtype=BF16)
+    loss, grads = jax.value_and_grad(
+        lambda a, b, c, d: fj.linear_distillation_loss(a, b, c, d, divergence="reverse_kl"),
+        (0, 1, 2, 3))(sh, sw, th, tw)
+    want = ref_distillation(sh.astype(jnp.float64), sw.astype(jnp.float64), th, tw, None, F32,
+                            divergence="reverse_kl")
+    _close(loss, want, F32, "loss")
+    assert not np.asarray(grads[2]).any() and not np.asarray(grads[3]).any()
+    _raises(r"hard_label_weight: got 0\.5 without a target", fj.linear_distillation_loss,
+            sh, sw, th, tw, None, hard_label_weight=0.5)
+    _raises(r"divergence: got 'kl', expected one of", fj.linear_distillation_loss,
+            sh, sw, th, tw, divergence="kl")
+    _raises(r"teacher_weight: got 40 rows, expected 41", fj.linear_distillation_loss,
+            sh, sw, th, tw[:40])
+    _raises(r"beta: got 0\.0, expected a value in \(0, 1\)", fj.linear_distillation_loss,
+            sh, sw, th, tw, divergence="jsd", beta=0.0)
+
+
 # ---- RMSNorm ----
 
 @pytest.mark.parametrize("dtype,w_dtype", [(F32, F32), (BF16, BF16), (BF16, F32), (F32, BF16),

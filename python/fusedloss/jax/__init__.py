@@ -4,6 +4,8 @@ PyTorch ops (the same math, the same options, the same error messages).
     cross_entropy(logits, target, ...)                loss without a [N, V] softmax or gradient buffer
     linear_cross_entropy(hidden, weight, target, ...)  LM head + loss, no [N, V] logits
     linear_log_probs(hidden, weight, tokens, ...)     RL head: log-probs, entropy, arg-max, no logits
+    linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, ...)
+                                                      knowledge distillation without logits (CPU)
     rms_norm(x, weight, eps=1e-5, ...)                RMSNorm (+ fused residual add)
     swiglu(y, bias=None, ...)                         SwiGLU over the fused gate-up layout
 
@@ -19,12 +21,13 @@ from ._cross_entropy import CrossEntropyOutput, cross_entropy
 from ._ffi import PLATFORMS as platforms
 from ._ffi import check_device_errors as _check_device_errors
 from ._linear_cross_entropy import linear_cross_entropy
+from ._linear_distillation import linear_distillation_loss
 from ._linear_log_probs import LogProbs, linear_log_probs
 from ._rms_norm import rms_norm
 from ._swiglu import swiglu
 
 __all__ = ["cross_entropy", "CrossEntropyOutput", "linear_cross_entropy", "linear_log_probs", "LogProbs", "rms_norm",
-           "swiglu", "check_device_errors", "platforms"]
+           "swiglu", "linear_distillation_loss", "check_device_errors", "platforms"]
 
 
 def check_device_errors() -> None:

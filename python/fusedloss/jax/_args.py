@@ -120,20 +120,21 @@ def loss_results(rows: int, reduction: int):
             ((), jnp.float32)]
 
 
-def validate_head_operands(hidden, weight):
+def validate_head_operands(hidden, weight, names=("hidden", "weight")):
     """An LM head's operands, as the JAX heads take them: hidden [N, H] or [s, b, H] and weight
-    [V_local, H] in one float dtype."""
-    require_values(hidden, "hidden")
-    require_values(weight, "weight")
+    [V_local, H] in one float dtype; `names`: the arguments' names in the messages."""
+    h, w = names
+    require_values(hidden, h)
+    require_values(weight, w)
     if hidden.ndim not in (2, 3) or hidden.shape[-1] == 0:
-        raise ValueError(f"hidden: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
+        raise ValueError(f"{h}: got shape {tuple(hidden.shape)}, expected a 2-D [N, H] or 3-D "
                          "[s, b, H] tensor with H >= 1")
     if weight.ndim != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"weight: got shape {tuple(weight.shape)}, expected [V_local, "
-                         f"{hidden.shape[-1]}] (V_local >= 1, H = hidden.shape[-1])")
+        raise ValueError(f"{w}: got shape {tuple(weight.shape)}, expected [V_local, "
+                         f"{hidden.shape[-1]}] (V_local >= 1, H = {h}.shape[-1])")
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight.dtype: got {np.dtype(weight.dtype).name}, expected "
-                         f"{np.dtype(hidden.dtype).name} (hidden's dtype)")
+        raise ValueError(f"{w}.dtype: got {np.dtype(weight.dtype).name}, expected "
+                         f"{np.dtype(hidden.dtype).name} ({h}'s dtype)")
 
 
 def allows_tf32() -> bool:

@@ -16,8 +16,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
         "lce_local_stats", "lce_backward", "lce_scale_rows", "lp_forward", "lp_backward",
-        "lp_local_stats", "lp_merge", "rms_norm_forward", "rms_norm_backward", "swiglu_forward",
-        "swiglu_backward", "swiglu_gate_up_forward", "swiglu_gate_up_backward")
+        "lp_local_stats", "lp_merge", "distill_forward", "distill_backward", "rms_norm_forward",
+        "rms_norm_backward", "swiglu_forward", "swiglu_backward", "swiglu_gate_up_forward",
+        "swiglu_gate_up_backward")
 
 
 def _load():
@@ -162,6 +163,14 @@ def validate_linear_log_probs(temperature: float, workspace_bytes: int, rows: in
                               vocab_local: int, hidden: int) -> None:
     _checked(_lib.fusedloss_jax_validate_linear_log_probs, _f32(temperature),
              _i64(workspace_bytes), _i64(rows), _i64(vocab_local), _i64(hidden))
+
+
+def validate_linear_distillation(divergence: int, beta: float, temperature: float,
+                                 hard_label_weight: float, ignore_index: int, workspace_bytes: int,
+                                 rows: int, vocab: int, has_target: bool) -> None:
+    _checked(_lib.fusedloss_jax_validate_linear_distillation, _i64(divergence), _f32(beta),
+             _f32(temperature), _f32(hard_label_weight), _i64(ignore_index), _i64(workspace_bytes),
+             _i64(rows), _i64(vocab), _i32(int(has_target)))
 
 
 def validate_rms_norm(eps: float, zero_centered_gamma: bool) -> None:

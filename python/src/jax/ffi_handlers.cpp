@@ -580,6 +580,75 @@ void lp_backward(const Place& p, const Args& args, const Rets& rets, const Attrs
   }
 }
 
+// ---- the distillation loss ----
+
+fl::LinearDistillationOptions distill_options(const Attrs& a) {
+  fl::LinearDistillationOptions o;
+  o.divergence = fl::Divergence(attr<int64_t>(a, "divergence"));
+  o.beta = attr<float>(a, "beta");
+  o.temperature = attr<float>(a, "temperature");
+  o.hard_label_weight = attr<float>(a, "hard_label_weight");
+  o.ignore_index = attr<int64_t>(a, "ignore_index");
+  const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
+  if (workspace > 0) o.workspace_bytes = size_t(workspace);
+  o.allow_tf32 = attr<bool>(a, "allow_tf32");
+  return o;
+}
+
+// DistillRowStats in an int32 buffer of [.., N, 5] (20 bytes a row), from element `offset`.
+fl::DistillRowStats* distill_stats_at(const ffi::AnyBuffer& b, int64_t offset) {
+  static_assert(sizeof(fl::DistillRowStats) == 20, "DistillRowStats: 5 words a row");
+  return reinterpret_cast<fl::DistillRowStats*>(at(b, offset));
+}
+
+// The four head operands of batch item i, and its targets (none without has_target).
+struct DistillOperands {
+  fl::MatrixView sh, sw, th, tw;
+  fl::IndexView target;
+};
+DistillOperands distill_operands(const Args& args, const Batch& b, int64_t i, bool has_target,
+                                 const Place& p) {
+  const ffi::AnyBuffer sh = arg(args, 0), sw = arg(args, 1), th = arg(args, 2), tw = arg(args, 3),
+                       t = arg(args, 4);
+  const int64_t rows = dim(sh, 2), vocab = dim(sw, 2), hs = dim(sh, 1), ht = dim(th, 1);
+  return {matrix(sh, b.offset(sh, 2, i), rows, hs, p), matrix(sw, b.offset(sw, 2, i), vocab, hs, p),
+          matrix(th, b.offset(th, 2, i), rows, ht, p), matrix(tw, b.offset(tw, 2, i), vocab, ht, p),
+          has_target ? index(t, b.offset(t, 1, i), rows, p)
+                     : fl::IndexView{nullptr, rows, fl::IndexType::I32, p.device}};
+}
+
+// student_hidden [.., N, H_s], student_weight [.., V, H_s], teacher_hidden [.., N, H_t],
+// teacher_weight [.., V, H_t], target [.., N] (read with has_target) -> loss [.., N] fp32,
+// stats [.., N, 5] int32
+void distill_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearDistillationOptions o = distill_options(attrs);
+  const bool has_target = attr<bool>(attrs, "has_target");
+  const ffi::AnyBuffer loss = ret(rets, 0), stats = ret(rets, 1);
+  const Batch b(loss, 1);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const DistillOperands x = distill_operands(args, b, i, has_target, p);
+    fl::linear_distillation_forward(x.sh, x.sw, x.th, x.tw, x.target, o,
+                                    f32_at(loss, b.offset(loss, 1, i)),
+                                    distill_stats_at(stats, b.offset(stats, 2, i)), p.stream);
+  }
+}
+
+// the forward's operands, stats [.., N, 5] and grad_loss [.., N] fp32 -> dhidden [.., N, H_s],
+// dweight [.., V, H_s]
+void distill_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearDistillationOptions o = distill_options(attrs);
+  const bool has_target = attr<bool>(attrs, "has_target");
+  const ffi::AnyBuffer stats = arg(args, 5), g = arg(args, 6), dh = ret(rets, 0), dw = ret(rets, 1);
+  const Batch b(dh, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const DistillOperands x = distill_operands(args, b, i, has_target, p);
+    fl::linear_distillation_backward(
+        x.sh, x.sw, x.th, x.tw, x.target, distill_stats_at(stats, b.offset(stats, 2, i)),
+        f32_at(g, b.offset(g, 1, i)), o,
+        head_grads(b, dh, dw, i, x.sh.rows, x.sw.rows, x.sh.cols, p), p.stream);
+  }
+}
+
 // ---- RMSNorm ----
 
 // x [.., T, H], weight [.., H] (, residual [.., T, H]) -> y [.., T, H], rstd [.., T]
@@ -838,6 +907,8 @@ FL_HANDLER(lp_forward, lp_forward)
 FL_HANDLER(lp_backward, lp_backward)
 FL_HANDLER(lp_local_stats, lp_local_stats)
 FL_HANDLER(lp_merge, lp_merge)
+FL_HANDLER(distill_forward, distill_forward)
+FL_HANDLER(distill_backward, distill_backward)
 FL_HANDLER(rms_norm_forward, rms_norm_forward)
 FL_HANDLER(rms_norm_backward, rms_norm_backward)
 FL_HANDLER(swiglu_forward, swiglu_forward)
@@ -928,6 +999,22 @@ int fusedloss_jax_validate_linear_log_probs(float temperature, int64_t workspace
     o.temperature = temperature;
     if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
     fl::validate_linear_log_probs_options(o, rows, vocab_local, hidden);
+  });
+}
+
+int fusedloss_jax_validate_linear_distillation(int64_t divergence, float beta, float temperature,
+                                              float hard_label_weight, int64_t ignore_index,
+                                              int64_t workspace_bytes, int64_t rows, int64_t vocab,
+                                              int32_t has_target, char* message, size_t capacity) {
+  return checked(message, capacity, [&] {
+    fl::LinearDistillationOptions o;
+    o.divergence = fl::Divergence(divergence);
+    o.beta = beta;
+    o.temperature = temperature;
+    o.hard_label_weight = hard_label_weight;
+    o.ignore_index = ignore_index;
+    if (workspace_bytes > 0) o.workspace_bytes = size_t(workspace_bytes);
+    fl::validate_linear_distillation_options(o, rows, vocab, has_target != 0);
   });
 }
 

@@ -1,0 +1,129 @@
+"""fusedloss.jax.linear_distillation_loss: a distillation loss between a student's and a
+teacher's next-token distributions from each model's last hidden states and LM-head weight,
+without the [tokens, V] logits of either, as fusedloss.linear_distillation_loss computes it (the
+same C++ core: include/fusedloss/linear_distillation.h).
+
+A jax.custom_vjp over XLA FFI calls: the forward gives per-token losses and keeps 20 B a token,
+the backward recomputes both models' logits a chunk at a time for the per-token upstream
+gradients; the reduction is jnp's. The teacher gets no gradient (a zero cotangent).
+"""
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from ._args import allows_tf32, as_float, as_int, index, require_array, validate_head_operands
+
+_F32 = jnp.float32
+_DIVERGENCE = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+class DistillOptions(NamedTuple):
+    divergence: int
+    beta: float
+    temperature: float
+    hard_label_weight: float
+    ignore_index: int
+    workspace_bytes: int  # 0: the core's default
+    tf32: bool
+    has_target: bool
+
+    def attributes(self) -> dict:
+        return dict(divergence=self.divergence, beta=self.beta, temperature=self.temperature,
+                    hard_label_weight=self.hard_label_weight, ignore_index=self.ignore_index,
+                    workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32,
+                    has_target=self.has_target)
+
+
+def _forward(o, sh, sw, th, tw, t):
+    n = sh.shape[0]
+    return _ffi.call("distill_forward", [((n,), _F32), ((n, 5), jnp.int32)], sh, sw, th, tw, t,
+                     **o.attributes())
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _losses(o, sh, sw, th, tw, t):
+    return _forward(o, sh, sw, th, tw, t)[0]
+
+
+def _losses_fwd(o, sh, sw, th, tw, t):
+    loss, stats = _forward(o, sh, sw, th, tw, t)
+    return loss, (sh, sw, th, tw, t, stats)
+
+
+def _losses_bwd(o, saved, g):
+    sh, sw, th, tw, t, stats = saved
+    dh, dw = _ffi.call("distill_backward", [(sh.shape, sh.dtype), (sw.shape, sw.dtype)],
+                       sh, sw, th, tw, t, stats, g.astype(_F32), **o.attributes())
+    return dh, dw, jnp.zeros_like(th), jnp.zeros_like(tw), None
+
+
+_losses.defvjp(_losses_fwd, _losses_bwd)
+
+
+def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                             target=None, *, divergence: str = "forward_kl", beta: float = 0.5,
+                             temperature: float = 1.0, ignore_index: int = -100,
+                             hard_label_weight: float = 0.0, reduction: str = "mean",
+                             workspace_bytes=None):
+    """fusedloss.linear_distillation_loss for JAX: with s = the student's logits / temperature,
+    t = the teacher's, q = softmax(s), p = softmax(t), per token KL(p || q) ("forward_kl"),
+    KL(q || p) ("reverse_kl") or beta KL(p || m) + (1 - beta) KL(q || m), m = beta p +
+    (1 - beta) q ("jsd"); with target and hard_label_weight w, (1 - w) times that plus w times
+    the cross-entropy of the student's logits at the target. Tokens whose target is
+    ignore_index count for nothing; reduction "mean" (over the counted tokens), "sum" or "none".
+
+    student_hidden [N, H_s] or [s, b, H_s] with student_weight [V, H_s] (one float dtype);
+    teacher_hidden [..., H_t] with teacher_weight [V, H_t] (one float dtype of their own).
+    Gradients flow to the student's hidden states and weight; the teacher's are zero. The CPU
+    backend runs it in this version (a CUDA device raises at the call).
+    """
+    if not isinstance(divergence, str) or divergence not in _DIVERGENCE:
+        raise ValueError(f"divergence: got {divergence!r}, expected one of {sorted(_DIVERGENCE)}")
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction: got {reduction!r}, expected one of {sorted(_REDUCTIONS)}")
+    beta, temperature = as_float(beta, "beta"), as_float(temperature, "temperature")
+    hard = as_float(hard_label_weight, "hard_label_weight")
+    ignore_index = as_int(ignore_index, "ignore_index")
+    workspace = 0 if workspace_bytes is None else as_int(workspace_bytes, "workspace_bytes")
+    if workspace_bytes is not None and workspace <= 0:
+        raise ValueError(f"workspace_bytes: got {workspace}, expected None or a positive number "
+                         "of bytes")
+    validate_head_operands(student_hidden, student_weight, ("student_hidden", "student_weight"))
+    validate_head_operands(teacher_hidden, teacher_weight, ("teacher_hidden", "teacher_weight"))
+    shape = tuple(student_hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != shape:
+        raise ValueError(f"teacher_hidden: got shape {tuple(teacher_hidden.shape)}, expected "
+                         f"{shape} plus its hidden size (the student's tokens)")
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight: got {teacher_weight.shape[0]} rows, expected "
+                         f"{student_weight.shape[0]} (student_weight's vocabulary)")
+    if target is not None:
+        require_array(target, "target")
+        if tuple(target.shape) != shape:
+            raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} "
+                             "(student_hidden's shape without the hidden dim)")
+        if not jnp.issubdtype(target.dtype, jnp.integer):
+            raise ValueError(f"target.dtype: got {np.dtype(target.dtype).name}, expected an "
+                             "integer dtype")
+    sh = student_hidden.reshape(-1, student_hidden.shape[-1])
+    th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    rows, vocab = sh.shape[0], student_weight.shape[0]
+    _ffi.validate_linear_distillation(_DIVERGENCE[divergence], beta, temperature, hard,
+                                      ignore_index, workspace, rows, vocab, target is not None)
+    t = index(target) if target is not None else jnp.zeros((rows,), jnp.int32)
+    o = DistillOptions(_DIVERGENCE[divergence], beta, temperature, hard, ignore_index, workspace,
+                       allows_tf32(), target is not None)
+    losses = _losses(o, sh, student_weight, jax.lax.stop_gradient(th),
+                     jax.lax.stop_gradient(teacher_weight), t)
+    if reduction == "none":
+        return losses.reshape(shape)
+    total = losses.sum()
+    if reduction == "sum":
+        return total
+    counted = rows if target is None else (t != ignore_index).sum()
+    return total / jnp.maximum(counted, 1)
