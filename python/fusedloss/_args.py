@@ -112,3 +112,21 @@ def swiglu_form(first, second, bias, arrays, array_name, op):
                      f"separate gate and up projections, one up value per gate value){hint}; the "
                      f"fused form's second argument is a bias of shape "
                      f"({2 * a[-1] if len(a) == 1 else a[-1]},) = [2n]")
+
+
+def check_distillation_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                              target) -> tuple:
+    """The distillation loss's shape rules, one set of messages for the PyTorch and JAX ops
+    (each checks its operands' types and dtypes first): the teacher on the student's tokens and
+    vocabulary, the targets (or None) in the tokens' shape. Returns the tokens' shape."""
+    shape = tuple(student_hidden.shape[:-1])
+    if tuple(teacher_hidden.shape[:-1]) != shape:
+        raise ValueError(f"teacher_hidden: got shape {tuple(teacher_hidden.shape)}, expected "
+                         f"{shape} plus its hidden size (the student's tokens)")
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(f"teacher_weight: got {teacher_weight.shape[0]} rows, expected "
+                         f"{student_weight.shape[0]} (student_weight's vocabulary)")
+    if target is not None and tuple(target.shape) != shape:
+        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} "
+                         "(student_hidden's shape without the hidden dim)")
+    return shape

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._args import check_distillation_shapes
 from ._distributed import group_name, group_size
 from ._head import as_workspace_bytes, validate_head_operands
 from ._op import FusedOp
@@ -166,18 +167,11 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     if student_hidden.is_cuda:
         raise ValueError(f"student_hidden.device: got {student_hidden.device}, expected cpu (the "
                          "linear distillation loss has a CPU backend only in this version)")
-    shape = tuple(student_hidden.shape[:-1])
-    if tuple(teacher_hidden.shape[:-1]) != shape:
-        raise ValueError(f"teacher_hidden: got shape {tuple(teacher_hidden.shape)}, expected "
-                         f"{shape} plus its hidden size (the student's tokens)")
-    if teacher_weight.size(0) != student_weight.size(0):
-        raise ValueError(f"teacher_weight: got {teacher_weight.size(0)} rows, expected "
-                         f"{student_weight.size(0)} (student_weight's vocabulary)")
     if target is not None:
         require_tensor(target, "target")
-        if tuple(target.shape) != shape:
-            raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} "
-                             "(student_hidden's shape without the hidden dim)")
+    shape = check_distillation_shapes(student_hidden, student_weight, teacher_hidden,
+                                      teacher_weight, target)
+    if target is not None:
         require_same_device(target, "target", student_hidden, "student_hidden")
     H_s, H_t = student_hidden.size(-1), teacher_hidden.size(-1)
     tf32 = bool(torch.backends.cuda.matmul.allow_tf32)

@@ -19,6 +19,17 @@ size_t buffer_share(const LinearCrossEntropyOptions& o, const core::LceTuning& t
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
                        DType dtype, const core::LceTuning& tuning);
 
+// The chunking options of a head that runs the loop (its options' workspace_bytes, chunk_rows
+// and allow_tf32), as the linear cross-entropy's loop reads them.
+template <class HeadOptions>
+LinearCrossEntropyOptions loop_options(const HeadOptions& o) {
+  LinearCrossEntropyOptions lo;
+  lo.workspace_bytes = o.workspace_bytes;
+  lo.chunk_rows = o.chunk_rows;
+  lo.allow_tf32 = o.allow_tf32;
+  return lo;
+}
+
 // The plan of a chunk loop over hidden [N, H] and weight [V_local, H] (only o's chunking and
 // allow_tf32 are read).
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,

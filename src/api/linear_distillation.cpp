@@ -18,13 +18,7 @@ namespace {
 
 using detail::require;
 
-LinearCrossEntropyOptions loop_options(const LinearDistillationOptions& o) {
-  LinearCrossEntropyOptions lo;
-  lo.workspace_bytes = o.workspace_bytes;
-  lo.chunk_rows = o.chunk_rows;
-  lo.allow_tf32 = o.allow_tf32;
-  return lo;
-}
+using lce::loop_options;
 
 core::DistillParams params_of(const LinearDistillationOptions& o) {
   return {o.divergence, o.beta, 1.0f / o.temperature, o.hard_label_weight};

@@ -18,14 +18,7 @@ namespace {
 
 using detail::require;
 
-// The chunking options as the linear cross-entropy's loop reads them.
-LinearCrossEntropyOptions loop_options(const LinearLogProbsOptions& o) {
-  LinearCrossEntropyOptions lo;
-  lo.workspace_bytes = o.workspace_bytes;
-  lo.chunk_rows = o.chunk_rows;
-  lo.allow_tf32 = o.allow_tf32;
-  return lo;
-}
+using lce::loop_options;
 
 // The options with vocab_global resolved (0: V_local).
 LinearLogProbsOptions resolved(LinearLogProbsOptions o, int64_t vocab_local) {

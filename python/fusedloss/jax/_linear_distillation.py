@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._args import check_distillation_shapes
 from . import _ffi
 from ._args import allows_tf32, as_float, as_int, index, require_array, validate_head_operands
 
@@ -95,21 +96,13 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
                          "of bytes")
     validate_head_operands(student_hidden, student_weight, ("student_hidden", "student_weight"))
     validate_head_operands(teacher_hidden, teacher_weight, ("teacher_hidden", "teacher_weight"))
-    shape = tuple(student_hidden.shape[:-1])
-    if tuple(teacher_hidden.shape[:-1]) != shape:
-        raise ValueError(f"teacher_hidden: got shape {tuple(teacher_hidden.shape)}, expected "
-                         f"{shape} plus its hidden size (the student's tokens)")
-    if teacher_weight.shape[0] != student_weight.shape[0]:
-        raise ValueError(f"teacher_weight: got {teacher_weight.shape[0]} rows, expected "
-                         f"{student_weight.shape[0]} (student_weight's vocabulary)")
     if target is not None:
         require_array(target, "target")
-        if tuple(target.shape) != shape:
-            raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} "
-                             "(student_hidden's shape without the hidden dim)")
-        if not jnp.issubdtype(target.dtype, jnp.integer):
-            raise ValueError(f"target.dtype: got {np.dtype(target.dtype).name}, expected an "
-                             "integer dtype")
+    shape = check_distillation_shapes(student_hidden, student_weight, teacher_hidden,
+                                      teacher_weight, target)
+    if target is not None and not jnp.issubdtype(target.dtype, jnp.integer):
+        raise ValueError(f"target.dtype: got {np.dtype(target.dtype).name}, expected an integer "
+                         "dtype")
     sh = student_hidden.reshape(-1, student_hidden.shape[-1])
     th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     rows, vocab = sh.shape[0], student_weight.shape[0]
