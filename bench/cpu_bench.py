@@ -5,6 +5,10 @@
   log-probs   fusedloss.linear_log_probs(h, w, t, temperature=T), log_probs and entropy into a
               loss with fixed upstream gradients (4 GEMMs: the backward recomputes the logits)
               against log_softmax(F.linear(h, w) / T), gather, -(p * logp).sum(-1)
+  distill     fusedloss.linear_distillation_loss(h, w, th, tw, temperature=T), forward KL from
+              a fixed teacher of the same shapes, mean over the tokens (6 GEMMs: the backward
+              recomputes both logits) against the same loss through both [N, V] logits (the
+              teacher's under no_grad)
 
 Wall time of forward + backward (gradients of hidden and weight), the median of --reps runs (more
 where a run is short) after one warm-up run; ratio = fusedloss / torch. Shapes: tokens x hidden x vocab. The CSV (--csv)
@@ -49,7 +53,34 @@ def fusedloss_log_probs(h, w, t, g, e):
     return (out.log_probs * g).sum() + (out.entropy * e).sum()
 
 
-OPS = {"linear-ce": (fusedloss_ce, torch_ce), "log-probs": (fusedloss_log_probs, torch_log_probs)}
+_TEACHERS = {}
+
+
+def _teacher(h, w):
+    """A fixed teacher of the student's shapes (made once per shape, outside the timing)."""
+    key = (tuple(h.shape), tuple(w.shape), h.dtype)
+    if key not in _TEACHERS:
+        gen = torch.Generator().manual_seed(1)
+        _TEACHERS[key] = (torch.randn(h.shape, generator=gen).to(h.dtype) * h.detach().float().std(),
+                          torch.randn(w.shape, generator=gen).to(w.dtype))
+    return _TEACHERS[key]
+
+
+def torch_distill(h, w, t, g, e):
+    th, tw = _teacher(h, w)
+    with torch.no_grad():  # the teacher is a constant
+        lp = torch.log_softmax(F.linear(th, tw).float() / TEMPERATURE, -1)
+    lq = torch.log_softmax(F.linear(h, w).float() / TEMPERATURE, -1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean()
+
+
+def fusedloss_distill(h, w, t, g, e):
+    th, tw = _teacher(h, w)
+    return fusedloss.linear_distillation_loss(h, w, th, tw, temperature=TEMPERATURE)
+
+
+OPS = {"linear-ce": (fusedloss_ce, torch_ce), "log-probs": (fusedloss_log_probs, torch_log_probs),
+       "distill": (fusedloss_distill, torch_distill)}
 
 
 def seconds(fn, args, reps):
