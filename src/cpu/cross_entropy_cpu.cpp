@@ -4,7 +4,7 @@
 #include <cmath>
 #include <vector>
 #include "core/dispatch.h"
-#include "cpu/parallel.h"
+#include "cpu/matrix_cpu.h"
 
 namespace fusedloss::cpu {
 namespace {
@@ -12,17 +12,8 @@ namespace {
 using core::StorageKind;
 using core::TargetKind;
 
-template <class Index>
-int64_t target_at(const IndexView& t, int64_t r) {
-  return int64_t(static_cast<const Index*>(t.data)[r]);
-}
-
-int64_t load_target(const IndexView& t, int64_t r) {
-  return t.type == IndexType::I32 ? target_at<int32_t>(t, r) : target_at<int64_t>(t, r);
-}
-
 TargetKind classify(const IndexView& t, int64_t r, const core::CeParams& p) {
-  return core::classify_target(load_target(t, r), p.ignore_index, p.vocab_start, p.vocab_local,
+  return core::classify_target(index_at(t, r), p.ignore_index, p.vocab_start, p.vocab_local,
                                p.vocab_global);
 }
 
@@ -58,7 +49,7 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
       core::online_merge(m, s, ms, ss);
       sx += sxs;
     }
-    int64_t t = load_target(target, r);
+    int64_t t = index_at(target, r);
     bool local = classify(target, r, p) == TargetKind::Local;
     stats[r] = RowStats{m, s, local ? core::cap_logit(S::load(row[t - p.vocab_start]), p.softcap) : -INFINITY,
                         p.need_sum_logits ? sx : 0.0f};
@@ -83,7 +74,7 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
     }
     const float dl = core::row_grad_scale(p, grad_loss, valid_count, r);
     core::GradRow g = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
-    int64_t local_target = kind == TargetKind::Local ? load_target(target, r) - p.vocab_start : -1;
+    int64_t local_target = kind == TargetKind::Local ? index_at(target, r) - p.vocab_start : -1;
     for (int64_t j = 0; j < x.cols; ++j)
       gr[j] = S::store(core::capped_grad_element(g, S::load(xr[j]), j == local_target, p.softcap));
   }
@@ -94,7 +85,7 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
 int64_t first_bad_target(const IndexView& target, const core::CeParams& p, int64_t* value) {
   for (int64_t r = 0; r < target.size; ++r) {
     if (classify(target, r, p) == TargetKind::OutOfRange) {
-      *value = load_target(target, r);
+      *value = index_at(target, r);
       return r;
     }
   }

@@ -1,22 +1,18 @@
 #include "cpu/distill_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include "core/cross_entropy_math.h"
 #include "core/dispatch.h"
-#include "cpu/parallel.h"
+#include "cpu/matrix_cpu.h"
 
 namespace fusedloss::cpu {
 namespace {
 
-int64_t target_at(const IndexView& t, int64_t r) {
-  return t.type == IndexType::I32 ? int64_t(static_cast<const int32_t*>(t.data)[r])
-                                  : static_cast<const int64_t*>(t.data)[r];
-}
-
 // -1: the row counts and has no target (none given); -2: ignored; else its target.
 int64_t row_target(const IndexView& t, int64_t r, int64_t ignore_index) {
   if (t.data == nullptr) return -1;
-  const int64_t v = target_at(t, r);
+  const int64_t v = index_at(t, r);
   return v == ignore_index ? -2 : v;
 }
 
@@ -50,12 +46,19 @@ void distill_forward(const MatrixView& xs, const MatrixView& xt, const IndexView
       }
       const auto* sr = s_data + r * xs.row_stride;
       const auto* tr = t_data + r * xt.row_stride;
+      // the three (max, sum-exp) pairs, each summed in blocks (kSumBlock)
       float ms = -INFINITY, ss = 0.0f, mt = -INFINITY, st = 0.0f, mz = -INFINITY, sz = 0.0f;
-      for (int64_t j = 0; j < xs.cols; ++j) {
-        const float x = SS::load(sr[j]);
-        core::online_add(ms, ss, x * p.inv_t);
-        core::online_add(mt, st, ST::load(tr[j]) * p.inv_t);
-        if (p.hard_weight > 0.0f) core::online_add(mz, sz, x);
+      for (int64_t j0 = 0; j0 < xs.cols; j0 += kSumBlock) {
+        float bms = -INFINITY, bss = 0.0f, bmt = -INFINITY, bst = 0.0f, bmz = -INFINITY, bsz = 0.0f;
+        for (int64_t j = j0; j < std::min(j0 + kSumBlock, xs.cols); ++j) {
+          const float x = SS::load(sr[j]);
+          core::online_add(bms, bss, x * p.inv_t);
+          core::online_add(bmt, bst, ST::load(tr[j]) * p.inv_t);
+          if (p.hard_weight > 0.0f) core::online_add(bmz, bsz, x);
+        }
+        core::online_merge(ms, ss, bms, bss);
+        core::online_merge(mt, st, bmt, bst);
+        core::online_merge(mz, sz, bmz, bsz);
       }
       DistillRowStats row{lse_of(ms, ss), lse_of(mt, st), lse_of(mz, sz), 0.0f, 0.0f};
       double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference

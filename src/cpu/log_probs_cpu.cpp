@@ -4,24 +4,9 @@
 #include <cmath>
 #include "core/dispatch.h"
 #include "core/log_probs_math.h"
-#include "cpu/parallel.h"
+#include "cpu/matrix_cpu.h"
 
 namespace fusedloss::cpu {
-namespace {
-
-// A row's columns in blocks, each summed alone, then the blocks combined in order: the fp32 sums
-// (lse's and the entropy's) carry the rounding of about kSumBlock + cols / kSumBlock additions
-// instead of cols, as the CUDA kernel's threads do. At V 50257 a sequential sum left dhidden 30
-// times torch's error (fp32).
-constexpr int64_t kSumBlock = 256;
-
-int64_t token_at(const IndexView& t, int64_t r) {
-  return t.type == IndexType::I32 ? int64_t(static_cast<const int32_t*>(t.data)[r])
-                                  : static_cast<const int64_t*>(t.data)[r];
-}
-
-}  // namespace
-
 void lp_local_stats(const MatrixView& x, const IndexView& tokens, float inv_t, int64_t vocab_start,
                     LogProbStats* stats) {
   core::dispatch_dtype(x.dtype, [&](auto kind) {
@@ -37,7 +22,7 @@ void lp_local_stats(const MatrixView& x, const IndexView& tokens, float inv_t, i
           core::lp_add(block, core::Storage<K>::load(row[j]) * inv_t, vocab_start + j);
         s = core::lp_combine(s, block);
       }
-      const int64_t local = token_at(tokens, r) - vocab_start;
+      const int64_t local = index_at(tokens, r) - vocab_start;
       if (local >= 0 && local < x.cols) s.target = core::Storage<K>::load(row[local]) * inv_t;
       stats[r] = s;
     }
@@ -51,7 +36,7 @@ void lp_merge(const LogProbStats* stats, int world, int64_t rows, const IndexVie
   for (int64_t r = 0; r < rows; ++r) {
     LogProbStats s = stats[r];
     for (int k = 1; k < world; ++k) s = core::lp_combine(s, stats[int64_t(k) * rows + r]);
-    const int64_t t = token_at(tokens, r);
+    const int64_t t = index_at(tokens, r);
     const bool ignored = t == o.ignore_index, valid = t >= 0 && t < vocab_global;
     const float lse = core::lp_lse(s);
     if (out.lse) out.lse[r] = lse;
@@ -70,7 +55,7 @@ void lp_gradient(const MatrixView& x, const IndexView& tokens, const float* lse,
 #pragma omp parallel for schedule(static) if (worth_threads(x.rows * x.cols))
     for (int64_t r = 0; r < x.rows; ++r) {
       auto* row = data + r * x.row_stride;
-      const int64_t t = token_at(tokens, r);
+      const int64_t t = index_at(tokens, r);
       const float gr = g && t != ignore_index ? g[r] : 0.0f;
       const float er = e && t != ignore_index ? e[r] : 0.0f;
       const float h = entropy ? entropy[r] : 0.0f;

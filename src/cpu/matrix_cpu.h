@@ -38,6 +38,18 @@ inline void zero(const MatrixView& m) {
     for (int64_t c = 0; c < m.cols; ++c) store(m, r, c, 0.0f);
 }
 
+// Class index r of a host index vector (int32 or int64), widened.
+inline int64_t index_at(const IndexView& t, int64_t r) {
+  return t.type == IndexType::I32 ? int64_t(static_cast<const int32_t*>(t.data)[r])
+                                  : static_cast<const int64_t*>(t.data)[r];
+}
+
+// A row's columns in blocks, each summed alone, then the blocks combined in order: the fp32 sums
+// (lse's and the entropy's) carry the rounding of about kSumBlock + cols / kSumBlock additions
+// instead of cols, as the CUDA kernels' threads do. At V 50257 a sequential sum left the log-prob
+// head's dhidden 30 times torch's error (fp32).
+constexpr int64_t kSumBlock = 256;
+
 // Rows [row0, row0 + rows) of m.
 inline MatrixView rows_of(const MatrixView& m, int64_t row0, int64_t rows) {
   MatrixView v = m;
