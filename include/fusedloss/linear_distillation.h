@@ -17,10 +17,19 @@
 // The token-chunk pipeline is the linear cross-entropy's (linear_cross_entropy.h), with the
 // teacher's logits of each chunk in a second buffer: the forward runs 2 GEMMs a chunk and keeps
 // DistillRowStats (20 B a row); the backward recomputes both logits (2 GEMMs) and runs the
-// student's dhidden and dweight GEMMs. Memory: the student's chunk buffers, the teacher's one,
-// and the GEMMs' stage, within about 2 x workspace_bytes.
+// student's dhidden and dweight GEMMs. A forward given gradient buffers (a caller that knows
+// the upstream gradients already: a mean or a sum) runs those GEMMs in the same pass, 4 GEMMs
+// in all and no backward. Memory: the student's chunk buffers, the teacher's one, and the
+// GEMMs' workspace, within about 2 x workspace_bytes.
 //
-// This version runs on the CPU backend at tensor-parallel size 1; CUDA inputs are refused.
+// Vocab-parallel (tensor-parallel size > 1): each rank holds the rows [vocab_start, vocab_start
+// + V_local) of both weights. linear_distillation_local_partials gives this shard's
+// DistillPartial (32 B a row: the online max / sum-exp of both distributions, the KL's cross
+// term, the target's logit); one all-gather of them and distill_merge give every rank the same
+// row stats and losses. jsd needs one more round over the logits (a second GEMM pass):
+// linear_distillation_jsd_sums gives this shard's two sums a row (8 B), which add over the
+// ranks (an all-reduce) into distill_add_jsd. The backward is local (this rank's dweight and
+// its partial dhidden, which the caller reduces over the ranks).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -40,6 +49,10 @@ struct LinearDistillationOptions {
   size_t workspace_bytes = size_t(256) << 20;  // as LinearCrossEntropyOptions::workspace_bytes
   int64_t chunk_rows = 0;          // as LinearCrossEntropyOptions::chunk_rows
   bool allow_tf32 = false;         // fp32 inputs only: TF32 GEMMs
+  // Vocab-parallel: the shard's first global class and the whole vocabulary (0: V_local, one
+  // shard). Targets are global class ids.
+  int64_t vocab_start = 0;
+  int64_t vocab_global = 0;
 };
 
 // What the backward reads of each row (written by the forward; zeros for an ignored row).
@@ -51,23 +64,67 @@ struct DistillRowStats {
   float soft_student; // jsd: sum_j q_j log(q_j / m_j) (its gradient's row term); else 0
 };
 
-// Checks the options against the shapes (N rows, V, the two hidden sizes); throws Error as the
-// calls do.
+// A shard's pass-1 statistics of one row (core/distill_math.h has the math): 32 bytes.
+struct DistillPartial {
+  float max_s, sum_s, max_t, sum_t, max_z, sum_z, cross, target;
+};
+constexpr size_t kDistillPartialBytes = sizeof(DistillPartial);
+
+// Checks the options against the shapes (N rows, V_local = the weights' rows); throws Error as
+// the calls do.
 void validate_linear_distillation_options(const LinearDistillationOptions& options, int64_t rows,
-                                          int64_t vocab, bool has_target);
+                                          int64_t vocab_local, bool has_target);
 
 // student_hidden [N, H_s] with student_weight [V, H_s] (one dtype: fp32/fp16/bf16), teacher_hidden
 // [N, H_t] with teacher_weight [V, H_t] (one dtype, which may differ from the student's), columns
 // contiguous; target [N] int32/int64 class ids or ignore_index, or none (data null: every row
-// counts, hard_label_weight must be 0). Writes loss [N] and stats [N].
+// counts, hard_label_weight must be 0); each with the other inputs (host or one CUDA device).
+// Writes loss [N] and stats [N]. One shard (vocab_global 0 or V_local).
+//
+// in_forward (optional; grads' data null: none): the student's gradients of sum_i grad_loss[i]
+// loss_i for upstream gradients the caller knows before the forward (a sum: 1 each; a mean:
+// 1 / counted rows, on the device), written as the backward writes them, in the same pass over
+// the chunks: 4 GEMMs in all, and no backward. The caller scales them by the reduction's
+// upstream gradient when it comes.
+struct DistillInForward {
+  LinearCrossEntropyGrads grads;      // dhidden [N, H_s], dweight [V, H_s] (dbias unused)
+  const float* grad_loss = nullptr;   // [N] fp32 with the inputs; null: 1 for every row
+};
 void linear_distillation_forward(const MatrixView& student_hidden, const MatrixView& student_weight,
                                  const MatrixView& teacher_hidden, const MatrixView& teacher_weight,
                                  const IndexView& target, const LinearDistillationOptions& options,
-                                 float* loss, DistillRowStats* stats, Stream stream = nullptr);
+                                 float* loss, DistillRowStats* stats, Stream stream = nullptr,
+                                 const DistillInForward& in_forward = {});
 
-// The student's gradients of sum_i grad_loss[i] loss_i from the forward's stats: grads.dhidden
-// [N, H_s] and grads.dweight [V, H_s] (= or += with accumulate_dweight), each fp32 or the
-// student's dtype; grads.dbias unused.
+// Vocab-parallel forward, in steps (the caller runs the collectives between them):
+//   1. linear_distillation_local_partials: this shard's partials [N]
+//   2. all-gather them into [world, N] (rank-major), then distill_merge -> stats [N], loss [N]
+//   3. jsd only: linear_distillation_jsd_sums -> this shard's sums [N, 2]; all-reduce (sum)
+//      them over the ranks; distill_add_jsd -> stats and loss complete.
+void linear_distillation_local_partials(const MatrixView& student_hidden,
+                                        const MatrixView& student_weight,
+                                        const MatrixView& teacher_hidden,
+                                        const MatrixView& teacher_weight, const IndexView& target,
+                                        const LinearDistillationOptions& options,
+                                        DistillPartial* partials, Stream stream = nullptr);
+void distill_merge(const DistillPartial* partials, int world, int64_t rows, const IndexView& target,
+                   const LinearDistillationOptions& options, DistillRowStats* stats, float* loss,
+                   Device device, Stream stream = nullptr);
+void linear_distillation_jsd_sums(const MatrixView& student_hidden,
+                                  const MatrixView& student_weight,
+                                  const MatrixView& teacher_hidden,
+                                  const MatrixView& teacher_weight,
+                                  const LinearDistillationOptions& options,
+                                  const DistillRowStats* stats, float* sums,
+                                  Stream stream = nullptr);
+void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
+                     const LinearDistillationOptions& options, DistillRowStats* stats, float* loss,
+                     Device device, Stream stream = nullptr);
+
+// The student's gradients of sum_i grad_loss[i] loss_i from the forward's stats (merged over the
+// shards): grads.dhidden [N, H_s] (at TP > 1 this rank's partial sum) and grads.dweight
+// [V_local, H_s] (= or += with accumulate_dweight), each fp32 or the student's dtype;
+// grads.dbias unused.
 void linear_distillation_backward(const MatrixView& student_hidden,
                                   const MatrixView& student_weight,
                                   const MatrixView& teacher_hidden,

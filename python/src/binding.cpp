@@ -3,7 +3,9 @@
 // which CUDA version torch was built with.
 #include <exception>
 #include <string>
+#include <optional>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "core_table.h"
 #include "fusedloss/fusedloss.h"
@@ -554,8 +556,11 @@ void bind_linear_distillation(py::module_& m) {
       .def_readwrite("ignore_index", &LinearDistillationOptions::ignore_index)
       .def_readwrite("workspace_bytes", &LinearDistillationOptions::workspace_bytes)
       .def_readwrite("chunk_rows", &LinearDistillationOptions::chunk_rows)
-      .def_readwrite("allow_tf32", &LinearDistillationOptions::allow_tf32);
+      .def_readwrite("allow_tf32", &LinearDistillationOptions::allow_tf32)
+      .def_readwrite("vocab_start", &LinearDistillationOptions::vocab_start)
+      .def_readwrite("vocab_global", &LinearDistillationOptions::vocab_global);
   m.attr("DISTILL_ROW_STATS_BYTES") = int(sizeof(DistillRowStats));
+  m.attr("DISTILL_PARTIAL_BYTES") = int(sizeof(DistillPartial));
   m.def("validate_linear_distillation_options",
         [](const LinearDistillationOptions& o, int64_t rows, int64_t vocab, bool has_target) {
           guarded([&] { validate_linear_distillation_options(o, rows, vocab, has_target); });
@@ -564,15 +569,68 @@ void bind_linear_distillation(py::module_& m) {
   m.def("linear_distillation_forward",
         [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
            const IndexView& t, const LinearDistillationOptions& o, uintptr_t loss, uintptr_t stats,
-           uintptr_t stream) {
+           uintptr_t stream, std::optional<MatrixView> dh, std::optional<MatrixView> dw,
+           uintptr_t grad_loss) {
           guarded([&] {
-            linear_distillation_forward(sh, sw, th, tw, t, o, fptr(loss),
-                                        static_cast<DistillRowStats*>(ptr(stats)), ptr(stream));
+            linear_distillation_forward(
+                sh, sw, th, tw, t, o, fptr(loss), static_cast<DistillRowStats*>(ptr(stats)),
+                ptr(stream),
+                {{dh.value_or(MatrixView{}), dw.value_or(MatrixView{})}, fptr(grad_loss)});
           });
         },
         py::arg("student_hidden"), py::arg("student_weight"), py::arg("teacher_hidden"),
         py::arg("teacher_weight"), py::arg("target"), py::arg("options"), py::arg("loss"),
-        py::arg("stats"), py::arg("stream"));
+        py::arg("stats"), py::arg("stream"), py::arg("dhidden") = py::none(),
+        py::arg("dweight") = py::none(), py::arg("grad_loss") = 0);
+  m.def("linear_distillation_local_partials",
+        [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
+           const IndexView& t, const LinearDistillationOptions& o, uintptr_t partials,
+           uintptr_t stream) {
+          guarded([&] {
+            linear_distillation_local_partials(sh, sw, th, tw, t, o,
+                                               static_cast<DistillPartial*>(ptr(partials)),
+                                               ptr(stream));
+          });
+        },
+        py::arg("student_hidden"), py::arg("student_weight"), py::arg("teacher_hidden"),
+        py::arg("teacher_weight"), py::arg("target"), py::arg("options"), py::arg("partials"),
+        py::arg("stream"));
+  m.def("distill_merge",
+        [](uintptr_t partials, int world, int64_t rows, const IndexView& t,
+           const LinearDistillationOptions& o, uintptr_t stats, uintptr_t loss, Device device,
+           uintptr_t stream) {
+          guarded([&] {
+            distill_merge(static_cast<const DistillPartial*>(ptr(partials)), world, rows, t, o,
+                          static_cast<DistillRowStats*>(ptr(stats)), fptr(loss), device,
+                          ptr(stream));
+          });
+        },
+        py::arg("partials"), py::arg("world"), py::arg("rows"), py::arg("target"),
+        py::arg("options"), py::arg("stats"), py::arg("loss"), py::arg("device"),
+        py::arg("stream"));
+  m.def("linear_distillation_jsd_sums",
+        [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
+           const LinearDistillationOptions& o, uintptr_t stats, uintptr_t sums, uintptr_t stream) {
+          guarded([&] {
+            linear_distillation_jsd_sums(sh, sw, th, tw, o,
+                                         static_cast<const DistillRowStats*>(ptr(stats)),
+                                         fptr(sums), ptr(stream));
+          });
+        },
+        py::arg("student_hidden"), py::arg("student_weight"), py::arg("teacher_hidden"),
+        py::arg("teacher_weight"), py::arg("options"), py::arg("stats"), py::arg("sums"),
+        py::arg("stream"));
+  m.def("distill_add_jsd",
+        [](uintptr_t sums, int64_t rows, const IndexView& t, const LinearDistillationOptions& o,
+           uintptr_t stats, uintptr_t loss, Device device, uintptr_t stream) {
+          guarded([&] {
+            distill_add_jsd(reinterpret_cast<const float*>(sums), rows, t, o,
+                            static_cast<DistillRowStats*>(ptr(stats)), fptr(loss), device,
+                            ptr(stream));
+          });
+        },
+        py::arg("sums"), py::arg("rows"), py::arg("target"), py::arg("options"),
+        py::arg("stats"), py::arg("loss"), py::arg("device"), py::arg("stream"));
   m.def("linear_distillation_backward",
         [](const MatrixView& sh, const MatrixView& sw, const MatrixView& th, const MatrixView& tw,
            const IndexView& t, uintptr_t stats, uintptr_t grad_loss,

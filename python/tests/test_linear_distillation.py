@@ -1,17 +1,21 @@
-"""fusedloss.linear_distillation_loss against float64 torch: every divergence, temperature,
-reduction and dtype, the hard-label term, ignored tokens, no target, [s, b, H] inputs, views,
-a teacher of another width and dtype, torch.compile, no_grad keeping nothing, and bad arguments
-named. The reference differentiates its own float64 loss (autograd), not the library's formula."""
+"""fusedloss.linear_distillation_loss against float64 torch on every backend: every divergence,
+temperature, reduction and dtype, both backward modes, the hard-label term, ignored tokens, no
+target, [s, b, H] inputs, views, a teacher of another width and dtype, torch.compile, no_grad
+keeping nothing, a second backward, bad arguments named; vocab-parallel over gloo (TP 2 and 4
+equal to float64 and the same bits on every rank; one rank's bad argument raised on every
+rank). The reference differentiates its own float64 loss (autograd), not the library's formula."""
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import fusedloss
+from dist_util import run_world
 
-_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+_TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
-def _problem(dtype, shape=(19,), Hs=16, Ht=24, V=37, teacher_dtype=None):
+def _problem(dtype, shape=(19,), Hs=16, Ht=24, V=37, teacher_dtype=None, device="cpu"):
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     sh = torch.randn(*shape, Hs, generator=g).to(dtype)
     sw = (torch.randn(V, Hs, generator=g) * 0.5).to(dtype)
@@ -20,7 +24,7 @@ def _problem(dtype, shape=(19,), Hs=16, Ht=24, V=37, teacher_dtype=None):
     tw = (torch.randn(V, Ht, generator=g) * 0.5).to(td)
     t = torch.randint(0, V, shape, generator=g)
     t.view(-1)[::5] = -100
-    return sh, sw, th, tw, t
+    return tuple(x.to(device) for x in (sh, sw, th, tw, t))
 
 
 def reference(sh64, sw64, dtype, th, tw, t, divergence="forward_kl", beta=0.5, temperature=1.0,
@@ -52,14 +56,16 @@ def reference(sh64, sw64, dtype, th, tw, t, divergence="forward_kl", beta=0.5, t
 
 
 def _check(dtype=torch.float32, shape=(19,), target=True, teacher_dtype=None, view=None,
-           compiled=False, **options):
-    sh, sw, th, tw, t = _problem(dtype, shape, teacher_dtype=teacher_dtype)
+           compiled=False, device="cpu", **options):
+    sh, sw, th, tw, t = _problem(dtype, shape, teacher_dtype=teacher_dtype, device=device)
     t = None if not target else torch.where(t == -100, options.get("ignore_index", -100), t)
     leaves = [sh.clone().requires_grad_(), sw.clone().requires_grad_()]
     op = torch.compile(fusedloss.linear_distillation_loss, fullgraph=True) if compiled else \
         fusedloss.linear_distillation_loss
     loss = op(*[view(x) if view else x for x in leaves], th, tw, t, **options)
     refs = [x.detach().double().requires_grad_() for x in (sh, sw)]
+    for op_only in ("backward_mode", "workspace_bytes", "inplace_backward"):
+        options.pop(op_only, None)
     ref = reference(refs[0], refs[1], dtype, th, tw, t, **options)
     assert loss.dtype == torch.float32 and loss.shape == ref.shape
     tol = _TOL[dtype]
@@ -79,31 +85,71 @@ def _check(dtype=torch.float32, shape=(19,), target=True, teacher_dtype=None, vi
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64(divergence, temperature, reduction, dtype):
-    _check(dtype, divergence=divergence, temperature=temperature, reduction=reduction, beta=0.3)
+def test_matches_float64(device, divergence, temperature, reduction, dtype):
+    _check(dtype, divergence=divergence, temperature=temperature, reduction=reduction, beta=0.3,
+           device=device)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_recompute_backward_matches_float64(device, divergence, reduction):
+    _check(divergence=divergence, reduction=reduction, backward_mode="recompute",
+           hard_label_weight=0.3, device=device)
+    _check(torch.float16, divergence=divergence, reduction=reduction, device=device)  # auto: recompute
 
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
-def test_hard_labels_ignored_tokens_and_no_target(divergence):
-    _check(divergence=divergence, hard_label_weight=0.4, temperature=1.5)
-    _check(divergence=divergence, hard_label_weight=1.0)
-    _check(divergence=divergence, target=False)
-    _check(divergence=divergence, ignore_index=-1, hard_label_weight=0.2)
+def test_hard_labels_ignored_tokens_and_no_target(device, divergence):
+    _check(divergence=divergence, hard_label_weight=0.4, temperature=1.5, device=device)
+    _check(divergence=divergence, hard_label_weight=1.0, device=device)
+    _check(divergence=divergence, target=False, device=device)
+    _check(divergence=divergence, ignore_index=-1, hard_label_weight=0.2, device=device)
 
 
-def test_sequence_first_inputs_views_and_another_teacher():
-    _check(shape=(3, 4), reduction="none", divergence="reverse_kl")
-    _check(view=lambda x: x.t().contiguous().t(), divergence="jsd")   # transposed storage
-    _check(view=lambda x: x[:, :], teacher_dtype=torch.bfloat16)
-    _check(torch.bfloat16, teacher_dtype=torch.float32, hard_label_weight=0.3)
+def test_sequence_first_inputs_views_and_another_teacher(device):
+    _check(shape=(3, 4), reduction="none", divergence="reverse_kl", device=device)
+    _check(view=lambda x: x.t().contiguous().t(), divergence="jsd", device=device)  # transposed
+    _check(view=lambda x: x[:, :], teacher_dtype=torch.bfloat16, device=device)
+    _check(torch.bfloat16, teacher_dtype=torch.float32, hard_label_weight=0.3, device=device)
+    _check(shape=(2, 300), divergence="jsd", device=device, workspace_bytes=1 << 16)  # chunks
 
 
-def test_compiled_matches_eager():
-    _check(compiled=True, divergence="jsd", reduction="sum")
+def test_compiled_matches_eager(device):
+    _check(compiled=True, divergence="jsd", reduction="sum", device=device)
+    _check(compiled=True, divergence="forward_kl", reduction="none", device=device)
 
 
-def test_no_grad_keeps_nothing():
+def test_second_backward(device):
+    """in_forward scales its kept gradients in place: a second backward raises by name, unless
+    inplace_backward=False, which gives the same gradients twice."""
+    sh, sw, th, tw, t = _problem(torch.float32, device=device)
+    leaf = sh.clone().requires_grad_()
+    loss = fusedloss.linear_distillation_loss(leaf, sw, th, tw, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through a result computed with "
+                                           "inplace_backward=True"):
+        loss.backward()
+    leaf2 = sh.clone().requires_grad_()
+    loss = fusedloss.linear_distillation_loss(leaf2, sw, th, tw, t, inplace_backward=False)
+    loss.backward(retain_graph=True)
+    first = leaf2.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(leaf2.grad, 2 * first)
+    torch.testing.assert_close(first, leaf.grad)
+
+
+def test_backward_modes_named():
     sh, sw, th, tw, t = _problem(torch.float32)
+    sh.requires_grad_()
+    op = fusedloss.linear_distillation_loss
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with reduction='none'"):
+        op(sh, sw, th, tw, t, reduction="none", backward_mode="in_forward")
+    with pytest.raises(ValueError, match="backward_mode: got 'sometimes', expected one of"):
+        op(sh, sw, th, tw, t, backward_mode="sometimes")
+
+
+def test_no_grad_keeps_nothing(device):
+    sh, sw, th, tw, t = _problem(torch.float32, device=device)
     sh.requires_grad_()
     with torch.no_grad():
         loss = fusedloss.linear_distillation_loss(sh, sw, th, tw, t)
@@ -135,3 +181,73 @@ def test_bad_arguments_are_named():
     bad[1] = 37
     with pytest.raises(ValueError, match=r"target\[1\]: got 37"):
         op(sh, sw, th, tw, bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA backend: no CUDA device in this process")
+def test_a_bad_cuda_target_is_nan_and_reported():
+    """CUDA targets are not read on the host: a hard-label row with a target beyond V gives NaN,
+    and the device error names the row and the value."""
+    sh, sw, th, tw, t = _problem(torch.float32, device="cuda")
+    t[2] = 99
+    loss = fusedloss.linear_distillation_loss(sh, sw, th, tw, t, hard_label_weight=0.5,
+                                              reduction="none")
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[3])
+    with pytest.raises(RuntimeError, match="99"):
+        fusedloss.check_device_errors()
+
+
+# ---- vocab-parallel over gloo (CPU) ----
+
+def _tp(rank, world, divergence, dh_reduction):
+    torch.manual_seed(4321)  # the same problem on every rank
+    sh, sw, th, tw, t = _problem(torch.float32, V=48)
+    V_local = sw.size(0) // world
+    mine = slice(rank * V_local, (rank + 1) * V_local)
+    leaf_h, leaf_w = sh.clone().requires_grad_(), sw[mine].clone().requires_grad_()
+    options = dict(divergence=divergence, temperature=1.3, hard_label_weight=0.25, beta=0.4)
+    loss = fusedloss.linear_distillation_loss(leaf_h, leaf_w, th, tw[mine].clone(), t,
+                                              reduction="none", tp_group=dist.group.WORLD,
+                                              dhidden_reduction=dh_reduction, **options)
+    up = torch.rand(t.shape) + 0.5  # (seeded alike on every rank)
+    (up * loss).sum().backward()
+    refs = [x.double().requires_grad_() for x in (sh, sw)]
+    ref = reference(refs[0], refs[1], torch.float32, th, tw, t, reduction="none", **options)
+    (up.double() * ref).sum().backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-5, atol=2e-5)
+    every = [torch.empty_like(loss) for _ in range(world)]
+    dist.all_gather(every, loss.contiguous())
+    assert all(torch.equal(e, every[0]) for e in every)  # the same bits on every rank
+    dh = leaf_h.grad.clone()
+    if dh_reduction == "partial":
+        dist.all_reduce(dh)
+    for got, want in ((dh, refs[0].grad), (leaf_w.grad, refs[1].grad[mine])):
+        assert ((got.double() - want).norm() / want.norm()).item() <= 1e-4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_gloo_tp_equals_float64(world, divergence):
+    run_world(world, _tp, divergence, "all_reduce")
+
+
+def test_gloo_tp_partial_dhidden():
+    run_world(2, _tp, "jsd", "partial")
+
+
+def _tp_one_rank_wrong(rank, world):
+    sh, sw, th, tw, t = _problem(torch.float32, shape=(6,), V=8)
+    bad = {"temperature": -1.0} if rank == 1 else {}
+    with pytest.raises(ValueError, match="rank 1: temperature: got -1.0"):
+        fusedloss.linear_distillation_loss(sh, sw, th, tw, t, tp_group=dist.group.WORLD, **bad)
+    t_bad = t.clone()
+    if rank == 0:
+        t_bad[0] = 99  # beyond every rank's shard
+    with pytest.raises(ValueError, match=r"rank 0: target\[0\]: got 99, expected in \[0, 16\)"):
+        fusedloss.linear_distillation_loss(sh, sw, th, tw, t_bad, tp_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="divergence"):  # options that differ between ranks
+        fusedloss.linear_distillation_loss(sh, sw, th, tw, t, tp_group=dist.group.WORLD,
+                                           divergence="jsd" if rank else "forward_kl")
+
+
+def test_gloo_tp_one_rank_wrong_raises_on_every_rank():
+    run_world(2, _tp_one_rank_wrong)

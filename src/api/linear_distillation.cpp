@@ -1,6 +1,6 @@
 // Public linear distillation entry points: validate, plan the student's chunks (api/lce_loop.h),
 // and hand the chunk loop steps that compute the same rows of the teacher's logits beside them
-// (a GEMM of their own) and the row math (core/distill_math.h).
+// (a GEMM of their own) and the row math (core/distill_math.h) on the inputs' backend.
 #include "fusedloss/linear_distillation.h"
 
 #include <cmath>
@@ -11,6 +11,10 @@
 #include "cpu/distill_cpu.h"
 #include "cpu/gemm_cpu.h"
 #include "cpu/matrix_cpu.h"
+#ifdef FUSEDLOSS_WITH_CUDA
+#include "cuda/distill_cuda.h"
+#include "cuda/gemm_lt.h"
+#endif
 
 namespace fusedloss {
 
@@ -24,17 +28,30 @@ core::DistillParams params_of(const LinearDistillationOptions& o) {
   return {o.divergence, o.beta, 1.0f / o.temperature, o.hard_label_weight};
 }
 
-void check_inputs(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
-                  const MatrixView& tw, const IndexView& target,
-                  const LinearDistillationOptions& o) {
+// The options with vocab_global resolved (0: V_local).
+LinearDistillationOptions resolved(LinearDistillationOptions o, int64_t vocab_local) {
+  if (o.vocab_global == 0) o.vocab_global = vocab_local;
+  return o;
+}
+
+void check_targets(const IndexView& target, int64_t rows, const LinearDistillationOptions& o) {
+  core::CeParams p;
+  p.rows = rows;
+  p.vocab_global = o.vocab_global;
+  p.ignore_index = o.ignore_index;
+  detail::check_targets_on_host(target, p, "target");
+}
+
+LinearDistillationOptions check_inputs(const MatrixView& sh, const MatrixView& sw,
+                                       const MatrixView& th, const MatrixView& tw,
+                                       const IndexView& target,
+                                       const LinearDistillationOptions& options) {
   for (auto [m, name] : {std::pair{&sh, "student_hidden"}, {&sw, "student_weight"},
                          {&th, "teacher_hidden"}, {&tw, "teacher_weight"}}) {
     detail::check_matrix(*m, name);
     require(m->device == sh.device, name, ".device: got ", to_string(m->device), ", expected ",
             to_string(sh.device), " (student_hidden's device)");
   }
-  require(sh.device == Device::CPU, "student_hidden.device: got ", to_string(sh.device),
-          ", expected cpu (the linear distillation loss has a CPU backend only in this version)");
   require(sw.cols == sh.cols, "student_weight: got shape [", sw.rows, ", ", sw.cols,
           "], expected [V, ", sh.cols, "] (H_s = student_hidden.cols)");
   require(tw.cols == th.cols, "teacher_weight: got shape [", tw.rows, ", ", tw.cols,
@@ -49,14 +66,11 @@ void check_inputs(const MatrixView& sh, const MatrixView& sw, const MatrixView& 
           to_string(th.dtype), " (teacher_hidden's dtype)");
   if (target.data) detail::check_index(target, "target", sh.rows, sh.device, "student_hidden");
   // (no rows: an empty target may have no address; nothing needs one)
-  validate_linear_distillation_options(o, sh.rows, sw.rows, target.data != nullptr || sh.rows == 0);
-  if (target.data) {
-    core::CeParams p;
-    p.rows = target.size;
-    p.vocab_global = sw.rows;
-    p.ignore_index = o.ignore_index;
-    detail::check_targets_on_host(target, p, "target");
-  }
+  validate_linear_distillation_options(options, sh.rows, sw.rows,
+                                       target.data != nullptr || sh.rows == 0);
+  const LinearDistillationOptions o = resolved(options, sw.rows);
+  if (target.data) check_targets(target, sh.rows, o);
+  return o;
 }
 
 IndexView rows_of_target(const IndexView& t, int64_t row0, int64_t rows) {
@@ -64,23 +78,36 @@ IndexView rows_of_target(const IndexView& t, int64_t row0, int64_t rows) {
 }
 
 // The teacher's logits of the student's chunk of rows, in a buffer of their own (the teacher's
-// dtype) with the CPU GEMMs' fp32 stage beside it.
+// dtype), with the GEMM's memory beside it: the CPU GEMMs' fp32 stage, or cuBLASLt's workspace
+// (the teacher's GEMM runs on the steps' stream while the student's next one runs beside it).
+// The last rows computed are kept: a forward that also writes gradients asks twice.
 class TeacherChunks {
  public:
   TeacherChunks(const core::LcePlan& student, const MatrixView& hidden, const MatrixView& weight,
                 const LinearDistillationOptions& o, Stream stream, const char* fn)
       : hidden_(hidden), weight_(weight), plan_(lce::make_plan(hidden, weight, loop_options(o))) {
     plan_.chunk = student.chunk;
-    const size_t at = core::lce_cpu_stage_at(plan_), stage = core::lce_cpu_stage_bytes(plan_);
-    memory_.emplace(hidden.device, at + stage, stream, fn);
-    stage_ = cpu::GemmStage{stage ? memory_->as<float>(at / sizeof(float)) : nullptr,
-                            int64_t(stage / sizeof(float))};
+    const size_t at = core::round_up(size_t(plan_.chunk) * size_t(plan_.stride) *
+                                         size_t(detail::element_size(plan_.dtype)),
+                                     core::kLceAlign);
+    extra_ = hidden.device == Device::CPU ? core::lce_cpu_stage_bytes(plan_) : plan_.gemm_workspace;
+    if (hidden.rows == 0) return;
+    memory_.emplace(hidden.device, at + extra_, stream, fn);
+    extra_at_ = memory_->as<char>(at);
   }
-  // The GEMM of rows [row0, row0 + rows): [rows, V] = teacher_hidden rows @ teacher_weight^T.
-  MatrixView logits(int64_t row0, int64_t rows) const {
+  // [rows, V_local] = teacher_hidden rows [row0, row0 + rows) @ teacher_weight^T, on `stream`.
+  MatrixView logits(int64_t row0, int64_t rows, [[maybe_unused]] Stream stream) {
     const MatrixView out{memory_->as<char>(), rows, plan_.vocab_local, plan_.stride, plan_.dtype,
                          hidden_.device};
-    cpu::gemm(cpu::rows_of(hidden_, row0, rows), false, weight_, true, out, false, stage_);
+    if (row0 == row0_ && rows == rows_) return out;
+    row0_ = row0, rows_ = rows;
+    const MatrixView h = cpu::rows_of(hidden_, row0, rows);
+    FL_DISPATCH(hidden_.device, "linear_distillation",
+                cpu::gemm(h, false, weight_, true, out, false,
+                          cpu::GemmStage{extra_ ? reinterpret_cast<float*>(extra_at_) : nullptr,
+                                         int64_t(extra_ / sizeof(float))}),
+                cuda::gemm(h, false, weight_, true, out, false, plan_.tf32, extra_at_, extra_,
+                           stream, plan_.tuning.gemm_algos));
     return out;
   }
 
@@ -88,15 +115,21 @@ class TeacherChunks {
   MatrixView hidden_, weight_;
   core::LcePlan plan_;
   std::optional<vocab_parallel::Scratch> memory_;
-  cpu::GemmStage stage_;
+  size_t extra_ = 0;
+  char* extra_at_ = nullptr;
+  int64_t row0_ = -1, rows_ = -1;
 };
+
+void check_out(const void* p, int64_t n, const char* name, const char* what) {
+  require(p != nullptr || n == 0, name, ": got null, expected ", n, " ", what);
+}
 
 }  // namespace
 
 void validate_linear_distillation_options(const LinearDistillationOptions& o, int64_t rows,
-                                          int64_t vocab, bool has_target) {
+                                          int64_t vocab_local, bool has_target) {
   require(rows >= 0, "student_hidden.rows: got ", rows, ", expected N >= 0");
-  require(vocab >= 1, "student_weight.rows: got ", vocab, ", expected V >= 1");
+  require(vocab_local >= 1, "student_weight.rows: got ", vocab_local, ", expected V_local >= 1");
   const int d = int(o.divergence);
   require(d >= 0 && d <= 2, "options.divergence: got ", d,
           ", expected ForwardKL (0), ReverseKL (1) or JSD (2)");
@@ -109,8 +142,12 @@ void validate_linear_distillation_options(const LinearDistillationOptions& o, in
           "options.hard_label_weight: got ", o.hard_label_weight, ", expected a value in [0, 1]");
   require(has_target || o.hard_label_weight == 0.0f, "options.hard_label_weight: got ",
           o.hard_label_weight, " without a target, expected 0 (the hard-label term needs targets)");
-  require(o.ignore_index < 0 || o.ignore_index >= vocab, "options.ignore_index: got ",
-          o.ignore_index, ", expected a value outside [0, ", vocab, ")");
+  const int64_t global = o.vocab_global == 0 ? vocab_local : o.vocab_global;
+  require(o.vocab_start >= 0 && o.vocab_start + vocab_local <= global, "options.vocab_start: got ",
+          o.vocab_start, " with V_local ", vocab_local, " and vocab_global ", global,
+          ", expected a shard [vocab_start, vocab_start + V_local) within [0, vocab_global)");
+  require(o.ignore_index < 0 || o.ignore_index >= global, "options.ignore_index: got ",
+          o.ignore_index, ", expected a value outside [0, ", global, ")");
   require(o.chunk_rows >= 0, "options.chunk_rows: got ", o.chunk_rows,
           ", expected 0 (from workspace_bytes) or >= 1");
   require(o.chunk_rows > 0 || o.workspace_bytes > 0,
@@ -119,37 +156,161 @@ void validate_linear_distillation_options(const LinearDistillationOptions& o, in
 
 void linear_distillation_forward(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
                                  const MatrixView& tw, const IndexView& target,
-                                 const LinearDistillationOptions& o, float* loss,
-                                 DistillRowStats* stats, Stream stream) {
+                                 const LinearDistillationOptions& options, float* loss,
+                                 DistillRowStats* stats, Stream stream,
+                                 const DistillInForward& in_forward) {
   constexpr const char* kFn = "linear_distillation_forward";
-  check_inputs(sh, sw, th, tw, target, o);
+  const LinearDistillationOptions o = check_inputs(sh, sw, th, tw, target, options);
+  require(o.vocab_global == sw.rows, "options.vocab_global: got ", o.vocab_global,
+          " with V_local ", sw.rows, ", expected one shard (vocab-parallel: ",
+          "linear_distillation_local_partials and distill_merge)");
   const int64_t n = sh.rows;
-  require((loss != nullptr && stats != nullptr) || n == 0, "loss and stats: got null, expected ",
-          n, " floats and ", n, " DistillRowStats");
+  check_out(loss, n, "loss", "floats");
+  check_out(stats, n, "stats", "DistillRowStats");
+  const detail::Span s_loss{loss, n * 4, "loss"},
+      s_stats{stats, n * int64_t(sizeof(DistillRowStats)), "stats"},
+      s_th = detail::span_of(th, "teacher_hidden"), s_tw = detail::span_of(tw, "teacher_weight"),
+      s_target = detail::span_of(target, "target");
+  detail::require_outputs_apart({s_loss, s_stats},
+                                {detail::span_of(sh, "student_hidden"),
+                                 detail::span_of(sw, "student_weight"), s_th, s_tw, s_target});
+  const LinearCrossEntropyGrads& in_grads = in_forward.grads;
+  const bool grads = in_grads.dhidden.data || in_grads.dweight.data;
+  const float* gl = in_forward.grad_loss;
+  if (grads)
+    lce::check_grads(in_grads, sh, sw, {s_th, s_tw, s_target, s_loss, s_stats, {gl, n * 4, "grad_loss"}});
+  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
+  const core::DistillParams p = params_of(o);
+  core::LceSteps steps;
+  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const MatrixView xt = teacher.logits(row0, logits.rows, s);
+    const IndexView tc = rows_of_target(target, row0, logits.rows);
+    FL_DISPATCH(logits.device, kFn,
+                cpu::distill_rows(logits, xt, tc, o.ignore_index, p, loss + row0, stats + row0),
+                cuda::distill_rows(logits, xt, tc, o.ignore_index, p, loss + row0, stats + row0,
+                                   s));
+  };
+  if (grads)
+    steps.gradient = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+      const MatrixView xt = teacher.logits(row0, logits.rows, s);
+      const IndexView tc = rows_of_target(target, row0, logits.rows);
+      FL_DISPATCH(logits.device, kFn,
+                  cpu::distill_gradient(logits, xt, tc, 0, o.ignore_index, p, stats + row0,
+                                        gl ? gl + row0 : nullptr),
+                  cuda::distill_gradient(logits, xt, tc, 0, o.ignore_index, p, stats + row0,
+                                         gl ? gl + row0 : nullptr, s));
+    };
+  lce::run_loop(sh.device, kFn, plan, sh, sw, steps,
+                core::LceGrads{in_grads.dhidden, in_grads.dweight, in_grads.accumulate_dweight,
+                               false},
+                stream);
+}
+
+void linear_distillation_local_partials(const MatrixView& sh, const MatrixView& sw,
+                                        const MatrixView& th, const MatrixView& tw,
+                                        const IndexView& target,
+                                        const LinearDistillationOptions& options,
+                                        DistillPartial* partials, Stream stream) {
+  constexpr const char* kFn = "linear_distillation_local_partials";
+  const LinearDistillationOptions o = check_inputs(sh, sw, th, tw, target, options);
+  const int64_t n = sh.rows;
+  check_out(partials, n, "partials", "DistillPartial");
   detail::require_outputs_apart(
-      {{loss, n * 4, "loss"}, {stats, n * int64_t(sizeof(DistillRowStats)), "stats"}},
+      {{partials, n * int64_t(sizeof(DistillPartial)), "partials"}},
       {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
        detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
        detail::span_of(target, "target")});
   const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
-  const TeacherChunks teacher(plan, th, tw, o, stream, kFn);
+  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
-  steps.forward = [&](const MatrixView& logits, int64_t row0, Stream) {
-    cpu::distill_forward(logits, teacher.logits(row0, logits.rows),
-                         rows_of_target(target, row0, logits.rows), o.ignore_index, p,
-                         loss + row0, stats + row0);
+  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const MatrixView xt = teacher.logits(row0, logits.rows, s);
+    const IndexView tc = rows_of_target(target, row0, logits.rows);
+    FL_DISPATCH(logits.device, kFn,
+                cpu::distill_partials(logits, xt, tc, o.vocab_start, p, partials + row0),
+                cuda::distill_partials(logits, xt, tc, o.vocab_start, p, partials + row0, s));
   };
   lce::run_loop(sh.device, kFn, plan, sh, sw, steps, {}, stream);
+}
+
+void distill_merge(const DistillPartial* partials, int world, int64_t rows, const IndexView& target,
+                   const LinearDistillationOptions& options, DistillRowStats* stats, float* loss,
+                   Device device, [[maybe_unused]] Stream stream) {
+  require(world >= 1, "world: got ", world, ", expected >= 1 shards");
+  check_out(partials, rows, "partials", "DistillPartial a shard");
+  check_out(stats, rows, "stats", "DistillRowStats");
+  check_out(loss, rows, "loss", "floats");
+  require(options.vocab_global >= 1, "options.vocab_global: got ", options.vocab_global,
+          ", expected the whole vocabulary (>= 1) to merge shards");
+  if (target.data) {
+    detail::check_index(target, "target", rows, device, "partials");
+    check_targets(target, rows, options);
+  }
+  detail::require_outputs_apart(
+      {{stats, rows * int64_t(sizeof(DistillRowStats)), "stats"}, {loss, rows * 4, "loss"}},
+      {{partials, int64_t(world) * rows * int64_t(sizeof(DistillPartial)), "partials"},
+       detail::span_of(target, "target")});
+  const core::DistillParams p = params_of(options);
+  FL_DISPATCH(device, "distill_merge",
+              cpu::distill_merge(partials, world, rows, target, options.ignore_index, p, stats, loss),
+              cuda::distill_merge(partials, world, rows, target, options.ignore_index,
+                                  options.vocab_global, p, stats, loss, stream));
+}
+
+void linear_distillation_jsd_sums(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
+                                  const MatrixView& tw, const LinearDistillationOptions& options,
+                                  const DistillRowStats* stats, float* sums, Stream stream) {
+  constexpr const char* kFn = "linear_distillation_jsd_sums";
+  // (the soft term's sums: neither the targets nor the hard-label weight enter them)
+  LinearDistillationOptions soft_only = options;
+  soft_only.hard_label_weight = 0.0f;
+  const LinearDistillationOptions o = check_inputs(sh, sw, th, tw, IndexView{}, soft_only);
+  const int64_t n = sh.rows;
+  require(o.divergence == Divergence::JSD, "options.divergence: got ", int(o.divergence),
+          ", expected JSD (2) (the KL divergences are complete after distill_merge)");
+  check_out(stats, n, "stats", "DistillRowStats");
+  check_out(sums, 2 * n, "sums", "floats");
+  detail::require_outputs_apart(
+      {{sums, 2 * n * 4, "sums"}},
+      {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
+       detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
+       {stats, n * int64_t(sizeof(DistillRowStats)), "stats"}});
+  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
+  const core::DistillParams p = params_of(o);
+  core::LceSteps steps;
+  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const MatrixView xt = teacher.logits(row0, logits.rows, s);
+    FL_DISPATCH(logits.device, kFn,
+                cpu::distill_jsd_sums(logits, xt, p, stats + row0, sums + 2 * row0),
+                cuda::distill_jsd_sums(logits, xt, p, stats + row0, sums + 2 * row0, s));
+  };
+  lce::run_loop(sh.device, kFn, plan, sh, sw, steps, {}, stream);
+}
+
+void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
+                     const LinearDistillationOptions& options, DistillRowStats* stats, float* loss,
+                     Device device, [[maybe_unused]] Stream stream) {
+  check_out(sums, 2 * rows, "sums", "floats");
+  check_out(stats, rows, "stats", "DistillRowStats");
+  check_out(loss, rows, "loss", "floats");
+  if (target.data) detail::check_index(target, "target", rows, device, "sums");
+  const core::DistillParams p = params_of(options);
+  FL_DISPATCH(device, "distill_add_jsd",
+              cpu::distill_add_jsd(sums, rows, target, options.ignore_index, p, stats, loss),
+              cuda::distill_add_jsd(sums, rows, target, options.ignore_index, p, stats, loss,
+                                    stream));
 }
 
 void linear_distillation_backward(const MatrixView& sh, const MatrixView& sw,
                                   const MatrixView& th, const MatrixView& tw,
                                   const IndexView& target, const DistillRowStats* stats,
-                                  const float* grad_loss, const LinearDistillationOptions& o,
+                                  const float* grad_loss, const LinearDistillationOptions& options,
                                   const LinearCrossEntropyGrads& grads, Stream stream) {
   constexpr const char* kFn = "linear_distillation_backward";
-  check_inputs(sh, sw, th, tw, target, o);
+  const LinearDistillationOptions o = check_inputs(sh, sw, th, tw, target, options);
   const int64_t n = sh.rows;
   require((stats != nullptr && grad_loss != nullptr) || n == 0,
           "stats and grad_loss: got null, expected the forward's stats and ", n, " floats");
@@ -158,13 +319,17 @@ void linear_distillation_backward(const MatrixView& sh, const MatrixView& sw,
                     {grad_loss, n * 4, "grad_loss"}, detail::span_of(target, "target"),
                     detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight")});
   const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
-  const TeacherChunks teacher(plan, th, tw, o, stream, kFn);
+  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
-  steps.gradient = [&](const MatrixView& logits, int64_t row0, Stream) {
-    cpu::distill_gradient(logits, teacher.logits(row0, logits.rows),
-                          rows_of_target(target, row0, logits.rows), o.ignore_index, p,
-                          stats + row0, grad_loss + row0);
+  steps.gradient = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
+    const MatrixView xt = teacher.logits(row0, logits.rows, s);
+    const IndexView tc = rows_of_target(target, row0, logits.rows);
+    FL_DISPATCH(logits.device, kFn,
+                cpu::distill_gradient(logits, xt, tc, o.vocab_start, o.ignore_index, p,
+                                      stats + row0, grad_loss + row0),
+                cuda::distill_gradient(logits, xt, tc, o.vocab_start, o.ignore_index, p,
+                                       stats + row0, grad_loss + row0, s));
   };
   lce::run_loop(sh.device, kFn, plan, sh, sw, steps,
                 core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},

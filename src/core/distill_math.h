@@ -2,11 +2,18 @@
 // backend. Per row, over the vocabulary j, with the student's logits x_j, s_j = x_j / T, the
 // teacher's t_j (already / T), q = softmax(s), p = softmax(t), w the hard-label weight:
 //
-//   pass 1   lse_s, lse_t (and lse_z of the raw x_j when w > 0): online max / sum-exp
-//   pass 2   forward_kl  soft = sum_j p_j (log p_j - log q_j)
-//            reverse_kl  soft = sum_j q_j (log q_j - log p_j)
-//            jsd         soft = beta sum_j p_j log(p_j / m_j) + (1 - beta) sum_j q_j log(q_j / m_j),
-//                        m = beta p + (1 - beta) q; soft_student = sum_j q_j log(q_j / m_j)
+//   pass 1   lse_s, lse_t (and lse_z of the raw x_j when w > 0): online max / sum-exp, and the
+//            KL divergences in the same pass, from a cross term summed beside its sum-exp:
+//            forward_kl  soft = sum_j p_j (t_j - s_j) - lse_t + lse_s
+//                             = C_t / S_t - lse_t + lse_s,  C_t = sum_j e^(t_j - M_t) (t_j - s_j)
+//            reverse_kl  soft = C_s / S_s - lse_s + lse_t,  C_s = sum_j e^(s_j - M_s) (s_j - t_j)
+//            (M, S: the pair's max and sum-exp; C rescales with S). Pass 1's partial statistics
+//            of a part of a row (a thread's columns, a vocabulary shard) merge in any order:
+//            the shards of a vocab-parallel row meet in one all-gather of DistillPartial.
+//   pass 2   jsd only, over the row again with the merged lse:
+//            soft = beta sum_j p_j log(p_j / m_j) + (1 - beta) sum_j q_j log(q_j / m_j),
+//            m = beta p + (1 - beta) q; soft_student = sum_j q_j log(q_j / m_j) (both sums
+//            again merge by addition across shards)
 //   loss     (1 - w) soft + w (lse_z - x_target)
 //
 // and the gradient of g loss (g the row's upstream gradient) over x_j:
@@ -20,6 +27,7 @@
 // where the teacher does not makes forward_kl infinite, as the definition does.
 #pragma once
 #include <cmath>
+#include "core/cross_entropy_math.h"  // online_add, online_merge, rescale, fast_exp
 #include "core/platform.h"
 #include "fusedloss/linear_distillation.h"
 
@@ -31,6 +39,87 @@ struct DistillParams {
   float inv_t;        // 1 / temperature
   float hard_weight;  // w
 };
+
+// Pass 1's statistics of a part of a row (fusedloss::DistillPartial, 32 bytes: what a
+// vocab-parallel row's shards exchange): three online (max, sum-exp) pairs, the KL's cross term
+// relative to its pair's max (forward_kl: the teacher's pair; reverse_kl: the student's; jsd:
+// unused), and the raw student logit at the row's target if this part holds it (else -inf).
+using fusedloss::DistillPartial;
+
+FL_HD DistillPartial distill_empty() {
+  return {-INFINITY, 0.0f, -INFINITY, 0.0f, -INFINITY, 0.0f, 0.0f, -INFINITY};
+}
+
+// Folds a into (m, s) with the cross term c += e^(a - m) d, all rescaled to a new max. A
+// masked element (a = -inf) adds nothing.
+FL_HD void online_add_cross(float& m, float& s, float& c, float a, float d) {
+  if (a > m) {
+    const float k = rescale(m, a);
+    s = s * k + 1.0f;
+    c = c * k + d;
+    m = a;
+  } else if (a != -INFINITY) {
+    const float e = fast_exp(a - m);
+    s += e;
+    c += e * d;
+  }
+}
+
+// One column: s_j = x inv_t (already scaled: `s`), t_j (`t`), the raw logit x (`x`).
+FL_HD void distill_add(const DistillParams& p, DistillPartial& a, float x, float s, float t) {
+  switch (p.divergence) {
+    case Divergence::ForwardKL:
+      online_add(a.max_s, a.sum_s, s);
+      online_add_cross(a.max_t, a.sum_t, a.cross, t, t - s);
+      break;
+    case Divergence::ReverseKL:
+      online_add_cross(a.max_s, a.sum_s, a.cross, s, s - t);
+      online_add(a.max_t, a.sum_t, t);
+      break;
+    case Divergence::JSD:
+      online_add(a.max_s, a.sum_s, s);
+      online_add(a.max_t, a.sum_t, t);
+      break;
+  }
+  if (p.hard_weight > 0.0f) online_add(a.max_z, a.sum_z, x);
+}
+
+// Two parts of one row (commutative up to rounding; the target is in at most one part).
+FL_HD DistillPartial distill_combine(const DistillParams& p, DistillPartial a,
+                                     const DistillPartial& b) {
+  const bool cross_on_t = p.divergence == Divergence::ForwardKL;
+  const float m_w = cross_on_t ? fmaxf(a.max_t, b.max_t) : fmaxf(a.max_s, b.max_s);
+  const float ka = rescale(cross_on_t ? a.max_t : a.max_s, m_w);
+  const float kb = rescale(cross_on_t ? b.max_t : b.max_s, m_w);
+  a.cross = a.cross * ka + b.cross * kb;
+  online_merge(a.max_s, a.sum_s, b.max_s, b.sum_s);
+  online_merge(a.max_t, a.sum_t, b.max_t, b.sum_t);
+  online_merge(a.max_z, a.sum_z, b.max_z, b.sum_z);
+  a.target = fmaxf(a.target, b.target);
+  return a;
+}
+
+FL_HD float lse_from(float m, float s) { return m == -INFINITY ? -INFINITY : m + logf(s); }
+
+// A whole row's merged statistics -> what the backward reads (soft: the KL's, or 0 for jsd
+// until pass 2 adds it).
+FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPartial& a) {
+  DistillRowStats r{lse_from(a.max_s, a.sum_s), lse_from(a.max_t, a.sum_t),
+                    lse_from(a.max_z, a.sum_z), 0.0f, 0.0f};
+  if (p.divergence == Divergence::ForwardKL)
+    r.soft = a.cross / a.sum_t - r.lse_teacher + r.lse_student;
+  else if (p.divergence == Divergence::ReverseKL)
+    r.soft = a.cross / a.sum_s - r.lse_student + r.lse_teacher;
+  return r;
+}
+
+// The row's loss from its final statistics; x_target: the raw logit at the target (-inf: no
+// hard-label term).
+FL_HD float distill_loss(const DistillParams& p, const DistillRowStats& r, float x_target) {
+  float l = (1.0f - p.hard_weight) * r.soft;
+  if (p.hard_weight > 0.0f) l += p.hard_weight * (r.lse_hard - x_target);
+  return l;
+}
 
 // p log(p) - p log(r) with the convention 0 log 0 = 0, from logs.
 FL_HD float p_log_ratio(float log_p, float log_r) {

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include "core/cross_entropy_math.h"
+#include <vector>
 #include "core/dispatch.h"
 #include "cpu/matrix_cpu.h"
 
@@ -16,87 +16,129 @@ int64_t row_target(const IndexView& t, int64_t r, int64_t ignore_index) {
   return v == ignore_index ? -2 : v;
 }
 
-float lse_of(float m, float s) { return m == -INFINITY ? -INFINITY : m + std::log(s); }
-
-// Both dtypes' loops, each row's loads through its storage kind.
+// Both dtypes' loops, each row's loads through its storage kind: f(SS, ST, s_data, t_data).
 template <class F>
-void dispatch_pair(DType a, DType b, F&& f) {
-  core::dispatch_dtype(a, [&](auto ka) {
-    core::dispatch_dtype(b, [&](auto kb) { f(ka, kb); });
+void for_pair(const MatrixView& xs, const MatrixView& xt, F&& f) {
+  core::dispatch_dtype(xs.dtype, [&](auto ks) {
+    core::dispatch_dtype(xt.dtype, [&](auto kt) {
+      using SS = core::Storage<decltype(ks)::value>;
+      using ST = core::Storage<decltype(kt)::value>;
+      f(SS{}, ST{}, static_cast<typename SS::type*>(xs.data),
+        static_cast<const typename ST::type*>(xt.data));
+    });
   });
 }
 
 }  // namespace
 
-void distill_forward(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
-                     int64_t ignore_index, const core::DistillParams& p, float* loss,
-                     DistillRowStats* stats) {
-  dispatch_pair(xs.dtype, xt.dtype, [&](auto ks, auto kt) {
-    using SS = core::Storage<decltype(ks)::value>;
-    using ST = core::Storage<decltype(kt)::value>;
-    const auto* s_data = static_cast<const typename SS::type*>(xs.data);
-    const auto* t_data = static_cast<const typename ST::type*>(xt.data);
+void distill_partials(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
+                      int64_t vocab_start, const core::DistillParams& p,
+                      core::DistillPartial* partials) {
+  for_pair(xs, xt, [&](auto ss, auto st, const auto* s_data, const auto* t_data) {
+    using SS = decltype(ss);
+    using ST = decltype(st);
 #pragma omp parallel for schedule(static) if (worth_threads(xs.rows * xs.cols))
     for (int64_t r = 0; r < xs.rows; ++r) {
-      const int64_t tgt = row_target(target, r, ignore_index);
-      if (tgt == -2) {
-        loss[r] = 0.0f;
-        stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        continue;
-      }
       const auto* sr = s_data + r * xs.row_stride;
       const auto* tr = t_data + r * xt.row_stride;
-      // the three (max, sum-exp) pairs, each summed in blocks (kSumBlock)
-      float ms = -INFINITY, ss = 0.0f, mt = -INFINITY, st = 0.0f, mz = -INFINITY, sz = 0.0f;
+      // summed in blocks (kSumBlock), the blocks merged: a sequential fp32 sum over the whole
+      // vocabulary would lose digits
+      core::DistillPartial row = core::distill_empty();
       for (int64_t j0 = 0; j0 < xs.cols; j0 += kSumBlock) {
-        float bms = -INFINITY, bss = 0.0f, bmt = -INFINITY, bst = 0.0f, bmz = -INFINITY, bsz = 0.0f;
+        core::DistillPartial block = core::distill_empty();
         for (int64_t j = j0; j < std::min(j0 + kSumBlock, xs.cols); ++j) {
           const float x = SS::load(sr[j]);
-          core::online_add(bms, bss, x * p.inv_t);
-          core::online_add(bmt, bst, ST::load(tr[j]) * p.inv_t);
-          if (p.hard_weight > 0.0f) core::online_add(bmz, bsz, x);
+          core::distill_add(p, block, x, x * p.inv_t, ST::load(tr[j]) * p.inv_t);
         }
-        core::online_merge(ms, ss, bms, bss);
-        core::online_merge(mt, st, bmt, bst);
-        core::online_merge(mz, sz, bmz, bsz);
+        row = core::distill_combine(p, row, block);
       }
-      DistillRowStats row{lse_of(ms, ss), lse_of(mt, st), lse_of(mz, sz), 0.0f, 0.0f};
-      double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference
-      for (int64_t j = 0; j < xs.cols; ++j) {
-        float a = 0.0f, b = 0.0f;
-        core::distill_soft_terms(p, SS::load(sr[j]) * p.inv_t - row.lse_student,
-                                 ST::load(tr[j]) * p.inv_t - row.lse_teacher, a, b);
-        soft += a;
-        soft_student += b;
-      }
-      row.soft = float(soft);
-      row.soft_student = float(soft_student);
-      float l = (1.0f - p.hard_weight) * row.soft;
-      if (p.hard_weight > 0.0f) l += p.hard_weight * (row.lse_hard - SS::load(sr[tgt]));
-      loss[r] = l;
-      stats[r] = row;
+      const int64_t local = (target.data ? index_at(target, r) : -1) - vocab_start;
+      if (local >= 0 && local < xs.cols) row.target = SS::load(sr[local]);
+      partials[r] = row;
     }
   });
 }
 
+void distill_merge(const core::DistillPartial* partials, int world, int64_t rows,
+                   const IndexView& target, int64_t ignore_index, const core::DistillParams& p,
+                   DistillRowStats* stats, float* loss) {
+#pragma omp parallel for schedule(static) if (worth_threads(rows * world * 64))
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_target(target, r, ignore_index) == -2) {
+      stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      loss[r] = 0.0f;
+      continue;
+    }
+    core::DistillPartial a = partials[r];
+    for (int k = 1; k < world; ++k) a = core::distill_combine(p, a, partials[int64_t(k) * rows + r]);
+    stats[r] = core::distill_row_stats(p, a);
+    loss[r] = core::distill_loss(p, stats[r], a.target);
+  }
+}
+
+void distill_jsd_sums(const MatrixView& xs, const MatrixView& xt, const core::DistillParams& p,
+                      const DistillRowStats* stats, float* sums) {
+  for_pair(xs, xt, [&](auto ss, auto st, const auto* s_data, const auto* t_data) {
+    using SS = decltype(ss);
+    using ST = decltype(st);
+#pragma omp parallel for schedule(static) if (worth_threads(xs.rows * xs.cols))
+    for (int64_t r = 0; r < xs.rows; ++r) {
+      const auto* sr = s_data + r * xs.row_stride;
+      const auto* tr = t_data + r * xt.row_stride;
+      double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference
+      for (int64_t j = 0; j < xs.cols; ++j) {
+        float a = 0.0f, b = 0.0f;
+        core::distill_soft_terms(p, SS::load(sr[j]) * p.inv_t - stats[r].lse_student,
+                                 ST::load(tr[j]) * p.inv_t - stats[r].lse_teacher, a, b);
+        soft += a;
+        soft_student += b;
+      }
+      sums[2 * r] = float(soft);
+      sums[2 * r + 1] = float(soft_student);
+    }
+  });
+}
+
+void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
+                     int64_t ignore_index, const core::DistillParams& p, DistillRowStats* stats,
+                     float* loss) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_target(target, r, ignore_index) == -2) continue;
+    stats[r].soft = sums[2 * r];
+    stats[r].soft_student = sums[2 * r + 1];
+    loss[r] += (1.0f - p.hard_weight) * stats[r].soft;
+  }
+}
+
+void distill_rows(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
+                  int64_t ignore_index, const core::DistillParams& p, float* loss,
+                  DistillRowStats* stats) {
+  std::vector<core::DistillPartial> partials(size_t(xs.rows));
+  distill_partials(xs, xt, target, 0, p, partials.data());
+  distill_merge(partials.data(), 1, xs.rows, target, ignore_index, p, stats, loss);
+  if (p.divergence != Divergence::JSD) return;
+  std::vector<float> sums(size_t(2 * xs.rows));
+  distill_jsd_sums(xs, xt, p, stats, sums.data());
+  distill_add_jsd(sums.data(), xs.rows, target, ignore_index, p, stats, loss);
+}
+
 void distill_gradient(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
-                      int64_t ignore_index, const core::DistillParams& p,
+                      int64_t vocab_start, int64_t ignore_index, const core::DistillParams& p,
                       const DistillRowStats* stats, const float* grad_loss) {
-  dispatch_pair(xs.dtype, xt.dtype, [&](auto ks, auto kt) {
-    using SS = core::Storage<decltype(ks)::value>;
-    using ST = core::Storage<decltype(kt)::value>;
-    auto* s_data = static_cast<typename SS::type*>(xs.data);
-    const auto* t_data = static_cast<const typename ST::type*>(xt.data);
+  for_pair(xs, xt, [&](auto ss, auto st, auto* s_data, const auto* t_data) {
+    using SS = decltype(ss);
+    using ST = decltype(st);
 #pragma omp parallel for schedule(static) if (worth_threads(xs.rows * xs.cols))
     for (int64_t r = 0; r < xs.rows; ++r) {
       auto* sr = s_data + r * xs.row_stride;
       const auto* tr = t_data + r * xt.row_stride;
       const int64_t tgt = row_target(target, r, ignore_index);
-      const float g = tgt == -2 ? 0.0f : grad_loss[r];
+      const float g = tgt == -2 ? 0.0f : grad_loss ? grad_loss[r] : 1.0f;
       for (int64_t j = 0; j < xs.cols; ++j)
         sr[j] = SS::store(tgt == -2 ? 0.0f
                                     : core::distill_grad(p, stats[r], SS::load(sr[j]),
-                                                         ST::load(tr[j]) * p.inv_t, j == tgt, g));
+                                                         ST::load(tr[j]) * p.inv_t,
+                                                         vocab_start + j == tgt, g));
     }
   });
 }

@@ -1,6 +1,7 @@
-// The linear distillation loss on the CPU backend against float64: every divergence at two
+// The linear distillation loss against float64: every divergence at two
 // temperatures, the hard-label term, ignored rows, no target, chunk boundaries, a teacher of
-// another hidden size and dtype, both student dtypes; bad options; CUDA refused by name. The
+// another hidden size and dtype, both student dtypes, the in-forward gradients, three vocabulary
+// shards merged; on every backend (CUDA when a GPU is present); bad options. The
 // reference's gradient is the central difference of its own loss (float64), not the formula the
 // library uses.
 #include <cmath>
@@ -18,9 +19,13 @@ struct Case {
   bool with_target = true;
   DType student = DType::F32, teacher = DType::F32;
   int64_t chunk_rows = 0;
+  bool shards = false;  // vocab-parallel: three shards' partials merged
+  bool in_forward_g = false;  // the in-forward gradients for g (else for 1 a row)
 };
 
 constexpr int64_t N = 23, Hs = 12, Ht = 17, V = 31;
+
+int64_t element_bytes(DType d) { return d == DType::F32 ? 4 : 2; }
 
 float rounded(DType d, float v) {
   float out;
@@ -78,12 +83,40 @@ double row_loss(const Case& c, const double* x, const double* t, int64_t target)
   return loss;
 }
 
-void check(const Case& c) {
+// The four operands in their dtypes and the targets, on the backend's device.
+struct Inputs {
+  Buffer bsh, bsw, bth, btw, btarget;
+  MatrixView sh, sw, th, tw;
+  bool with_target;
+  static size_t bytes(DType d, size_t n) { return n * size_t(element_bytes(d)); }
+  static void fill(Buffer& b, const std::vector<float>& v, DType d) {
+    for (size_t i = 0; i < v.size(); ++i) store_as(d, b.host(), int64_t(i), v[i]);
+    b.upload();
+  }
+  Inputs(Device dev, const Case& c, const std::vector<float>& h_s, const std::vector<float>& w_s,
+         const std::vector<float>& h_t, const std::vector<float>& w_t,
+         const std::vector<int64_t>& target)
+      : bsh(dev, bytes(c.student, h_s.size())), bsw(dev, bytes(c.student, w_s.size())),
+        bth(dev, bytes(c.teacher, h_t.size())), btw(dev, bytes(c.teacher, w_t.size())),
+        btarget(dev, 8 * target.size()), with_target(c.with_target) {
+    fill(bsh, h_s, c.student), fill(bsw, w_s, c.student);
+    fill(bth, h_t, c.teacher), fill(btw, w_t, c.teacher);
+    std::memcpy(btarget.host(), target.data(), 8 * target.size());
+    btarget.upload();
+    sh = {bsh.data(), N, Hs, Hs, c.student, dev}, sw = {bsw.data(), V, Hs, Hs, c.student, dev};
+    th = {bth.data(), N, Ht, Ht, c.teacher, dev}, tw = {btw.data(), V, Ht, Ht, c.teacher, dev};
+  }
+  IndexView target() {
+    return IndexView{with_target ? btarget.data() : nullptr, N, IndexType::I64, btarget.device()};
+  }
+};
+
+void check(Device dev, const Case& c) {
   SCOPED_TRACE(::testing::Message() << "divergence " << int(c.divergence) << " T " << c.temperature
                                     << " hard " << c.hard << " target " << c.with_target
                                     << " dtypes " << to_string(c.student) << "/"
-                                    << to_string(c.teacher) << " chunk " << c.chunk_rows);
-  const Device dev = Device::CPU;
+                                    << to_string(c.teacher) << " chunk " << c.chunk_rows
+                                    << " shards " << c.shards);
   auto sh = random(c.student, N * Hs, 1.0f), sw = random(c.student, V * Hs, 0.6f);
   auto th = random(c.teacher, N * Ht, 1.0f), tw = random(c.teacher, V * Ht, 0.6f);
   std::vector<int64_t> target(N);
@@ -93,7 +126,7 @@ void check(const Case& c) {
   const auto xs = logits(sh, sw, Hs, c.student), xt = logits(th, tw, Ht, c.teacher);
 
   // float64: losses, and dloss/dx by central differences of each row's loss
-  std::vector<double> want_loss(N, 0.0), dx(N * V, 0.0);
+  std::vector<double> want_loss(N, 0.0), dx(N * V, 0.0), dx1(N * V, 0.0);
   for (int64_t r = 0; r < N; ++r) {
     if (target[r] == -100 && c.with_target) continue;
     std::vector<double> x(xs.begin() + r * V, xs.begin() + (r + 1) * V);
@@ -105,93 +138,182 @@ void check(const Case& c) {
       x[j] = keep - e;
       const double down = row_loss(c, x.data(), &xt[r * V], target[r]);
       x[j] = keep;
-      dx[r * V + j] = g[r] * (up - down) / (2 * e);
+      dx1[r * V + j] = (up - down) / (2 * e);
+      dx[r * V + j] = g[r] * dx1[r * V + j];
     }
   }
-  std::vector<double> want_dh(N * Hs, 0.0), want_dw(V * Hs, 0.0);
+  std::vector<double> want_dh(N * Hs, 0.0), want_dw(V * Hs, 0.0), unit_dh(N * Hs, 0.0),
+      unit_dw(V * Hs, 0.0);
   for (int64_t r = 0; r < N; ++r)
     for (int64_t j = 0; j < V; ++j)
       for (int64_t k = 0; k < Hs; ++k) {
         want_dh[r * Hs + k] += dx[r * V + j] * sw[j * Hs + k];
         want_dw[j * Hs + k] += dx[r * V + j] * sh[r * Hs + k];
+        unit_dh[r * Hs + k] += dx1[r * V + j] * sw[j * Hs + k];
+        unit_dw[j * Hs + k] += dx1[r * V + j] * sh[r * Hs + k];
       }
 
-  auto buffer_of = [&](const std::vector<float>& v, DType d) {
-    std::vector<uint16_t> raw(v.size() * (d == DType::F32 ? 2 : 1));
-    for (size_t i = 0; i < v.size(); ++i) store_as(d, raw.data(), int64_t(i), v[i]);
-    return raw;
-  };
-  auto bsh = buffer_of(sh, c.student), bsw = buffer_of(sw, c.student);
-  auto bth = buffer_of(th, c.teacher), btw = buffer_of(tw, c.teacher);
-  const MatrixView vsh{bsh.data(), N, Hs, Hs, c.student, dev}, vsw{bsw.data(), V, Hs, Hs, c.student, dev};
-  const MatrixView vth{bth.data(), N, Ht, Ht, c.teacher, dev}, vtw{btw.data(), V, Ht, Ht, c.teacher, dev};
-  const IndexView t = c.with_target ? IndexView{target.data(), N, IndexType::I64, dev}
-                                    : IndexView{nullptr, N, IndexType::I64, dev};
+  Inputs in(dev, c, sh, sw, th, tw, target);
   LinearDistillationOptions o;
   o.divergence = c.divergence;
   o.beta = c.beta;
   o.temperature = c.temperature;
   o.hard_label_weight = c.hard;
   o.chunk_rows = c.chunk_rows;
-  std::vector<float> loss(N, NAN);
-  std::vector<DistillRowStats> stats(N);
-  linear_distillation_forward(vsh, vsw, vth, vtw, t, o, loss.data(), stats.data());
-  for (int64_t r = 0; r < N; ++r)
-    EXPECT_NEAR(loss[r], want_loss[r], 3e-5 * (1 + std::abs(want_loss[r]))) << "row " << r;
-
-  std::vector<float> dh(N * Hs, NAN), dw(V * Hs, NAN);
-  linear_distillation_backward(vsh, vsw, vth, vtw, t, stats.data(), g.data(), o,
-                               {{dh.data(), N, Hs, Hs, DType::F32, dev},
-                                {dw.data(), V, Hs, Hs, DType::F32, dev}, false});
+  const IndexView t = in.target();
+  Buffer loss(dev, 4 * N), stats(dev, sizeof(DistillRowStats) * N), gb(dev, 4 * N);
+  loss.poison();
+  stats.poison();
+  std::memcpy(gb.host(), g.data(), 4 * N);
+  gb.upload();
+  Buffer dh(dev, 4 * N * Hs), dw(dev, 4 * V * Hs);
+  const MatrixView vdh{dh.data(), N, Hs, Hs, DType::F32, dev}, vdw{dw.data(), V, Hs, Hs, DType::F32, dev};
   // the logits' gradient is stored in the student's dtype before the GEMMs read it
   const double tol = c.student == DType::F32 ? 1e-4 : 2e-2;
-  EXPECT_LE(rel_l2(std::vector<double>(dh.begin(), dh.end()), want_dh), tol);
-  EXPECT_LE(rel_l2(std::vector<double>(dw.begin(), dw.end()), want_dw), tol);
+  auto expect_grads = [&](const std::vector<double>& want_h, const std::vector<double>& want_w) {
+    dh.download();
+    dw.download();
+    const float* h = dh.host_as<float>();
+    const float* w = dw.host_as<float>();
+    EXPECT_LE(rel_l2(std::vector<double>(h, h + N * Hs), want_h), tol);
+    EXPECT_LE(rel_l2(std::vector<double>(w, w + V * Hs), want_w), tol);
+  };
+  auto expect_losses = [&] {
+    loss.download();
+    for (int64_t r = 0; r < N; ++r)
+      EXPECT_NEAR(loss.host_as<float>()[r], want_loss[r], 3e-5 * (1 + std::abs(want_loss[r])))
+          << "row " << r;
+  };
+
+  if (!c.shards) {
+    linear_distillation_forward(in.sh, in.sw, in.th, in.tw, t, o, loss.data_as<float>(),
+                                stats.data_as<DistillRowStats>());
+    expect_losses();
+    dh.poison();
+    dw.poison();
+    linear_distillation_backward(in.sh, in.sw, in.th, in.tw, t, stats.data_as<DistillRowStats>(),
+                                 gb.data_as<float>(), o, {vdh, vdw, false});
+    expect_grads(want_dh, want_dw);
+    // the in-forward gradients: those of sum(loss), in the forward's one pass
+    dh.poison();
+    dw.poison();
+    loss.poison();
+    linear_distillation_forward(in.sh, in.sw, in.th, in.tw, t, o, loss.data_as<float>(),
+                                stats.data_as<DistillRowStats>(), nullptr,
+                                {{vdh, vdw, false}, c.in_forward_g ? gb.data_as<float>() : nullptr});
+    expect_losses();
+    if (c.in_forward_g)
+      expect_grads(want_dh, want_dw);
+    else
+      expect_grads(unit_dh, unit_dw);
+    return;
+  }
+  // Vocab-parallel in one process: three shards of the vocabulary, each's partials, the merge
+  // (the all-gather's layout: shard-major), jsd's sums added over the shards; then each shard's
+  // backward writes its rows of dweight and a partial dhidden, which add up.
+  const int64_t starts[] = {0, 11, 20, V};
+  constexpr int kWorld = 3;
+  Buffer partials(dev, sizeof(DistillPartial) * N * kWorld), sums(dev, 8 * N);
+  partials.poison();
+  o.vocab_global = V;
+  auto shard = [&](const MatrixView& m, int k) {
+    MatrixView v = m;
+    v.data = static_cast<char*>(m.data) + starts[k] * m.row_stride * element_bytes(m.dtype);
+    v.rows = starts[k + 1] - starts[k];
+    return v;
+  };
+  for (int k = 0; k < kWorld; ++k) {
+    o.vocab_start = starts[k];
+    linear_distillation_local_partials(in.sh, shard(in.sw, k), in.th, shard(in.tw, k), t, o,
+                                       partials.data_as<DistillPartial>() + k * N);
+  }
+  distill_merge(partials.data_as<DistillPartial>(), kWorld, N, t, o,
+                stats.data_as<DistillRowStats>(), loss.data_as<float>(), dev);
+  if (c.divergence == Divergence::JSD) {
+    std::vector<float> total(2 * N, 0.0f);
+    for (int k = 0; k < kWorld; ++k) {
+      o.vocab_start = starts[k];
+      sums.poison();
+      linear_distillation_jsd_sums(in.sh, shard(in.sw, k), in.th, shard(in.tw, k), o,
+                                   stats.data_as<DistillRowStats>(), sums.data_as<float>());
+      sums.download();
+      for (int64_t i = 0; i < 2 * N; ++i) total[i] += sums.host_as<float>()[i];
+    }
+    std::memcpy(sums.host(), total.data(), 8 * N);
+    sums.upload();
+    distill_add_jsd(sums.data_as<float>(), N, t, o, stats.data_as<DistillRowStats>(),
+                    loss.data_as<float>(), dev);
+  }
+  expect_losses();
+  std::vector<double> got_dh(N * Hs, 0.0), got_dw(V * Hs, 0.0);
+  Buffer part_dh(dev, 4 * N * Hs);
+  for (int k = 0; k < kWorld; ++k) {
+    o.vocab_start = starts[k];
+    part_dh.poison();
+    const int64_t rows = starts[k + 1] - starts[k];
+    linear_distillation_backward(
+        in.sh, shard(in.sw, k), in.th, shard(in.tw, k), t, stats.data_as<DistillRowStats>(),
+        gb.data_as<float>(), o,
+        {{part_dh.data(), N, Hs, Hs, DType::F32, dev}, shard(vdw, k), false});
+    part_dh.download();
+    dw.download();
+    for (int64_t i = 0; i < N * Hs; ++i) got_dh[i] += part_dh.host_as<float>()[i];
+    for (int64_t i = starts[k] * Hs; i < starts[k] * Hs + rows * Hs; ++i)
+      got_dw[i] = dw.host_as<float>()[i];
+  }
+  EXPECT_LE(rel_l2(got_dh, want_dh), tol);
+  EXPECT_LE(rel_l2(got_dw, want_dw), tol);
 }
 
-TEST(LinearDistillation, EveryDivergenceAgainstFloat64) {
+class LinearDistillation : public ::testing::TestWithParam<Device> {
+ protected:
+  void SetUp() override { FL_SKIP_UNLESS_BACKEND(GetParam()); }
+};
+
+TEST_P(LinearDistillation, EveryDivergenceAgainstFloat64) {
   for (Divergence d : {Divergence::ForwardKL, Divergence::ReverseKL, Divergence::JSD})
     for (float temperature : {1.0f, 2.5f}) {
       Case c;
       c.divergence = d;
       c.temperature = temperature;
       c.beta = 0.3f;
-      check(c);
+      check(GetParam(), c);
     }
 }
 
-TEST(LinearDistillation, HardLabelsIgnoredRowsAndNoTarget) {
+TEST_P(LinearDistillation, HardLabelsIgnoredRowsAndNoTarget) {
   for (Divergence d : {Divergence::ForwardKL, Divergence::JSD}) {
     Case c;
     c.divergence = d;
     c.hard = 0.4f;
     c.temperature = 2.0f;
-    check(c);
+    check(GetParam(), c);
     c.hard = 0.0f;
     c.with_target = false;
-    check(c);
+    check(GetParam(), c);
   }
 }
 
-TEST(LinearDistillation, ChunksDtypesAndAnotherTeacher) {
+TEST_P(LinearDistillation, ChunksDtypesAndAnotherTeacher) {
   for (int64_t chunk : {int64_t(1), int64_t(5)}) {
     Case c;
     c.divergence = Divergence::ReverseKL;
     c.chunk_rows = chunk;
-    check(c);
+    check(GetParam(), c);
   }
   Case c;
   c.student = DType::BF16;
   c.teacher = DType::F32;
   c.hard = 0.25f;
-  check(c);
+  check(GetParam(), c);
   c.student = DType::F32;
   c.teacher = DType::BF16;
   c.divergence = Divergence::JSD;
-  check(c);
+  c.in_forward_g = true;
+  check(GetParam(), c);
 }
 
-TEST(LinearDistillation, BadInputs) {
+TEST(LinearDistillationArguments, BadInputs) {
   std::vector<float> h(4 * 3, 0.5f), w(5 * 3, 0.25f), loss(4);
   std::vector<DistillRowStats> stats(4);
   std::vector<int64_t> target{0, 1, 7, 2};
@@ -218,14 +340,39 @@ TEST(LinearDistillation, BadInputs) {
   const MatrixView other{w.data(), 4, 3, 3, DType::F32, Device::CPU};
   expect_error([&] { linear_distillation_forward(vh, vw, vh, other, t, o, loss.data(), stats.data()); },
                "teacher_weight.rows: got 4", "expected 5");
-  const MatrixView cuda_h{h.data(), 4, 3, 3, DType::F32, Device::CUDA};
-  const MatrixView cuda_w{w.data(), 5, 3, 3, DType::F32, Device::CUDA};
+  o.vocab_global = 12;
+  o.vocab_start = 8;
+  expect_error([&] { forward(o, t); }, "options.vocab_start: got 8 with V_local 5",
+               "within [0, vocab_global)");
+  o.vocab_start = 5;
+  expect_error([&] { forward(o, t); }, "options.vocab_global: got 12 with V_local 5",
+               "expected one shard");
+  o = {};
+  std::vector<float> sums(8);
   expect_error([&] {
-    linear_distillation_forward(cuda_h, cuda_w, cuda_h, cuda_w,
-                                IndexView{nullptr, 4, IndexType::I64, Device::CUDA}, o, loss.data(),
-                                stats.data());
-  }, "student_hidden.device: got cuda", "expected cpu");
+    linear_distillation_jsd_sums(vh, vw, vh, vw, o, stats.data(), sums.data());
+  }, "options.divergence: got 0", "expected JSD (2)");
 }
+
+TEST_P(LinearDistillation, VocabShardsMergeToTheWholeVocabulary) {
+  for (Divergence d : {Divergence::ForwardKL, Divergence::ReverseKL, Divergence::JSD}) {
+    Case c;
+    c.divergence = d;
+    c.shards = true;
+    c.temperature = 1.7f;
+    c.hard = d == Divergence::ReverseKL ? 0.0f : 0.3f;
+    c.chunk_rows = 7;
+    check(GetParam(), c);
+  }
+  Case c;
+  c.shards = true;
+  c.with_target = false;
+  c.student = DType::BF16;
+  check(GetParam(), c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LinearDistillation, ::testing::Values(Device::CPU, Device::CUDA),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
 
 }  // namespace
 }  // namespace fusedloss::test
