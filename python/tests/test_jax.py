@@ -1095,6 +1095,36 @@ def test_vocab_parallel_linear_cross_entropy(tp, sequence_parallel, check_vma):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_vocab_parallel_linear_distillation(tp, check_vma, divergence):
+    """Both heads' weights sharded over the axis: the losses and the student's gradients equal
+    one device's and float64's, for every divergence, with a hard-label term and ignored rows."""
+    mesh = _mesh(tp)
+    sh, sw, th, tw, t = _distill_problem(330, shape=(12,), V=48)
+    for reduction in ("mean", "none"):
+        kw = dict(divergence=divergence, beta=0.4, temperature=1.3, hard_label_weight=0.25,
+                  reduction=reduction, workspace_bytes=5 * 48 * 4)
+        body = lambda a, b, c, d, e: fj.linear_distillation_loss(  # noqa: E731
+            a, b, c, d, e, axis_name="tp", **kw)
+        sharded = _shard_map(body, mesh, (P(), P("tp"), P(), P("tp"), P()), P(), check_vma)
+        with _on(mesh):
+            loss, (dh, dw) = jax.jit(lambda a, b, c, d, e: _loss_and_grads(
+                lambda a, b: sharded(a, b, c, d, e), (a, b), reduction, (0, 1)))(
+                _put(mesh, sh, P()), _put(mesh, sw, P("tp")), _put(mesh, th, P()),
+                _put(mesh, tw, P("tp")), _put(mesh, t, P()))
+        want, (dhw, dww) = _loss_and_grads(
+            lambda a, b: fj.linear_distillation_loss(a, b, th, tw, t, **kw), (sh, sw), reduction,
+            (0, 1))
+        _close(loss, want, what=f"{reduction} loss")
+        _close(dh, dhw, what=f"{reduction} dhidden")
+        _close(dw, dww, what=f"{reduction} dweight")
+        ref = ref_distillation(sh.astype(jnp.float64), sw.astype(jnp.float64), th, tw, t, F32,
+                               **{k: v for k, v in kw.items() if k != "workspace_bytes"})
+        _close(loss, ref, F32, f"{reduction} loss against float64")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("dtype", [F32, BF16])

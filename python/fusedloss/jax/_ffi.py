@@ -16,7 +16,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "libfusedloss_jax.so")
 _OPS = ("ce_forward", "ce_backward", "ce_local_stats", "ce_merge", "lce_forward",
         "lce_local_stats", "lce_backward", "lce_scale_rows", "lp_forward", "lp_backward",
-        "lp_local_stats", "lp_merge", "distill_forward", "distill_backward", "rms_norm_forward",
+        "lp_local_stats", "lp_merge", "distill_forward", "distill_backward", "distill_local_partials",
+        "distill_merge", "distill_jsd_sums", "rms_norm_forward",
         "rms_norm_backward", "swiglu_forward", "swiglu_backward", "swiglu_gate_up_forward",
         "swiglu_gate_up_backward")
 

@@ -6,6 +6,12 @@ same C++ core: include/fusedloss/linear_distillation.h).
 A jax.custom_vjp over XLA FFI calls: the forward gives per-token losses and keeps 20 B a token,
 the backward recomputes both models' logits a chunk at a time for the per-token upstream
 gradients; the reduction is jnp's. The teacher gets no gradient (a zero cotangent).
+
+Vocab-parallel (axis_name, inside jax.shard_map): both weights are this device's shard of the
+vocabulary; each device computes its shard's partial statistics (32 B a token), an all_gather
+over the axis and the merge give every device the same losses; jsd adds a second pass over
+the logits and a psum of 8 B a token. The backward is local: each shard's dweight and its
+partial dhidden, which JAX sums over the axis.
 """
 from functools import partial
 from typing import NamedTuple
@@ -17,6 +23,8 @@ import numpy as np
 from .._args import check_distillation_shapes
 from . import _ffi
 from ._args import allows_tf32, as_float, as_int, index, require_array, validate_head_operands
+from ._vocab_parallel import (all_gather_invariant, axis_place, axis_size, local_targets,
+                              replicated_cotangent, shard_options)
 
 _F32 = jnp.float32
 _DIVERGENCE = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
@@ -33,11 +41,11 @@ class DistillOptions(NamedTuple):
     tf32: bool
     has_target: bool
 
-    def attributes(self) -> dict:
+    def attributes(self, vocab_global: int = -1) -> dict:
         return dict(divergence=self.divergence, beta=self.beta, temperature=self.temperature,
                     hard_label_weight=self.hard_label_weight, ignore_index=self.ignore_index,
                     workspace_bytes=self.workspace_bytes, allow_tf32=self.tf32,
-                    has_target=self.has_target)
+                    has_target=self.has_target, vocab_global=vocab_global)
 
 
 def _forward(o, sh, sw, th, tw, t):
@@ -66,11 +74,54 @@ def _losses_bwd(o, saved, g):
 _losses.defvjp(_losses_fwd, _losses_bwd)
 
 
+# ---- vocab-parallel: both weights are this device's shard of the vocabulary along axis_name ----
+
+def _sharded_fwd(o: DistillOptions, axis_name, sh, sw, th, tw, t):
+    rank, parts = axis_place(axis_name)
+    rows, vocab_local = sh.shape[0], sw.shape[0]
+    vocab_global = parts * vocab_local
+    tl, shard = local_targets(t, o, rank, vocab_local, vocab_global)
+    (partials,) = _ffi.call("distill_local_partials", [((rows, 8), jnp.int32)], sh, sw, th, tw,
+                            tl, **shard.attributes(vocab_global))
+    gathered = all_gather_invariant(partials, axis_name)  # [parts, N, 8]
+    loss, stats = _ffi.call("distill_merge", [((rows,), _F32), ((rows, 5), jnp.int32)], gathered,
+                            t, **o.attributes(vocab_global))
+    if o.divergence == _DIVERGENCE["jsd"]:  # the soft term needs the merged lse: a second pass
+        (sums,) = _ffi.call("distill_jsd_sums", [((rows, 2), _F32)], sh, sw, th, tw, tl, stats,
+                            **shard.attributes(vocab_global))
+        sums = jax.lax.psum(sums, axis_name)
+        counted = jnp.ones((rows,), bool) if not o.has_target else t != o.ignore_index
+        soft = jnp.where(counted[:, None], sums, 0.0)
+        loss = loss + (1.0 - o.hard_label_weight) * soft[:, 0]
+        words = jax.lax.bitcast_convert_type(soft, jnp.int32)  # stats' words 3-4: the two sums
+        stats = stats.at[:, 3:5].set(words)
+    return loss, (sh, sw, th, tw, tl, stats)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sharded_losses(o, axis_name, sh, sw, th, tw, t):
+    return _sharded_fwd(o, axis_name, sh, sw, th, tw, t)[0]
+
+
+def _sharded_bwd(o, axis_name, saved, g):
+    sh, sw, th, tw, tl, stats = saved
+    g = replicated_cotangent(g.astype(_F32), sw, axis_name)
+    vocab_global = axis_size(axis_name) * sw.shape[0]
+    shard = shard_options(o, vocab_global)
+    # dhidden: this shard's partial sum, summed over the axis by JAX
+    dh, dw = _ffi.call("distill_backward", [(sh.shape, sh.dtype), (sw.shape, sw.dtype)],
+                       sh, sw, th, tw, tl, stats, g, **shard.attributes(vocab_global))
+    return dh, dw, jnp.zeros_like(th), jnp.zeros_like(tw), None
+
+
+_sharded_losses.defvjp(_sharded_fwd, _sharded_bwd)
+
+
 def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, teacher_weight,
                              target=None, *, divergence: str = "forward_kl", beta: float = 0.5,
                              temperature: float = 1.0, ignore_index: int = -100,
                              hard_label_weight: float = 0.0, reduction: str = "mean",
-                             workspace_bytes=None):
+                             workspace_bytes=None, axis_name=None):
     """fusedloss.linear_distillation_loss for JAX: with s = the student's logits / temperature,
     t = the teacher's, q = softmax(s), p = softmax(t), per token KL(p || q) ("forward_kl"),
     KL(q || p) ("reverse_kl") or beta KL(p || m) + (1 - beta) KL(q || m), m = beta p +
@@ -80,8 +131,14 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
 
     student_hidden [N, H_s] or [s, b, H_s] with student_weight [V, H_s] (one float dtype);
     teacher_hidden [..., H_t] with teacher_weight [V, H_t] (one float dtype of their own).
-    Gradients flow to the student's hidden states and weight; the teacher's are zero. The CPU
-    backend runs it in this version (a CUDA device raises at the call).
+    Gradients flow to the student's hidden states and weight; the teacher's are zero. A CPU
+    target outside [0, V) that is not ignore_index raises at the call; on CUDA a hard-label row
+    with one is NaN and fusedloss.jax.check_device_errors() names it.
+
+    axis_name (inside jax.shard_map): both weights are this device's contiguous shard of the
+    vocabulary along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local));
+    targets are global ids, and the hidden states hold every token, the same on every device.
+    The losses are the same on every device.
     """
     if not isinstance(divergence, str) or divergence not in _DIVERGENCE:
         raise ValueError(f"divergence: got {divergence!r}, expected one of {sorted(_DIVERGENCE)}")
@@ -105,14 +162,22 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
                          "dtype")
     sh = student_hidden.reshape(-1, student_hidden.shape[-1])
     th = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-    rows, vocab = sh.shape[0], student_weight.shape[0]
+    rows = sh.shape[0]
+    vocab = student_weight.shape[0] * (1 if axis_name is None else axis_size(axis_name))
     _ffi.validate_linear_distillation(_DIVERGENCE[divergence], beta, temperature, hard,
                                       ignore_index, workspace, rows, vocab, target is not None)
     t = index(target) if target is not None else jnp.zeros((rows,), jnp.int32)
     o = DistillOptions(_DIVERGENCE[divergence], beta, temperature, hard, ignore_index, workspace,
                        allows_tf32(), target is not None)
-    losses = _losses(o, sh, student_weight, jax.lax.stop_gradient(th),
-                     jax.lax.stop_gradient(teacher_weight), t)
+    th, tw = jax.lax.stop_gradient(th), jax.lax.stop_gradient(teacher_weight)
+    if axis_name is None:
+        losses = _losses(o, sh, student_weight, th, tw, t)
+    else:
+        if axis_name in _ffi.varying_axes(student_weight):  # (check_vma: shard_map's types)
+            # varying over the axis like the weight shard: the transpose of that cast sums the
+            # partial dhidden of every shard
+            sh = _ffi.varying(sh, (axis_name,))
+        losses = _sharded_losses(o, axis_name, sh, student_weight, th, tw, t)
     if reduction == "none":
         return losses.reshape(shape)
     total = losses.sum()

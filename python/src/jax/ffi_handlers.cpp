@@ -592,7 +592,17 @@ fl::LinearDistillationOptions distill_options(const Attrs& a) {
   const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
   if (workspace > 0) o.workspace_bytes = size_t(workspace);
   o.allow_tf32 = attr<bool>(a, "allow_tf32");
+  // Vocab-parallel (vocab_global > 0): this shard's targets renumbered so that its columns start
+  // at 0, as the losses' (fusedloss/jax/_vocab_parallel.py)
+  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
+  if (vocab_global > 0) o.vocab_global = vocab_global;
   return o;
+}
+
+// DistillPartial in an int32 buffer of [.., N, 8] (32 bytes a row), from element `offset`.
+fl::DistillPartial* distill_partials_at(const ffi::AnyBuffer& b, int64_t offset) {
+  static_assert(sizeof(fl::DistillPartial) == 32, "DistillPartial: 8 words a row");
+  return reinterpret_cast<fl::DistillPartial*>(at(b, offset));
 }
 
 // DistillRowStats in an int32 buffer of [.., N, 5] (20 bytes a row), from element `offset`.
@@ -646,6 +656,53 @@ void distill_backward(const Place& p, const Args& args, const Rets& rets, const 
         x.sh, x.sw, x.th, x.tw, x.target, distill_stats_at(stats, b.offset(stats, 2, i)),
         f32_at(g, b.offset(g, 1, i)), o,
         head_grads(b, dh, dw, i, x.sh.rows, x.sw.rows, x.sh.cols, p), p.stream);
+  }
+}
+
+// Vocab-parallel pass 1: the four operands (both weights [.., V_local, H]), targets
+// (renumbered) -> partials [.., N, 8] int32
+void distill_local_partials(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearDistillationOptions o = distill_options(attrs);
+  const bool has_target = attr<bool>(attrs, "has_target");
+  const ffi::AnyBuffer out = ret(rets, 0);
+  const Batch b(out, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const DistillOperands x = distill_operands(args, b, i, has_target, p);
+    fl::linear_distillation_local_partials(x.sh, x.sw, x.th, x.tw, x.target, o,
+                                           distill_partials_at(out, b.offset(out, 2, i)), p.stream);
+  }
+}
+
+// Vocab-parallel merge: partials [.., parts, N, 8] (all_gather'd), targets [.., N] (global ids)
+// -> loss [.., N] fp32, stats [.., N, 5] int32 (jsd: without the soft term, which
+// distill_jsd_sums' psum'd sums complete)
+void distill_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearDistillationOptions o = distill_options(attrs);
+  const bool has_target = attr<bool>(attrs, "has_target");
+  const ffi::AnyBuffer all = arg(args, 0), t = arg(args, 1), loss = ret(rets, 0),
+                       stats = ret(rets, 1);
+  const Batch b(loss, 1);
+  const int64_t rows = dim(t, 1);
+  const int parts = int(dim(all, 3));
+  for (int64_t i = 0; i < b.size(); ++i)
+    fl::distill_merge(distill_partials_at(all, b.offset(all, 3, i)), parts, rows,
+                      has_target ? index(t, b.offset(t, 1, i), rows, p)
+                                 : fl::IndexView{nullptr, rows, fl::IndexType::I32, p.device},
+                      o, distill_stats_at(stats, b.offset(stats, 2, i)),
+                      f32_at(loss, b.offset(loss, 1, i)), p.device, p.stream);
+}
+
+// Vocab-parallel jsd pass 2: the four operands, targets (unread), the merged stats [.., N, 5]
+// -> this shard's sums [.., N, 2] fp32
+void distill_jsd_sums(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
+  const fl::LinearDistillationOptions o = distill_options(attrs);
+  const ffi::AnyBuffer stats = arg(args, 5), sums = ret(rets, 0);
+  const Batch b(sums, 2);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const DistillOperands x = distill_operands(args, b, i, false, p);
+    fl::linear_distillation_jsd_sums(x.sh, x.sw, x.th, x.tw, o,
+                                     distill_stats_at(stats, b.offset(stats, 2, i)),
+                                     f32_at(sums, b.offset(sums, 2, i)), p.stream);
   }
 }
 
@@ -909,6 +966,9 @@ FL_HANDLER(lp_local_stats, lp_local_stats)
 FL_HANDLER(lp_merge, lp_merge)
 FL_HANDLER(distill_forward, distill_forward)
 FL_HANDLER(distill_backward, distill_backward)
+FL_HANDLER(distill_local_partials, distill_local_partials)
+FL_HANDLER(distill_merge, distill_merge)
+FL_HANDLER(distill_jsd_sums, distill_jsd_sums)
 FL_HANDLER(rms_norm_forward, rms_norm_forward)
 FL_HANDLER(rms_norm_backward, rms_norm_backward)
 FL_HANDLER(swiglu_forward, swiglu_forward)
