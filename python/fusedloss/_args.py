@@ -115,10 +115,12 @@ def swiglu_form(first, second, bias, arrays, array_name, op):
 
 
 def check_distillation_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                              target) -> tuple:
+                              target, slices: int = 1) -> tuple:
     """The distillation loss's shape rules, one set of messages for the PyTorch and JAX ops
     (each checks its operands' types and dtypes first): the teacher on the student's tokens and
-    vocabulary, the targets (or None) in the tokens' shape. Returns the tokens' shape."""
+    vocabulary, the targets (or None) in the tokens' shape; slices > 1: both hidden states are
+    this rank's slice of the tokens along dim 0 and the targets cover every slice. Returns the
+    shape of every token (the losses')."""
     shape = tuple(student_hidden.shape[:-1])
     if tuple(teacher_hidden.shape[:-1]) != shape:
         raise ValueError(f"teacher_hidden: got shape {tuple(teacher_hidden.shape)}, expected "
@@ -126,7 +128,10 @@ def check_distillation_shapes(student_hidden, student_weight, teacher_hidden, te
     if teacher_weight.shape[0] != student_weight.shape[0]:
         raise ValueError(f"teacher_weight: got {teacher_weight.shape[0]} rows, expected "
                          f"{student_weight.shape[0]} (student_weight's vocabulary)")
+    what = "student_hidden's shape without the hidden dim"
+    if slices > 1:
+        shape = (shape[0] * slices, *shape[1:]) if shape else shape
+        what = f"the tokens of {slices} ranks' slices of student_hidden along dim 0"
     if target is not None and tuple(target.shape) != shape:
-        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} "
-                         "(student_hidden's shape without the hidden dim)")
+        raise ValueError(f"target: got shape {tuple(target.shape)}, expected {shape} ({what})")
     return shape

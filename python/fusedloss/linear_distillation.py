@@ -27,6 +27,7 @@ from ._distributed import (deferred_rejection, fingerprint, group_name, group_si
                            rank_checks, resolve_group)
 from ._head import as_workspace_bytes, validate_head_operands
 from ._op import FusedOp
+from ._sequence_parallel import gather_token_slices, own_rows_buffer, sum_into_own_rows
 from ._views import (_INDEX, agreement_flag, as_bool, as_choice, as_float, as_int,
                      autocast_operands, choice_name, device_of, index, matrix, require_same_device,
                      require_tensor, rows_of, stream_of, validated, values_in)
@@ -39,7 +40,7 @@ _REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
 
 
 _MODES = {"auto": 0, "in_forward": 1, "recompute": 2}
-_DHIDDEN = {"partial": 0, "all_reduce": 1}
+_DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,14 +149,18 @@ def _backward(grad_loss: Tensor, student_hidden: Tensor, student_weight: Tensor,
     o, g = _call_options(sh, sw, target, divergence, beta, temperature, hard, ignore_index,
                          workspace_bytes, tf32, group)
     _, tv = _target_view(target, sh)
+    reduced = None if g is None else {1: "all-reduce", 2: "reduce-scatter"}.get(dhidden_reduction)
     gl = values_in(grad_loss, torch.float32)
     dh = torch.empty(sh.shape, dtype=student_hidden.dtype, device=sh.device)
     dw = torch.empty(student_weight.shape, dtype=student_weight.dtype, device=sh.device)
+    own_rows = own_rows_buffer(dh, g) if reduced == "reduce-scatter" else None
     _C.linear_distillation_backward(matrix(sh), matrix(sw), matrix(th), matrix(tw), tv,
                                     stats.data_ptr(), gl.data_ptr(), o, matrix(dh), matrix(dw),
                                     False, stream_of(sh))
-    if g is not None and dhidden_reduction == _DHIDDEN["all_reduce"]:
+    if reduced == "all-reduce":
         dist.all_reduce(dh, group=g)
+    elif reduced == "reduce-scatter":  # the gathered slices' gradient: this rank's rows summed
+        sum_into_own_rows(dh, g, own_rows)
     return dh, dw
 
 
@@ -313,8 +318,11 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     tp_group of more than one rank: vocab-parallel, both weights are this rank's [V_local, H]
     shard of the vocabulary in rank order; the losses are the same on every rank. The shard
     agreement (check_shard_agreement) makes every rank raise one rank's bad argument. dhidden:
-    "all_reduce" (summed over the group) or "partial" (this rank's part, for the caller's own
-    reduction). CPU targets outside [0, V) that are not ignore_index raise; CUDA targets are
+    "all_reduce" (summed over the group), "partial" (this rank's part, for the caller's own
+    reduction), or "reduce_scatter" (sequence parallel: both hidden states are this rank's slice
+    of the tokens along dim 0, the target covers every rank's slices in rank order; the op
+    all-gathers the slices, the losses cover every token, and the student's slice gets its
+    gradient summed over the group). CPU targets outside [0, V) that are not ignore_index raise; CUDA targets are
     not read on the host (no synchronisation): a hard-label row with such a target has a NaN
     loss and the error is reported by fusedloss.check_device_errors().
     """
@@ -336,6 +344,7 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
         ignore = as_int(ignore_index, "ignore_index")
         workspace = as_workspace_bytes(workspace_bytes)
         world = group_size(tp_group) if name else 1
+        slices = world if name and dh_red == _DHIDDEN["reduce_scatter"] else 1
         student_hidden, student_weight = autocast_operands(student_hidden, student_weight)
         teacher_hidden, teacher_weight = autocast_operands(teacher_hidden, teacher_weight)
         validate_head_operands(student_hidden, student_weight,
@@ -351,7 +360,7 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
         if target is not None:
             require_tensor(target, "target")
         shape = check_distillation_shapes(student_hidden, student_weight, teacher_hidden,
-                                          teacher_weight, target)
+                                          teacher_weight, target, slices)
         if target is not None:
             require_same_device(target, "target", student_hidden, "student_hidden")
         grad = torch.is_grad_enabled() and (student_hidden.requires_grad
@@ -362,15 +371,23 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
         rows = student_hidden.reshape(-1, H_s) if student_hidden.dim() != 2 else student_hidden
         teacher_rows = teacher_hidden.reshape(-1, H_t) if teacher_hidden.dim() != 2 else teacher_hidden
         flat_target = None if target is None else target.reshape(-1)
+        n_tokens = rows.size(0) * slices
         if not torch.compiler.is_compiling():  # traced calls are checked when the op runs
             # (the options as rank 0's: this rank's shard is the op's to place)
             o = _options(divergence, beta_v, t_value, hard, ignore, workspace, tf32, 0,
-                         student_weight.size(0), world, rows.size(0), target is not None)
+                         student_weight.size(0), world, n_tokens, target is not None)
             if name and flat_target is not None:  # inside the agreement's reach
                 check_targets_on_host(flat_target, o, "target")
     if checks.deferred is not None:  # traced: raised on every rank when the graph runs
         return deferred_rejection((student_hidden, student_weight), reduction, target, name, _OP,
                                   checks.deferred)
+    if slices > 1:  # every rank's slices, in rank order; the student's gradient reduce-scattered
+        hidden_grad = grad and student_hidden.requires_grad
+        v_local = student_weight.size(0)
+        rows = gather_token_slices(rows, name, check, hidden_grad, n_tokens, v_local, _OP)
+        teacher_rows = gather_token_slices(teacher_rows, name, check, False, n_tokens, v_local, _OP)
+        if not hidden_grad:
+            dh_red = _DHIDDEN["partial"]
     if in_forward:
         return _linear_distillation_reduced(rows, student_weight, teacher_rows, teacher_weight,
                                             flat_target, divergence, beta_v, t_value, hard, ignore,

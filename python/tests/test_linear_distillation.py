@@ -200,12 +200,14 @@ def test_a_bad_cuda_target_is_nan_and_reported():
 
 def _tp(rank, world, divergence, dh_reduction):
     torch.manual_seed(4321)  # the same problem on every rank
-    sh, sw, th, tw, t = _problem(torch.float32, V=48)
+    slices = dh_reduction == "reduce_scatter"
+    sh, sw, th, tw, t = _problem(torch.float32, shape=(3 * world, 2) if slices else (19,), V=48)
     V_local = sw.size(0) // world
     mine = slice(rank * V_local, (rank + 1) * V_local)
-    leaf_h, leaf_w = sh.clone().requires_grad_(), sw[mine].clone().requires_grad_()
+    tokens = slice(rank * 3, (rank + 1) * 3) if slices else slice(None)  # this rank's slice
+    leaf_h, leaf_w = sh[tokens].clone().requires_grad_(), sw[mine].clone().requires_grad_()
     options = dict(divergence=divergence, temperature=1.3, hard_label_weight=0.25, beta=0.4)
-    loss = fusedloss.linear_distillation_loss(leaf_h, leaf_w, th, tw[mine].clone(), t,
+    loss = fusedloss.linear_distillation_loss(leaf_h, leaf_w, th[tokens], tw[mine].clone(), t,
                                               reduction="none", tp_group=dist.group.WORLD,
                                               dhidden_reduction=dh_reduction, **options)
     up = torch.rand(t.shape) + 0.5  # (seeded alike on every rank)
@@ -220,7 +222,7 @@ def _tp(rank, world, divergence, dh_reduction):
     dh = leaf_h.grad.clone()
     if dh_reduction == "partial":
         dist.all_reduce(dh)
-    for got, want in ((dh, refs[0].grad), (leaf_w.grad, refs[1].grad[mine])):
+    for got, want in ((dh, refs[0].grad[tokens]), (leaf_w.grad, refs[1].grad[mine])):
         assert ((got.double() - want).norm() / want.norm()).item() <= 1e-4
 
 
@@ -230,8 +232,10 @@ def test_gloo_tp_equals_float64(world, divergence):
     run_world(world, _tp, divergence, "all_reduce")
 
 
-def test_gloo_tp_partial_dhidden():
-    run_world(2, _tp, "jsd", "partial")
+@pytest.mark.parametrize("dh_reduction", ["partial", "reduce_scatter"])
+def test_gloo_tp_dhidden_reductions(dh_reduction):
+    run_world(2, _tp, "jsd", dh_reduction)
+    run_world(4, _tp, "forward_kl", dh_reduction)
 
 
 def _tp_one_rank_wrong(rank, world):
