@@ -19,8 +19,8 @@
 // DistillRowStats (20 B a row); the backward recomputes both logits (2 GEMMs) and runs the
 // student's dhidden and dweight GEMMs. A forward given gradient buffers (a caller that knows
 // the upstream gradients already: a mean or a sum) runs those GEMMs in the same pass, 4 GEMMs
-// in all and no backward. Memory: the student's chunk buffers, the teacher's one, and the
-// GEMMs' workspace, within about 2 x workspace_bytes.
+// in all and no backward. Memory: the student's chunk buffers, the teacher's one, and both
+// GEMMs' workspaces, within workspace_bytes (the chunks are sized for all of them).
 //
 // Vocab-parallel (tensor-parallel size > 1): each rank holds the rows [vocab_start, vocab_start
 // + V_local) of both weights. linear_distillation_local_partials gives this shard's

@@ -35,9 +35,10 @@ size_t buffer_share(const LinearCrossEntropyOptions& o, const core::LceTuning& t
   return o.workspace_bytes - core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
 }
 
-// Tokens per chunk for the buffers' share of the workspace, split into `buffers` chunk buffers.
+// Tokens per chunk for the buffers' share of the workspace, split into `buffers` chunk buffers
+// and what a token takes beside them (`beside`).
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
-                       DType dtype, const core::LceTuning& tuning) {
+                       DType dtype, const core::LceTuning& tuning, const Beside& beside) {
   const int64_t buffers = tuning.buffers;
   const int64_t es = detail::element_size(dtype);
   require(vocab_local <= (int64_t(1) << 40), "weight.rows (vocab_local): got ", vocab_local,
@@ -45,7 +46,9 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
   const int64_t stride = core::round_up(std::max<int64_t>(vocab_local, 1), 16 / es);
   int64_t chunk = o.chunk_rows;
   if (chunk <= 0) {
-    const int64_t fits = int64_t(buffer_share(o, tuning) / size_t(buffers * stride * es));
+    const size_t share = buffer_share(o, tuning);
+    const size_t left = share > beside.bytes ? share - beside.bytes : 0;
+    const int64_t fits = int64_t(left / size_t(buffers * stride * es + beside.row_bytes));
     chunk = fits >= rows ? rows : whole_tiles(fits);  // one chunk of every token needs no rounding
   }
   return std::max<int64_t>(1, std::min(chunk, std::max<int64_t>(rows, 1)));
@@ -53,7 +56,7 @@ int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t
 
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
                         const LinearCrossEntropyOptions& o,
-                        const core::LceTuning& tuning) {
+                        const core::LceTuning& tuning, const Beside& beside) {
   core::LcePlan plan;
   plan.rows = hidden.rows;
   plan.hidden = hidden.cols;
@@ -62,7 +65,7 @@ core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
   plan.tf32 = o.allow_tf32;
   plan.gemm_workspace = core::lce_gemm_workspace_bytes(o.workspace_bytes, tuning.gemm_workspace_cap);
   plan.tuning = tuning;
-  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning);
+  plan.chunk = chunk_rows_for(o, hidden.rows, weight.rows, hidden.dtype, plan.tuning, beside);
   plan.stride = core::round_up(weight.rows, int64_t(16) / detail::element_size(hidden.dtype));
   return plan;
 }

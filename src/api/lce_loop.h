@@ -14,10 +14,17 @@ namespace fusedloss::lce {
 // The bytes of o.workspace_bytes left to the chunk buffers beside the GEMM workspace.
 size_t buffer_share(const LinearCrossEntropyOptions& o, const core::LceTuning& tuning);
 
+// What a head keeps beside the loop's chunk buffers within the same workspace_bytes: bytes per
+// token of the chunk (the distillation's teacher logits) and bytes in all (its GEMM workspace).
+struct Beside {
+  size_t row_bytes = 0;
+  size_t bytes = 0;
+};
+
 // Tokens per chunk for the buffers' share of the workspace, split into tuning.buffers chunk
-// buffers of vocab_local columns (o.chunk_rows when it is set).
+// buffers of vocab_local columns and what goes beside them (o.chunk_rows when it is set).
 int64_t chunk_rows_for(const LinearCrossEntropyOptions& o, int64_t rows, int64_t vocab_local,
-                       DType dtype, const core::LceTuning& tuning);
+                       DType dtype, const core::LceTuning& tuning, const Beside& beside = {});
 
 // The chunking options of a head that runs the loop (its options' workspace_bytes, chunk_rows
 // and allow_tf32), as the linear cross-entropy's loop reads them.
@@ -34,7 +41,8 @@ LinearCrossEntropyOptions loop_options(const HeadOptions& o) {
 // allow_tf32 are read).
 core::LcePlan make_plan(const MatrixView& hidden, const MatrixView& weight,
                         const LinearCrossEntropyOptions& o,
-                        const core::LceTuning& tuning = core::lce_tuning());
+                        const core::LceTuning& tuning = core::lce_tuning(),
+                        const Beside& beside = {});
 
 // Rows [row0, row0 + rows) of t.
 IndexView target_rows(const IndexView& t, int64_t row0, int64_t rows);

@@ -83,14 +83,28 @@ IndexView rows_of_target(const IndexView& t, int64_t row0, int64_t rows) {
 // The last rows computed are kept: a forward that also writes gradients asks twice.
 class TeacherChunks {
  public:
+  // The teacher's plan and what it takes beside the student's chunk buffers: a row of the
+  // chunk, and the GEMM's memory.
+  static core::LcePlan plan_of(const MatrixView& hidden, const MatrixView& weight,
+                               const LinearDistillationOptions& o) {
+    return lce::make_plan(hidden, weight, loop_options(o));
+  }
+  static size_t gemm_bytes(const core::LcePlan& p, Device device) {
+    return device == Device::CPU ? core::lce_cpu_stage_bytes(p) : p.gemm_workspace;
+  }
+  static lce::Beside beside(const core::LcePlan& p, Device device) {
+    return {size_t(p.stride) * size_t(detail::element_size(p.dtype)),
+            gemm_bytes(p, device) + core::kLceAlign};
+  }
+
   TeacherChunks(const core::LcePlan& student, const MatrixView& hidden, const MatrixView& weight,
                 const LinearDistillationOptions& o, Stream stream, const char* fn)
-      : hidden_(hidden), weight_(weight), plan_(lce::make_plan(hidden, weight, loop_options(o))) {
+      : hidden_(hidden), weight_(weight), plan_(plan_of(hidden, weight, o)) {
     plan_.chunk = student.chunk;
     const size_t at = core::round_up(size_t(plan_.chunk) * size_t(plan_.stride) *
                                          size_t(detail::element_size(plan_.dtype)),
                                      core::kLceAlign);
-    extra_ = hidden.device == Device::CPU ? core::lce_cpu_stage_bytes(plan_) : plan_.gemm_workspace;
+    extra_ = gemm_bytes(plan_, hidden.device);
     if (hidden.rows == 0) return;
     memory_.emplace(hidden.device, at + extra_, stream, fn);
     extra_at_ = memory_->as<char>(at);
@@ -119,6 +133,15 @@ class TeacherChunks {
   char* extra_at_ = nullptr;
   int64_t row0_ = -1, rows_ = -1;
 };
+
+// The student's plan, its chunks sized so that its buffers and the teacher's share
+// workspace_bytes.
+core::LcePlan student_plan(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
+                           const MatrixView& tw, const LinearDistillationOptions& o) {
+  const lce::Beside teacher =
+      TeacherChunks::beside(TeacherChunks::plan_of(th, tw, o), sh.device);
+  return lce::make_plan(sh, sw, loop_options(o), core::lce_tuning(), teacher);
+}
 
 void check_out(const void* p, int64_t n, const char* name, const char* what) {
   require(p != nullptr || n == 0, name, ": got null, expected ", n, " ", what);
@@ -179,7 +202,7 @@ void linear_distillation_forward(const MatrixView& sh, const MatrixView& sw, con
   const float* gl = in_forward.grad_loss;
   if (grads)
     lce::check_grads(in_grads, sh, sw, {s_th, s_tw, s_target, s_loss, s_stats, {gl, n * 4, "grad_loss"}});
-  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
   TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
@@ -221,7 +244,7 @@ void linear_distillation_local_partials(const MatrixView& sh, const MatrixView& 
       {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
        detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
        detail::span_of(target, "target")});
-  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
   TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
@@ -277,7 +300,7 @@ void linear_distillation_jsd_sums(const MatrixView& sh, const MatrixView& sw, co
       {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
        detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
        {stats, n * int64_t(sizeof(DistillRowStats)), "stats"}});
-  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
   TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
@@ -318,7 +341,7 @@ void linear_distillation_backward(const MatrixView& sh, const MatrixView& sw,
                    {{stats, n * int64_t(sizeof(DistillRowStats)), "stats"},
                     {grad_loss, n * 4, "grad_loss"}, detail::span_of(target, "target"),
                     detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight")});
-  const core::LcePlan plan = lce::make_plan(sh, sw, loop_options(o));
+  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
   TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
   core::LceSteps steps;
