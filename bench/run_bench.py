@@ -10,6 +10,8 @@
                  Liger, cut-cross-entropy, QuACK (bench/lce_bench.py)
   log-probs:     fusedloss.linear_log_probs vs the GEMMs alone, torch (whole and chunked), verl's
                  Triton kernel (bench/log_probs_bench.py)
+  distillation:  fusedloss.linear_distillation_loss (jsd, and forward KL) vs the GEMMs alone
+                 (4 and 6), torch, Liger's fused linear JSD (bench/distill_bench.py)
 
 Prints ms, x floor (bytes over the copy bandwidth measured in the same run), x each peer and
 peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
@@ -17,6 +19,7 @@ peak extra MiB; writes bench/results/<date>-<gpu>-<kind>.csv and a PNG plot.
 usage: python3 bench/run_bench.py {cross-entropy,swiglu,rms-norm} --build build-gpu [--out DIR]
        python3 bench/run_bench.py linear-cross-entropy [--variants all|v1,v2] [--shapes N,H,V;...]
        python3 bench/run_bench.py log-probs [--shapes N,H,V;...]
+       python3 bench/run_bench.py distillation [--shapes N,H,V;...]
 """
 import argparse
 import csv
@@ -249,7 +252,7 @@ def rms_norm_main(build, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("kind", choices=["cross-entropy", "swiglu", "rms-norm", "linear-cross-entropy",
-                                     "log-probs"])
+                                     "log-probs", "distillation"])
     ap.add_argument("--build", help="CMake build dir holding bench/ce_bench etc. (not needed for "
                     "linear-cross-entropy, which runs through the Python package)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -257,11 +260,18 @@ def main():
                     help="linear-cross-entropy: comma-separated pipeline variants of "
                     "bench/lce_bench.py VARIANTS (or 'all'); each fusedloss mode runs in each")
     ap.add_argument("--shapes", default=None,
-                    help="linear-cross-entropy, log-probs: N,H,V[;N,H,V...] instead of the "
-                    "issue's shapes")
+                    help="linear-cross-entropy, log-probs, distillation: N,H,V[;N,H,V...] "
+                    "instead of the issue's shapes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
+        return
+    if args.kind == "distillation":
+        import distill_bench
+        shapes = None
+        if args.shapes:
+            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+        distill_bench.run(args.out, git_commit(), shapes=shapes)
         return
     if args.kind == "log-probs":
         import log_probs_bench

@@ -46,7 +46,11 @@ struct LinearDistillationOptions {
   float temperature = 1.0f;        // > 0, finite: divides both models' logits of the soft term
   float hard_label_weight = 0.0f;  // w in [0, 1]; > 0 needs targets
   int64_t ignore_index = -100;     // rows whose target is this count for nothing
-  size_t workspace_bytes = size_t(256) << 20;  // as LinearCrossEntropyOptions::workspace_bytes
+  // As LinearCrossEntropyOptions::workspace_bytes, for the student's and the teacher's chunk
+  // buffers and both GEMM workspaces together: 304 MiB keeps 512-token chunks of both logits
+  // at V = 128256 and 151936 (bf16), where 256 MiB gave 384 (each chunk re-reads and rewrites
+  // the [V, H] dweight, so fewer, larger chunks are faster).
+  size_t workspace_bytes = size_t(304) << 20;
   int64_t chunk_rows = 0;          // as LinearCrossEntropyOptions::chunk_rows
   bool allow_tf32 = false;         // fp32 inputs only: TF32 GEMMs
   // Vocab-parallel: the shard's first global class and the whole vocabulary (0: V_local, one
