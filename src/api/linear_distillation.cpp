@@ -4,6 +4,7 @@
 #include "fusedloss/linear_distillation.h"
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include "api/check.h"
 #include "api/lce_loop.h"
@@ -143,6 +144,34 @@ core::LcePlan student_plan(const MatrixView& sh, const MatrixView& sw, const Mat
   return lce::make_plan(sh, sw, loop_options(o), core::lce_tuning(), teacher);
 }
 
+// f(xs, xt, the chunk's targets, row0, stream) on each token chunk: the student's logits xs and
+// the teacher's xt of the same rows (null: no such step).
+using ChunkStep = std::function<void(const MatrixView& xs, const MatrixView& xt,
+                                     const IndexView& target, int64_t row0, Stream stream)>;
+
+// One pass of the chunk loop over the student's tokens with the teacher's logits of each chunk
+// beside them: `forward`, then `gradient` (which turns xs into its gradient for the student's
+// GEMMs into `grads`) on each chunk.
+void run_chunks(const char* fn, const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
+                const MatrixView& tw, const IndexView& target, const LinearDistillationOptions& o,
+                Stream stream, const ChunkStep& forward, const ChunkStep& gradient = {},
+                const LinearCrossEntropyGrads& grads = {}) {
+  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
+  TeacherChunks teacher(plan, th, tw, o, stream, fn);
+  auto step = [&](const ChunkStep& f) -> core::LceStep {
+    if (!f) return {};
+    return [&, f](const MatrixView& xs, int64_t row0, Stream s) {
+      f(xs, teacher.logits(row0, xs.rows, s), rows_of_target(target, row0, xs.rows), row0, s);
+    };
+  };
+  core::LceSteps steps;
+  steps.forward = step(forward);
+  steps.gradient = step(gradient);
+  lce::run_loop(sh.device, fn, plan, sh, sw, steps,
+                core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},
+                stream);
+}
+
 void check_out(const void* p, int64_t n, const char* name, const char* what) {
   require(p != nullptr || n == 0, name, ": got null, expected ", n, " ", what);
 }
@@ -202,32 +231,22 @@ void linear_distillation_forward(const MatrixView& sh, const MatrixView& sw, con
   const float* gl = in_forward.grad_loss;
   if (grads)
     lce::check_grads(in_grads, sh, sw, {s_th, s_tw, s_target, s_loss, s_stats, {gl, n * 4, "grad_loss"}});
-  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
-  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
-  core::LceSteps steps;
-  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
-    const MatrixView xt = teacher.logits(row0, logits.rows, s);
-    const IndexView tc = rows_of_target(target, row0, logits.rows);
-    FL_DISPATCH(logits.device, kFn,
-                cpu::distill_rows(logits, xt, tc, o.ignore_index, p, loss + row0, stats + row0),
-                cuda::distill_rows(logits, xt, tc, o.ignore_index, p, loss + row0, stats + row0,
-                                   s));
+  auto forward = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
+                     int64_t row0, [[maybe_unused]] Stream s) {
+    FL_DISPATCH(xs.device, kFn,
+                cpu::distill_rows(xs, xt, tc, o.ignore_index, p, loss + row0, stats + row0),
+                cuda::distill_rows(xs, xt, tc, o.ignore_index, p, loss + row0, stats + row0, s));
   };
-  if (grads)
-    steps.gradient = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
-      const MatrixView xt = teacher.logits(row0, logits.rows, s);
-      const IndexView tc = rows_of_target(target, row0, logits.rows);
-      FL_DISPATCH(logits.device, kFn,
-                  cpu::distill_gradient(logits, xt, tc, 0, o.ignore_index, p, stats + row0,
-                                        gl ? gl + row0 : nullptr),
-                  cuda::distill_gradient(logits, xt, tc, 0, o.ignore_index, p, stats + row0,
-                                         gl ? gl + row0 : nullptr, s));
-    };
-  lce::run_loop(sh.device, kFn, plan, sh, sw, steps,
-                core::LceGrads{in_grads.dhidden, in_grads.dweight, in_grads.accumulate_dweight,
-                               false},
-                stream);
+  auto gradient = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
+                      int64_t row0, [[maybe_unused]] Stream s) {
+    const float* g = gl ? gl + row0 : nullptr;
+    FL_DISPATCH(xs.device, kFn,
+                cpu::distill_gradient(xs, xt, tc, 0, o.ignore_index, p, stats + row0, g),
+                cuda::distill_gradient(xs, xt, tc, 0, o.ignore_index, p, stats + row0, g, s));
+  };
+  run_chunks(kFn, sh, sw, th, tw, target, o, stream, forward,
+             grads ? ChunkStep(gradient) : ChunkStep(), in_grads);
 }
 
 void linear_distillation_local_partials(const MatrixView& sh, const MatrixView& sw,
@@ -244,18 +263,15 @@ void linear_distillation_local_partials(const MatrixView& sh, const MatrixView& 
       {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
        detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
        detail::span_of(target, "target")});
-  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
-  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
-  core::LceSteps steps;
-  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
-    const MatrixView xt = teacher.logits(row0, logits.rows, s);
-    const IndexView tc = rows_of_target(target, row0, logits.rows);
-    FL_DISPATCH(logits.device, kFn,
-                cpu::distill_partials(logits, xt, tc, o.vocab_start, p, partials + row0),
-                cuda::distill_partials(logits, xt, tc, o.vocab_start, p, partials + row0, s));
-  };
-  lce::run_loop(sh.device, kFn, plan, sh, sw, steps, {}, stream);
+  run_chunks(kFn, sh, sw, th, tw, target, o, stream,
+             [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc, int64_t row0,
+                 [[maybe_unused]] Stream s) {
+               FL_DISPATCH(xs.device, kFn,
+                           cpu::distill_partials(xs, xt, tc, o.vocab_start, p, partials + row0),
+                           cuda::distill_partials(xs, xt, tc, o.vocab_start, p, partials + row0,
+                                                  s));
+             });
 }
 
 void distill_merge(const DistillPartial* partials, int world, int64_t rows, const IndexView& target,
@@ -300,17 +316,14 @@ void linear_distillation_jsd_sums(const MatrixView& sh, const MatrixView& sw, co
       {detail::span_of(sh, "student_hidden"), detail::span_of(sw, "student_weight"),
        detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight"),
        {stats, n * int64_t(sizeof(DistillRowStats)), "stats"}});
-  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
-  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
-  core::LceSteps steps;
-  steps.forward = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
-    const MatrixView xt = teacher.logits(row0, logits.rows, s);
-    FL_DISPATCH(logits.device, kFn,
-                cpu::distill_jsd_sums(logits, xt, p, stats + row0, sums + 2 * row0),
-                cuda::distill_jsd_sums(logits, xt, p, stats + row0, sums + 2 * row0, s));
-  };
-  lce::run_loop(sh.device, kFn, plan, sh, sw, steps, {}, stream);
+  run_chunks(kFn, sh, sw, th, tw, IndexView{}, o, stream,
+             [&](const MatrixView& xs, const MatrixView& xt, const IndexView&, int64_t row0,
+                 [[maybe_unused]] Stream s) {
+               FL_DISPATCH(xs.device, kFn,
+                           cpu::distill_jsd_sums(xs, xt, p, stats + row0, sums + 2 * row0),
+                           cuda::distill_jsd_sums(xs, xt, p, stats + row0, sums + 2 * row0, s));
+             });
 }
 
 void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
@@ -341,22 +354,16 @@ void linear_distillation_backward(const MatrixView& sh, const MatrixView& sw,
                    {{stats, n * int64_t(sizeof(DistillRowStats)), "stats"},
                     {grad_loss, n * 4, "grad_loss"}, detail::span_of(target, "target"),
                     detail::span_of(th, "teacher_hidden"), detail::span_of(tw, "teacher_weight")});
-  const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
-  TeacherChunks teacher(plan, th, tw, o, stream, kFn);
   const core::DistillParams p = params_of(o);
-  core::LceSteps steps;
-  steps.gradient = [&](const MatrixView& logits, int64_t row0, [[maybe_unused]] Stream s) {
-    const MatrixView xt = teacher.logits(row0, logits.rows, s);
-    const IndexView tc = rows_of_target(target, row0, logits.rows);
-    FL_DISPATCH(logits.device, kFn,
-                cpu::distill_gradient(logits, xt, tc, o.vocab_start, o.ignore_index, p,
-                                      stats + row0, grad_loss + row0),
-                cuda::distill_gradient(logits, xt, tc, o.vocab_start, o.ignore_index, p,
-                                       stats + row0, grad_loss + row0, s));
+  auto gradient = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
+                      int64_t row0, [[maybe_unused]] Stream s) {
+    FL_DISPATCH(xs.device, kFn,
+                cpu::distill_gradient(xs, xt, tc, o.vocab_start, o.ignore_index, p, stats + row0,
+                                      grad_loss + row0),
+                cuda::distill_gradient(xs, xt, tc, o.vocab_start, o.ignore_index, p, stats + row0,
+                                       grad_loss + row0, s));
   };
-  lce::run_loop(sh.device, kFn, plan, sh, sw, steps,
-                core::LceGrads{grads.dhidden, grads.dweight, grads.accumulate_dweight, false},
-                stream);
+  run_chunks(kFn, sh, sw, th, tw, target, o, stream, {}, gradient, grads);
 }
 
 }  // namespace fusedloss

@@ -113,12 +113,25 @@ FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPar
   return r;
 }
 
-// The row's loss from its final statistics; x_target: the raw logit at the target (-inf: no
-// hard-label term).
-FL_HD float distill_loss(const DistillParams& p, const DistillRowStats& r, float x_target) {
+// The row's loss from its final statistics; x_target: the raw logit at the target, -inf where
+// no shard holds it. A hard-label row with targets but no such logit (a device target out of
+// range, which the kernels report) gets NaN, not the infinite loss of a -inf logit.
+FL_HD float distill_loss(const DistillParams& p, const DistillRowStats& r, float x_target,
+                         bool has_target) {
   float l = (1.0f - p.hard_weight) * r.soft;
-  if (p.hard_weight > 0.0f) l += p.hard_weight * (r.lse_hard - x_target);
+  if (p.hard_weight > 0.0f) l += x_target == -INFINITY && has_target ? NAN
+                                 : p.hard_weight * (r.lse_hard - x_target);
   return l;
+}
+
+// Row r of world shards' partials ([world, rows], shard-major) -> its stats and loss.
+FL_HD void distill_merge_row(const DistillParams& p, const DistillPartial* partials, int world,
+                             int64_t rows, int64_t r, bool has_target, DistillRowStats& stats,
+                             float& loss) {
+  DistillPartial a = partials[r];
+  for (int k = 1; k < world; ++k) a = distill_combine(p, a, partials[int64_t(k) * rows + r]);
+  stats = distill_row_stats(p, a);
+  loss = distill_loss(p, stats, a.target, has_target);
 }
 
 // p log(p) - p log(r) with the convention 0 log 0 = 0, from logs.

@@ -69,10 +69,7 @@ void distill_merge(const core::DistillPartial* partials, int world, int64_t rows
       loss[r] = 0.0f;
       continue;
     }
-    core::DistillPartial a = partials[r];
-    for (int k = 1; k < world; ++k) a = core::distill_combine(p, a, partials[int64_t(k) * rows + r]);
-    stats[r] = core::distill_row_stats(p, a);
-    loss[r] = core::distill_loss(p, stats[r], a.target);
+    core::distill_merge_row(p, partials, world, rows, r, target.data != nullptr, stats[r], loss[r]);
   }
 }
 

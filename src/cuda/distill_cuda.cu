@@ -127,10 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (threadIdx.x == 0) {
     stats[r] = st;
-    const float x_target = target_logit<KS>(xs, r, tg, 0);
-    // a bad target (reported) gives NaN, not the -inf logit's infinite loss
-    loss[r] = tg.data && p.hard_weight > 0.0f && x_target == -INFINITY
-                  ? NAN : core::distill_loss(p, st, x_target);
+    loss[r] = core::distill_loss(p, st, target_logit<KS>(xs, r, tg, 0), tg.data != nullptr);
   }
 }
 
@@ -158,11 +155,7 @@ __global__ void merge_kernel(const core::DistillPartial* partials, int world, in
     loss[r] = 0.0f;
     return;
   }
-  core::DistillPartial a = partials[r];
-  for (int k = 1; k < world; ++k) a = core::distill_combine(p, a, partials[int64_t(k) * rows + r]);
-  stats[r] = core::distill_row_stats(p, a);
-  loss[r] = tg.data && p.hard_weight > 0.0f && a.target == -INFINITY
-                ? NAN : core::distill_loss(p, stats[r], a.target);
+  core::distill_merge_row(p, partials, world, rows, r, tg.data != nullptr, stats[r], loss[r]);
 }
 
 template <core::StorageKind KS, core::StorageKind KT>
