@@ -10,7 +10,7 @@
 //            (M, S: the pair's max and sum-exp; C rescales with S). Pass 1's partial statistics
 //            of a part of a row (a thread's columns, a vocabulary shard) merge in any order:
 //            the shards of a vocab-parallel row meet in one all-gather of DistillPartial.
-//   pass 2   jsd only, over the row again with the merged lse:
+//   pass 2   jsd only, over the row again with the merged lse (distill_jsd_terms):
 //            soft = beta sum_j p_j log(p_j / m_j) + (1 - beta) sum_j q_j log(q_j / m_j),
 //            m = beta p + (1 - beta) q; soft_student = sum_j q_j log(q_j / m_j) (both sums
 //            again merge by addition across shards)
@@ -134,47 +134,44 @@ FL_HD void distill_merge_row(const DistillParams& p, const DistillPartial* parti
   loss = distill_loss(p, stats, a.target, has_target);
 }
 
-// p log(p) - p log(r) with the convention 0 log 0 = 0, from logs.
-FL_HD float p_log_ratio(float log_p, float log_r) {
-  const float p = expf(log_p);
-  return p > 0.0f ? p * (log_p - log_r) : 0.0f;
+// jsd's mixture at one column, from the two log-probabilities: p, q and log m, m = beta p +
+// (1 - beta) q (two exp and a log). m is 0 only where both p and q are (or underflow): its log
+// is then -inf, and every term it enters is 0.
+struct Mixture {
+  float p, q, log_m;
+};
+FL_HD Mixture mixture(float log_p, float log_q, float beta) {
+  const float p = fast_exp(log_p), q = fast_exp(log_q);
+  return {p, q, logf(beta * p + (1.0f - beta) * q)};
 }
 
-// log(beta e^a + (1 - beta) e^b) for log-probabilities a, b: the mixture's log, without
-// leaving the log domain where both are tiny.
-FL_HD float log_mixture(float a, float b, float beta) {
-  const float hi = a > b ? a : b;
-  if (hi == -INFINITY) return -INFINITY;
-  return hi + logf(beta * expf(a - hi) + (1.0f - beta) * expf(b - hi));
+// x log(x / m) from x and the logs, 0 where x is 0 (0 log 0 = 0) or m underflowed beside a
+// subnormal x (whose true term is below x log(1 / beta)).
+FL_HD float x_log_ratio(float x, float log_x, float log_m) {
+  return x > 0.0f && log_m != -INFINITY ? x * (log_x - log_m) : 0.0f;
 }
 
-// Pass 2's terms of one column: adds its share of soft and soft_student.
-FL_HD void distill_soft_terms(const DistillParams& p, float log_q, float log_p, float& soft,
-                              float& soft_student) {
-  switch (p.divergence) {
-    case Divergence::ForwardKL: soft += p_log_ratio(log_p, log_q); return;
-    case Divergence::ReverseKL: soft += p_log_ratio(log_q, log_p); return;
-    case Divergence::JSD: {
-      const float log_m = log_mixture(log_p, log_q, p.beta);
-      const float tq = p_log_ratio(log_q, log_m);
-      soft += p.beta * p_log_ratio(log_p, log_m) + (1.0f - p.beta) * tq;
-      soft_student += tq;
-      return;
-    }
-  }
+// jsd's pass-2 terms of one column: adds its share of soft and soft_student.
+FL_HD void distill_jsd_terms(const DistillParams& p, float log_q, float log_p, float& soft,
+                             float& soft_student) {
+  const Mixture m = mixture(log_p, log_q, p.beta);
+  const float tq = x_log_ratio(m.q, log_q, m.log_m);
+  soft += p.beta * x_log_ratio(m.p, log_p, m.log_m) + (1.0f - p.beta) * tq;
+  soft_student += tq;
 }
 
 // dsoft/ds of one column (the soft term's gradient over the scaled student logit).
 FL_HD float distill_soft_grad(const DistillParams& p, float log_q, float log_p,
                               const DistillRowStats& r) {
-  const float q = expf(log_q);
   switch (p.divergence) {
-    case Divergence::ForwardKL: return q - expf(log_p);
-    case Divergence::ReverseKL: return q > 0.0f ? q * ((log_q - log_p) - r.soft) : 0.0f;
+    case Divergence::ForwardKL: return fast_exp(log_q) - fast_exp(log_p);
+    case Divergence::ReverseKL: {
+      const float q = fast_exp(log_q);
+      return q > 0.0f ? q * ((log_q - log_p) - r.soft) : 0.0f;
+    }
     case Divergence::JSD: {
-      if (!(q > 0.0f)) return 0.0f;
-      const float log_m = log_mixture(log_p, log_q, p.beta);
-      return q * (1.0f - p.beta) * ((log_q - log_m) - r.soft_student);
+      const Mixture m = mixture(log_p, log_q, p.beta);
+      return (1.0f - p.beta) * (x_log_ratio(m.q, log_q, m.log_m) - m.q * r.soft_student);
     }
   }
   return 0.0f;
@@ -186,7 +183,8 @@ FL_HD float distill_grad(const DistillParams& p, const DistillRowStats& r, float
                          bool is_target, float g) {
   const float log_q = x * p.inv_t - r.lse_student, log_p = t - r.lse_teacher;
   float d = (1.0f - p.hard_weight) * p.inv_t * distill_soft_grad(p, log_q, log_p, r);
-  if (p.hard_weight > 0.0f) d += p.hard_weight * (expf(x - r.lse_hard) - (is_target ? 1.0f : 0.0f));
+  if (p.hard_weight > 0.0f)
+    d += p.hard_weight * (fast_exp(x - r.lse_hard) - (is_target ? 1.0f : 0.0f));
   return g * d;
 }
 

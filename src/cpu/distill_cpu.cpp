@@ -85,7 +85,7 @@ void distill_jsd_sums(const MatrixView& xs, const MatrixView& xt, const core::Di
       double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference
       for (int64_t j = 0; j < xs.cols; ++j) {
         float a = 0.0f, b = 0.0f;
-        core::distill_soft_terms(p, SS::load(sr[j]) * p.inv_t - stats[r].lse_student,
+        core::distill_jsd_terms(p, SS::load(sr[j]) * p.inv_t - stats[r].lse_student,
                                  ST::load(tr[j]) * p.inv_t - stats[r].lse_teacher, a, b);
         soft += a;
         soft_student += b;

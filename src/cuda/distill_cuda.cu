@@ -85,7 +85,7 @@ __device__ __forceinline__ Sums row_jsd(const MatrixView& xs, const MatrixView& 
   Sums s{0.0f, 0.0f};
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_soft_terms(p, x * p.inv_t - st.lse_student,
+                          core::distill_jsd_terms(p, x * p.inv_t - st.lse_student,
                                                    t * p.inv_t - st.lse_teacher, s.soft,
                                                    s.soft_student);
                         });
