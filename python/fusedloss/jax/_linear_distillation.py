@@ -3,9 +3,14 @@ teacher's next-token distributions from each model's last hidden states and LM-h
 without the [tokens, V] logits of either, as fusedloss.linear_distillation_loss computes it (the
 same C++ core: include/fusedloss/linear_distillation.h).
 
-A jax.custom_vjp over XLA FFI calls: the forward gives per-token losses and keeps 20 B a token,
-the backward recomputes both models' logits a chunk at a time for the per-token upstream
-gradients; the reduction is jnp's. The teacher gets no gradient (a zero cotangent).
+A jax.custom_vjp over XLA FFI calls, in one of two backward modes (as the PyTorch op's):
+  in_forward  a mean or a sum (not fp16, one device): when differentiated, the forward also runs
+              the student's gradient GEMMs (4 GEMMs in all) and keeps the gradients, which the
+              backward scales by the loss's cotangent.
+  recompute   reduction 'none', fp16, vocab-parallel, or asked for: the forward gives per-token
+              losses and keeps 20 B a token, the backward recomputes both models' logits a chunk
+              at a time for the per-token upstream gradients (6 GEMMs); the reduction is jnp's.
+The teacher gets no gradient (a zero cotangent).
 
 Vocab-parallel (axis_name, inside jax.shard_map): both weights are this device's shard of the
 vocabulary; each device computes its shard's partial statistics (32 B a token), an all_gather
@@ -29,6 +34,7 @@ from ._vocab_parallel import (all_gather_invariant, axis_place, axis_size, local
 _F32 = jnp.float32
 _DIVERGENCE = {"forward_kl": 0, "reverse_kl": 1, "jsd": 2}
 _REDUCTIONS = ("mean", "sum", "none")
+_MODES = ("auto", "in_forward", "recompute")
 
 
 class DistillOptions(NamedTuple):
@@ -72,6 +78,41 @@ def _losses_bwd(o, saved, g):
 
 
 _losses.defvjp(_losses_fwd, _losses_bwd)
+
+
+# ---- in_forward: the mean or sum, its gradients computed by the forward ----
+
+def _row_gradients(o, t, rows, mean: bool):
+    """(each row's upstream gradient of the reduced loss [N], the mean's divisor)."""
+    counted = jnp.ones((rows,), bool) if not o.has_target else t != o.ignore_index
+    count = jnp.maximum(counted.sum(), 1).astype(_F32)
+    g = jnp.where(counted, 1.0 / count if mean else 1.0, 0.0).astype(_F32)
+    return g, count
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reduced(o, mean, sh, sw, th, tw, t):
+    loss = _forward(o, sh, sw, th, tw, t)[0]
+    return loss.sum() / _row_gradients(o, t, sh.shape[0], mean)[1] if mean else loss.sum()
+
+
+def _reduced_fwd(o, mean, sh, sw, th, tw, t):
+    g, count = _row_gradients(o, t, sh.shape[0], mean)
+    loss, _, dh, dw = _ffi.call(
+        "distill_forward", [((sh.shape[0],), _F32), ((sh.shape[0], 5), jnp.int32),
+                            (sh.shape, sh.dtype), (sw.shape, sw.dtype)],
+        sh, sw, th, tw, t, g, **o.attributes())
+    total = loss.sum() / count if mean else loss.sum()
+    return total, (dh, dw, th, tw)
+
+
+def _reduced_bwd(o, mean, saved, g):
+    dh, dw, th, tw = saved
+    return ((dh * g).astype(dh.dtype), (dw * g).astype(dw.dtype), jnp.zeros_like(th),
+            jnp.zeros_like(tw), None)
+
+
+_reduced.defvjp(_reduced_fwd, _reduced_bwd)
 
 
 # ---- vocab-parallel: both weights are this device's shard of the vocabulary along axis_name ----
@@ -121,7 +162,7 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
                              target=None, *, divergence: str = "forward_kl", beta: float = 0.5,
                              temperature: float = 1.0, ignore_index: int = -100,
                              hard_label_weight: float = 0.0, reduction: str = "mean",
-                             workspace_bytes=None, axis_name=None):
+                             workspace_bytes=None, axis_name=None, backward_mode: str = "auto"):
     """fusedloss.linear_distillation_loss for JAX: with s = the student's logits / temperature,
     t = the teacher's, q = softmax(s), p = softmax(t), per token KL(p || q) ("forward_kl"),
     KL(q || p) ("reverse_kl") or beta KL(p || m) + (1 - beta) KL(q || m), m = beta p +
@@ -139,11 +180,21 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
     vocabulary along that mesh axis (device r of P holds rows [r V_local, (r+1) V_local));
     targets are global ids, and the hidden states hold every token, the same on every device.
     The losses are the same on every device.
+
+    backward_mode: "auto" (in_forward for a mean or a sum without axis_name and for fp32 / bf16
+    students, else recompute), "in_forward" or "recompute" (see the module).
     """
     if not isinstance(divergence, str) or divergence not in _DIVERGENCE:
         raise ValueError(f"divergence: got {divergence!r}, expected one of {sorted(_DIVERGENCE)}")
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"reduction: got {reduction!r}, expected one of {sorted(_REDUCTIONS)}")
+    if not isinstance(backward_mode, str) or backward_mode not in _MODES:
+        raise ValueError(f"backward_mode: got {backward_mode!r}, expected one of {sorted(_MODES)}")
+    if backward_mode == "in_forward" and (reduction == "none" or axis_name is not None):
+        raise ValueError("backward_mode: got 'in_forward' with "
+                         + ("reduction='none'" if reduction == "none" else "axis_name")
+                         + ", expected 'recompute' or 'auto' (the per-token losses' upstream "
+                         "gradients are known only at the backward; vocab-parallel recomputes)")
     beta, temperature = as_float(beta, "beta"), as_float(temperature, "temperature")
     hard = as_float(hard_label_weight, "hard_label_weight")
     ignore_index = as_int(ignore_index, "ignore_index")
@@ -170,6 +221,11 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
     o = DistillOptions(_DIVERGENCE[divergence], beta, temperature, hard, ignore_index, workspace,
                        allows_tf32(), target is not None)
     th, tw = jax.lax.stop_gradient(th), jax.lax.stop_gradient(teacher_weight)
+    in_forward = backward_mode == "in_forward" or (
+        backward_mode == "auto" and reduction != "none" and axis_name is None
+        and student_hidden.dtype != jnp.float16)
+    if in_forward:
+        return _reduced(o, reduction == "mean", sh, student_weight, th, tw, t)
     if axis_name is None:
         losses = _losses(o, sh, student_weight, th, tw, t)
     else:

@@ -628,18 +628,27 @@ DistillOperands distill_operands(const Args& args, const Batch& b, int64_t i, bo
 }
 
 // student_hidden [.., N, H_s], student_weight [.., V, H_s], teacher_hidden [.., N, H_t],
-// teacher_weight [.., V, H_t], target [.., N] (read with has_target) -> loss [.., N] fp32,
-// stats [.., N, 5] int32
+// teacher_weight [.., V, H_t], target [.., N] (read with has_target) (, grad_loss [.., N] fp32:
+// in_forward) -> loss [.., N] fp32, stats [.., N, 5] int32 (, dhidden [.., N, H_s] and dweight
+// [.., V, H_s]: in_forward, the gradients of sum(grad_loss * loss))
 void distill_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearDistillationOptions o = distill_options(attrs);
   const bool has_target = attr<bool>(attrs, "has_target");
+  const bool in_forward = rets.size() == 4;
   const ffi::AnyBuffer loss = ret(rets, 0), stats = ret(rets, 1);
   const Batch b(loss, 1);
   for (int64_t i = 0; i < b.size(); ++i) {
     const DistillOperands x = distill_operands(args, b, i, has_target, p);
+    fl::DistillInForward grads;
+    if (in_forward) {
+      const ffi::AnyBuffer g = arg(args, 5);
+      grads.grads = head_grads(b, ret(rets, 2), ret(rets, 3), i, x.sh.rows, x.sw.rows, x.sh.cols, p);
+      grads.grad_loss = f32_at(g, b.offset(g, 1, i));
+    }
     fl::linear_distillation_forward(x.sh, x.sw, x.th, x.tw, x.target, o,
                                     f32_at(loss, b.offset(loss, 1, i)),
-                                    distill_stats_at(stats, b.offset(stats, 2, i)), p.stream);
+                                    distill_stats_at(stats, b.offset(stats, 2, i)), p.stream,
+                                    grads);
   }
 }
 
