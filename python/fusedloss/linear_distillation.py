@@ -262,10 +262,13 @@ _linear_distillation_reduced = FusedOp(
     kernels={"scale": (_scale, _scale_fake, ()), "scale_": (_scale_inplace, None, ())})
 
 
-def _runs_in_forward(mode: int, red: int, grad: bool, world: int, dtype) -> bool:
-    """backward_mode "auto": in_forward for a mean or a sum that a gradient follows at one rank,
-    but for fp16 students (the gradients of the unit upstream gradient, kept in fp16 until the
-    real one scales them, could overflow where a loss scale would not)."""
+def _runs_in_forward(mode: int, red: int, grad: bool, both: bool, world: int, dtype) -> bool:
+    """backward_mode "auto": in_forward for a mean or a sum that a gradient follows at one rank
+    into both of the student's tensors (both: else the forward would compute and keep a
+    gradient nobody asked for, a [V, H] one for a frozen head), but for fp16 students (the
+    gradients of the mean's upstream gradient 1 / N, kept in fp16 until the real one scales
+    them, flush where a loss scale would keep them; refused when asked for, as the linear
+    cross-entropy refuses it)."""
     if mode == _MODES["in_forward"]:
         if red == _REDUCTIONS["none"]:
             raise ValueError("backward_mode: got 'in_forward' with reduction='none', expected "
@@ -274,10 +277,15 @@ def _runs_in_forward(mode: int, red: int, grad: bool, world: int, dtype) -> bool
         if world > 1:
             raise ValueError(f"backward_mode: got 'in_forward' with a tp_group of {world} ranks, "
                              "expected 'recompute' or 'auto' (vocab-parallel runs recompute)")
+        if dtype == torch.float16:
+            raise ValueError("backward_mode: got 'in_forward' with torch.float16 students, "
+                             "expected 'recompute' or 'auto' (the kept fp16 gradients of the "
+                             "unit upstream gradient would flush where a loss scale keeps them)")
         return grad
     if mode == _MODES["recompute"]:
         return False
-    return grad and red != _REDUCTIONS["none"] and world == 1 and dtype != torch.float16
+    return (grad and both and red != _REDUCTIONS["none"] and world == 1
+            and dtype != torch.float16)
 
 
 def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
@@ -310,10 +318,11 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
 
     Gradients flow to the student's hidden states and weight, in their dtypes; the teacher's
     tensors must not require grad. backward_mode "auto": "in_forward" for a mean or a sum at one
-    rank (the forward also runs the gradient GEMMs, 4 in all, and keeps the gradients, which the
-    backward scales: in place unless inplace_backward=False, which a second backward through
-    the loss needs), "recompute" otherwise and for fp16 students (the backward recomputes both
-    logits: 6 GEMMs, 20 B a token kept).
+    rank whose gradient flows into both student tensors (the forward also runs the gradient
+    GEMMs, 4 in all, and keeps the gradients, which the backward scales by the upstream
+    gradient in their dtype: in place unless inplace_backward=False, which a second backward
+    through the loss needs), "recompute" otherwise and for fp16 students (the backward
+    recomputes both logits: 6 GEMMs, 20 B a token kept).
 
     tp_group of more than one rank: vocab-parallel, both weights are this rank's [V_local, H]
     shard of the vocabulary in rank order; the losses are the same on every rank. The shard
@@ -365,7 +374,8 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
             require_same_device(target, "target", student_hidden, "student_hidden")
         grad = torch.is_grad_enabled() and (student_hidden.requires_grad
                                             or student_weight.requires_grad)
-        in_forward = _runs_in_forward(mode, red, grad, world, student_hidden.dtype)
+        both = student_hidden.requires_grad and student_weight.requires_grad
+        in_forward = _runs_in_forward(mode, red, grad, both, world, student_hidden.dtype)
         H_s, H_t = student_hidden.size(-1), teacher_hidden.size(-1)
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         rows = student_hidden.reshape(-1, H_s) if student_hidden.dim() != 2 else student_hidden

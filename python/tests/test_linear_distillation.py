@@ -123,6 +123,7 @@ def test_second_backward(device):
     """in_forward scales its kept gradients in place: a second backward raises by name, unless
     inplace_backward=False, which gives the same gradients twice."""
     sh, sw, th, tw, t = _problem(torch.float32, device=device)
+    sw.requires_grad_()  # (both student tensors: in_forward)
     leaf = sh.clone().requires_grad_()
     loss = fusedloss.linear_distillation_loss(leaf, sw, th, tw, t)
     loss.backward(retain_graph=True)
@@ -146,6 +147,32 @@ def test_backward_modes_named():
         op(sh, sw, th, tw, t, reduction="none", backward_mode="in_forward")
     with pytest.raises(ValueError, match="backward_mode: got 'sometimes', expected one of"):
         op(sh, sw, th, tw, t, backward_mode="sometimes")
+    with pytest.raises(ValueError, match="backward_mode: got 'in_forward' with torch.float16"):
+        op(sh.half(), sw.half(), th, tw, t, backward_mode="in_forward")
+
+
+def test_a_frozen_head_keeps_no_weight_gradient():
+    """auto takes recompute where only the hidden states need a gradient: no [V, H] tensor is
+    computed in the forward and kept for the backward (the weight itself is kept, not copied);
+    where both need one, in_forward keeps the weight's gradient."""
+    sh, sw, th, tw, t = _problem(torch.float32)
+
+    def kept_weight_sized(h, w):
+        kept = []
+
+        def pack(x):
+            if x.shape == w.shape and x.data_ptr() != w.data_ptr():
+                kept.append(x)
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            loss = fusedloss.linear_distillation_loss(h, w, th, tw, t)
+        loss.backward()
+        return kept
+
+    leaf = sh.clone().requires_grad_()
+    assert kept_weight_sized(leaf, sw) == []
+    assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+    assert len(kept_weight_sized(sh.clone().requires_grad_(), sw.clone().requires_grad_())) == 1
 
 
 def test_no_grad_keeps_nothing(device):

@@ -172,6 +172,16 @@ void run_chunks(const char* fn, const MatrixView& sh, const MatrixView& sw, cons
                 stream);
 }
 
+// The options of the steps after the all-gather (no operands to check them against): the
+// whole vocabulary, and the options' own rules for it.
+void check_merge_options(const LinearDistillationOptions& o, int64_t rows, bool has_target) {
+  require(o.vocab_global >= 1, "options.vocab_global: got ", o.vocab_global,
+          ", expected the whole vocabulary (>= 1) to merge shards");
+  LinearDistillationOptions whole = o;
+  whole.vocab_start = 0;  // (this rank's shard is not read here)
+  validate_linear_distillation_options(whole, rows, o.vocab_global, has_target || rows == 0);
+}
+
 void check_out(const void* p, int64_t n, const char* name, const char* what) {
   require(p != nullptr || n == 0, name, ": got null, expected ", n, " ", what);
 }
@@ -229,8 +239,13 @@ void linear_distillation_forward(const MatrixView& sh, const MatrixView& sw, con
   const LinearCrossEntropyGrads& in_grads = in_forward.grads;
   const bool grads = in_grads.dhidden.data || in_grads.dweight.data;
   const float* gl = in_forward.grad_loss;
-  if (grads)
-    lce::check_grads(in_grads, sh, sw, {s_th, s_tw, s_target, s_loss, s_stats, {gl, n * 4, "grad_loss"}});
+  require(grads || gl == nullptr, "in_forward.grad_loss: got a pointer without in_forward.grads, ",
+          "expected null (the upstream gradients of the in-forward gradients only)");
+  require(in_grads.dbias == nullptr, "in_forward.grads.dbias: got a pointer, expected null (the ",
+          "distillation loss has no bias)");
+  const detail::Span s_gl{gl, n * 4, "in_forward.grad_loss"};
+  detail::require_outputs_apart({s_loss, s_stats}, {s_gl});
+  if (grads) lce::check_grads(in_grads, sh, sw, {s_th, s_tw, s_target, s_loss, s_stats, s_gl});
   const core::DistillParams p = params_of(o);
   auto forward = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
                      int64_t row0, [[maybe_unused]] Stream s) {
@@ -281,8 +296,7 @@ void distill_merge(const DistillPartial* partials, int world, int64_t rows, cons
   check_out(partials, rows, "partials", "DistillPartial a shard");
   check_out(stats, rows, "stats", "DistillRowStats");
   check_out(loss, rows, "loss", "floats");
-  require(options.vocab_global >= 1, "options.vocab_global: got ", options.vocab_global,
-          ", expected the whole vocabulary (>= 1) to merge shards");
+  check_merge_options(options, rows, target.data != nullptr);
   if (target.data) {
     detail::check_index(target, "target", rows, device, "partials");
     check_targets(target, rows, options);
@@ -329,10 +343,16 @@ void linear_distillation_jsd_sums(const MatrixView& sh, const MatrixView& sw, co
 void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
                      const LinearDistillationOptions& options, DistillRowStats* stats, float* loss,
                      Device device, [[maybe_unused]] Stream stream) {
+  check_merge_options(options, rows, target.data != nullptr);
+  require(options.divergence == Divergence::JSD, "options.divergence: got ",
+          int(options.divergence), ", expected JSD (2) (the KL divergences have no second round)");
   check_out(sums, 2 * rows, "sums", "floats");
   check_out(stats, rows, "stats", "DistillRowStats");
   check_out(loss, rows, "loss", "floats");
   if (target.data) detail::check_index(target, "target", rows, device, "sums");
+  detail::require_outputs_apart(
+      {{stats, rows * int64_t(sizeof(DistillRowStats)), "stats"}, {loss, rows * 4, "loss"}},
+      {{sums, 2 * rows * 4, "sums"}, detail::span_of(target, "target")});
   const core::DistillParams p = params_of(options);
   FL_DISPATCH(device, "distill_add_jsd",
               cpu::distill_add_jsd(sums, rows, target, options.ignore_index, p, stats, loss),
@@ -348,8 +368,10 @@ void linear_distillation_backward(const MatrixView& sh, const MatrixView& sw,
   constexpr const char* kFn = "linear_distillation_backward";
   const LinearDistillationOptions o = check_inputs(sh, sw, th, tw, target, options);
   const int64_t n = sh.rows;
-  require((stats != nullptr && grad_loss != nullptr) || n == 0,
-          "stats and grad_loss: got null, expected the forward's stats and ", n, " floats");
+  check_out(stats, n, "stats", "DistillRowStats (the forward's)");
+  check_out(grad_loss, n, "grad_loss", "floats");
+  require(grads.dbias == nullptr, "grads.dbias: got a pointer, expected null (the distillation ",
+          "loss has no bias)");
   lce::check_grads(grads, sh, sw,
                    {{stats, n * int64_t(sizeof(DistillRowStats)), "stats"},
                     {grad_loss, n * 4, "grad_loss"}, detail::span_of(target, "target"),

@@ -4,10 +4,13 @@
 //
 //   pass 1   lse_s, lse_t (and lse_z of the raw x_j when w > 0): online max / sum-exp, and the
 //            KL divergences in the same pass, from a cross term summed beside its sum-exp:
-//            forward_kl  soft = sum_j p_j (t_j - s_j) - lse_t + lse_s
-//                             = C_t / S_t - lse_t + lse_s,  C_t = sum_j e^(t_j - M_t) (t_j - s_j)
-//            reverse_kl  soft = C_s / S_s - lse_s + lse_t,  C_s = sum_j e^(s_j - M_s) (s_j - t_j)
-//            (M, S: the pair's max and sum-exp; C rescales with S). Pass 1's partial statistics
+//            forward_kl  soft = sum_j p_j (t_j - s_j) - lse_t + lse_s = C / S_t - log S_t + log S_s,
+//                          C = sum_j e^(t_j - M_t) ((t_j - M_t) - (s_j - M_s))
+//            reverse_kl  the same with s and t swapped
+//            (M, S: each pair's max and sum-exp). Each column's difference is taken relative
+//            to both maxima, so that an offset between the two models' logits (the softmax
+//            ignores it; two models' logits often differ by several units) cancels in every
+//            term instead of in the fp32 sum; C moves with both maxima. Pass 1's partial statistics
 //            of a part of a row (a thread's columns, a vocabulary shard) merge in any order:
 //            the shards of a vocab-parallel row meet in one all-gather of DistillPartial.
 //   pass 2   jsd only, over the row again with the merged lse (distill_jsd_terms):
@@ -42,40 +45,48 @@ struct DistillParams {
 
 // Pass 1's statistics of a part of a row (fusedloss::DistillPartial, 32 bytes: what a
 // vocab-parallel row's shards exchange): three online (max, sum-exp) pairs, the KL's cross term
-// relative to its pair's max (forward_kl: the teacher's pair; reverse_kl: the student's; jsd:
-// unused), and the raw student logit at the row's target if this part holds it (else -inf).
+// relative to both pairs' maxima (weighted by the teacher's pair for forward_kl, the student's
+// for reverse_kl; jsd: unused), and the raw student logit at the row's target if this part
+// holds it (else -inf).
 using fusedloss::DistillPartial;
 
 FL_HD DistillPartial distill_empty() {
   return {-INFINITY, 0.0f, -INFINITY, 0.0f, -INFINITY, 0.0f, 0.0f, -INFINITY};
 }
 
-// Folds a into (m, s) with the cross term c += e^(a - m) d, all rescaled to a new max. A
-// masked element (a = -inf) adds nothing.
-FL_HD void online_add_cross(float& m, float& s, float& c, float a, float d) {
-  if (a > m) {
-    const float k = rescale(m, a);
-    s = s * k + 1.0f;
-    c = c * k + d;
-    m = a;
-  } else if (a != -INFINITY) {
-    const float e = fast_exp(a - m);
-    s += e;
-    c += e * d;
+// One column of a KL's online statistics: w the weighting distribution's scaled logit (the
+// teacher's for forward_kl), o the other's, each with its (max, sum-exp) pair, and the cross
+// term c = sum_j e^(w_j - mw) ((w_j - mw) - (o_j - mo)), moved as the maxima move: a higher mo
+// raises every earlier difference by the step, a higher mw lowers them by its step and scales
+// their weights down. A masked column (w = -inf) adds nothing; one with weight where o = -inf
+// makes c (the KL) infinite, as the definition does; NaN propagates.
+FL_HD void kl_add(float& mw, float& sw, float& mo, float& so, float& c, float w, float o) {
+  if (o > mo) {
+    if (sw > 0.0f) c += (o - mo) * sw;
+    so = so * rescale(mo, o) + 1.0f;
+    mo = o;
+  } else {
+    so += exp_shifted(o, mo);
+  }
+  const float o_rel = o == -INFINITY ? -INFINITY : o - mo;  // (-inf - -inf: still -inf)
+  if (w > mw) {
+    const float k = rescale(mw, w);
+    c = sw > 0.0f && k > 0.0f ? k * (c - (w - mw) * sw) : 0.0f;
+    sw = sw * k + 1.0f;
+    mw = w;
+    c -= o_rel;  // this column: (w - mw) - (o - mo) with w = mw
+  } else if (w != -INFINITY) {
+    const float e = fast_exp(w - mw);
+    if (e > 0.0f) c += e * ((w - mw) - o_rel);
+    sw += e;
   }
 }
 
 // One column: s_j = x inv_t (already scaled: `s`), t_j (`t`), the raw logit x (`x`).
 FL_HD void distill_add(const DistillParams& p, DistillPartial& a, float x, float s, float t) {
   switch (p.divergence) {
-    case Divergence::ForwardKL:
-      online_add(a.max_s, a.sum_s, s);
-      online_add_cross(a.max_t, a.sum_t, a.cross, t, t - s);
-      break;
-    case Divergence::ReverseKL:
-      online_add_cross(a.max_s, a.sum_s, a.cross, s, s - t);
-      online_add(a.max_t, a.sum_t, t);
-      break;
+    case Divergence::ForwardKL: kl_add(a.max_t, a.sum_t, a.max_s, a.sum_s, a.cross, t, s); break;
+    case Divergence::ReverseKL: kl_add(a.max_s, a.sum_s, a.max_t, a.sum_t, a.cross, s, t); break;
     case Divergence::JSD:
       online_add(a.max_s, a.sum_s, s);
       online_add(a.max_t, a.sum_t, t);
@@ -84,14 +95,25 @@ FL_HD void distill_add(const DistillParams& p, DistillPartial& a, float x, float
   if (p.hard_weight > 0.0f) online_add(a.max_z, a.sum_z, x);
 }
 
+// One part's cross term moved to the merged maxima (mw, mo): its weights scale by
+// e^(its mw - mw), its differences shift by (mo - its mo) - (mw - its mw).
+FL_HD float cross_at(float c, float s_w, float m_w, float m_o, float mw, float mo) {
+  if (!(s_w > 0.0f)) return 0.0f;
+  const float k = rescale(m_w, mw);
+  return k > 0.0f ? k * (c + ((mo - m_o) - (mw - m_w)) * s_w) : 0.0f;
+}
+
 // Two parts of one row (commutative up to rounding; the target is in at most one part).
 FL_HD DistillPartial distill_combine(const DistillParams& p, DistillPartial a,
                                      const DistillPartial& b) {
-  const bool cross_on_t = p.divergence == Divergence::ForwardKL;
-  const float m_w = cross_on_t ? fmaxf(a.max_t, b.max_t) : fmaxf(a.max_s, b.max_s);
-  const float ka = rescale(cross_on_t ? a.max_t : a.max_s, m_w);
-  const float kb = rescale(cross_on_t ? b.max_t : b.max_s, m_w);
-  a.cross = a.cross * ka + b.cross * kb;
+  if (p.divergence != Divergence::JSD) {
+    const bool fwd = p.divergence == Divergence::ForwardKL;  // weights: the teacher's pair
+    const float aw = fwd ? a.max_t : a.max_s, ao = fwd ? a.max_s : a.max_t;
+    const float bw = fwd ? b.max_t : b.max_s, bo = fwd ? b.max_s : b.max_t;
+    const float mw = fmaxf(aw, bw), mo = fmaxf(ao, bo);
+    a.cross = cross_at(a.cross, fwd ? a.sum_t : a.sum_s, aw, ao, mw, mo) +
+              cross_at(b.cross, fwd ? b.sum_t : b.sum_s, bw, bo, mw, mo);
+  }
   online_merge(a.max_s, a.sum_s, b.max_s, b.sum_s);
   online_merge(a.max_t, a.sum_t, b.max_t, b.sum_t);
   online_merge(a.max_z, a.sum_z, b.max_z, b.sum_z);
@@ -107,9 +129,9 @@ FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPar
   DistillRowStats r{lse_from(a.max_s, a.sum_s), lse_from(a.max_t, a.sum_t),
                     lse_from(a.max_z, a.sum_z), 0.0f, 0.0f};
   if (p.divergence == Divergence::ForwardKL)
-    r.soft = a.cross / a.sum_t - r.lse_teacher + r.lse_student;
+    r.soft = a.cross / a.sum_t - logf(a.sum_t) + logf(a.sum_s);
   else if (p.divergence == Divergence::ReverseKL)
-    r.soft = a.cross / a.sum_s - r.lse_student + r.lse_teacher;
+    r.soft = a.cross / a.sum_s - logf(a.sum_s) + logf(a.sum_t);
   return r;
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 #include <vector>
 #include "common/test_util.h"
+#include "core/distill_math.h"
 #include "fusedloss/linear_distillation.h"
 
 namespace fusedloss::test {
@@ -352,6 +353,21 @@ TEST(LinearDistillationArguments, BadInputs) {
   expect_error([&] {
     linear_distillation_jsd_sums(vh, vw, vh, vw, o, stats.data(), sums.data());
   }, "options.divergence: got 0", "expected JSD (2)");
+  // the steps after the all-gather check the options they read, and the in-forward arguments
+  std::vector<DistillPartial> partials(4);
+  o.vocab_global = 5;
+  o.divergence = Divergence(7);
+  expect_error([&] { distill_merge(partials.data(), 1, 4, t, o, stats.data(), loss.data(), Device::CPU); },
+               "options.divergence: got 7", "expected ForwardKL (0)");
+  o.divergence = Divergence::ForwardKL;
+  expect_error([&] { distill_add_jsd(sums.data(), 4, t, o, stats.data(), loss.data(), Device::CPU); },
+               "options.divergence: got 0", "expected JSD (2)");
+  o = {};
+  DistillInForward in;
+  in.grad_loss = sums.data();
+  expect_error([&] {
+    linear_distillation_forward(vh, vw, vh, vw, t, o, loss.data(), stats.data(), nullptr, in);
+  }, "in_forward.grad_loss: got a pointer without in_forward.grads", "expected null");
 }
 
 TEST_P(LinearDistillation, VocabShardsMergeToTheWholeVocabulary) {
@@ -369,6 +385,46 @@ TEST_P(LinearDistillation, VocabShardsMergeToTheWholeVocabulary) {
   c.with_target = false;
   c.student = DType::BF16;
   check(GetParam(), c);
+}
+
+// The one-pass KL of a 128256-class row whose teacher's logits are the student's plus an offset
+// (the softmax ignores it) and small noise, summed as the CUDA kernel sums it (256 threads'
+// strided parts, combined in a tree) and as two vocabulary shards: against float64, to a few
+// 1e-7 whatever the offset. A cross term relative to one max alone lost 1e-5 at offset 20.
+TEST(LinearDistillationMath, OneRowKlIsExactUnderAnOffsetBetweenTheModels) {
+  constexpr int64_t kV = 128256, kThreads = 256;
+  std::normal_distribution<float> normal;
+  std::vector<float> s(kV), t(kV);
+  for (float offset : {0.0f, 20.0f, 50.0f}) {
+    for (int64_t j = 0; j < kV; ++j) {
+      s[j] = 2.0f * normal(rng());
+      t[j] = s[j] + offset + 0.01f * normal(rng());
+    }
+    for (Divergence d : {Divergence::ForwardKL, Divergence::ReverseKL}) {
+      const core::DistillParams p{d, 0.5f, 1.0f, 0.0f};
+      std::vector<core::DistillPartial> parts(kThreads, core::distill_empty());
+      for (int64_t j = 0; j < kV; ++j) core::distill_add(p, parts[j % kThreads], s[j], s[j], t[j]);
+      for (int64_t w = kThreads / 2; w >= 1; w /= 2)  // a tree, as the block reduction
+        for (int64_t i = 0; i < w; ++i) parts[i] = core::distill_combine(p, parts[i], parts[i + w]);
+      // float64: KL from the log-softmaxes
+      auto lsm = [](const std::vector<float>& x) {
+        double m = -INFINITY, z = 0;
+        for (float v : x) m = std::max(m, double(v));
+        for (float v : x) z += std::exp(double(v) - m);
+        std::vector<double> out(x.size());
+        for (size_t j = 0; j < x.size(); ++j) out[j] = double(x[j]) - m - std::log(z);
+        return out;
+      };
+      const auto lq = lsm(s), lp = lsm(t);
+      double want = 0;
+      for (int64_t j = 0; j < kV; ++j)
+        want += d == Divergence::ForwardKL ? std::exp(lp[j]) * (lp[j] - lq[j])
+                                           : std::exp(lq[j]) * (lq[j] - lp[j]);
+      const DistillRowStats got = core::distill_row_stats(p, parts[0]);
+      EXPECT_NEAR(got.soft, want, 1e-6) << "offset " << offset << " divergence " << int(d);
+      EXPECT_GT(want, 1e-5);  // the divergence itself, not 0: the check is relative to it
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearDistillation, ::testing::Values(Device::CPU, Device::CUDA),

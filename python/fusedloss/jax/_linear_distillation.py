@@ -190,6 +190,10 @@ def linear_distillation_loss(student_hidden, student_weight, teacher_hidden, tea
         raise ValueError(f"reduction: got {reduction!r}, expected one of {sorted(_REDUCTIONS)}")
     if not isinstance(backward_mode, str) or backward_mode not in _MODES:
         raise ValueError(f"backward_mode: got {backward_mode!r}, expected one of {sorted(_MODES)}")
+    if backward_mode == "in_forward" and getattr(student_hidden, "dtype", None) == jnp.float16:
+        raise ValueError("backward_mode: got 'in_forward' with float16 students, expected "
+                         "'recompute' or 'auto' (the kept fp16 gradients of the unit upstream "
+                         "gradient would flush where a loss scale keeps them)")
     if backward_mode == "in_forward" and (reduction == "none" or axis_name is not None):
         raise ValueError("backward_mode: got 'in_forward' with "
                          + ("reduction='none'" if reduction == "none" else "axis_name")
