@@ -132,7 +132,7 @@ stage_sanitizer() {
 # Benchmarks while nothing else runs on the GPU; the CSVs and plots land in $OUT itself.
 stage_bench() {
   local rc=0 kind extra
-  for kind in ${BENCH_KINDS:-cross-entropy swiglu rms-norm linear-cross-entropy log-probs}; do
+  for kind in ${BENCH_KINDS:-cross-entropy swiglu rms-norm linear-cross-entropy log-probs distillation}; do
     echo "benchmark $kind"
     extra=()
     [ "$kind" = linear-cross-entropy ] && extra=(--variants "${LCE_VARIANTS:-default}")
