@@ -282,3 +282,18 @@ def _tp_one_rank_wrong(rank, world):
 
 def test_gloo_tp_one_rank_wrong_raises_on_every_rank():
     run_world(2, _tp_one_rank_wrong)
+
+
+def test_distillation_example_matches_torch():
+    """examples/distillation_step.py: a student LM's loss and every gradient with the fused loss
+    equal the unfused torch loss's (it exits non-zero otherwise)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "distillation_step.py"),
+                           "--vocab", "500", "--hidden", "32", "--seq", "48", "--batch", "4"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loss: torch" in done.stdout and "fusedloss" in done.stdout
