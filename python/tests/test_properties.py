@@ -1000,15 +1000,19 @@ def _distill_case(draw):
                 temperature=draw(st.sampled_from([1.0, 0.6, 1.7])),
                 hard_label_weight=draw(st.sampled_from([0.0, 0.3])) if with_target else 0.0,
                 reduction=draw(st.sampled_from(["mean", "sum", "none"])),
-                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])))
+                workspace_bytes=draw(st.sampled_from([None, 2 * 3 * ((V + 63) // 64 * 64) * 4])),
+                # auto: in_forward for a mean or a sum (the kept gradients scaled, in place or not)
+                backward_mode=draw(st.sampled_from(["auto", "recompute"])),
+                inplace_backward=draw(st.booleans()))
     return draw, shape, V, dtype, gen, with_target, opts
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_linear_distillation_any_layout(run):
     """linear_distillation_loss with the student's hidden states and weight in every layout and
-    dtype, the teacher's (another width) in its own, targets or none, every divergence, option
-    and chunking: the loss and the student's gradients against float64, nothing written."""
+    dtype, the teacher's (another width) in its own, targets or none, every divergence, option,
+    backward mode and chunking: the loss and the student's gradients against float64, nothing
+    of the caller's written."""
     from test_linear_distillation import reference
 
     @RUNS[run]
@@ -1025,7 +1029,8 @@ def test_linear_distillation_any_layout(run):
         t = t if with_target else None
         owned = [(x, x.detach().clone()) for x in (base_h, base_w, th, tw) + ((t,) if with_target else ())]
         loss = fusedloss.linear_distillation_loss(h, w, th, tw, t, **opts)
-        ref_opts = {k: v for k, v in opts.items() if k != "workspace_bytes"}
+        ref_opts = {k: v for k, v in opts.items()
+                    if k not in ("workspace_bytes", "backward_mode", "inplace_backward")}
         t_ref = None if t is None else t.cpu().long()
         ref = reference(h64.cpu(), w64.cpu(), dtype, th.cpu(), tw.cpu(), t_ref, **ref_opts)
         assert loss.dtype == torch.float32 and loss.shape == ref.shape
