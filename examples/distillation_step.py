@@ -11,13 +11,12 @@ logits; fusedloss computes it from the last hidden states and the two LM heads w
     python examples/distillation_step.py [--vocab 32000] [--hidden 256] [--seq 256] [--batch 8]
 """
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 import fusedloss
-from grpo_step import TinyLM
+from grpo_step import TinyLM, compare
 
 PAD = -100
 
@@ -52,23 +51,6 @@ def distillation_loss(student, teacher, batch, loss_fn, temperature=2.0, beta=0.
                    temperature, beta, w)
 
 
-def run(student, teacher, batch, loss_fn, device):
-    student.zero_grad(set_to_none=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    loss = distillation_loss(student, teacher, batch, loss_fn)
-    loss.backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) * 1e3
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else float("nan")
-    grads = {n: p.grad.detach().clone() for n, p in student.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, ms, peak
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=32000)
@@ -85,25 +67,11 @@ def main():
     targets[:, -args.seq // 8:] = PAD  # padding at the end of every sequence: no loss there
     batch = (sequences[:, :-1], targets)
 
-    results = {}
-    for name, loss_fn in (("torch", torch_distillation), ("fusedloss", fused_distillation)):
-        run(student, teacher, batch, loss_fn, device)  # warm-up
-        results[name] = run(student, teacher, batch, loss_fn, device)
-    (l_t, g_t, ms_t, mem_t), (l_f, g_f, ms_f, mem_f) = results["torch"], results["fusedloss"]
-    worst = max(((g_f[k] - g_t[k]).norm() / g_t[k].norm().clamp(min=1e-30)).item() for k in g_t)
-    print(f"[{device}] distillation step, {args.batch} sequences of {args.seq} tokens, "
-          f"V = {args.vocab}, H = {args.hidden} (student), {2 * args.hidden} (teacher)")
-    print(f"  loss: torch {l_t.item():.6f}  fusedloss {l_f.item():.6f}  "
-          f"(difference {abs(l_t - l_f).item():.2e})")
-    print(f"  gradients: the largest relative difference over {len(g_t)} parameters {worst:.2e}")
-    print(f"  time: torch {ms_t:.1f} ms  fusedloss {ms_f:.1f} ms"
-          + (f";  peak extra memory: torch {mem_t:.0f} MiB  fusedloss {mem_f:.0f} MiB"
-             if device == "cuda" else ""))
-    fusedloss.check_device_errors()
-    tol = 1e-4  # fp32: the two losses differ by float rounding only
-    if abs(l_t - l_f).item() > tol * max(1.0, abs(l_t.item())) or worst > 1e-3:
-        raise SystemExit(f"the two losses disagree beyond {tol}")
-
+    compare(student, {name: (lambda fn=fn: distillation_loss(student, teacher, batch, fn))
+                      for name, fn in (("torch", torch_distillation),
+                                       ("fusedloss", fused_distillation))},
+            device, f"distillation step, {args.batch} sequences of {args.seq} tokens, "
+            f"V = {args.vocab}, H = {args.hidden} (student), {2 * args.hidden} (teacher)")
 
 if __name__ == "__main__":
     main()

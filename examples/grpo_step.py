@@ -73,21 +73,45 @@ def grpo_loss(policy, reference, sequences, completion_mask, advantages, logp_ol
     return (per_token * mask).sum() / mask.sum()
 
 
-def run(policy, reference, batch, head, device):
-    policy.zero_grad(set_to_none=True)
+def measure(model, step, device):
+    """One forward+backward of `step()` (the model's loss): (loss, the model's gradients, ms,
+    peak extra MiB on CUDA)."""
+    model.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    loss = grpo_loss(policy, reference, *batch, head=head)
+    loss = step()
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
     ms = (time.perf_counter() - start) * 1e3
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device == "cuda" else float("nan")
-    grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, ms, peak
+
+
+def compare(model, steps, device, title):
+    """Each of steps {"torch": fn, "fusedloss": fn} measured after a warm-up; prints the losses,
+    the largest gradient difference, time and memory; exits non-zero where they disagree."""
+    results = {}
+    for name, step in steps.items():
+        measure(model, step, device)  # warm-up
+        results[name] = measure(model, step, device)
+    (l_t, g_t, ms_t, mem_t), (l_f, g_f, ms_f, mem_f) = results["torch"], results["fusedloss"]
+    worst = max(((g_f[k] - g_t[k]).norm() / g_t[k].norm().clamp(min=1e-30)).item() for k in g_t)
+    print(f"[{device}] {title}")
+    print(f"  loss: torch {l_t.item():.6f}  fusedloss {l_f.item():.6f}  "
+          f"(difference {abs(l_t - l_f).item():.2e})")
+    print(f"  gradients: the largest relative difference over {len(g_t)} parameters {worst:.2e}")
+    print(f"  time: torch {ms_t:.1f} ms  fusedloss {ms_f:.1f} ms"
+          + (f";  peak extra memory: torch {mem_t:.0f} MiB  fusedloss {mem_f:.0f} MiB"
+             if device == "cuda" else ""))
+    fusedloss.check_device_errors()
+    tol = 1e-4  # fp32: the two differ by float rounding only
+    if abs(l_t - l_f).item() > tol * max(1.0, abs(l_t.item())) or worst > 1e-3:
+        raise SystemExit(f"the two losses disagree beyond {tol}")
 
 
 def main():
@@ -123,25 +147,10 @@ def main():
         logp_old = logp_old + 0.01 * torch.randn_like(logp_old)  # an older policy's
     batch = (sequences, completion_mask, advantages, logp_old)
 
-    results = {}
-    for name, head in (("torch", torch_head), ("fusedloss", fused_head)):
-        run(policy, reference, batch, head, device)  # warm-up
-        results[name] = run(policy, reference, batch, head, device)
-    (l_t, g_t, ms_t, mem_t), (l_f, g_f, ms_f, mem_f) = results["torch"], results["fusedloss"]
-    worst = max(((g_f[k] - g_t[k]).norm() / g_t[k].norm().clamp(min=1e-30)).item() for k in g_t)
-    print(f"[{device}] GRPO step, {n} sequences of {args.seq} tokens, V = {args.vocab}, "
-          f"H = {args.hidden}")
-    print(f"  loss: torch {l_t.item():.6f}  fusedloss {l_f.item():.6f}  "
-          f"(difference {abs(l_t - l_f).item():.2e})")
-    print(f"  gradients: the largest relative difference over {len(g_t)} parameters {worst:.2e}")
-    print(f"  time: torch {ms_t:.1f} ms  fusedloss {ms_f:.1f} ms"
-          + (f";  peak extra memory: torch {mem_t:.0f} MiB  fusedloss {mem_f:.0f} MiB"
-             if device == "cuda" else ""))
-    fusedloss.check_device_errors()
-    tol = 1e-4  # fp32: the two heads differ by float rounding only
-    if abs(l_t - l_f).item() > tol * max(1.0, abs(l_t.item())) or worst > 1e-3:
-        raise SystemExit(f"the two heads disagree beyond {tol}")
-
+    compare(policy, {name: (lambda head=head: grpo_loss(policy, reference, *batch, head=head))
+                     for name, head in (("torch", torch_head), ("fusedloss", fused_head))},
+            device, f"GRPO step, {n} sequences of {args.seq} tokens, V = {args.vocab}, "
+            f"H = {args.hidden}")
 
 if __name__ == "__main__":
     main()
