@@ -246,6 +246,15 @@ fl::RowStats* stats_at(const ffi::AnyBuffer& b, int64_t offset) {
 
 // ---- options (the attribute names are fusedloss/jax/_ffi.py's) ----
 
+// Vocab-parallel (attribute vocab_global > 0): the Python side hands a shard's targets
+// renumbered so that its columns start at 0 (fusedloss/jax/_vocab_parallel.py): the shard's
+// place is a traced value there, and attributes are static. Any options with vocab_global.
+template <class Options>
+void read_vocab_global(const Attrs& a, Options& o) {
+  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
+  if (vocab_global > 0) o.vocab_global = vocab_global;
+}
+
 fl::CrossEntropyOptions ce_options(const Attrs& a) {
   fl::CrossEntropyOptions o;
   o.ignore_index = attr<int64_t>(a, "ignore_index");
@@ -256,11 +265,7 @@ fl::CrossEntropyOptions ce_options(const Attrs& a) {
   o.reduction = fl::Reduction(attr<int64_t>(a, "reduction"));
   // the cross-entropy's soft cap (the linear cross-entropy's comes in lce_options, equal)
   if (auto softcap = a.get<float>("logit_softcap"); softcap.has_value()) o.logit_softcap = *softcap;
-  // Vocab-parallel (vocab_global > 0): the Python side hands this shard's targets renumbered so
-  // that its columns start at 0 (fusedloss/jax/_vocab_parallel.py): the shard's place is a
-  // traced value there, and attributes are static.
-  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
-  if (vocab_global > 0) o.vocab_global = vocab_global;
+  read_vocab_global(a, o);
   // Shapes are static per trace: every device of a mesh axis runs the same program, so the run-
   // time agreement of the other adapters has nothing to find.
   o.check_shard_agreement = false;
@@ -495,10 +500,7 @@ fl::LinearLogProbsOptions lp_options(const Attrs& a) {
   const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
   if (workspace > 0) o.workspace_bytes = size_t(workspace);
   o.allow_tf32 = attr<bool>(a, "allow_tf32");
-  // Vocab-parallel (vocab_global > 0): this shard's tokens renumbered so that its columns start
-  // at 0, as the losses' (fusedloss/jax/_vocab_parallel.py)
-  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
-  if (vocab_global > 0) o.vocab_global = vocab_global;
+  read_vocab_global(a, o);
   return o;
 }
 
@@ -592,10 +594,7 @@ fl::LinearDistillationOptions distill_options(const Attrs& a) {
   const int64_t workspace = attr<int64_t>(a, "workspace_bytes");
   if (workspace > 0) o.workspace_bytes = size_t(workspace);
   o.allow_tf32 = attr<bool>(a, "allow_tf32");
-  // Vocab-parallel (vocab_global > 0): this shard's targets renumbered so that its columns start
-  // at 0, as the losses' (fusedloss/jax/_vocab_parallel.py)
-  const int64_t vocab_global = attr<int64_t>(a, "vocab_global");
-  if (vocab_global > 0) o.vocab_global = vocab_global;
+  read_vocab_global(a, o);
   return o;
 }
 
