@@ -15,6 +15,27 @@ def as_workspace_bytes(value, name: str = "workspace_bytes") -> int:
     return v
 
 
+def set_shard_and_chunking(o, workspace_bytes: int, tf32: bool, rank: int, v_local: int,
+                           world: int):
+    """The chunk loop's and the vocabulary shard's fields of a head's C++ options (the log-prob
+    head's, the distillation loss's): workspace_bytes (0: the core's default), TF32, this rank's
+    shard [rank V_local, (rank + 1) V_local) of world V_local classes."""
+    if workspace_bytes:
+        o.workspace_bytes = workspace_bytes
+    o.allow_tf32 = tf32
+    o.vocab_start = rank * v_local
+    o.vocab_global = world * v_local
+    return o
+
+
+def group_place(group: str):
+    """(the process group a traced op names, or None at one rank; this rank; the group's size)."""
+    from ._distributed import rank_and_size, resolve_group
+    g = resolve_group(group) if group else None
+    rank, world = rank_and_size(g) if g is not None else (0, 1)
+    return g, rank, world
+
+
 def validate_head_operands(hidden, weight, fp32_weight_ok=False, names=("hidden", "weight")):
     """An LM head's operands, as every op over them takes them: hidden [N, H] or [s, b, H] and
     weight [V_local, H] in one float dtype (or an fp32 weight, fp32_weight_ok) on one device;

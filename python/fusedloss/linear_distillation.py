@@ -23,9 +23,9 @@ from torch import Tensor
 
 from . import _C
 from ._args import check_distillation_shapes
-from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, rank_and_size,
+from ._distributed import (deferred_rejection, fingerprint, group_name, group_size,
                            rank_checks, resolve_group)
-from ._head import as_workspace_bytes, validate_head_operands
+from ._head import as_workspace_bytes, group_place, set_shard_and_chunking, validate_head_operands
 from ._op import FusedOp
 from ._sequence_parallel import gather_token_slices, own_rows_buffer, sum_into_own_rows
 from ._views import (_INDEX, agreement_flag, as_bool, as_choice, as_float, as_int,
@@ -52,11 +52,7 @@ def _options(divergence, beta, temperature, hard, ignore_index, workspace_bytes,
     o.temperature = temperature
     o.hard_label_weight = hard
     o.ignore_index = ignore_index
-    if workspace_bytes:
-        o.workspace_bytes = workspace_bytes
-    o.allow_tf32 = tf32
-    o.vocab_start = rank * v_local
-    o.vocab_global = world * v_local
+    set_shard_and_chunking(o, workspace_bytes, tf32, rank, v_local, world)
     validated(_C.validate_linear_distillation_options, o, rows, v_local, has_target)
     return o
 
@@ -64,8 +60,7 @@ def _options(divergence, beta, temperature, hard, ignore_index, workspace_bytes,
 def _call_options(sh, sw, target, divergence, beta, temperature, hard, ignore_index,
                   workspace_bytes, tf32, group):
     """(the C++ options of a call on these rows, its group or None)."""
-    g = resolve_group(group) if group else None
-    rank, world = rank_and_size(g) if g is not None else (0, 1)
+    g, rank, world = group_place(group)
     return _options(divergence, beta, temperature, hard, ignore_index, workspace_bytes, tf32, rank,
                     sw.size(0), world, sh.size(0), target is not None), g
 

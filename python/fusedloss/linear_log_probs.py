@@ -21,14 +21,14 @@ from torch import Tensor
 
 from . import _C
 from ._op import FusedOp
-from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, rank_and_size, rank_checks,
+from ._distributed import (deferred_rejection, fingerprint, group_name, group_size, rank_checks,
                            resolve_group)
 from ._sequence_parallel import gather_token_slices, gathered_shape, own_rows_buffer, sum_into_own_rows
 from ._views import (agreement_flag, as_bool, as_choice, as_float, choice_name, as_int, autocast_operands, device_of,
                      index, matrix, require_same_device, require_tensor,
                      rows_of, stream_of, validated, values_in)
 from .cross_entropy import check_targets_on_host
-from ._head import as_workspace_bytes, validate_head_operands
+from ._head import as_workspace_bytes, group_place, set_shard_and_chunking, validate_head_operands
 
 _OP = "fusedloss.linear_log_probs"
 _DHIDDEN = {"partial": 0, "all_reduce": 1, "reduce_scatter": 2}
@@ -46,19 +46,14 @@ def _options(temperature, ignore_index, workspace_bytes, tf32, rank, v_local, wo
     o = _C.LinearLogProbsOptions()
     o.temperature = temperature
     o.ignore_index = ignore_index
-    if workspace_bytes:
-        o.workspace_bytes = workspace_bytes
-    o.allow_tf32 = tf32
-    o.vocab_start = rank * v_local
-    o.vocab_global = world * v_local
+    set_shard_and_chunking(o, workspace_bytes, tf32, rank, v_local, world)
     validated(_C.validate_linear_log_probs_options, o, rows, v_local, hidden)
     return o
 
 
 def _call_options(hidden, weight, temperature, ignore_index, workspace_bytes, tf32, group):
     """(the C++ options of a call on these rows, its group or None)."""
-    g = resolve_group(group) if group else None
-    rank, world = rank_and_size(g) if g is not None else (0, 1)
+    g, rank, world = group_place(group)
     return _options(temperature, ignore_index, workspace_bytes, tf32, rank, weight.size(0), world,
                     hidden.size(0), hidden.size(1)), g
 
