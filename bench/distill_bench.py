@@ -19,6 +19,8 @@ Providers (fn(student_hidden, student_weight, teacher_hidden, teacher_weight) ->
                   importable): the gradients are computed in its forward
   fusedloss       fusedloss.linear_distillation_loss(..., divergence="jsd", beta=BETA)
   fusedloss-fkl   fusedloss.linear_distillation_loss(...): divergence="forward_kl", its default
+  fusedloss-rows  fusedloss's jsd with FUSEDLOSS_DISTILL_CLUSTERS=0: the one-block-a-row kernels
+                  that read each row pair up to three times, instead of sm_90's clusters
 
 Device time: CUDA events behind a GPU-side wait (peers.time_step), median of the runs; host
 time to enqueue forward+backward beside it. Peak extra: torch's allocator's high-water mark (and
@@ -33,6 +35,7 @@ Targets (printed): fusedloss fwd+bwd <= 1.10x the 4-gemm floor, peak extra memor
 student's gradients + 320 MiB.
 """
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -103,17 +106,33 @@ def liger():
     return lambda sh, sw, th, tw: loss(sh, sw, th, tw, None)  # shift_labels: no default
 
 
-def fusedloss_provider(**options):
+def fusedloss_provider(env=None, **options):
+    """fusedloss's loss with `options`; env: variables set around each call (the CUDA backend
+    reads its kernel choices at every call)."""
     def make():
         import fusedloss
         op = fusedloss.linear_distillation_loss
-        return lambda sh, sw, th, tw: op(sh, sw, th, tw, **options)
+        if not env:
+            return lambda sh, sw, th, tw: op(sh, sw, th, tw, **options)
+
+        def call(sh, sw, th, tw):
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                return op(sh, sw, th, tw, **options)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k)
+                    else:
+                        os.environ[k] = v
+        return call
     return make
 
 
 # the divergence each provider's loss is (its gradients' reference); None: no loss (a floor)
 DIVERGENCE = {"4-gemm": None, "6-gemm": None, "torch": "jsd", "liger": "jsd",
-              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl"}
+              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl", "fusedloss-rows": "jsd"}
 PEERS = ("torch", "liger")
 
 
@@ -121,7 +140,10 @@ def providers():
     return peers.collect({"4-gemm": gemms(4), "6-gemm": gemms(6), "torch": torch_distill},
                          {"liger": liger,
                           "fusedloss": fusedloss_provider(divergence="jsd", beta=BETA),
-                          "fusedloss-fkl": fusedloss_provider(divergence="forward_kl")})
+                          "fusedloss-fkl": fusedloss_provider(divergence="forward_kl"),
+                          # jsd with the one-block-a-row kernels (no clusters): their cost beside
+                          "fusedloss-rows": fusedloss_provider(
+                              {"FUSEDLOSS_DISTILL_CLUSTERS": "0"}, divergence="jsd", beta=BETA)})
 
 
 # ---- measurement ----

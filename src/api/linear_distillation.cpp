@@ -253,15 +253,21 @@ void linear_distillation_forward(const MatrixView& sh, const MatrixView& sw, con
                 cpu::distill_rows(xs, xt, tc, o.ignore_index, p, loss + row0, stats + row0),
                 cuda::distill_rows(xs, xt, tc, o.ignore_index, p, loss + row0, stats + row0, s));
   };
-  auto gradient = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
-                      int64_t row0, [[maybe_unused]] Stream s) {
+  // In-forward: the loss and the gradient of each chunk in one step (on sm_90 one kernel that
+  // reads each row pair once).
+  auto forward_and_gradient = [&](const MatrixView& xs, const MatrixView& xt, const IndexView& tc,
+                                  int64_t row0, [[maybe_unused]] Stream s) {
     const float* g = gl ? gl + row0 : nullptr;
     FL_DISPATCH(xs.device, kFn,
-                cpu::distill_gradient(xs, xt, tc, 0, o.ignore_index, p, stats + row0, g),
-                cuda::distill_gradient(xs, xt, tc, 0, o.ignore_index, p, stats + row0, g, s));
+                (cpu::distill_rows(xs, xt, tc, o.ignore_index, p, loss + row0, stats + row0),
+                 cpu::distill_gradient(xs, xt, tc, 0, o.ignore_index, p, stats + row0, g)),
+                cuda::distill_rows_and_gradient(xs, xt, tc, o.ignore_index, p, loss + row0,
+                                                stats + row0, g, s));
   };
-  run_chunks(kFn, sh, sw, th, tw, target, o, stream, forward,
-             grads ? ChunkStep(gradient) : ChunkStep(), in_grads);
+  if (grads)
+    run_chunks(kFn, sh, sw, th, tw, target, o, stream, {}, forward_and_gradient, in_grads);
+  else
+    run_chunks(kFn, sh, sw, th, tw, target, o, stream, forward);
 }
 
 void linear_distillation_local_partials(const MatrixView& sh, const MatrixView& sw,

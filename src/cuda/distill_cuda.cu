@@ -1,9 +1,15 @@
 #include "cuda/distill_cuda.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
 #include "core/dispatch.h"
+#include "core/linear_ce_plan.h"  // round_up
+#include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/device_error.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/runtime.h"
 #include "cuda/vector_io.cuh"
 
 namespace fusedloss::cuda {
@@ -177,6 +183,21 @@ __global__ void add_jsd_kernel(const float* sums, int64_t rows, Targets tg, int6
   loss[r] += (1.0f - p.hard_weight) * sums[2 * r];
 }
 
+// The gradient of one unit of kUnit columns (a, b: the student's and the teacher's logits,
+// j0: the first column's index) into `out`, in the student's kind.
+template <core::StorageKind KS, class Grad>
+__device__ __forceinline__ void grad_unit(core::Elem<KS>* out, const float (&a)[kUnit],
+                                          const float (&b)[kUnit], int64_t j0, Grad&& grad) {
+  constexpr int W = vector_width<core::Elem<KS>>();
+#pragma unroll
+  for (int v = 0; v < kUnit / W; ++v) {
+    Vec16 o;
+#pragma unroll
+    for (int e = 0; e < W; ++e) put<KS>(o, e, grad(j0 + v * W + e, a[v * W + e], b[v * W + e]));
+    store_vec(out + v * W, o);
+  }
+}
+
 // In place over the student's row: its logits -> g dloss/dx (core::distill_grad).
 template <core::StorageKind KS, core::StorageKind KT>
 __global__ void __launch_bounds__(kThreads)
@@ -194,22 +215,170 @@ __global__ void __launch_bounds__(kThreads)
     return ignored ? 0.0f : core::distill_grad(p, st, x, t * p.inv_t, vocab_start + j == tgt, g);
   };
   const int64_t units = xs.cols / kUnit;
-  constexpr int W = vector_width<core::Elem<KS>>();
   for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
     float a[kUnit], b[kUnit];
     load_floats<KS, kUnit>(row + u * kUnit, a);
     load_floats<KT, kUnit>(trow + u * kUnit, b);
-#pragma unroll
-    for (int v = 0; v < kUnit / W; ++v) {
-      Vec16 out;
-#pragma unroll
-      for (int e = 0; e < W; ++e) put<KS>(out, e, grad(u * kUnit + v * W + e, a[v * W + e], b[v * W + e]));
-      store_vec(row + u * kUnit + v * W, out);
-    }
+    grad_unit<KS>(row + u * kUnit, a, b, u * kUnit, grad);
   }
   for (int64_t j = units * kUnit + threadIdx.x; j < xs.cols; j += blockDim.x)
     row[j] = core::Storage<KS>::store(
         grad(j, core::Storage<KS>::load(row[j]), core::Storage<KT>::load(trow[j])));
+}
+
+// ---- a row pair in a thread-block cluster's shared memory (sm_90) ----
+//
+// The forward of a row pair that also writes the student's gradient, at the traffic floor: each
+// logit of both models read once and each gradient written once (the kernels above read both
+// rows two or three times: pass 1, jsd's pass 2, the gradient). One cluster per row, one column
+// slice per block: the student's slice and the teacher's same columns side by side in the
+// block's shared memory, each brought in by one bulk copy. Pass 1 reduces the block's slice to a
+// DistillPartial; the blocks exchange them through distributed shared memory and every block
+// merges them in rank order, so all derive the same stats; jsd's pass 2 exchanges its two sums
+// the same way; then each block turns its student slice into the gradient in place and writes
+// it back with one bulk store. The row math is core/distill_math.h's, as in the kernels above.
+constexpr int kMaxCluster = 8;  // the portable cluster size
+
+// Block `rank`'s float f of a struct of floats in every block's shared memory.
+template <class T>
+__device__ __forceinline__ T load_struct_from_cluster_block(const T* p, uint32_t rank) {
+  static_assert(sizeof(T) % sizeof(float) == 0, "a struct of floats");
+  T v;
+  for (int f = 0; f < int(sizeof(T) / sizeof(float)); ++f)
+    reinterpret_cast<float*>(&v)[f] = load_from_cluster_block(reinterpret_cast<const float*>(p) + f, rank);
+  return v;
+}
+
+template <core::StorageKind KS, core::StorageKind KT>
+__global__ void __launch_bounds__(kThreads)
+    cluster_rows_kernel(MatrixView xs, MatrixView xt, Targets tg, int64_t ignore_index,
+                        core::DistillParams p, int cluster_blocks, int slice_cols,
+                        uint32_t teacher_at, float* loss, DistillRowStats* stats, bool write_grad,
+                        const float* grad_loss, DeviceError* error) {
+  extern __shared__ Vec16 slice[];
+  __shared__ core::DistillPartial scratch[kThreads / 32];
+  __shared__ Sums sums_scratch[kThreads / 32];
+  __shared__ uint64_t loaded[2];
+  __shared__ core::DistillPartial part;  // this block's, read cluster-wide
+  __shared__ Sums part_sums;             // jsd: this block's pass-2 sums, read cluster-wide
+  __shared__ DistillRowStats merged;
+  __shared__ float merged_target;
+  const int64_t r = blockIdx.x / cluster_blocks;
+  const uint32_t rank = cluster_rank();
+  const int64_t first = int64_t(rank) * slice_cols;
+  const int n = int(std::max<int64_t>(0, std::min<int64_t>(slice_cols, xs.cols - first)));
+  auto* sx = reinterpret_cast<core::Elem<KS>*>(slice);
+  const auto* st_ = reinterpret_cast<const core::Elem<KT>*>(reinterpret_cast<const char*>(slice) + teacher_at);
+  // whole 16-byte vectors (the last slice's tail reaches into the rows' padding)
+  const uint32_t bytes_s = core::round_up(uint32_t(n * sizeof(core::Elem<KS>)), uint32_t(kVectorBytes));
+  const uint32_t bytes_t = core::round_up(uint32_t(n * sizeof(core::Elem<KT>)), uint32_t(kVectorBytes));
+  auto* xs_row = static_cast<core::Elem<KS>*>(xs.data) + r * xs.row_stride + first;
+  const bool is_ignored =
+      tg.ignored(r, ignore_index, xs.cols, rank == 0 && threadIdx.x == 0 ? error : nullptr);
+  if (is_ignored) {  // the whole cluster leaves here: no block reads another's memory
+    if (rank == 0 && threadIdx.x == 0) {
+      loss[r] = 0.0f;
+      stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    }
+    if (write_grad) {
+      for (int i = threadIdx.x; i < int(bytes_s / kVectorBytes); i += kThreads) slice[i] = Vec16{};
+      fence_shared_for_bulk_copy();
+      __syncthreads();
+      if (threadIdx.x == 0 && n) bulk_store(xs_row, sx, bytes_s);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    mbarrier_init(&loaded[0]);
+    mbarrier_init(&loaded[1]);
+    if (n) {
+      bulk_load(sx, xs_row, bytes_s, &loaded[0]);
+      bulk_load(const_cast<core::Elem<KT>*>(st_), row_of<KT>(xt, r) + first, bytes_t, &loaded[1]);
+    }
+  }
+  // The target's column in this slice, if it is here (its logit enters the partial once).
+  const int64_t tcol = tg.data ? tg.at(r) - first : -1;
+  __syncthreads();  // the barriers are initialised before anyone waits on them
+  if (n) {
+    mbarrier_wait(&loaded[0], 0);
+    mbarrier_wait(&loaded[1], 0);
+  }
+
+  // Pass 1 over the slice, then the cluster's merge.
+  core::DistillPartial a = core::distill_empty();
+  for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
+    core::distill_add(p, a, x, x * p.inv_t, t * p.inv_t);
+  });
+  a = block_reduce(
+      a, [&](const core::DistillPartial& u, const core::DistillPartial& v) {
+        return core::distill_combine(p, u, v);
+      },
+      scratch);
+  if (threadIdx.x == 0) {
+    if (tcol >= 0 && tcol < n) a.target = core::Storage<KS>::load(sx[tcol]);
+    part = a;
+  }
+  cluster_arrive();
+  cluster_wait();  // every block's part is in
+  if (threadIdx.x == 0) {  // the same merge, in rank order, in every block
+    core::DistillPartial m = load_struct_from_cluster_block(&part, 0);
+    for (int b = 1; b < cluster_blocks; ++b)
+      m = core::distill_combine(p, m, load_struct_from_cluster_block(&part, uint32_t(b)));
+    merged = core::distill_row_stats(p, m);
+    merged_target = m.target;
+  }
+  __syncthreads();
+  DistillRowStats row = merged;
+  if (p.divergence == Divergence::JSD) {  // pass 2 with the row's lse, then its merge
+    Sums s{0.0f, 0.0f};
+    for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
+      core::distill_jsd_terms(p, x * p.inv_t - row.lse_student, t * p.inv_t - row.lse_teacher,
+                              s.soft, s.soft_student);
+    });
+    s = block_reduce(
+        s, [](const Sums& u, const Sums& v) { return Sums{u.soft + v.soft, u.soft_student + v.soft_student}; },
+        sums_scratch);
+    if (threadIdx.x == 0) part_sums = s;
+    cluster_arrive();
+    cluster_wait();
+    if (threadIdx.x == 0) {
+      Sums m{0.0f, 0.0f};
+      for (int b = 0; b < cluster_blocks; ++b) {
+        const Sums o = load_struct_from_cluster_block(&part_sums, uint32_t(b));
+        m.soft += o.soft;
+        m.soft_student += o.soft_student;
+      }
+      merged.soft = m.soft;
+      merged.soft_student = m.soft_student;
+    }
+    __syncthreads();
+    row = merged;
+  }
+  cluster_arrive();  // this block is done reading the others' parts (waited for at the end)
+  if (rank == 0 && threadIdx.x == 0) {
+    stats[r] = row;
+    loss[r] = core::distill_loss(p, row, merged_target, tg.data != nullptr);
+  }
+  if (write_grad) {  // the student's slice -> its gradient, in place, then one bulk store
+    const float g = grad_loss ? grad_loss[r] : 1.0f;
+    const int64_t tgt = tg.data ? tg.at(r) : -1;
+    auto grad = [&](int64_t j, float x, float t) {
+      return core::distill_grad(p, row, x, t * p.inv_t, first + j == tgt, g);
+    };
+    const int units = n / kUnit;
+    for (int u = threadIdx.x; u < units; u += kThreads) {
+      float xa[kUnit], ta[kUnit];
+      load_floats<KS, kUnit>(sx + u * kUnit, xa);
+      load_floats<KT, kUnit>(st_ + u * kUnit, ta);
+      grad_unit<KS>(sx + u * kUnit, xa, ta, int64_t(u) * kUnit, grad);
+    }
+    for (int j = units * kUnit + threadIdx.x; j < n; j += kThreads)
+      sx[j] = core::Storage<KS>::store(grad(j, core::Storage<KS>::load(sx[j]), core::Storage<KT>::load(st_[j])));
+    fence_shared_for_bulk_copy();
+    __syncthreads();
+    if (threadIdx.x == 0 && n) bulk_store(xs_row, sx, bytes_s);
+  }
+  cluster_wait();  // no block leaves while another may still read its part
 }
 
 void require_rows_aligned(const MatrixView& x, const char* fn) {
@@ -231,12 +400,73 @@ void with_kinds(const MatrixView& xs, const MatrixView& xt, const char* fn, F&& 
 
 unsigned blocks_for(int64_t rows) { return unsigned((rows + 255) / 256); }
 
+// The cluster kernel's split of a row pair: blocks a row (0: it cannot run), columns a block,
+// where the teacher's columns start in a block's shared memory and its bytes. Slices of about
+// kSliceBytes where the row allows (more resident blocks an SM, so that one block's copies
+// overlap another's arithmetic), at most kMaxCluster of them, each at most half an SM's shared
+// memory (2 KiB kept for the static part and the driver's reserve); buffers whose rows' padding
+// holds each slice's 16-byte tail (the chunk buffers' pitch: a multiple of 16 bytes); a device
+// and build of sm_90 or later (max_active_clusters says 0 otherwise).
+struct ClusterSplit {
+  int blocks = 0;
+  int cols = 0;
+  uint32_t teacher_at = 0;
+  size_t bytes = 0;
+};
+constexpr int64_t kSliceBytes = 48 * 1024;
+
+ClusterSplit cluster_split(const void* kernel, const MatrixView& xs, const MatrixView& xt) {
+  const int64_t es = detail::element_size(xs.dtype), et = detail::element_size(xt.dtype);
+  const int64_t cols = xs.cols;
+  auto padded = [](int64_t bytes) { return core::round_up(bytes, int64_t(kVectorBytes)); };
+  if (xs.row_stride * es < padded(cols * es) || xt.row_stride * et < padded(cols * et)) return {};
+  int64_t blocks = std::clamp<int64_t>((cols * (es + et) + kSliceBytes - 1) / kSliceBytes, 1,
+                                       kMaxCluster);
+  const int64_t per_block = core::round_up((cols + blocks - 1) / blocks, int64_t(kUnit));
+  blocks = (cols + per_block - 1) / per_block;
+  const int64_t teacher_at = padded(per_block * es), bytes = teacher_at + padded(per_block * et);
+  const int64_t most = std::min<int64_t>(shared_per_block_optin() - 1024, shared_per_sm() / 2 - 2048);
+  if (bytes > most || xs.rows > int64_t(INT32_MAX) / blocks) return {};
+  allow_most_shared(kernel);
+  if (max_active_clusters(kernel, kThreads, int(blocks), size_t(bytes)) == 0) return {};
+  return {int(blocks), int(per_block), uint32_t(teacher_at), size_t(bytes)};
+}
+
+// FUSEDLOSS_DISTILL_CLUSTERS = 1 | 0: the row kernels in clusters where they can run (1, the
+// default), or the one-block-a-row kernels always (a benchmark's comparison; read every call).
+bool clusters_allowed() {
+  const char* v = std::getenv("FUSEDLOSS_DISTILL_CLUSTERS");
+  return !v || std::string(v) != "0";
+}
+
+// The forward of xs's rows in clusters, and with write_grad their gradients in place (as
+// distill_gradient with vocab_start 0); false where the cluster kernel cannot run (nothing
+// enqueued then).
+bool rows_in_clusters(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
+                      int64_t ignore_index, const core::DistillParams& p, float* loss,
+                      DistillRowStats* stats, bool write_grad, const float* grad_loss,
+                      Stream stream) {
+  if (!clusters_allowed()) return false;
+  bool done = false;
+  with_kinds(xs, xt, "distill_rows", [&](auto ks, auto kt) {
+    auto kernel = cluster_rows_kernel<decltype(ks)::value, decltype(kt)::value>;
+    const ClusterSplit c = cluster_split(reinterpret_cast<const void*>(kernel), xs, xt);
+    if (c.blocks == 0) return;
+    launch_in_clusters(kernel, unsigned(xs.rows * c.blocks), kThreads, c.blocks, c.bytes, stream,
+                       xs, xt, targets_of(target), ignore_index, p, c.blocks, c.cols,
+                       c.teacher_at, loss, stats, write_grad, grad_loss, device_error_word());
+    done = true;
+  });
+  return done;
+}
+
 }  // namespace
 
 void distill_rows(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
                   int64_t ignore_index, const core::DistillParams& p, float* loss,
                   DistillRowStats* stats, Stream stream) {
   if (xs.rows == 0) return;
+  if (rows_in_clusters(xs, xt, target, ignore_index, p, loss, stats, false, nullptr, stream)) return;
   with_kinds(xs, xt, "distill_rows", [&](auto ks, auto kt) {
     rows_kernel<decltype(ks)::value, decltype(kt)::value>
         <<<unsigned(xs.rows), kThreads, 0, as_cuda(stream)>>>(xs, xt, targets_of(target),
@@ -298,6 +528,15 @@ void distill_gradient(const MatrixView& xs, const MatrixView& xt, const IndexVie
             xs, xt, targets_of(target), vocab_start, ignore_index, p, stats, grad_loss);
     FL_CUDA_CHECK_LAUNCH();
   });
+}
+
+void distill_rows_and_gradient(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
+                               int64_t ignore_index, const core::DistillParams& p, float* loss,
+                               DistillRowStats* stats, const float* grad_loss, Stream stream) {
+  if (xs.rows == 0) return;
+  if (rows_in_clusters(xs, xt, target, ignore_index, p, loss, stats, true, grad_loss, stream)) return;
+  distill_rows(xs, xt, target, ignore_index, p, loss, stats, stream);
+  distill_gradient(xs, xt, target, 0, ignore_index, p, stats, grad_loss, stream);
 }
 
 }  // namespace fusedloss::cuda

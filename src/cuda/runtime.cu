@@ -142,6 +142,31 @@ int blocks_per_sm(const void* kernel, int threads) {
   });
 }
 
+int shared_per_block_optin() {
+  return device_fact({nullptr, -2}, [](int device, const FactKey&) {  // -2: not a block size
+    int n = 0;
+    FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return n;
+  });
+}
+
+int shared_per_sm() {
+  return device_fact({nullptr, -3}, [](int device, const FactKey&) {
+    int n = 0;
+    FL_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    return n;
+  });
+}
+
+void allow_most_shared(const void* kernel) {
+  const int most = shared_per_block_optin();  // (asked before the lock device_fact takes)
+  device_fact({kernel, -4, 0, size_t(most)}, [](int, const FactKey& k) {
+    FL_CUDA_CHECK(cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(k.shared)));
+    return 1;
+  });
+}
+
 bool built_for_sm90(const void* kernel) {
   return device_fact({kernel, -1}, [](int, const FactKey& k) {  // -1: not a block size
     cudaFuncAttributes attributes{};

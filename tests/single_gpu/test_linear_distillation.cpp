@@ -6,6 +6,7 @@
 // library uses.
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 #include "common/test_util.h"
 #include "core/distill_math.h"
@@ -425,6 +426,89 @@ TEST(LinearDistillationMath, OneRowKlIsExactUnderAnOffsetBetweenTheModels) {
       EXPECT_GT(want, 1e-5);  // the divergence itself, not 0: the check is relative to it
     }
   }
+}
+
+// Rows that span several blocks (a thread-block cluster's slices on sm_90) with a tail of less
+// than one 8-element unit: the CUDA backend against the CPU backend, which the tests above hold
+// to float64, for every divergence, with and without the hard-label term, an ignored row and
+// three dtype pairs; the in-forward gradients and the forward + backward. Needs a GPU: the CPU
+// backend's own long-row math is in the tests above and the property tests.
+TEST(LinearDistillationLongRows, CudaMatchesTheCpuBackend) {
+  FL_SKIP_UNLESS_BACKEND(Device::CUDA);
+  constexpr int64_t n = 5, h = 8, v = 40003;
+  for (auto [ds, dt] : {std::pair{DType::BF16, DType::BF16}, {DType::BF16, DType::F32},
+                        {DType::F32, DType::F32}})
+    for (Divergence d : {Divergence::ForwardKL, Divergence::ReverseKL, Divergence::JSD})
+      for (float hard : {0.0f, 0.3f}) {
+        SCOPED_TRACE(::testing::Message() << to_string(ds) << "/" << to_string(dt) << " divergence "
+                                          << int(d) << " hard " << hard);
+        const auto sh = random(ds, n * h, 1.0f), sw = random(ds, v * h, 0.6f);
+        const auto th = random(dt, n * h, 1.0f), tw = random(dt, v * h, 0.6f);
+        std::vector<int64_t> target(n);
+        std::uniform_int_distribution<int64_t> cls(0, v - 1);
+        for (int64_t r = 0; r < n; ++r) target[r] = r == 2 ? -100 : cls(rng());
+        target[3] = v - 1;  // the tail's last column
+        LinearDistillationOptions o;
+        o.divergence = d;
+        o.beta = 0.4f;
+        o.temperature = 1.5f;
+        o.hard_label_weight = hard;
+        struct Out {
+          std::vector<float> loss;
+          std::vector<double> dh, dw;
+        };
+        auto run = [&](Device dev, bool in_forward) {
+          auto upload = [&](const std::vector<float>& x, DType dt_) {
+            auto b = std::make_unique<Buffer>(dev, x.size() * size_t(element_bytes(dt_)));
+            for (size_t i = 0; i < x.size(); ++i) store_as(dt_, b->host(), int64_t(i), x[i]);
+            b->upload();
+            return b;
+          };
+          auto bsh = upload(sh, ds), bsw = upload(sw, ds), bth = upload(th, dt), btw = upload(tw, dt);
+          Buffer bt(dev, 8 * n), loss(dev, 4 * n), stats(dev, sizeof(DistillRowStats) * n),
+              ones(dev, 4 * n), dh(dev, 4 * n * h), dw(dev, 4 * v * h);
+          std::memcpy(bt.host(), target.data(), 8 * n);
+          bt.upload();
+          for (int64_t r = 0; r < n; ++r) ones.host_as<float>()[r] = 1.0f;
+          ones.upload();
+          loss.poison(), stats.poison(), dh.poison(), dw.poison();
+          const MatrixView msh{bsh->data(), n, h, h, ds, dev}, msw{bsw->data(), v, h, h, ds, dev},
+              mth{bth->data(), n, h, h, dt, dev}, mtw{btw->data(), v, h, h, dt, dev};
+          const IndexView t{bt.data(), n, IndexType::I64, dev};
+          const LinearCrossEntropyGrads grads{{dh.data(), n, h, h, DType::F32, dev},
+                                              {dw.data(), v, h, h, DType::F32, dev}, false};
+          if (in_forward) {
+            linear_distillation_forward(msh, msw, mth, mtw, t, o, loss.data_as<float>(),
+                                        stats.data_as<DistillRowStats>(), nullptr, {grads, nullptr});
+          } else {
+            linear_distillation_forward(msh, msw, mth, mtw, t, o, loss.data_as<float>(),
+                                        stats.data_as<DistillRowStats>());
+            linear_distillation_backward(msh, msw, mth, mtw, t, stats.data_as<DistillRowStats>(),
+                                         ones.data_as<float>(), o, grads);
+          }
+          loss.download(), dh.download(), dw.download();
+          Out out;
+          out.loss.assign(loss.host_as<float>(), loss.host_as<float>() + n);
+          out.dh.assign(dh.host_as<float>(), dh.host_as<float>() + n * h);
+          out.dw.assign(dw.host_as<float>(), dw.host_as<float>() + v * h);
+          return out;
+        };
+        // bf16 logits: one GEMM's rounding against another's (a unit in the last place of some
+        // logits), and the gradient stored in bf16 before the GEMMs read it
+        const bool bf16 = ds == DType::BF16 || dt == DType::BF16;
+        const double loss_tol = bf16 ? 3e-3 : 2e-5, grad_tol = bf16 ? 2e-2 : 1e-4;
+        const Out want = run(Device::CPU, false);
+        for (bool in_forward : {false, true}) {
+          SCOPED_TRACE(in_forward ? "in-forward gradients" : "forward + backward");
+          const Out got = run(Device::CUDA, in_forward);
+          for (int64_t r = 0; r < n; ++r)
+            EXPECT_NEAR(got.loss[r], want.loss[r], loss_tol * (1 + std::abs(want.loss[r])))
+                << "row " << r;
+          EXPECT_EQ(got.loss[2], 0.0f) << "the ignored row";
+          EXPECT_LE(rel_l2(got.dh, want.dh), grad_tol);
+          EXPECT_LE(rel_l2(got.dw, want.dw), grad_tol);
+        }
+      }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearDistillation, ::testing::Values(Device::CPU, Device::CUDA),
