@@ -19,8 +19,9 @@ Providers (fn(student_hidden, student_weight, teacher_hidden, teacher_weight) ->
                   importable): the gradients are computed in its forward
   fusedloss       fusedloss.linear_distillation_loss(..., divergence="jsd", beta=BETA)
   fusedloss-fkl   fusedloss.linear_distillation_loss(...): divergence="forward_kl", its default
-  fusedloss-rows  fusedloss's jsd with FUSEDLOSS_DISTILL_CLUSTERS=0: the one-block-a-row kernels
-                  that read each row pair up to three times, instead of sm_90's clusters
+  fusedloss-clusters  fusedloss's jsd with FUSEDLOSS_DISTILL_CLUSTERS=1: each row pair in a
+                  thread-block cluster's shared memory (sm_90), read once, instead of the
+                  one-block-a-row kernels that read it up to three times
 
 Device time: CUDA events behind a GPU-side wait (peers.time_step), median of the runs; host
 time to enqueue forward+backward beside it. Peak extra: torch's allocator's high-water mark (and
@@ -132,7 +133,7 @@ def fusedloss_provider(env=None, **options):
 
 # the divergence each provider's loss is (its gradients' reference); None: no loss (a floor)
 DIVERGENCE = {"4-gemm": None, "6-gemm": None, "torch": "jsd", "liger": "jsd",
-              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl", "fusedloss-rows": "jsd"}
+              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl", "fusedloss-clusters": "jsd"}
 PEERS = ("torch", "liger")
 
 
@@ -141,9 +142,9 @@ def providers():
                          {"liger": liger,
                           "fusedloss": fusedloss_provider(divergence="jsd", beta=BETA),
                           "fusedloss-fkl": fusedloss_provider(divergence="forward_kl"),
-                          # jsd with the one-block-a-row kernels (no clusters): their cost beside
-                          "fusedloss-rows": fusedloss_provider(
-                              {"FUSEDLOSS_DISTILL_CLUSTERS": "0"}, divergence="jsd", beta=BETA)})
+                          # jsd with the row kernels in clusters (opt-in until measured)
+                          "fusedloss-clusters": fusedloss_provider(
+                              {"FUSEDLOSS_DISTILL_CLUSTERS": "1"}, divergence="jsd", beta=BETA)})
 
 
 # ---- measurement ----
@@ -244,7 +245,7 @@ def report_targets(by, shapes):
     if not any(name.startswith("fusedloss") for name, _, _ in by):
         print("  fusedloss not measured (unavailable or failed at every shape: see [bench] above)")
     for N, H, V in shapes:
-        for name in ("fusedloss", "fusedloss-fkl"):
+        for name in ("fusedloss", "fusedloss-fkl", "fusedloss-clusters"):
             r = by.get((name, N, V))
             if r is None:
                 continue

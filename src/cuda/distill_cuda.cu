@@ -432,11 +432,13 @@ ClusterSplit cluster_split(const void* kernel, const MatrixView& xs, const Matri
   return {int(blocks), int(per_block), uint32_t(teacher_at), size_t(bytes)};
 }
 
-// FUSEDLOSS_DISTILL_CLUSTERS = 1 | 0: the row kernels in clusters where they can run (1, the
-// default), or the one-block-a-row kernels always (a benchmark's comparison; read every call).
+// FUSEDLOSS_DISTILL_CLUSTERS = 0 | 1: the one-block-a-row kernels always (0, the default), or
+// the cluster kernel where it can run (1; read at every call). Opt-in until a GPU run has held
+// it to the tests and measured it against the one-block kernels (bench/distill_bench.py's
+// fusedloss-clusters).
 bool clusters_allowed() {
   const char* v = std::getenv("FUSEDLOSS_DISTILL_CLUSTERS");
-  return !v || std::string(v) != "0";
+  return v && std::string(v) == "1";
 }
 
 // The forward of xs's rows in clusters, and with write_grad their gradients in place (as

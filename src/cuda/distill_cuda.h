@@ -1,7 +1,7 @@
 // CUDA backend of the linear distillation loss's row math (core/distill_math.h): one block per
 // row, the student's and the teacher's rows read side by side in 8-element units (16-byte loads
-// of the chunk buffers: rows on 16-byte boundaries); on sm_90 the forward's rows in a
-// thread-block cluster each, held in shared memory between the passes. As the cpu:: functions of the same names
+// of the chunk buffers: rows on 16-byte boundaries); on sm_90, with FUSEDLOSS_DISTILL_CLUSTERS=1,
+// the forward's rows in a thread-block cluster each, held in shared memory between the passes. As the cpu:: functions of the same names
 // (cpu/distill_cpu.h), enqueued on `stream`.
 #pragma once
 #include "core/distill_math.h"
@@ -27,8 +27,9 @@ void distill_add_jsd(const float* sums, int64_t rows, const IndexView& target,
 void distill_gradient(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
                       int64_t vocab_start, int64_t ignore_index, const core::DistillParams& p,
                       const DistillRowStats* stats, const float* grad_loss, Stream stream);
-// distill_rows, then distill_gradient of one shard (vocab_start 0) with those stats: on sm_90
-// in one kernel that reads each row pair once (a thread-block cluster a row), else the two.
+// distill_rows, then distill_gradient of one shard (vocab_start 0) with those stats: in one
+// kernel that reads each row pair once (a thread-block cluster a row: sm_90, opted into),
+// else the two.
 void distill_rows_and_gradient(const MatrixView& xs, const MatrixView& xt, const IndexView& target,
                                int64_t ignore_index, const core::DistillParams& p, float* loss,
                                DistillRowStats* stats, const float* grad_loss, Stream stream);

@@ -142,6 +142,29 @@ class Buffer {
   void* dev_ = nullptr;
 };
 
+// Sets one environment variable for a scope (the kernels' FUSEDLOSS_* knobs,
+// read at every call).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
 // ||a - b|| / ||b|| over finite references; NaN in `a` where b is finite fails.
 inline double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;

@@ -446,28 +446,6 @@ TEST_P(LinearCrossEntropy, BiasSplitFormMatchesTheForward) {
   expect_split_form_matches_forward(GetParam(), c, make_lce_problem(c, rng()));
 }
 
-// Sets one environment variable for a scope (the FUSEDLOSS_LCE_* knobs of src/core/lce_tuning.h).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_)
-      ::setenv(name_, old_.c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 TEST_P(LinearCrossEntropy, PipelineVariantsMatchTheReference) {
   // Every variant of the chunk pipeline, over many chunks (the last one short) with the
   // chunking derived from the workspace, in both backward modes.

@@ -431,7 +431,8 @@ TEST(LinearDistillationMath, OneRowKlIsExactUnderAnOffsetBetweenTheModels) {
 // Rows that span several blocks (a thread-block cluster's slices on sm_90) with a tail of less
 // than one 8-element unit: the CUDA backend against the CPU backend, which the tests above hold
 // to float64, for every divergence, with and without the hard-label term, an ignored row and
-// three dtype pairs; the in-forward gradients and the forward + backward. Needs a GPU: the CPU
+// three dtype pairs; the in-forward gradients and the forward + backward; the one-block-a-row
+// kernels and (FUSEDLOSS_DISTILL_CLUSTERS=1) the cluster kernel. Needs a GPU: the CPU
 // backend's own long-row math is in the tests above and the property tests.
 TEST(LinearDistillationLongRows, CudaMatchesTheCpuBackend) {
   FL_SKIP_UNLESS_BACKEND(Device::CUDA);
@@ -498,8 +499,11 @@ TEST(LinearDistillationLongRows, CudaMatchesTheCpuBackend) {
         const bool bf16 = ds == DType::BF16 || dt == DType::BF16;
         const double loss_tol = bf16 ? 3e-3 : 2e-5, grad_tol = bf16 ? 2e-2 : 1e-4;
         const Out want = run(Device::CPU, false);
+        for (const char* clusters : {"0", "1"})
         for (bool in_forward : {false, true}) {
-          SCOPED_TRACE(in_forward ? "in-forward gradients" : "forward + backward");
+          SCOPED_TRACE(::testing::Message() << (in_forward ? "in-forward gradients" : "forward + backward")
+                                            << ", FUSEDLOSS_DISTILL_CLUSTERS=" << clusters);
+          const ScopedEnv env("FUSEDLOSS_DISTILL_CLUSTERS", clusters);
           const Out got = run(Device::CUDA, in_forward);
           for (int64_t r = 0; r < n; ++r)
             EXPECT_NEAR(got.loss[r], want.loss[r], loss_tol * (1 + std::abs(want.loss[r])))
