@@ -43,7 +43,8 @@ def build_info() -> dict:
     "backends" ({"CPU": True, "CUDA": bool}), "cuda_version", "cuda_architectures" (the
     CMAKE_CUDA_ARCHITECTURES the kernels were compiled for), "openmp", "cpu_blas" (whether the
     CPU backend's GEMMs run through a BLAS, else plain loops) and "blas_libraries" (the BLAS
-    linked, as CMake found it), "communicators" ({"NCCL":
+    linked, as CMake found it), "cpu_bf16_dnnl" and "dnnl_version" (whether its bf16 GEMMs run
+    through oneDNN where the CPU has bf16 dot products, and which), "communicators" ({"NCCL":
     bool, "MPI": bool}: the C++ SDK's; the PyTorch ops run vocab-parallel over torch.distributed
     either way), "cpu_library" (whether the SDK has fusedloss::cpu, the CPU backend alone for
     consumers without the CUDA toolkit). `python -m fusedloss --info` prints it."""

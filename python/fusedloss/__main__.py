@@ -43,7 +43,10 @@ def _cpu_gemms(info):
     for lib in info.get("blas_libraries", []):
         real = os.path.realpath(lib)
         libs.append(lib if real == lib else f"{lib} -> {real}")
-    return "BLAS: " + (", ".join(libs) or "the linker's default")
+    gemms = "BLAS: " + (", ".join(libs) or "the linker's default")
+    if info.get("cpu_bf16_dnnl"):
+        gemms += f"; bf16 through oneDNN {info.get('dnnl_version', '')} where the CPU has bf16 dot products"
+    return gemms
 
 
 def info_lines():

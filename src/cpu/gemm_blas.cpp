@@ -1,6 +1,7 @@
 // cpu::gemm through the BLAS the build found (cblas_sgemm). fp32 operands are read in place;
 // fp16 / bf16 ones are converted (exactly) into fp32 tiles in the caller's stage, and a 16-bit
-// C accumulates in an fp32 tile, rounded once into C when its tile is done.
+// C accumulates in an fp32 tile, rounded once into C when its tile is done. Two bf16 operands
+// go to oneDNN first where the build has it (gemm_dnnl.cpp).
 #include "cpu/gemm_cpu.h"
 
 #include <cblas.h>
@@ -117,6 +118,9 @@ void gemm(const MatrixView& A, bool ta, const MatrixView& B, bool tb, const Matr
           bool accumulate, GemmStage stage) {
   const int64_t m = C.rows, n = C.cols, k = ta ? A.rows : A.cols;
   if (m == 0 || n == 0) return;
+#ifdef FUSEDLOSS_DNNL
+  if (gemm_bf16(A, ta, B, tb, C, accumulate)) return;
+#endif
   const bool sa = staged(A), sb = staged(B), sc = staged(C);
   const Tiling t = tiling(m, n, k, sa, sb, sc, stage.floats);
   float* const a_stage = stage.data;
