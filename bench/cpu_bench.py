@@ -109,9 +109,11 @@ def cpu_model():
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
         return platform.processor() or "unknown CPU"
-    avx512 = "avx512f" in fields.get("flags", "").split()
+    flags = fields.get("flags", "").split()
+    isa = ", AVX-512" if "avx512f" in flags else ""
+    isa += " with BF16" if isa and "avx512_bf16" in flags else ""
     return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} "
-            f"model {fields.get('model', '?')}{', AVX-512' if avx512 else ''})")
+            f"model {fields.get('model', '?')}{isa})")
 
 
 def header_lines():
@@ -119,7 +121,8 @@ def header_lines():
     blas = ", ".join(os.path.realpath(p) for p in info.get("blas_libraries", [])) or "none (plain loops)"
     return [f"CPU: {cpu_model()}, {os.cpu_count()} cores visible",
             f"threads: torch {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
-            f"torch {torch.__version__}; fusedloss {info['version']}, BLAS: {blas}",
+            f"torch {torch.__version__}; fusedloss {info['version']}, BLAS: {blas}; bf16 GEMMs: "
+            + (f"oneDNN {info.get('dnnl_version')}" if info.get("cpu_bf16_dnnl") else "the BLAS, on fp32 tiles"),
             "forward + backward, median of the runs after a warm-up; ratio = fusedloss / torch"]
 
 
