@@ -17,8 +17,38 @@ namespace fusedloss::core {
 // exp(x). On the GPU the hardware ex2 approximation (rel. error ~2^-22) of x log2(e), with
 // results below 2^-126 flushed to zero: two instructions (__expf adds three more to keep
 // subnormal results, which no softmax term needs), so that a kernel doing two passes' math
-// over one read of the logits stays memory-bound; on the host the libm expf.
+// over one read of the logits stays memory-bound; on the host libm's expf (host_exp where a
+// loop is written to vectorise: a scalar host_exp is slower than expf).
 constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) on the host as straight-line float arithmetic that a compiler vectorises (libm's expf
+// is a call per element, which keeps the CPU backend's row loops scalar): x = n ln 2 + r with
+// n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, Cody and Waite), e^r by Cephes
+// expf's polynomial, 2^n through the exponent bits. Within 1 unit in the last place of the
+// exact value for x < 88 (4 above, where n stops at 127); results below 2^-126 (x < -87.34)
+// are 0, as the GPU's flush; x > 88.72 gives inf; NaN stays NaN.
+inline float host_exp(float x) {
+  constexpr float kLowest = -87.33654f, kHighest = 88.72283f;
+  // (comparisons, not fminf / fmaxf: those are libm calls that stop vectorisation; NaN is
+  // restored at the end)
+  float xc = x > kLowest ? x : kLowest;
+  xc = xc < kHighest ? xc : kHighest;
+  // round to nearest by the 1.5 x 2^23 shift (no libm call); n <= 127 keeps 2^n finite
+  float n = (xc * kLog2e + 12582912.0f) - 12582912.0f;
+  n = n < 127.0f ? n : 127.0f;
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float q = 1.9875691500e-4f;
+  q = q * r + 1.3981999507e-3f;
+  q = q * r + 8.3334519073e-3f;
+  q = q * r + 4.1665795894e-2f;
+  q = q * r + 1.6666665459e-1f;
+  q = q * r + 5.0000001201e-1f;
+  const float two_n = __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
+  float y = (q * r * r + r + 1.0f) * two_n;
+  y = x < kLowest ? 0.0f : y;
+  y = x > kHighest ? INFINITY : y;
+  return x != x ? x : y;
+}
 
 FL_HD float fast_exp(float x) {
 #if defined(__CUDA_ARCH__)
@@ -140,7 +170,7 @@ FL_HD bool fma_exponent(const GradRow& g) { return fabsf(g.lse_log2) <= 3.0e38f;
 // their instruction issue as much as by memory). The rounding of lse log2(e) adds |lse| 2^-24 to
 // the exponent's error, the size of the error lse itself carries as one fp32 value, and the
 // same for every column of the row. Otherwise the exponential of the exact difference (the
-// host: libm expf).
+// host: expf).
 template <bool kFma = false>
 FL_HD float softmax_p(const GradRow& g, float x) {
 #if defined(__CUDA_ARCH__)

@@ -5,9 +5,13 @@
 #include <vector>
 #include "core/dispatch.h"
 #include "cpu/matrix_cpu.h"
+#include "cpu/vector_rows.h"
 
 namespace fusedloss::cpu {
 namespace {
+
+// The row passes' span: a row's floats in L1 at a time, and its partial sums' length.
+constexpr int64_t kSpan = 1024;
 
 using core::StorageKind;
 using core::TargetKind;
@@ -26,26 +30,16 @@ void local_stats_impl(const MatrixView& x, const IndexView& target, const core::
   for (int64_t r = 0; r < x.rows; ++r) {
     const auto* row = base + r * x.row_stride;
     float m = -INFINITY, s = 0.0f, sx = 0.0f;
-    // As the kernels: one rescale per 16-byte vector (4 fp32 or 8 fp16/bf16 elements), and
-    // partial sums over spans of a row merged at the end, as their threads' are: one fp32 sum
-    // along a row of 10^5 and more terms would drift past fp32's ~1e-5 (the kernels' sums
-    // have a few hundred terms each).
-    constexpr int kChunk = 16 / sizeof(typename S::type);
-    constexpr int64_t kSpan = 1024;  // a multiple of kChunk
+    // Partial sums over spans of a row merged at the end, as the kernels' threads' are: one
+    // fp32 sum along a row of 10^5 and more terms would drift past fp32's ~1e-5 (the kernels'
+    // sums have a few hundred terms each). Each span in two vectorised loops over its floats
+    // (in L1): its max, then its sum-exp and sum; the spans' pairs merge online.
+    float v[kSpan];
     for (int64_t start = 0; start < x.cols; start += kSpan) {
-      const int64_t end = std::min(x.cols, start + kSpan);
-      float ms = -INFINITY, ss = 0.0f, sxs = 0.0f;
-      int64_t j = start;
-      for (; j + kChunk <= end; j += kChunk) {
-        float v[kChunk];
-        for (int i = 0; i < kChunk; ++i) sxs += (v[i] = core::cap_logit(S::load(row[j + i]), p.softcap));
-        core::online_add_chunk<kChunk>(ms, ss, v);
-      }
-      for (; j < end; ++j) {
-        float v = core::cap_logit(S::load(row[j]), p.softcap);
-        core::online_add(ms, ss, v);
-        sxs += v;
-      }
+      const int64_t len = std::min(x.cols - start, kSpan);
+      for (int64_t i = 0; i < len; ++i) v[i] = core::cap_logit(S::load(row[start + i]), p.softcap);
+      float ms, ss, sxs;
+      span_stats(v, len, &ms, &ss, &sxs);
       core::online_merge(m, s, ms, ss);
       sx += sxs;
     }
@@ -75,8 +69,26 @@ void backward_impl(const MatrixView& x, const IndexView& target, const float* ls
     const float dl = core::row_grad_scale(p, grad_loss, valid_count, r);
     core::GradRow g = core::make_grad_row(lse[r], dl, p.smoothing, p.z_loss);
     int64_t local_target = kind == TargetKind::Local ? index_at(target, r) - p.vocab_start : -1;
-    for (int64_t j = 0; j < x.cols; ++j)
-      gr[j] = S::store(core::capped_grad_element(g, S::load(xr[j]), j == local_target, p.softcap));
+    if (p.softcap > 0.0f) {
+      for (int64_t j = 0; j < x.cols; ++j)
+        gr[j] = S::store(core::capped_grad_element(g, S::load(xr[j]), j == local_target, p.softcap));
+      continue;
+    }
+    // Every column as a non-target one (grad_element's form) in the vectorised span loop, then
+    // the target's again (an in-place gradient has overwritten its logit: read it first).
+    const float xt = local_target >= 0 ? S::load(xr[local_target]) : 0.0f;
+    if constexpr (K == StorageKind::F32) {
+      softmax_grad_span(xr, gr, x.cols, g.lse, g.p_scale, g.smooth);
+    } else {
+      float v[kSpan];
+      for (int64_t start = 0; start < x.cols; start += kSpan) {
+        const int64_t len = std::min(x.cols - start, kSpan);
+        for (int64_t i = 0; i < len; ++i) v[i] = S::load(xr[start + i]);
+        softmax_grad_span(v, v, len, g.lse, g.p_scale, g.smooth);
+        for (int64_t i = 0; i < len; ++i) gr[start + i] = S::store(v[i]);
+      }
+    }
+    if (local_target >= 0) gr[local_target] = S::store(core::grad_element(g, xt, true));
   }
 }
 
