@@ -1,6 +1,8 @@
 // Cross-entropy on one process, every backend (CPU always; CUDA when a GPU is present),
 // against the float64 reference with fresh random inputs.
 #include "common/ce_harness.h"
+#include "core/cross_entropy_math.h"
+#include "cpu/vector_rows.h"
 
 namespace fusedloss::test {
 namespace {
@@ -384,6 +386,57 @@ TEST_P(CrossEntropy, Deterministic) {
   ASSERT_EQ(a.loss.size(), b.loss.size());
   EXPECT_EQ(0, std::memcmp(a.loss.data(), b.loss.data(), a.loss.size() * 4));
   EXPECT_EQ(0, std::memcmp(a.grad.data(), b.grad.data(), a.grad.size() * 4));
+}
+
+// The CPU backend's vectorised row loops: core::host_exp against exp in float64 across fp32's
+// range and at its special values; cpu/vector_rows.h's span loops (whichever clone this CPU
+// runs) against float64 on rows whose lengths leave every vector tail, and on rows with -inf,
+// +inf and NaN.
+TEST(CpuRowLoops, HostExpAndSpansAgainstFloat64) {
+  double worst = 0;
+  for (float x = -87.3f; x < 88.0f; x += 0.00731f) {
+    const double want = std::exp(double(x));
+    worst = std::max(worst, std::abs(double(core::host_exp(x)) - want) / want);
+  }
+  EXPECT_LE(worst, 1.2e-7);  // one unit in the last place of fp32
+  EXPECT_EQ(core::host_exp(-INFINITY), 0.0f);
+  EXPECT_EQ(core::host_exp(-100.0f), 0.0f);  // below 2^-126: flushed, as on the GPU
+  EXPECT_EQ(core::host_exp(0.0f), 1.0f);
+  EXPECT_TRUE(std::isinf(core::host_exp(INFINITY)) && std::isinf(core::host_exp(89.0f)));
+  EXPECT_TRUE(std::isnan(core::host_exp(NAN)));
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (int64_t n : {1, 3, 15, 16, 17, 63, 1000, 1024}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n);
+    std::vector<float> v(n), out(n);
+    for (float& e : v) e = normal(rng());
+    double dm = -INFINITY, ds = 0, dsx = 0, mag = 0;
+    for (float e : v) dm = std::max(dm, double(e));
+    for (float e : v) ds += std::exp(double(e) - dm), dsx += e, mag += std::abs(e);
+    float m, sum_exp, sum;
+    cpu::span_stats(v.data(), n, &m, &sum_exp, &sum);
+    EXPECT_EQ(m, float(dm));
+    EXPECT_NEAR(sum_exp, ds, 1e-6 * ds);
+    EXPECT_NEAR(sum, dsx, 1e-6 * mag);
+    cpu::softmax_grad_span(v.data(), out.data(), n, 1.3f, 0.7f, 0.01f);
+    for (int64_t i = 0; i < n; ++i) {  // (the difference rounded to fp32 as the loop takes it)
+      const double p = 0.7 * std::exp(double(v[i] - 1.3f)), want = p - 0.01;
+      EXPECT_NEAR(out[i], want, 3e-7 * p + 1e-9) << "column " << i;
+    }
+    cpu::softmax_grad_span(v.data(), v.data(), n, 1.3f, 0.7f, 0.01f);  // in place
+    EXPECT_EQ(v, out);
+    std::fill(v.begin(), v.end(), -INFINITY);  // a masked span: max -inf, nothing added
+    cpu::span_stats(v.data(), n, &m, &sum_exp, &sum);
+    EXPECT_EQ(m, -INFINITY);
+    EXPECT_EQ(sum_exp, 0.0f);
+    v[n / 2] = INFINITY;  // +inf: its own term 1, the rest 0
+    cpu::span_stats(v.data(), n, &m, &sum_exp, &sum);
+    EXPECT_EQ(m, INFINITY);
+    EXPECT_EQ(sum_exp, 1.0f);
+    v.assign(n, 0.5f);
+    v[n - 1] = NAN;  // a NaN reaches the sum
+    cpu::span_stats(v.data(), n, &m, &sum_exp, &sum);
+    EXPECT_TRUE(std::isnan(sum_exp));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, CrossEntropy, ::testing::Values(Device::CPU, Device::CUDA),
