@@ -17,11 +17,10 @@ void span_stats(const float* v, int64_t n, float* max, float* sum_exp, float* su
   float m = -INFINITY, s = 0.0f, sx = 0.0f;
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = v[i] > m ? v[i] : m;
-  const bool top = m != -INFINITY;
-  const float ref = top ? m : 0.0f;  // a span of -inf adds 0, shifted by 0
+  const float ref = m == -INFINITY ? 0.0f : m;  // a span of -inf adds 0, shifted by 0
 #pragma omp simd reduction(+ : s, sx)
   for (int64_t i = 0; i < n; ++i) {
-    s += top && v[i] == m ? 1.0f : core::host_exp(v[i] - ref);
+    s += core::host_exp(v[i] - ref);  // (+inf: inf - inf, NaN, as the kernels' online sums)
     sx += v[i];
   }
   *max = m, *sum_exp = s, *sum = sx;

@@ -8,8 +8,8 @@
 
 namespace fusedloss::cpu {
 
-// Of v[0, n): its max (NaN skipped, as fmaxf; -inf for none), then sum_j exp(v_j - max) (the
-// max's own terms 1, +inf's too; a NaN makes it NaN; with max -inf it is 0) and sum_j v_j.
+// Of v[0, n): its max (NaN skipped, as fmaxf; -inf for none), then sum_j exp(v_j - max) (a NaN
+// or a +inf makes it NaN, as the kernels' online sums; with max -inf it is 0) and sum_j v_j.
 void span_stats(const float* v, int64_t n, float* max, float* sum_exp, float* sum);
 
 // out_j = scale exp(x_j - lse) - shift for j in [0, n) (out may be x).

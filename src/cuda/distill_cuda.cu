@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kThreads)
       loss[r] = 0.0f;
       stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     }
-    if (write_grad) {
+    if (write_grad) {  // (zeros over the last slice's tail too: the chunk buffers' padding)
       for (int i = threadIdx.x; i < int(bytes_s / kVectorBytes); i += kThreads) slice[i] = Vec16{};
       fence_shared_for_bulk_copy();
       __syncthreads();

@@ -161,8 +161,12 @@ int shared_per_sm() {
 void allow_most_shared(const void* kernel) {
   const int most = shared_per_block_optin();  // (asked before the lock device_fact takes)
   device_fact({kernel, -4, 0, size_t(most)}, [](int, const FactKey& k) {
+    // the dynamic part may take what the kernel's static shared memory leaves of the opt-in
+    cudaFuncAttributes attributes{};
+    FL_CUDA_CHECK(cudaFuncGetAttributes(&attributes, k.kernel));
+    const int dynamic = int(k.shared) - int(attributes.sharedSizeBytes);
     FL_CUDA_CHECK(cudaFuncSetAttribute(k.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(k.shared)));
+                                       dynamic > 0 ? dynamic : 0));
     return 1;
   });
 }

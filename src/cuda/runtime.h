@@ -42,9 +42,9 @@ int blocks_per_sm(const void* kernel, int threads);
 // Shared memory: the most dynamic shared memory one block may opt into, and an SM's.
 int shared_per_block_optin();
 int shared_per_sm();
-// Lets `kernel` take up to shared_per_block_optin() bytes of dynamic shared memory on the
-// current device, once per device: the largest any call needs, so that concurrent callers
-// never lower it under each other's launches.
+// Lets `kernel` take as much dynamic shared memory as shared_per_block_optin() leaves beside
+// its static shared memory on the current device, once per device: the largest any call needs,
+// so that concurrent callers never lower it under each other's launches.
 void allow_most_shared(const void* kernel);
 bool built_for_sm90(const void* kernel);
 
