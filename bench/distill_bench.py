@@ -306,26 +306,12 @@ def report(records, names, gpu, commit, out_dir):
                               "dhidden_rel_err", "dweight_rel_err", "host_ms", "gpu", "commit",
                               "date"],
                            rows)
-    plt = peers.pyplot()
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(names), 1)
 
-    def value(n, N, V, key, scale=1.0):
+    def value(n, N, V, key):
         r = by.get((n, N, V))
-        return r[key] / scale if r is not None and r["status"] == "ok" else 0
+        return r[key] if r is not None and r["status"] == "ok" else 0
 
-    for i, n in enumerate(names):
-        xs = [k + i * width for k in range(len(shapes))]
-        axes[0].bar(xs, [value(n, N, V, "both") for N, _, V in shapes], width, label=n)
-        axes[1].bar(xs, [value(n, N, V, "peak", 1024) for N, _, V in shapes], width, label=n)
-    for ax, label in zip(axes, ["forward+backward ms", "peak extra GiB (incl. gradients)"]):
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(shapes))])
-        ax.set_xticklabels([f"N {N}, H {H}\nV {V}" for N, H, V in shapes], fontsize=8)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"linear distillation (bf16, jsd beta {BETA}, mean) on {gpu}; OOM: no bar")
-    fig.savefig(path.replace(".csv", ".png"), dpi=110, bbox_inches="tight")
-    print(f"wrote {path.replace('.csv', '.png')}")
+    peers.plot_time_and_memory(
+        path, names, shapes, value,
+        f"linear distillation (bf16, jsd beta {BETA}, mean) on {gpu}; OOM: no bar",
+        lambda N, H, V: f"N {N}, H {H}\nV {V}")

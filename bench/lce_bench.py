@@ -332,23 +332,7 @@ def report(records, names, gpu, commit, out_dir):
                             "x_3gemm", "x_4gemm", "peak_extra_mib", "dhidden_rel_err",
                             "dweight_rel_err", "host_ms", "gpu", "commit", "date"],
                            [row(r) for r in records])
-    plt = peers.pyplot()
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(names), 1)
-    for i, n in enumerate(names):
-        xs = [k + i * width for k in range(len(shapes))]
-        axes[0].bar(xs, [by[(n, N, V)]["both"] if (n, N, V) in by else 0 for N, _, V in shapes],
-                    width, label=n)
-        axes[1].bar(xs, [by[(n, N, V)]["peak"] / 1024 if (n, N, V) in by else 0
-                         for N, _, V in shapes], width, label=n)
-    for ax, label in zip(axes, ["forward+backward ms", "peak extra GiB (incl. gradients)"]):
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(shapes))])
-        ax.set_xticklabels([f"{N}x{H}x{V}" for N, H, V in shapes])
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"linear cross-entropy (bf16, mean) on {gpu}")
-    fig.savefig(path.replace(".csv", ".png"), dpi=110, bbox_inches="tight")
-    print(f"wrote {path.replace('.csv', '.png')}")
+    peers.plot_time_and_memory(
+        path, names, shapes,
+        lambda n, N, V, key: by[(n, N, V)][key] if (n, N, V) in by else 0,
+        f"linear cross-entropy (bf16, mean) on {gpu}", lambda N, H, V: f"{N}x{H}x{V}")

@@ -346,5 +346,31 @@ def pyplot():
     return plt
 
 
+def plot_time_and_memory(path, names, shapes, value, title, tick):
+    """Two bar charts beside each other, a bar per provider in `names` at each (N, H, V) of
+    `shapes`: forward+backward ms and peak extra GiB. value(name, N, V, key) gives a record's
+    "both" (ms) or "peak" (MiB), 0 where there is none; tick(N, H, V) labels a shape. Written
+    next to the CSV at `path` as .png (nothing where matplotlib is missing)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, n in enumerate(names):
+        xs = [k + i * width for k in range(len(shapes))]
+        axes[0].bar(xs, [value(n, N, V, "both") for N, _, V in shapes], width, label=n)
+        axes[1].bar(xs, [value(n, N, V, "peak") / 1024 for N, _, V in shapes], width, label=n)
+    for ax, label in zip(axes, ["forward+backward ms", "peak extra GiB (incl. gradients)"]):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(shapes))])
+        ax.set_xticklabels([tick(N, H, V) for N, H, V in shapes], fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    png = path.replace(".csv", ".png")
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    print(f"wrote {png}")
+
+
 def today():
     return datetime.date.today().isoformat()

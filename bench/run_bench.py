@@ -263,30 +263,23 @@ def main():
                     help="linear-cross-entropy, log-probs, distillation: N,H,V[;N,H,V...] "
                     "instead of the issue's shapes")
     args = ap.parse_args()
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
+              if args.shapes else None)
     if not torch.cuda.is_available():
         print("run_bench.py times the CUDA kernels and needs a GPU; none is usable here, nothing to do")
         return
     if args.kind == "distillation":
         import distill_bench
-        shapes = None
-        if args.shapes:
-            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
         distill_bench.run(args.out, git_commit(), shapes=shapes)
         return
     if args.kind == "log-probs":
         import log_probs_bench
-        shapes = None
-        if args.shapes:
-            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
         log_probs_bench.run(args.out, git_commit(), shapes=shapes)
         return
     if args.kind == "linear-cross-entropy":
         import lce_bench
         variants = (list(lce_bench.VARIANTS) if args.variants == "all"
                     else [v for v in args.variants.split(",") if v])
-        shapes = None
-        if args.shapes:
-            shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
         lce_bench.run(args.out, git_commit(), variants=variants, shapes=shapes)
         return
     if not args.build:
