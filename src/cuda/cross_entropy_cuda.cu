@@ -7,9 +7,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <set>
 #include <utility>
 
 #include "core/dispatch.h"
@@ -710,72 +707,42 @@ void ce_forward_tp1(const MatrixView& logits, const IndexView& target, const CeP
 
 namespace {
 
-// The device's numbers for the fused kernel, read once per device: its SM count and the
-// cache a block gets (the block's share of an SM's shared memory, 2 KiB left for its static
-// shared memory and the driver's reserve, within the per-block maximum).
+// The device's numbers for the fused kernel (runtime.h's facts, kept per device there): its SM
+// count and the cache a block gets (the block's share of an SM's shared memory, 2 KiB left for
+// its static shared memory and the driver's reserve, within the per-block maximum).
 struct FusedLaunch {
-  int device = -1;
   int sms = 0;
   int64_t cache_bytes = 0;
-  int64_t block_shared = 0;    // the most dynamic shared memory one block may opt into
-  int64_t sm_shared = 0;       // an SM's shared memory
 };
 
-const FusedLaunch& fused_launch() {
-  static std::mutex mu;
-  static std::map<int, FusedLaunch> known;
-  int device = 0;
-  FL_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(device);
-  if (it != known.end()) return it->second;
-  int block_shared = 0, sm_shared = 0, sms = 0;
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&block_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                       device));
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_shared, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                       device));
-  FL_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t cache = std::min<int64_t>(
-      int64_t(block_shared) - 2048, int64_t(sm_shared) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
-  return known[device] = FusedLaunch{device, sms, std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes,
-                                     std::max<int64_t>(int64_t(block_shared) - 1024, 0),
-                                     int64_t(sm_shared)};
-}
-
-// Lets `kernel` take the whole cache on the current device, once: the attribute is the
-// largest any call needs, so concurrent callers with smaller rows never lower it under
-// each other's launches.
-void allow_shared(const void* kernel, const FusedLaunch& l, int64_t bytes) {
-  static std::mutex mu;
-  static std::set<std::pair<int, const void*>> done;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert({l.device, kernel}).second) return;
-  FL_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+FusedLaunch fused_launch() {
+  const int64_t cache = std::min<int64_t>(int64_t(shared_per_block_optin()) - 2048,
+                                          int64_t(shared_per_sm()) / FUSEDLOSS_CE_FUSED_BLOCKS_PER_SM - 2048);
+  return FusedLaunch{sm_count(), std::max<int64_t>(cache, 0) / kVectorBytes * kVectorBytes};
 }
 
 // The cluster kernel's split of a row of `vecs` 16-byte vectors: blocks per row and vectors a
 // block, or {0, 0} when the row does not fit kMaxCluster slices of the most shared memory a
 // block may have.
-std::pair<int, int64_t> cluster_split(int64_t vecs, const FusedLaunch& l) {
+std::pair<int, int64_t> cluster_split(int64_t vecs) {
   const int64_t target = ClusterRows::kSliceBytes / kVectorBytes;
   int64_t blocks = std::min<int64_t>((vecs + target - 1) / target, ClusterRows::kMaxCluster);
   blocks = std::max<int64_t>(blocks, 1);
   const int64_t slice = (vecs + blocks - 1) / blocks;
-  // at least two blocks an SM (2 KiB each for static memory and the driver's reserve), so that
-  // one block's copies overlap another's arithmetic: rows that need more (fp32 beyond about
-  // 230k columns) take the 3 passes, which are measured; this split is not
-  const int64_t most = std::min<int64_t>(l.block_shared, l.sm_shared / 2 - 2048);
-  if (slice * kVectorBytes > most) return {0, 0};
+  // at least two blocks an SM, so that one block's copies overlap another's arithmetic: rows
+  // that need more (fp32 beyond about 230k columns) take the 3 passes, which are measured;
+  // this split is not
+  if (slice * kVectorBytes > shared_for_two_blocks_per_sm()) return {0, 0};
   return {int((vecs + slice - 1) / slice), slice};
 }
 
 // The cluster kernel's split of `logits` rows for `kernel` on this device: {0, 0} where it
 // cannot run (a device or a build before sm_90: max_active_clusters says 0; rows too long, too
 // many of them for the grid).
-std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits, const FusedLaunch& l) {
-  const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes, l);
+std::pair<int, int64_t> cluster_plan(const void* kernel, const MatrixView& logits) {
+  const auto split = cluster_split(logits.cols * detail::element_size(logits.dtype) / kVectorBytes);
   if (split.first == 0 || logits.rows > int64_t(INT32_MAX) / split.first) return {0, 0};
-  allow_shared(kernel, l, l.block_shared);
+  allow_most_shared(kernel);
   const bool fits = max_active_clusters(kernel, ClusterRows::kThreads, split.first,
                                         size_t(split.second) * kVectorBytes) > 0;
   return fits ? split : std::pair<int, int64_t>{0, 0};
@@ -791,7 +758,7 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
       (logits.data == grad.data && logits.row_stride == grad.row_stride) ||
       (row_starts_aligned(logits.data, logits.row_stride, esize) &&
        row_starts_aligned(grad.data, grad.row_stride, esize));
-  const FusedLaunch& launch_shape = fused_launch();
+  const FusedLaunch launch_shape = fused_launch();
   // The whole row body when it fits the block's share of the SM's shared memory.
   const int64_t cache_vecs = std::min<int64_t>(logits.cols * esize / kVectorBytes,
                                                launch_shape.cache_bytes / kVectorBytes);
@@ -822,7 +789,7 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
       constexpr bool kSum = decltype(sum_logits)::value;
       auto cluster = cluster_grad_kernel<K, Index, kSum>;
       const auto split = whole_vectors
-                             ? cluster_plan(reinterpret_cast<const void*>(cluster), logits, launch_shape)
+                             ? cluster_plan(reinterpret_cast<const void*>(cluster), logits)
                              : std::pair<int, int64_t>{0, 0};
       if (split.first == 0 && !fused) return;
       const ScratchBuffer scratch(sizeof(float) * p.rows, stream);
@@ -839,7 +806,7 @@ void ce_forward_with_grad_tp1(const MatrixView& logits, const IndexView& target,
                            row_losses);
       } else {
         auto kernel = stats_grad_kernel<K, Index, kSum>;
-        allow_shared(reinterpret_cast<const void*>(kernel), launch_shape, launch_shape.cache_bytes);
+        allow_most_shared(reinterpret_cast<const void*>(kernel));
         // The resident grid: every block strides over rows.
         int per_sm = 0;
         FL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,

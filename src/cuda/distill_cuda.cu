@@ -403,8 +403,8 @@ unsigned blocks_for(int64_t rows) { return unsigned((rows + 255) / 256); }
 // The cluster kernel's split of a row pair: blocks a row (0: it cannot run), columns a block,
 // where the teacher's columns start in a block's shared memory and its bytes. Slices of about
 // kSliceBytes where the row allows (more resident blocks an SM, so that one block's copies
-// overlap another's arithmetic), at most kMaxCluster of them, each at most half an SM's shared
-// memory (2 KiB kept for the static part and the driver's reserve); buffers whose rows' padding
+// overlap another's arithmetic), at most kMaxCluster of them, each within
+// shared_for_two_blocks_per_sm(); buffers whose rows' padding
 // holds each slice's 16-byte tail (the chunk buffers' pitch: a multiple of 16 bytes); a device
 // and build of sm_90 or later (max_active_clusters says 0 otherwise).
 struct ClusterSplit {
@@ -425,8 +425,7 @@ ClusterSplit cluster_split(const void* kernel, const MatrixView& xs, const Matri
   const int64_t per_block = core::round_up((cols + blocks - 1) / blocks, int64_t(kUnit));
   blocks = (cols + per_block - 1) / per_block;
   const int64_t teacher_at = padded(per_block * es), bytes = teacher_at + padded(per_block * et);
-  const int64_t most = std::min<int64_t>(shared_per_block_optin() - 1024, shared_per_sm() / 2 - 2048);
-  if (bytes > most || xs.rows > int64_t(INT32_MAX) / blocks) return {};
+  if (bytes > shared_for_two_blocks_per_sm() || xs.rows > int64_t(INT32_MAX) / blocks) return {};
   allow_most_shared(kernel);
   if (max_active_clusters(kernel, kThreads, int(blocks), size_t(bytes)) == 0) return {};
   return {int(blocks), int(per_block), uint32_t(teacher_at), size_t(bytes)};

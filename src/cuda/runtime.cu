@@ -158,6 +158,11 @@ int shared_per_sm() {
   });
 }
 
+int64_t shared_for_two_blocks_per_sm() {
+  return std::min<int64_t>(int64_t(shared_per_block_optin()) - 1024,
+                           int64_t(shared_per_sm()) / 2 - 2048);
+}
+
 void allow_most_shared(const void* kernel) {
   const int most = shared_per_block_optin();  // (asked before the lock device_fact takes)
   device_fact({kernel, -4, 0, size_t(most)}, [](int, const FactKey& k) {

@@ -39,9 +39,13 @@ bool capturing(Stream stream);
 // Hopper instructions (dependent launch, bulk copies, clusters) are in it.
 int sm_count();
 int blocks_per_sm(const void* kernel, int threads);
-// Shared memory: the most dynamic shared memory one block may opt into, and an SM's.
+// Shared memory: the most dynamic shared memory one block may opt into, and an SM's; and the
+// most a block of a row-slicing cluster kernel takes, so that two stay resident on an SM (one
+// block's copies overlapping another's arithmetic): 1 KiB under the opt-in, and half the SM's
+// less 2 KiB for each block's static part and the driver's reserve.
 int shared_per_block_optin();
 int shared_per_sm();
+int64_t shared_for_two_blocks_per_sm();
 // Lets `kernel` take as much dynamic shared memory as shared_per_block_optin() leaves beside
 // its static shared memory on the current device, once per device: the largest any call needs,
 // so that concurrent callers never lower it under each other's launches.
