@@ -16,7 +16,7 @@
 //
 // The token-chunk pipeline is the linear cross-entropy's (linear_cross_entropy.h), with the
 // teacher's logits of each chunk in a second buffer: the forward runs 2 GEMMs a chunk and keeps
-// DistillRowStats (20 B a row); the backward recomputes both logits (2 GEMMs) and runs the
+// DistillRowStats (32 B a row); the backward recomputes both logits (2 GEMMs) and runs the
 // student's dhidden and dweight GEMMs. A forward given gradient buffers (a caller that knows
 // the upstream gradients already: a mean or a sum) runs those GEMMs in the same pass, 4 GEMMs
 // in all and no backward. Memory: the student's chunk buffers, the teacher's one, and both
@@ -61,11 +61,14 @@ struct LinearDistillationOptions {
 
 // What the backward reads of each row (written by the forward; zeros for an ignored row).
 struct DistillRowStats {
-  float lse_student;  // log-sum-exp of s
-  float lse_teacher;  // log-sum-exp of t
-  float lse_hard;     // log-sum-exp of the student's logits at T = 1 (hard_label_weight > 0)
-  float soft;         // the row's divergence
-  float soft_student; // jsd: sum_j q_j log(q_j / m_j) (its gradient's row term); else 0
+  // Each log-sum-exp as its max and the log of its sum-exp, kept apart: a log-probability is
+  // then (s_j - max) - log_sum, exact near the max, where one float lse = max + log_sum would
+  // be off by up to half an ulp of the logits (8e-6 at 128): more than a peaked row's gradient.
+  float max_student, log_sum_student;  // of s
+  float max_teacher, log_sum_teacher;  // of t
+  float max_hard, log_sum_hard;        // of the student's logits at T = 1 (hard_label_weight > 0)
+  float soft;                          // the row's divergence
+  float soft_student;                  // jsd: sum_j q_j log(q_j / m_j) (its gradient's row term)
 };
 
 // A shard's pass-1 statistics of one row (core/distill_math.h has the math): 32 bytes.

@@ -5,7 +5,7 @@ without the [tokens, V] logits of either (include/fusedloss/linear_distillation.
 Each token chunk runs two GEMMs (the student's and the teacher's logits of the same rows). A
 mean or a sum whose gradient follows ("in_forward") runs the student's gradient GEMMs in the
 same pass (4 GEMMs in all) and keeps the gradients until the backward scales them; otherwise
-the forward keeps 20 B a token and the backward recomputes both logits (6 GEMMs). The teacher
+the forward keeps 32 B a token and the backward recomputes both logits (6 GEMMs). The teacher
 is a constant: no gradient flows to it.
 
 tp_group of size > 1 (vocab-parallel): both weights are this rank's vocabulary shard; each rank
@@ -82,7 +82,7 @@ def _forward(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Ten
              temperature: float, hard: float, ignore_index: int, workspace_bytes: int,
              tf32: bool, group: str, check: bool, grad: bool,
              dhidden_reduction: int) -> Tuple[Tensor, Tensor]:
-    """-> (per-token losses [N] fp32, the rows' stats for the backward [N * 20] bytes). At
+    """-> (per-token losses [N] fp32, the rows' stats for the backward [N * 32] bytes). At
     TP > 1 with check, the shard agreement (rows, V_local, the targets, the options, whether a
     gradient follows) runs first, after everything this rank allocates."""
     g = resolve_group(group) if group else None
@@ -317,7 +317,7 @@ def linear_distillation_loss(student_hidden: Tensor, student_weight: Tensor, tea
     GEMMs, 4 in all, and keeps the gradients, which the backward scales by the upstream
     gradient in their dtype: in place unless inplace_backward=False, which a second backward
     through the loss needs), "recompute" otherwise and for fp16 students (the backward
-    recomputes both logits: 6 GEMMs, 20 B a token kept).
+    recomputes both logits: 6 GEMMs, 32 B a token kept).
 
     tp_group of more than one rank: vocab-parallel, both weights are this rank's [V_local, H]
     shard of the vocabulary in rank order; the losses are the same on every rank. The shard

@@ -121,18 +121,27 @@ FL_HD DistillPartial distill_combine(const DistillParams& p, DistillPartial a,
   return a;
 }
 
-FL_HD float lse_from(float m, float s) { return m == -INFINITY ? -INFINITY : m + logf(s); }
-
 // A whole row's merged statistics -> what the backward reads (soft: the KL's, or 0 for jsd
-// until pass 2 adds it).
+// until pass 2 adds it). Each pair's max and log-sum stay apart (see log_prob).
 FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPartial& a) {
-  DistillRowStats r{lse_from(a.max_s, a.sum_s), lse_from(a.max_t, a.sum_t),
-                    lse_from(a.max_z, a.sum_z), 0.0f, 0.0f};
+  DistillRowStats r{a.max_s, logf(a.sum_s), a.max_t, logf(a.sum_t), a.max_z, logf(a.sum_z),
+                    0.0f, 0.0f};
   if (p.divergence == Divergence::ForwardKL)
-    r.soft = a.cross / a.sum_t - logf(a.sum_t) + logf(a.sum_s);
+    r.soft = a.cross / a.sum_t - r.log_sum_teacher + r.log_sum_student;
   else if (p.divergence == Divergence::ReverseKL)
-    r.soft = a.cross / a.sum_s - logf(a.sum_s) + logf(a.sum_t);
+    r.soft = a.cross / a.sum_s - r.log_sum_student + r.log_sum_teacher;
   return r;
+}
+
+// log softmax at a logit v of a row with that (max, log-sum): (v - max) - log_sum. v - max is
+// exact near the max (Sterbenz), so a peaked row's top classes keep fp32's relative accuracy
+// whatever the logits' magnitude. A row of -inf only: NaN or +inf, as v - lse would be.
+FL_HD float log_prob(float v, float max, float log_sum) { return (v - max) - log_sum; }
+FL_HD float log_q_of(const DistillRowStats& r, float s) {
+  return log_prob(s, r.max_student, r.log_sum_student);
+}
+FL_HD float log_p_of(const DistillRowStats& r, float t) {
+  return log_prob(t, r.max_teacher, r.log_sum_teacher);
 }
 
 // The row's loss from its final statistics; x_target: the raw logit at the target, -inf where
@@ -142,7 +151,7 @@ FL_HD float distill_loss(const DistillParams& p, const DistillRowStats& r, float
                          bool has_target) {
   float l = (1.0f - p.hard_weight) * r.soft;
   if (p.hard_weight > 0.0f) l += x_target == -INFINITY && has_target ? NAN
-                                 : p.hard_weight * (r.lse_hard - x_target);
+                                 : p.hard_weight * ((r.max_hard - x_target) + r.log_sum_hard);
   return l;
 }
 
@@ -203,10 +212,11 @@ FL_HD float distill_soft_grad(const DistillParams& p, float log_q, float log_p,
 // for the row's upstream gradient g; t is the teacher's logit already divided by T.
 FL_HD float distill_grad(const DistillParams& p, const DistillRowStats& r, float x, float t,
                          bool is_target, float g) {
-  const float log_q = x * p.inv_t - r.lse_student, log_p = t - r.lse_teacher;
+  const float log_q = log_q_of(r, x * p.inv_t), log_p = log_p_of(r, t);
   float d = (1.0f - p.hard_weight) * p.inv_t * distill_soft_grad(p, log_q, log_p, r);
   if (p.hard_weight > 0.0f)
-    d += p.hard_weight * (fast_exp(x - r.lse_hard) - (is_target ? 1.0f : 0.0f));
+    d += p.hard_weight * (fast_exp(log_prob(x, r.max_hard, r.log_sum_hard)) -
+                          (is_target ? 1.0f : 0.0f));
   return g * d;
 }
 

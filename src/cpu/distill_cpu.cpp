@@ -65,7 +65,7 @@ void distill_merge(const core::DistillPartial* partials, int world, int64_t rows
 #pragma omp parallel for schedule(static) if (worth_threads(rows * world * 64))
   for (int64_t r = 0; r < rows; ++r) {
     if (row_target(target, r, ignore_index) == -2) {
-      stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      stats[r] = DistillRowStats{};
       loss[r] = 0.0f;
       continue;
     }
@@ -85,8 +85,8 @@ void distill_jsd_sums(const MatrixView& xs, const MatrixView& xt, const core::Di
       double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference
       for (int64_t j = 0; j < xs.cols; ++j) {
         float a = 0.0f, b = 0.0f;
-        core::distill_jsd_terms(p, SS::load(sr[j]) * p.inv_t - stats[r].lse_student,
-                                 ST::load(tr[j]) * p.inv_t - stats[r].lse_teacher, a, b);
+        core::distill_jsd_terms(p, core::log_q_of(stats[r], SS::load(sr[j]) * p.inv_t),
+                                 core::log_p_of(stats[r], ST::load(tr[j]) * p.inv_t), a, b);
         soft += a;
         soft_student += b;
       }

@@ -91,8 +91,8 @@ __device__ __forceinline__ Sums row_jsd(const MatrixView& xs, const MatrixView& 
   Sums s{0.0f, 0.0f};
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_jsd_terms(p, x * p.inv_t - st.lse_student,
-                                                   t * p.inv_t - st.lse_teacher, s.soft,
+                          core::distill_jsd_terms(p, core::log_q_of(st, x * p.inv_t),
+                                                   core::log_p_of(st, t * p.inv_t), s.soft,
                                                    s.soft_student);
                         });
   return block_reduce(
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tg.ignored(r, ignore_index, xs.cols, threadIdx.x == 0 ? error : nullptr)) {  // the block leaves
     if (threadIdx.x == 0) {
       loss[r] = 0.0f;
-      stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      stats[r] = DistillRowStats{};
     }
     return;
   }
@@ -157,7 +157,7 @@ __global__ void merge_kernel(const core::DistillPartial* partials, int world, in
   const int64_t r = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   if (tg.ignored(r, ignore_index, vocab_global, error)) {
-    stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    stats[r] = DistillRowStats{};
     loss[r] = 0.0f;
     return;
   }
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
   if (is_ignored) {  // the whole cluster leaves here: no block reads another's memory
     if (rank == 0 && threadIdx.x == 0) {
       loss[r] = 0.0f;
-      stats[r] = DistillRowStats{0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      stats[r] = DistillRowStats{};
     }
     if (write_grad) {  // (zeros over the last slice's tail too: the chunk buffers' padding)
       for (int i = threadIdx.x; i < int(bytes_s / kVectorBytes); i += kThreads) slice[i] = Vec16{};
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(kThreads)
   if (p.divergence == Divergence::JSD) {  // pass 2 with the row's lse, then its merge
     Sums s{0.0f, 0.0f};
     for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
-      core::distill_jsd_terms(p, x * p.inv_t - row.lse_student, t * p.inv_t - row.lse_teacher,
+      core::distill_jsd_terms(p, core::log_q_of(row, x * p.inv_t), core::log_p_of(row, t * p.inv_t),
                               s.soft, s.soft_student);
     });
     s = block_reduce(

@@ -8,7 +8,7 @@ A jax.custom_vjp over XLA FFI calls, in one of two backward modes (as the PyTorc
               the student's gradient GEMMs (4 GEMMs in all) and keeps the gradients, which the
               backward scales by the loss's cotangent.
   recompute   reduction 'none', fp16, vocab-parallel, or asked for: the forward gives per-token
-              losses and keeps 20 B a token, the backward recomputes both models' logits a chunk
+              losses and keeps 32 B a token, the backward recomputes both models' logits a chunk
               at a time for the per-token upstream gradients (6 GEMMs); the reduction is jnp's.
 The teacher gets no gradient (a zero cotangent).
 
@@ -56,7 +56,7 @@ class DistillOptions(NamedTuple):
 
 def _forward(o, sh, sw, th, tw, t):
     n = sh.shape[0]
-    return _ffi.call("distill_forward", [((n,), _F32), ((n, 5), jnp.int32)], sh, sw, th, tw, t,
+    return _ffi.call("distill_forward", [((n,), _F32), ((n, 8), jnp.int32)], sh, sw, th, tw, t,
                      **o.attributes())
 
 
@@ -99,7 +99,7 @@ def _reduced(o, mean, sh, sw, th, tw, t):
 def _reduced_fwd(o, mean, sh, sw, th, tw, t):
     g, count = _row_gradients(o, t, sh.shape[0], mean)
     loss, _, dh, dw = _ffi.call(
-        "distill_forward", [((sh.shape[0],), _F32), ((sh.shape[0], 5), jnp.int32),
+        "distill_forward", [((sh.shape[0],), _F32), ((sh.shape[0], 8), jnp.int32),
                             (sh.shape, sh.dtype), (sw.shape, sw.dtype)],
         sh, sw, th, tw, t, g, **o.attributes())
     total = loss.sum() / count if mean else loss.sum()
@@ -125,7 +125,7 @@ def _sharded_fwd(o: DistillOptions, axis_name, sh, sw, th, tw, t):
     (partials,) = _ffi.call("distill_local_partials", [((rows, 8), jnp.int32)], sh, sw, th, tw,
                             tl, **shard.attributes(vocab_global))
     gathered = all_gather_invariant(partials, axis_name)  # [parts, N, 8]
-    loss, stats = _ffi.call("distill_merge", [((rows,), _F32), ((rows, 5), jnp.int32)], gathered,
+    loss, stats = _ffi.call("distill_merge", [((rows,), _F32), ((rows, 8), jnp.int32)], gathered,
                             t, **o.attributes(vocab_global))
     if o.divergence == _DIVERGENCE["jsd"]:  # the soft term needs the merged lse: a second pass
         (sums,) = _ffi.call("distill_jsd_sums", [((rows, 2), _F32)], sh, sw, th, tw, tl, stats,
@@ -134,8 +134,8 @@ def _sharded_fwd(o: DistillOptions, axis_name, sh, sw, th, tw, t):
         counted = jnp.ones((rows,), bool) if not o.has_target else t != o.ignore_index
         soft = jnp.where(counted[:, None], sums, 0.0)
         loss = loss + (1.0 - o.hard_label_weight) * soft[:, 0]
-        words = jax.lax.bitcast_convert_type(soft, jnp.int32)  # stats' words 3-4: the two sums
-        stats = stats.at[:, 3:5].set(words)
+        words = jax.lax.bitcast_convert_type(soft, jnp.int32)  # stats' words 6-7: the two sums
+        stats = stats.at[:, 6:8].set(words)
     return loss, (sh, sw, th, tw, tl, stats)
 
 

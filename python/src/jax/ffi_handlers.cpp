@@ -604,9 +604,9 @@ fl::DistillPartial* distill_partials_at(const ffi::AnyBuffer& b, int64_t offset)
   return reinterpret_cast<fl::DistillPartial*>(at(b, offset));
 }
 
-// DistillRowStats in an int32 buffer of [.., N, 5] (20 bytes a row), from element `offset`.
+// DistillRowStats in an int32 buffer of [.., N, 8] (32 bytes a row), from element `offset`.
 fl::DistillRowStats* distill_stats_at(const ffi::AnyBuffer& b, int64_t offset) {
-  static_assert(sizeof(fl::DistillRowStats) == 20, "DistillRowStats: 5 words a row");
+  static_assert(sizeof(fl::DistillRowStats) == 32, "DistillRowStats: 8 words a row");
   return reinterpret_cast<fl::DistillRowStats*>(at(b, offset));
 }
 
