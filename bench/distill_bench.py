@@ -22,6 +22,9 @@ Providers (fn(student_hidden, student_weight, teacher_hidden, teacher_weight) ->
   fusedloss-clusters  fusedloss's jsd with FUSEDLOSS_DISTILL_CLUSTERS=1: each row pair in a
                   thread-block cluster's shared memory (sm_90), read once, instead of the
                   one-block-a-row kernels that read it up to three times
+  fusedloss-slices, fusedloss-fkl-slices  jsd and forward_kl with
+                  FUSEDLOSS_DISTILL_TEACHER_ROWS=256: the teacher's logits 256 rows at a time,
+                  the student's chunks longer (fewer dweight GEMMs) in the same workspace
 
 Device time: CUDA events behind a GPU-side wait (peers.time_step), median of the runs; host
 time to enqueue forward+backward beside it. Peak extra: torch's allocator's high-water mark (and
@@ -133,7 +136,10 @@ def fusedloss_provider(env=None, **options):
 
 # the divergence each provider's loss is (its gradients' reference); None: no loss (a floor)
 DIVERGENCE = {"4-gemm": None, "6-gemm": None, "torch": "jsd", "liger": "jsd",
-              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl", "fusedloss-clusters": "jsd"}
+              "fusedloss": "jsd", "fusedloss-fkl": "forward_kl", "fusedloss-clusters": "jsd",
+              "fusedloss-slices": "jsd", "fusedloss-fkl-slices": "forward_kl"}
+FUSEDLOSS = [name for name in DIVERGENCE if name.startswith("fusedloss")]
+SLICES = {"FUSEDLOSS_DISTILL_TEACHER_ROWS": "256"}
 PEERS = ("torch", "liger")
 
 
@@ -144,7 +150,11 @@ def providers():
                           "fusedloss-fkl": fusedloss_provider(divergence="forward_kl"),
                           # jsd with the row kernels in clusters (opt-in until measured)
                           "fusedloss-clusters": fusedloss_provider(
-                              {"FUSEDLOSS_DISTILL_CLUSTERS": "1"}, divergence="jsd", beta=BETA)})
+                              {"FUSEDLOSS_DISTILL_CLUSTERS": "1"}, divergence="jsd", beta=BETA),
+                          "fusedloss-slices": fusedloss_provider(SLICES, divergence="jsd",
+                                                                 beta=BETA),
+                          "fusedloss-fkl-slices": fusedloss_provider(
+                              SLICES, divergence="forward_kl")})
 
 
 # ---- measurement ----
@@ -245,7 +255,7 @@ def report_targets(by, shapes):
     if not any(name.startswith("fusedloss") for name, _, _ in by):
         print("  fusedloss not measured (unavailable or failed at every shape: see [bench] above)")
     for N, H, V in shapes:
-        for name in ("fusedloss", "fusedloss-fkl", "fusedloss-clusters"):
+        for name in FUSEDLOSS:
             r = by.get((name, N, V))
             if r is None:
                 continue

@@ -3,6 +3,7 @@
 // (a GEMM of their own) and the row math (core/distill_math.h) on the inputs' backend.
 #include "fusedloss/linear_distillation.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <optional>
@@ -78,6 +79,12 @@ IndexView rows_of_target(const IndexView& t, int64_t row0, int64_t rows) {
   return t.data ? lce::target_rows(t, row0, rows) : t;
 }
 
+// The rows of the teacher's logits computed at a time for a student chunk.
+int64_t teacher_slice(const core::LcePlan& student) {
+  const int64_t r = student.tuning.teacher_rows;
+  return r > 0 ? std::min(r, student.chunk) : student.chunk;
+}
+
 // The teacher's logits of the student's chunk of rows, in a buffer of their own (the teacher's
 // dtype), with the GEMM's memory beside it: the CPU GEMMs' fp32 stage, or cuBLASLt's workspace
 // (the teacher's GEMM runs on the steps' stream while the student's next one runs beside it).
@@ -101,7 +108,7 @@ class TeacherChunks {
   TeacherChunks(const core::LcePlan& student, const MatrixView& hidden, const MatrixView& weight,
                 const LinearDistillationOptions& o, Stream stream, const char* fn)
       : hidden_(hidden), weight_(weight), plan_(plan_of(hidden, weight, o)) {
-    plan_.chunk = student.chunk;
+    plan_.chunk = teacher_slice(student);
     const size_t at = core::round_up(size_t(plan_.chunk) * size_t(plan_.stride) *
                                          size_t(detail::element_size(plan_.dtype)),
                                      core::kLceAlign);
@@ -136,12 +143,15 @@ class TeacherChunks {
 };
 
 // The student's plan, its chunks sized so that its buffers and the teacher's share
-// workspace_bytes.
+// workspace_bytes: the teacher's buffer as long as a chunk, or tuning.teacher_rows long.
 core::LcePlan student_plan(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
                            const MatrixView& tw, const LinearDistillationOptions& o) {
-  const lce::Beside teacher =
-      TeacherChunks::beside(TeacherChunks::plan_of(th, tw, o), sh.device);
-  return lce::make_plan(sh, sw, loop_options(o), core::lce_tuning(), teacher);
+  const core::LceTuning tuning = core::lce_tuning();
+  lce::Beside teacher = TeacherChunks::beside(TeacherChunks::plan_of(th, tw, o), sh.device);
+  if (tuning.teacher_rows > 0)
+    teacher = {0, teacher.bytes + size_t(std::min(tuning.teacher_rows, std::max<int64_t>(
+                                                      sh.rows, 1))) * teacher.row_bytes};
+  return lce::make_plan(sh, sw, loop_options(o), tuning, teacher);
 }
 
 // f(xs, xt, the chunk's targets, row0, stream) on each token chunk: the student's logits xs and
@@ -158,10 +168,16 @@ void run_chunks(const char* fn, const MatrixView& sh, const MatrixView& sw, cons
                 const LinearCrossEntropyGrads& grads = {}) {
   const core::LcePlan plan = student_plan(sh, sw, th, tw, o);
   TeacherChunks teacher(plan, th, tw, o, stream, fn);
+  const int64_t slice = teacher_slice(plan);
   auto step = [&](const ChunkStep& f) -> core::LceStep {
     if (!f) return {};
+    // f on the chunk's rows a teacher slice at a time (every step is row by row).
     return [&, f](const MatrixView& xs, int64_t row0, Stream s) {
-      f(xs, teacher.logits(row0, xs.rows, s), rows_of_target(target, row0, xs.rows), row0, s);
+      for (int64_t r = 0; r < xs.rows; r += slice) {
+        const int64_t rows = std::min(slice, xs.rows - r);
+        f(cpu::rows_of(xs, r, rows), teacher.logits(row0 + r, rows, s),
+          rows_of_target(target, row0 + r, rows), row0 + r, s);
+      }
     };
   };
   core::LceSteps steps;

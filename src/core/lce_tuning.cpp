@@ -48,6 +48,7 @@ LceTuning lce_tuning() {
   t.dhidden_pieces = int(integer("FUSEDLOSS_LCE_DH_PIECES", 1, 1, 16));
   t.ce_rows = integer("FUSEDLOSS_LCE_CE_ROWS", 0, 0, int64_t(1) << 30);
   t.gemm_workspace_cap = size_t(integer("FUSEDLOSS_LCE_GEMM_WORKSPACE_MIB", 4, 0, 256)) << 20;
+  t.teacher_rows = integer("FUSEDLOSS_DISTILL_TEACHER_ROWS", 0, 0, int64_t(1) << 30);
   t.timing = choice("FUSEDLOSS_LCE_TIMING", {"0", "1"}, 0) == 1;
   return t;
 }

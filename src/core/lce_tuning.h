@@ -54,6 +54,12 @@ struct LceTuning {
   // 32, and the 28 MiB left to the buffer keep 1024-token chunks at V = 128256 within 256 MiB,
   // where 768-token chunks cost 4-15% (bench/NOTES.md).
   size_t gemm_workspace_cap = size_t(4) << 20;
+  // FUSEDLOSS_DISTILL_TEACHER_ROWS = r >= 0: the linear distillation computes the teacher's
+  // logits of each student chunk r rows at a time (0: the whole chunk in one GEMM), in a buffer
+  // of r rows; the student's chunks take the rest of the workspace. Longer student chunks
+  // (dweight's K: each dweight GEMM reads and writes the whole [V, H] gradient once; dhidden's
+  // output tiles) for more teacher GEMMs, each of which reads the teacher's whole weight.
+  int64_t teacher_rows = 0;
   // FUSEDLOSS_LCE_TIMING = 0 | 1: CUDA events around every phase of every chunk, summed into
   // linear_cross_entropy_phase_times (synchronises the host at the end of each loop; creates its
   // events inside the loop: a diagnostic, as gemm_algos above).

@@ -303,6 +303,19 @@ TEST_P(LinearDistillation, ChunksDtypesAndAnotherTeacher) {
     c.chunk_rows = chunk;
     check(GetParam(), c);
   }
+  // The teacher's logits in slices of 2 rows under chunks of 5 (a short last slice), and in
+  // slices of 3 under the default workspace's one chunk of every row (in-forward).
+  for (const char* rows : {"2", "3"}) {
+    const ScopedEnv env("FUSEDLOSS_DISTILL_TEACHER_ROWS", rows);
+    for (Divergence d : {Divergence::ForwardKL, Divergence::JSD}) {
+      Case c;
+      c.divergence = d;
+      c.hard = 0.25f;
+      c.chunk_rows = rows[0] == '2' ? 5 : 0;
+      c.in_forward_g = rows[0] == '3';
+      check(GetParam(), c);
+    }
+  }
   Case c;
   c.student = DType::BF16;
   c.teacher = DType::F32;
