@@ -35,7 +35,8 @@ HEADERS = {"ms": "ms", "x_floor": "x floor", "peak_extra_mib": "peak extra MiB",
            "ms_step": "ms/step", "tokens_s": "tokens/s", "speedup": "x native", "peak_mib": "peak MiB",
            "fp32_rel_diff": "fp32 loss vs native", "loss_bound_peak_mib": "peak MiB at V 256000",
            "max_micro_batch": "largest micro-batch", "rows": "rows", "provider": "provider",
-           "config": "configuration"}
+           "config": "configuration", "x_4gemm": "x 4 GEMMs",
+           "peak_minus_grads_mib": "peak - gradients MiB"}
 
 
 def _fmt(value):
