@@ -88,7 +88,8 @@ int64_t teacher_slice(const core::LcePlan& student) {
 // The teacher's logits of the student's chunk of rows, in a buffer of their own (the teacher's
 // dtype), with the GEMM's memory beside it: the CPU GEMMs' fp32 stage, or cuBLASLt's workspace
 // (the teacher's GEMM runs on the steps' stream while the student's next one runs beside it).
-// The last rows computed are kept: a forward that also writes gradients asks twice.
+// The last rows computed are kept: a loop with both a forward and a gradient step would ask
+// for each chunk twice (every entry point runs one step now).
 class TeacherChunks {
  public:
   // The teacher's plan and what it takes beside the student's chunk buffers: a row of the
@@ -146,12 +147,19 @@ class TeacherChunks {
 // workspace_bytes: the teacher's buffer as long as a chunk, or tuning.teacher_rows long.
 core::LcePlan student_plan(const MatrixView& sh, const MatrixView& sw, const MatrixView& th,
                            const MatrixView& tw, const LinearDistillationOptions& o) {
-  const core::LceTuning tuning = core::lce_tuning();
-  lce::Beside teacher = TeacherChunks::beside(TeacherChunks::plan_of(th, tw, o), sh.device);
-  if (tuning.teacher_rows > 0)
-    teacher = {0, teacher.bytes + size_t(std::min(tuning.teacher_rows, std::max<int64_t>(
-                                                      sh.rows, 1))) * teacher.row_bytes};
-  return lce::make_plan(sh, sw, loop_options(o), tuning, teacher);
+  core::LceTuning tuning = core::lce_tuning();
+  const lce::Beside teacher = TeacherChunks::beside(TeacherChunks::plan_of(th, tw, o), sh.device);
+  const LinearCrossEntropyOptions lo = loop_options(o);
+  if (tuning.teacher_rows > 0) {
+    const int64_t slice = std::min(tuning.teacher_rows, std::max<int64_t>(sh.rows, 1));
+    const core::LcePlan sliced = lce::make_plan(
+        sh, sw, lo, tuning, {0, teacher.bytes + size_t(slice) * teacher.row_bytes});
+    // Slices pay off only under longer student chunks: where the slice's buffer leaves the
+    // student fewer rows than itself, the teacher's buffer follows the chunk instead.
+    if (sliced.chunk >= slice || o.chunk_rows > 0) return sliced;
+    tuning.teacher_rows = 0;
+  }
+  return lce::make_plan(sh, sw, lo, tuning, teacher);
 }
 
 // f(xs, xt, the chunk's targets, row0, stream) on each token chunk: the student's logits xs and

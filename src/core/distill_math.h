@@ -133,6 +133,18 @@ FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPar
   return r;
 }
 
+// A logit divided by the temperature, rounded once. Every pass must see the same s_j (pass 1
+// keeps one of them as the row's max), so on the device the product must not fuse into the
+// subtraction that follows: an fma would keep the product's rounding error, up to half an ulp
+// of s, and (s - max) at the row's max would be that error instead of 0.
+FL_HD float scaled(float x, float inv_t) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(x, inv_t);
+#else
+  return x * inv_t;
+#endif
+}
+
 // log softmax at a logit v of a row with that (max, log-sum): (v - max) - log_sum. v - max is
 // exact near the max (Sterbenz), so a peaked row's top classes keep fp32's relative accuracy
 // whatever the logits' magnitude. A row of -inf only: NaN or +inf, as v - lse would be.
@@ -212,7 +224,7 @@ FL_HD float distill_soft_grad(const DistillParams& p, float log_q, float log_p,
 // for the row's upstream gradient g; t is the teacher's logit already divided by T.
 FL_HD float distill_grad(const DistillParams& p, const DistillRowStats& r, float x, float t,
                          bool is_target, float g) {
-  const float log_q = log_q_of(r, x * p.inv_t), log_p = log_p_of(r, t);
+  const float log_q = log_q_of(r, scaled(x, p.inv_t)), log_p = log_p_of(r, t);
   float d = (1.0f - p.hard_weight) * p.inv_t * distill_soft_grad(p, log_q, log_p, r);
   if (p.hard_weight > 0.0f)
     d += p.hard_weight * (fast_exp(log_prob(x, r.max_hard, r.log_sum_hard)) -

@@ -70,7 +70,7 @@ __device__ __forceinline__ core::DistillPartial row_partial(const MatrixView& xs
   core::DistillPartial a = core::distill_empty();
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_add(p, a, x, x * p.inv_t, t * p.inv_t);
+                          core::distill_add(p, a, x, core::scaled(x, p.inv_t), core::scaled(t, p.inv_t));
                         });
   return block_reduce(
       a, [&](const core::DistillPartial& u, const core::DistillPartial& v) {
@@ -91,8 +91,8 @@ __device__ __forceinline__ Sums row_jsd(const MatrixView& xs, const MatrixView& 
   Sums s{0.0f, 0.0f};
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_jsd_terms(p, core::log_q_of(st, x * p.inv_t),
-                                                   core::log_p_of(st, t * p.inv_t), s.soft,
+                          core::distill_jsd_terms(p, core::log_q_of(st, core::scaled(x, p.inv_t)),
+                                                   core::log_p_of(st, core::scaled(t, p.inv_t)), s.soft,
                                                    s.soft_student);
                         });
   return block_reduce(
@@ -125,16 +125,23 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const core::DistillPartial a = row_partial<KS, KT>(xs, xt, r, p, scratch);
-  DistillRowStats st = core::distill_row_stats(p, a);
-  if (p.divergence == Divergence::JSD) {
-    const Sums s = row_jsd<KS, KT>(xs, xt, r, p, st, sums_scratch);
-    st.soft = s.soft;
-    st.soft_student = s.soft_student;
-  }
+  const DistillRowStats st = core::distill_row_stats(p, a);
+  // The stats and the loss leave before jsd's pass 2, which adds its soft term to both: less
+  // is live across it (the 8 stats kept through it spilled in the mixed-dtype kernels).
+  float row_loss = 0.0f;
   if (threadIdx.x == 0) {
     stats[r] = st;
-    loss[r] = core::distill_loss(p, st, target_logit<KS>(xs, r, tg, 0), tg.data != nullptr);
+    row_loss = core::distill_loss(p, st, target_logit<KS>(xs, r, tg, 0), tg.data != nullptr);
   }
+  if (p.divergence == Divergence::JSD) {
+    const Sums s = row_jsd<KS, KT>(xs, xt, r, p, st, sums_scratch);
+    if (threadIdx.x == 0) {
+      stats[r].soft = s.soft;
+      stats[r].soft_student = s.soft_student;
+      row_loss += (1.0f - p.hard_weight) * s.soft;
+    }
+  }
+  if (threadIdx.x == 0) loss[r] = row_loss;
 }
 
 template <core::StorageKind KS, core::StorageKind KT>
@@ -212,7 +219,7 @@ __global__ void __launch_bounds__(kThreads)
   const float g = ignored ? 0.0f : grad_loss ? grad_loss[r] : 1.0f;
   const DistillRowStats st = stats[r];
   auto grad = [&](int64_t j, float x, float t) {
-    return ignored ? 0.0f : core::distill_grad(p, st, x, t * p.inv_t, vocab_start + j == tgt, g);
+    return ignored ? 0.0f : core::distill_grad(p, st, x, core::scaled(t, p.inv_t), vocab_start + j == tgt, g);
   };
   const int64_t units = xs.cols / kUnit;
   for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
@@ -307,7 +314,7 @@ __global__ void __launch_bounds__(kThreads)
   // Pass 1 over the slice, then the cluster's merge.
   core::DistillPartial a = core::distill_empty();
   for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
-    core::distill_add(p, a, x, x * p.inv_t, t * p.inv_t);
+    core::distill_add(p, a, x, core::scaled(x, p.inv_t), core::scaled(t, p.inv_t));
   });
   a = block_reduce(
       a, [&](const core::DistillPartial& u, const core::DistillPartial& v) {
@@ -332,7 +339,7 @@ __global__ void __launch_bounds__(kThreads)
   if (p.divergence == Divergence::JSD) {  // pass 2 with the row's lse, then its merge
     Sums s{0.0f, 0.0f};
     for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
-      core::distill_jsd_terms(p, core::log_q_of(row, x * p.inv_t), core::log_p_of(row, t * p.inv_t),
+      core::distill_jsd_terms(p, core::log_q_of(row, core::scaled(x, p.inv_t)), core::log_p_of(row, core::scaled(t, p.inv_t)),
                               s.soft, s.soft_student);
     });
     s = block_reduce(
@@ -363,7 +370,7 @@ __global__ void __launch_bounds__(kThreads)
     const float g = grad_loss ? grad_loss[r] : 1.0f;
     const int64_t tgt = tg.data ? tg.at(r) : -1;
     auto grad = [&](int64_t j, float x, float t) {
-      return core::distill_grad(p, row, x, t * p.inv_t, first + j == tgt, g);
+      return core::distill_grad(p, row, x, core::scaled(t, p.inv_t), first + j == tgt, g);
     };
     const int units = n / kUnit;
     for (int u = threadIdx.x; u < units; u += kThreads) {

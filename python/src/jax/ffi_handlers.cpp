@@ -628,7 +628,7 @@ DistillOperands distill_operands(const Args& args, const Batch& b, int64_t i, bo
 
 // student_hidden [.., N, H_s], student_weight [.., V, H_s], teacher_hidden [.., N, H_t],
 // teacher_weight [.., V, H_t], target [.., N] (read with has_target) (, grad_loss [.., N] fp32:
-// in_forward) -> loss [.., N] fp32, stats [.., N, 5] int32 (, dhidden [.., N, H_s] and dweight
+// in_forward) -> loss [.., N] fp32, stats [.., N, 8] int32 (, dhidden [.., N, H_s] and dweight
 // [.., V, H_s]: in_forward, the gradients of sum(grad_loss * loss))
 void distill_forward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearDistillationOptions o = distill_options(attrs);
@@ -651,7 +651,7 @@ void distill_forward(const Place& p, const Args& args, const Rets& rets, const A
   }
 }
 
-// the forward's operands, stats [.., N, 5] and grad_loss [.., N] fp32 -> dhidden [.., N, H_s],
+// the forward's operands, stats [.., N, 8] and grad_loss [.., N] fp32 -> dhidden [.., N, H_s],
 // dweight [.., V, H_s]
 void distill_backward(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearDistillationOptions o = distill_options(attrs);
@@ -682,7 +682,7 @@ void distill_local_partials(const Place& p, const Args& args, const Rets& rets, 
 }
 
 // Vocab-parallel merge: partials [.., parts, N, 8] (all_gather'd), targets [.., N] (global ids)
-// -> loss [.., N] fp32, stats [.., N, 5] int32 (jsd: without the soft term, which
+// -> loss [.., N] fp32, stats [.., N, 8] int32 (jsd: without the soft term, which
 // distill_jsd_sums' psum'd sums complete)
 void distill_merge(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearDistillationOptions o = distill_options(attrs);
@@ -700,7 +700,7 @@ void distill_merge(const Place& p, const Args& args, const Rets& rets, const Att
                       f32_at(loss, b.offset(loss, 1, i)), p.device, p.stream);
 }
 
-// Vocab-parallel jsd pass 2: the four operands, targets (unread), the merged stats [.., N, 5]
+// Vocab-parallel jsd pass 2: the four operands, targets (unread), the merged stats [.., N, 8]
 // -> this shard's sums [.., N, 2] fp32
 void distill_jsd_sums(const Place& p, const Args& args, const Rets& rets, const Attrs& attrs) {
   const fl::LinearDistillationOptions o = distill_options(attrs);
