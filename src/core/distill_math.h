@@ -82,8 +82,22 @@ FL_HD void kl_add(float& mw, float& sw, float& mo, float& so, float& c, float w,
   }
 }
 
-// One column: s_j = x inv_t (already scaled: `s`), t_j (`t`), the raw logit x (`x`).
-FL_HD void distill_add(const DistillParams& p, DistillPartial& a, float x, float s, float t) {
+// A logit divided by the temperature, rounded once. Every pass must see the same s_j (pass 1
+// keeps one of them as the row's max), so on the device the product must not fuse into the
+// subtraction that follows: an fma would keep the product's rounding error, up to half an ulp
+// of s, and (s - max) at the row's max would be that error instead of 0.
+FL_HD float scaled(float x, float inv_t) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(x, inv_t);
+#else
+  return x * inv_t;
+#endif
+}
+
+// One column of pass 1 from the raw logits x (the student's) and y (the teacher's): s = x / T,
+// t = y / T, and x itself for the hard label's lse.
+FL_HD void distill_add(const DistillParams& p, DistillPartial& a, float x, float y) {
+  const float s = scaled(x, p.inv_t), t = scaled(y, p.inv_t);
   switch (p.divergence) {
     case Divergence::ForwardKL: kl_add(a.max_t, a.sum_t, a.max_s, a.sum_s, a.cross, t, s); break;
     case Divergence::ReverseKL: kl_add(a.max_s, a.sum_s, a.max_t, a.sum_t, a.cross, s, t); break;
@@ -131,18 +145,6 @@ FL_HD DistillRowStats distill_row_stats(const DistillParams& p, const DistillPar
   else if (p.divergence == Divergence::ReverseKL)
     r.soft = a.cross / a.sum_s - r.log_sum_student + r.log_sum_teacher;
   return r;
-}
-
-// A logit divided by the temperature, rounded once. Every pass must see the same s_j (pass 1
-// keeps one of them as the row's max), so on the device the product must not fuse into the
-// subtraction that follows: an fma would keep the product's rounding error, up to half an ulp
-// of s, and (s - max) at the row's max would be that error instead of 0.
-FL_HD float scaled(float x, float inv_t) {
-#ifdef __CUDA_ARCH__
-  return __fmul_rn(x, inv_t);
-#else
-  return x * inv_t;
-#endif
 }
 
 // log softmax at a logit v of a row with that (max, log-sum): (v - max) - log_sum. v - max is
@@ -194,9 +196,11 @@ FL_HD float x_log_ratio(float x, float log_x, float log_m) {
   return x > 0.0f && log_m != -INFINITY ? x * (log_x - log_m) : 0.0f;
 }
 
-// jsd's pass-2 terms of one column: adds its share of soft and soft_student.
-FL_HD void distill_jsd_terms(const DistillParams& p, float log_q, float log_p, float& soft,
-                             float& soft_student) {
+// jsd's pass-2 terms of one column (raw logits x, y; the row's merged stats r): adds its share
+// of soft and soft_student.
+FL_HD void distill_jsd_terms(const DistillParams& p, const DistillRowStats& r, float x, float y,
+                             float& soft, float& soft_student) {
+  const float log_q = log_q_of(r, scaled(x, p.inv_t)), log_p = log_p_of(r, scaled(y, p.inv_t));
   const Mixture m = mixture(log_p, log_q, p.beta);
   const float tq = x_log_ratio(m.q, log_q, m.log_m);
   soft += p.beta * x_log_ratio(m.p, log_p, m.log_m) + (1.0f - p.beta) * tq;
@@ -221,10 +225,10 @@ FL_HD float distill_soft_grad(const DistillParams& p, float log_q, float log_p,
 }
 
 // The gradient over the raw student logit x of column j (is_target: j is the row's target),
-// for the row's upstream gradient g; t is the teacher's logit already divided by T.
-FL_HD float distill_grad(const DistillParams& p, const DistillRowStats& r, float x, float t,
+// for the row's upstream gradient g; y is the teacher's raw logit.
+FL_HD float distill_grad(const DistillParams& p, const DistillRowStats& r, float x, float y,
                          bool is_target, float g) {
-  const float log_q = log_q_of(r, scaled(x, p.inv_t)), log_p = log_p_of(r, t);
+  const float log_q = log_q_of(r, scaled(x, p.inv_t)), log_p = log_p_of(r, scaled(y, p.inv_t));
   float d = (1.0f - p.hard_weight) * p.inv_t * distill_soft_grad(p, log_q, log_p, r);
   if (p.hard_weight > 0.0f)
     d += p.hard_weight * (fast_exp(log_prob(x, r.max_hard, r.log_sum_hard)) -

@@ -47,8 +47,7 @@ void distill_partials(const MatrixView& xs, const MatrixView& xt, const IndexVie
       for (int64_t j0 = 0; j0 < xs.cols; j0 += kSumBlock) {
         core::DistillPartial block = core::distill_empty();
         for (int64_t j = j0; j < std::min(j0 + kSumBlock, xs.cols); ++j) {
-          const float x = SS::load(sr[j]);
-          core::distill_add(p, block, x, core::scaled(x, p.inv_t), core::scaled(ST::load(tr[j]), p.inv_t));
+          core::distill_add(p, block, SS::load(sr[j]), ST::load(tr[j]));
         }
         row = core::distill_combine(p, row, block);
       }
@@ -85,8 +84,7 @@ void distill_jsd_sums(const MatrixView& xs, const MatrixView& xt, const core::Di
       double soft = 0.0, soft_student = 0.0;  // the host sums in double: the reference
       for (int64_t j = 0; j < xs.cols; ++j) {
         float a = 0.0f, b = 0.0f;
-        core::distill_jsd_terms(p, core::log_q_of(stats[r], core::scaled(SS::load(sr[j]), p.inv_t)),
-                                 core::log_p_of(stats[r], core::scaled(ST::load(tr[j]), p.inv_t)), a, b);
+        core::distill_jsd_terms(p, stats[r], SS::load(sr[j]), ST::load(tr[j]), a, b);
         soft += a;
         soft_student += b;
       }
@@ -134,8 +132,8 @@ void distill_gradient(const MatrixView& xs, const MatrixView& xt, const IndexVie
       for (int64_t j = 0; j < xs.cols; ++j)
         sr[j] = SS::store(tgt == -2 ? 0.0f
                                     : core::distill_grad(p, stats[r], SS::load(sr[j]),
-                                                         core::scaled(ST::load(tr[j]), p.inv_t),
-                                                         vocab_start + j == tgt, g));
+                                                         ST::load(tr[j]), vocab_start + j == tgt,
+                                                         g));
     }
   });
 }

@@ -70,7 +70,7 @@ __device__ __forceinline__ core::DistillPartial row_partial(const MatrixView& xs
   core::DistillPartial a = core::distill_empty();
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_add(p, a, x, core::scaled(x, p.inv_t), core::scaled(t, p.inv_t));
+                          core::distill_add(p, a, x, t);
                         });
   return block_reduce(
       a, [&](const core::DistillPartial& u, const core::DistillPartial& v) {
@@ -91,9 +91,7 @@ __device__ __forceinline__ Sums row_jsd(const MatrixView& xs, const MatrixView& 
   Sums s{0.0f, 0.0f};
   for_each_pair<KS, KT>(row_of<KS>(xs, r), row_of<KT>(xt, r), xs.cols,
                         [&](int64_t, float x, float t) {
-                          core::distill_jsd_terms(p, core::log_q_of(st, core::scaled(x, p.inv_t)),
-                                                   core::log_p_of(st, core::scaled(t, p.inv_t)), s.soft,
-                                                   s.soft_student);
+                          core::distill_jsd_terms(p, st, x, t, s.soft, s.soft_student);
                         });
   return block_reduce(
       s, [](const Sums& u, const Sums& v) { return Sums{u.soft + v.soft, u.soft_student + v.soft_student}; },
@@ -219,7 +217,7 @@ __global__ void __launch_bounds__(kThreads)
   const float g = ignored ? 0.0f : grad_loss ? grad_loss[r] : 1.0f;
   const DistillRowStats st = stats[r];
   auto grad = [&](int64_t j, float x, float t) {
-    return ignored ? 0.0f : core::distill_grad(p, st, x, core::scaled(t, p.inv_t), vocab_start + j == tgt, g);
+    return ignored ? 0.0f : core::distill_grad(p, st, x, t, vocab_start + j == tgt, g);
   };
   const int64_t units = xs.cols / kUnit;
   for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
@@ -314,7 +312,7 @@ __global__ void __launch_bounds__(kThreads)
   // Pass 1 over the slice, then the cluster's merge.
   core::DistillPartial a = core::distill_empty();
   for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
-    core::distill_add(p, a, x, core::scaled(x, p.inv_t), core::scaled(t, p.inv_t));
+    core::distill_add(p, a, x, t);
   });
   a = block_reduce(
       a, [&](const core::DistillPartial& u, const core::DistillPartial& v) {
@@ -339,8 +337,7 @@ __global__ void __launch_bounds__(kThreads)
   if (p.divergence == Divergence::JSD) {  // pass 2 with the row's lse, then its merge
     Sums s{0.0f, 0.0f};
     for_each_pair<KS, KT>(sx, st_, n, [&](int64_t, float x, float t) {
-      core::distill_jsd_terms(p, core::log_q_of(row, core::scaled(x, p.inv_t)), core::log_p_of(row, core::scaled(t, p.inv_t)),
-                              s.soft, s.soft_student);
+      core::distill_jsd_terms(p, row, x, t, s.soft, s.soft_student);
     });
     s = block_reduce(
         s, [](const Sums& u, const Sums& v) { return Sums{u.soft + v.soft, u.soft_student + v.soft_student}; },
@@ -370,7 +367,7 @@ __global__ void __launch_bounds__(kThreads)
     const float g = grad_loss ? grad_loss[r] : 1.0f;
     const int64_t tgt = tg.data ? tg.at(r) : -1;
     auto grad = [&](int64_t j, float x, float t) {
-      return core::distill_grad(p, row, x, core::scaled(t, p.inv_t), first + j == tgt, g);
+      return core::distill_grad(p, row, x, t, first + j == tgt, g);
     };
     const int units = n / kUnit;
     for (int u = threadIdx.x; u < units; u += kThreads) {

@@ -417,7 +417,7 @@ TEST(LinearDistillationMath, OneRowKlIsExactUnderAnOffsetBetweenTheModels) {
     for (Divergence d : {Divergence::ForwardKL, Divergence::ReverseKL}) {
       const core::DistillParams p{d, 0.5f, 1.0f, 0.0f};
       std::vector<core::DistillPartial> parts(kThreads, core::distill_empty());
-      for (int64_t j = 0; j < kV; ++j) core::distill_add(p, parts[j % kThreads], s[j], s[j], t[j]);
+      for (int64_t j = 0; j < kV; ++j) core::distill_add(p, parts[j % kThreads], s[j], t[j]);
       for (int64_t w = kThreads / 2; w >= 1; w /= 2)  // a tree, as the block reduction
         for (int64_t i = 0; i < w; ++i) parts[i] = core::distill_combine(p, parts[i], parts[i + w]);
       // float64: KL from the log-softmaxes
