@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fusedloss
+import peers
 
 STEPS = 3
 
@@ -23,29 +24,22 @@ def step(sh, sw, th, tw, divergence):
     loss.backward()
 
 
-def events_ms(fn, runs=5):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / runs
+def device_ms(fn, runs=3):
+    """Median device ms of fn() behind the GPU-side wait (peers.time_step)."""
+    return peers.time_step(lambda: (), lambda: fn(), None, runs, 1)[0]
 
 
 def dweight_chunks(n, hid, v):
     g = torch.randn(n, v, device="cuda").bfloat16()
     h = torch.randn(n, hid, device="cuda").bfloat16()
     c = torch.zeros(v, hid, device="cuda", dtype=torch.bfloat16)
-    whole = events_ms(lambda: torch.mm(g.t(), h, out=c))
+    whole = device_ms(lambda: torch.mm(g.t(), h, out=c))
     print(f"\n== dweight [{v}, {hid}] over {n} tokens: one GEMM {whole:.2f} ms")
     for k in (256, 512, 768, 1024, 2048):
         def run():
             for i in range(0, n, k):
                 c.addmm_(g[i:i + k].t(), h[i:i + k])
-        print(f"  chunks of {k:5d}: {events_ms(run, 2):8.2f} ms")
+        print(f"  chunks of {k:5d}: {device_ms(run):8.2f} ms")
 
 
 def main():
